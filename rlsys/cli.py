@@ -1,0 +1,101 @@
+"""The `rlsys` command: train, eval, plot, simulate, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlsys.config import DEFAULT_CONFIG, ConfigError
+
+EPILOG = """examples:
+  rlsys train                                    the embedded default: tiny model, synthetic task, sync GRPO/DAPO
+  rlsys train configs/tiny.yaml trainer.total_steps=2 output_dir=/tmp/run
+  rlsys train configs/tiny.yaml output_dir=runs/a --resume     continue from the last checkpoint
+  rlsys eval runs/tiny                           eval accuracy of a run's exported model (or any HF model dir)
+  rlsys plot runs/tiny                           progress.png and timeline.png in the run folder
+"""
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return str(DEFAULT_CONFIG), items
+
+
+def cmd_train(args) -> int:
+    from rlsys.config import load_config
+    from rlsys.train import train
+
+    path, overrides = _split_config_and_overrides(args.items)
+    cfg = load_config(path, overrides)
+    final = train(cfg, resume=args.resume)
+    print(f"done: step {final['step']}, eval accuracy {final.get('eval/accuracy', float('nan')):.3f}; "
+          f"run folder {cfg.output_dir} (rlsys plot {cfg.output_dir})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from rlsys.evaluate import evaluate_path
+
+    accuracy, n = evaluate_path(args.path, args.overrides)
+    print(f"eval accuracy {accuracy:.3f} on {n} held-out prompts")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from rlsys.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.last_steps):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from rlsys.sim.run import run_from_args
+
+    return run_from_args(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlsys", description="Distributed RL post-training for language models (GRPO/DAPO) on Ray.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train with RL from a config file plus key=value overrides",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
+                   help=f"a YAML config (default {DEFAULT_CONFIG.name}) then overrides like trainer.total_steps=2")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="eval accuracy of a run folder, an exported model or a checkpoint")
+    p.add_argument("path", help="a run folder, its export/ folder, a checkpoints/step_N folder, or an HF model dir")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.eval_size=500")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("plot", help="draw progress.png and timeline.png for a run folder")
+    p.add_argument("run_dir")
+    p.add_argument("--last-steps", type=int, default=4, help="steps shown in the timeline (default 4)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("simulate", help="simulate schedulers on a GPU cluster described by a workload config")
+    try:
+        from rlsys.sim.run import add_arguments
+        add_arguments(p)
+    except ImportError:
+        pass
+    p.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"rlsys: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Every option of rlsys, in one place: pydantic models loaded from YAML plus `a.b=value` overrides.
+
+Unknown keys and wrong types are refused with the field's dotted name and the file they came from.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class WarmStartConfig(Section):
+    """Short supervised fine-tuning so RL starts, as in practice, from a partly right policy."""
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    seed: int = 0
+
+
+class ModelConfig(Section):
+    path: Optional[str] = None  # a local Hugging Face directory; None builds the tiny model below
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(384, ge=8)
+    max_position_embeddings: int = Field(512, ge=16)
+    warm_start: WarmStartConfig = WarmStartConfig()
+    cache_dir: str = "~/.cache/rlsys/models"  # built models are cached by config hash
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("model.hidden_size must divide by model.num_heads, and num_heads by num_kv_heads")
+        return self
+
+
+class DataConfig(Section):
+    task: str = "synthetic"  # a built-in task family name, or "files" to read train_path/eval_path
+    train_path: Optional[str] = None  # jsonl or parquet, veRL-style columns
+    eval_path: Optional[str] = None
+    train_size: int = Field(4000, ge=1)  # synthetic tasks only
+    eval_size: int = Field(200, ge=1)
+    seed: int = 0
+    max_prompt_tokens: int = Field(64, ge=1)  # longer prompts are dropped and counted
+
+
+class RolloutConfig(Section):
+    engine: Literal["cpu", "vllm"] = "cpu"
+    num_workers: int = Field(1, ge=1)
+    slots: int = Field(32, ge=1)  # concurrent sequences per engine (continuous batching capacity)
+    max_new_tokens: int = Field(96, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    eval_temperature: float = Field(0.0, ge=0)
+
+
+class OverlongConfig(Section):
+    """DAPO overlong shaping: penalty grows linearly over the last `cache_len` tokens before `max_len`."""
+    enabled: bool = False
+    max_len: int = Field(96, ge=1)
+    cache_len: int = Field(16, ge=1)
+
+
+class RewardConfig(Section):
+    fn: str = "exact_match"
+    num_workers: int = Field(1, ge=1)
+    timeout_s: float = Field(5.0, gt=0)
+    fallback: float = 0.0  # reward given to a sample whose reward function raised, hung or returned junk
+    overlong: OverlongConfig = OverlongConfig()
+
+
+class KLConfig(Section):
+    estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    coef: float = Field(0.0, ge=0)
+
+
+class TrainerConfig(Section):
+    backend: Literal["deepspeed", "torch"] = "deepspeed"
+    world_size: int = Field(1, ge=1)
+    zero_stage: int = Field(2, ge=0, le=3)
+    total_steps: int = Field(60, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one micro-batch (padding counted)
+    advantage: str = "grpo"
+    loss: str = "dapo"
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    kl: KLConfig = KLConfig()
+    seed: int = 0
+
+
+class DynamicSamplingConfig(Section):
+    """DAPO dynamic sampling: drop groups whose rewards are all equal, refill with extra rounds."""
+    enabled: bool = False
+    max_extra_rounds: int = Field(2, ge=0)
+
+
+class ControlConfig(Section):
+    scheduler: str = "sync"
+    group_sizer: str = "fixed"
+    prompts_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=1)
+    straggler_kappa: float = Field(2.0, gt=1)
+    dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    eval_every: int = Field(10, ge=0)  # 0: only before and after training
+    save_every: int = Field(20, ge=0)  # 0: only at the end
+
+
+class ClusterConfig(Section):
+    address: Optional[str] = None  # None starts a local Ray cluster; "auto" joins a running one
+    num_cpus: Optional[int] = Field(None, ge=1)
+    dashboard_host: str = "127.0.0.1"
+
+
+class LoggingConfig(Section):
+    progress: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "rlsys"
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    control: ControlConfig = ControlConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    logging: LoggingConfig = LoggingConfig()
+    output_dir: str = "runs/tiny"
+    seed: int = 0
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _yaml_line(text: str, loc: tuple) -> int | None:
+    """The line of a dotted key in a YAML text, so errors can point at it."""
+    node = yaml.compose(text)
+    line = None
+    for key in loc:
+        if not isinstance(node, yaml.MappingNode):
+            return line
+        match = [(k, v) for k, v in node.value if k.value == str(key)]
+        if not match:
+            return line
+        line, node = match[0][0].start_mark.line + 1, match[0][1]
+    return line
+
+
+def _format_errors(err: ValidationError, path: Path, text: str, overrides: dict) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        line = _yaml_line(text, e["loc"])
+        origin = "command-line override" if _has_dotted(overrides, e["loc"]) else (
+            f"{path}, line {line}" if line else str(path))
+        lines.append(f"  {where}: {msg}{got} [{origin}]")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def _has_dotted(tree: dict, loc: tuple) -> bool:
+    for key in loc:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {k} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`trainer.total_steps=2 output_dir=/tmp/run` -> nested dict; values parsed as YAML scalars."""
+    tree: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=2)")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw else "")
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = path.read_text()
+        raw = yaml.safe_load(text) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    extra = parse_overrides(overrides or [])
+    try:
+        return Config.model_validate(_merge(raw, extra))
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, path, text, extra)) from None
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))

@@ -1,0 +1,24 @@
+"""What a scheduler asks the controller to do. Schedulers return lists of these and never act."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlsys.types import Group, Prompt, Request
+
+
+@dataclass
+class Submit:
+    """Generate one sample per request id for this prompt (resume fields for partial rollouts)."""
+    prompt: Prompt
+    request_ids: list[str]
+    resume: dict[str, Request] = field(default_factory=dict)
+
+
+@dataclass
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class Train:
+    groups: list[Group]

@@ -1,0 +1,31 @@
+"""Name -> class registries, so that config selects an algorithm by name (DESIGN.md principle 3)."""
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def add(item: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._items[name] = item
+            return item
+        return add
+
+    def get(self, name: str) -> T:
+        if name not in self._items:
+            raise KeyError(f"unknown {self.kind} {name!r}; choose one of: {', '.join(sorted(self._items))}")
+        return self._items[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._items

@@ -1,0 +1,92 @@
+"""Schedulers: pure policies that turn events into actions (DESIGN.md principle 1).
+
+Events: a sample finished and was scored (`on_sample`), the trainer published weights version v
+(`on_trained`). Actions: Submit, Abort, Train. No ray, torch or vllm here, so the live controller,
+the simulator and the tests all drive the very same classes.
+"""
+from __future__ import annotations
+
+from rlsys.config import ControlConfig
+from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.ledger import Ledger
+from rlsys.control.registry import Registry
+from rlsys.control.sizing import GroupSizer
+from rlsys.data.cursor import PromptCursor
+from rlsys.types import Group, Prompt, ScoredSample
+
+Action = Submit | Abort | Train
+
+
+class GroupBuilder:
+    """Collects the samples of one prompt until `size` of them have finished."""
+
+    def __init__(self, prompt: Prompt, size: int):
+        self.prompt, self.size = prompt, size
+        self.samples: list[ScoredSample] = []
+
+    def add(self, sample: ScoredSample) -> None:
+        self.samples.append(sample)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.samples) >= self.size
+
+    def group(self) -> Group:
+        return Group(self.prompt, self.samples[: self.size])
+
+
+class Scheduler:
+    def __init__(self, cfg: ControlConfig, cursor: PromptCursor, sizer: GroupSizer):
+        self.cfg, self.cursor, self.sizer = cfg, cursor, sizer
+        self.ledger = Ledger()
+        self.version = 0
+        self._next_request = 0
+        self.owner: dict[str, str] = {}  # request id -> prompt uid, for requests in flight
+
+    # --- events ---------------------------------------------------------------------------
+    def start(self, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def on_trained(self, version: int, now: float) -> list[Action]:
+        raise NotImplementedError
+
+    # --- helpers ------------------------------------------------------------------------
+    def draw(self, n: int) -> list[Prompt]:
+        prompts = self.cursor.take(n)
+        self.ledger.draw(n)
+        return prompts
+
+    def submit(self, prompt: Prompt, n: int) -> Submit:
+        ids = [f"{prompt.uid}#{self._next_request + i}" for i in range(n)]
+        self._next_request += n
+        self.owner.update((i, prompt.uid) for i in ids)
+        return Submit(prompt, ids)
+
+    def finish(self, request_id: str) -> str | None:
+        """Forget a finished or aborted request; returns its prompt uid, None if it was not ours."""
+        return self.owner.pop(request_id, None)
+
+    def in_flight_prompts(self) -> int:
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        return self.ledger.metrics()
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Schedulers are checkpointed at step boundaries, with nothing in flight."""
+        return {"ledger": self.ledger.state_dict(), "version": self.version,
+                "next_request": self._next_request, "cursor": self.cursor.state_dict(),
+                "sizer": self.sizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ledger.load_state_dict(state["ledger"])
+        self.version, self._next_request = state["version"], state["next_request"]
+        self.cursor.load_state_dict(state["cursor"])
+        self.sizer.load_state_dict(state["sizer"])
+
+
+SCHEDULERS: Registry[type[Scheduler]] = Registry("scheduler")

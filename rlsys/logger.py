@@ -1,0 +1,68 @@
+"""Run output: one JSON line per step in metrics.jsonl, the request timeline, a progress bar, and
+TensorBoard / wandb when asked for."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlsys.config import LoggingConfig
+
+PROGRESS_KEYS = {"eval/accuracy": "acc", "reward/mean": "reward", "response_length/mean": "len",
+                 "rollout/bubble_ratio": "bubble", "timing/step_s": "step_s"}
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int):
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.timeline_path = run_dir / "timeline.jsonl"
+        self.shown: dict[str, float] = {}
+        self.bar = self.tb = self.wandb = None
+        if cfg.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if cfg.wandb:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), name=run_dir.name)
+
+    def write(self, step: int, time_s: float, metrics: dict, final: bool = False) -> None:
+        row = {"step": step, "time_s": round(time_s, 4), **metrics}
+        if final:
+            row["final"] = True
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tb:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(numbers, step=step)
+        if self.bar:
+            self.shown.update({short: metrics[k] for k, short in PROGRESS_KEYS.items() if k in metrics})
+            self.bar.n = step
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=True)
+
+    def timeline(self, rows: list[dict]) -> None:
+        with self.timeline_path.open("a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: forget what the interrupted run logged after its last checkpoint."""
+        for path in (self.metrics_path, self.timeline_path):
+            if path.exists():
+                rows = [line for line in path.read_text().splitlines()
+                        if line and json.loads(line)["step"] <= step and not json.loads(line).get("final")]
+                path.write_text("".join(r + "\n" for r in rows))
+        if self.bar:
+            self.bar.n = step
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()

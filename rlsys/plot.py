@@ -1,0 +1,70 @@
+"""`rlsys plot RUN_DIR`: accuracy and reward against wall time, and the rollout timeline as a Gantt
+chart in which the bubbles (idle slots) are the white gaps."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def plot_progress(rows: list[dict], out: Path, label: str = "") -> Path:
+    fig, (acc_ax, rew_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    evals = [r for r in rows if "eval/accuracy" in r]
+    acc_ax.plot([r["time_s"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label=label or None)
+    acc_ax.set(xlabel="training wall time (s)", ylabel="eval accuracy", title="Eval accuracy")
+    steps = [r for r in rows if "reward/mean" in r]
+    rew_ax.plot([r["time_s"] for r in steps], [r["reward/mean"] for r in steps], ".-")
+    rew_ax.set(xlabel="training wall time (s)", ylabel="mean reward", title="Training reward")
+    for ax in (acc_ax, rew_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def draw_timeline(ax, rows: list[dict], title: str = "") -> None:
+    """One row per engine slot; bars are requests, coloured by step, aborted ones hatched."""
+    if not rows:
+        ax.set_title(f"{title} (no requests)")
+        return
+    slots = max(r["slot"] for r in rows) + 1
+    t0 = min(r["start"] for r in rows)
+    colors = plt.get_cmap("tab10")
+    for r in rows:
+        lane = r["worker"] * slots + r["slot"]
+        aborted = r.get("finish_reason") == "abort"
+        ax.barh(lane, r["end"] - r["start"], left=r["start"] - t0, height=0.8,
+                color=colors(r["step"] % 10), hatch="//" if aborted else None, alpha=0.5 if aborted else 0.9)
+    ax.set(xlabel="seconds", ylabel="engine slot", title=title or "Rollout timeline (gaps are bubbles)")
+    ax.invert_yaxis()
+
+
+def plot_timeline(rows: list[dict], out: Path, last_steps: int = 4) -> Path:
+    steps = sorted({r["step"] for r in rows})[-last_steps:]
+    rows = [r for r in rows if r["step"] in steps]
+    fig, ax = plt.subplots(figsize=(12, 5))
+    draw_timeline(ax, rows, f"Rollout timeline, steps {steps[0]}-{steps[-1]}" if steps else "")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_run(run_dir: str | Path, last_steps: int = 4) -> list[Path]:
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: is it a run folder?")
+    out = [plot_progress(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "progress.png")]
+    timeline = read_jsonl(run_dir / "timeline.jsonl")
+    if timeline:
+        out.append(plot_timeline(timeline, run_dir / "timeline.png", last_steps))
+    return out

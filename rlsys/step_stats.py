@@ -1,0 +1,70 @@
+"""Per-step rollout measurements: what the engines did between a step's first submit and its training."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from rlsys.control.metrics import bubble_ratio, percentile, straggler_rate
+from rlsys.types import Completion, Group
+
+
+class StepStats:
+    def __init__(self, kappa: float, capacity: int):
+        self.kappa, self.capacity = kappa, capacity
+        self.start_step()
+
+    def start_step(self) -> None:
+        self.t_start = time.time()
+        self.t_last_completion = self.t_start
+        self.completions: list[Completion] = []
+        self.requests = 0
+        self.reward_errors = 0
+
+    def submitted(self, n: int) -> None:
+        self.requests += n
+
+    def add_completion(self, completion: Completion) -> None:
+        self.completions.append(completion)
+        self.t_last_completion = time.time()
+
+    def add_reward(self, error: str | None) -> None:
+        self.reward_errors += error is not None
+
+    def rollout_done(self, groups: list[Group], saturated_tokens_per_s: float) -> dict[str, float]:
+        """Metrics of the rollout phase, called when the scheduler hands over the groups to train."""
+        now = time.time()
+        end = max([c.end_time for c in self.completions] + [self.t_start])
+        rollout_s = self.t_last_completion - self.t_start
+        lengths = [n for g in groups for n in g.lengths]
+        rewards = [r for g in groups for r in g.rewards]
+        generated = sum(c.num_tokens for c in self.completions)
+        engine_window = max(end - self.t_start, 1e-9)
+        return {
+            "samples": len(lengths),
+            "prompts": len(groups),
+            "group_size": statistics.mean(len(g.samples) for g in groups) if groups else 0,
+            "reward/mean": statistics.mean(rewards) if rewards else 0.0,
+            "reward/step_errors": self.reward_errors,
+            "response_length/mean": statistics.mean(lengths) if lengths else 0.0,
+            "response_length/max": max(lengths, default=0),
+            "response_length/p99": percentile(lengths, 99),
+            "rollout/bubble_ratio": bubble_ratio(self.completions, self.capacity, self.t_start, end),
+            "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
+            "rollout/efficiency": (generated / (saturated_tokens_per_s * engine_window)
+                                   if saturated_tokens_per_s else 0.0),
+            "rollout/generated_tokens": generated,
+            "rollout/aborted": sum(c.finish_reason == "abort" for c in self.completions),
+            "timing/rollout_s": rollout_s,
+            "timing/reward_s": now - self.t_last_completion,  # reward time not hidden behind generation
+        }
+
+    def step_totals(self) -> dict[str, float]:
+        """Called once the step's weights are published: its full wall time and token throughput."""
+        step_s = time.time() - self.t_start
+        generated = sum(c.num_tokens for c in self.completions)
+        return {"timing/step_s": step_s, "throughput/tokens_per_s": generated / max(step_s, 1e-9)}
+
+    def timeline_rows(self, step: int, t0: float) -> list[dict]:
+        return [{"step": step, "request_id": c.request_id, "worker": c.worker, "slot": c.slot,
+                 "start": round(c.start_time - t0, 4), "end": round(c.end_time - t0, 4),
+                 "tokens": c.num_tokens, "finish_reason": c.finish_reason} for c in self.completions]

@@ -1,0 +1,227 @@
+"""The controller: one loop that turns scheduler actions into work on the Ray actors and events back
+into the scheduler (DESIGN.md "Shape"). Everything it calls has one job; the policy lives in control/.
+"""
+from __future__ import annotations
+
+import signal
+import time
+import zlib
+from pathlib import Path
+
+import ray
+
+from rlsys.checkpoint import STATE_FILE, CheckpointManager, write_json_atomic
+from rlsys.cluster import init_ray
+from rlsys.config import Config, save_config
+from rlsys.control import build_scheduler
+from rlsys.control.actions import Abort, Submit, Train
+from rlsys.data import filter_long_prompts, load_datasets
+from rlsys.data.cursor import PromptCursor
+from rlsys.logger import RunLogger
+from rlsys.models import load_tokenizer, prepare_model
+from rlsys.reward.pool import RewardPool
+from rlsys.rollout.manager import RolloutManager
+from rlsys.step_stats import StepStats
+from rlsys.trainer.worker import TrainerGroup
+from rlsys.types import Completion, Prompt, Request, SamplingParams, ScoredSample
+
+
+class Controller:
+    def __init__(self, cfg: Config, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.run_dir / "config.yaml")
+        init_ray(cfg.cluster)
+        self.model_dir = prepare_model(cfg)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        train, self.eval_prompts = self._datasets()
+        self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
+        self.rollout = RolloutManager(str(self.model_dir), cfg.rollout.num_workers, cfg.rollout.slots)
+        self.rewards = RewardPool(cfg.reward)
+        self.trainer = TrainerGroup(cfg, str(self.model_dir))
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
+        self.log = RunLogger(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps)
+        self.step, self.version, self.elapsed_before = 0, 0, 0.0
+        self.in_flight: dict[str, tuple[Completion, Prompt]] = {}
+        self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
+        self.stop_requested, self.done = False, False
+        self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
+        if resume:
+            self._restore()
+        self.t0 = time.time() - self.elapsed_before
+        self.stats = StepStats(cfg.control.straggler_kappa, self.rollout.capacity)
+
+    # --- the loop -------------------------------------------------------------------------
+    def run(self) -> dict:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.step == 0:
+            self.log.write(0, self.now(), {"eval/accuracy": self.evaluate(), "policy_version": 0})
+        self.stats.start_step()
+        self.apply(self.scheduler.start(self.now()))
+        while not self.done:
+            for sample in self.next_samples():
+                self.apply(self.scheduler.on_sample(sample, self.now()))
+        return self.finish()
+
+    def apply(self, actions) -> None:
+        for action in actions:
+            if isinstance(action, Submit):
+                self.submit(action)
+            elif isinstance(action, Abort):
+                self.rollout.abort(action.request_ids)
+            elif isinstance(action, Train):
+                self.apply(self.train(action.groups))
+
+    def next_samples(self) -> list[ScoredSample]:
+        """Wait for completions and rewards; send completions to the reward pool, return scored samples."""
+        rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
+        ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=1, timeout=1.0)
+        if ready:
+            ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=len(rollout_refs + reward_refs), timeout=0)
+        ready = set(ready)
+        for completion in self.rollout.collect([r for r in rollout_refs if r in ready]):
+            self.stats.add_completion(completion)
+            prompt = self.prompts.get(completion.request_id)
+            if prompt is None or completion.finish_reason == "abort":
+                self.prompts.pop(completion.request_id, None)
+                continue  # aborted by the scheduler, which already accounted for it
+            self.in_flight[completion.request_id] = (completion, prompt)
+            self.rewards.submit(completion.request_id, completion.text, prompt.answer, completion.num_tokens)
+        results = self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap()
+        samples = []
+        for result in results:
+            completion, _ = self.in_flight.pop(result.key)
+            self.prompts.pop(result.key, None)
+            samples.append(ScoredSample(completion, result.reward, result.error))
+            self.stats.add_reward(result.error)
+        return samples
+
+    def submit(self, action: Submit) -> None:
+        prompt_ids = self.tokenizer(action.prompt.text)["input_ids"]
+        requests = []
+        for rid in action.request_ids:
+            self.prompts[rid] = action.prompt
+            params = SamplingParams(self.cfg.rollout.max_new_tokens, self.cfg.rollout.temperature,
+                                    self.cfg.rollout.top_p, seed=self._seed(rid))
+            resume = action.resume.get(rid)
+            requests.append(resume if resume else Request(rid, action.prompt.uid, prompt_ids, params))
+        self.stats.submitted(len(requests))
+        self.rollout.submit(requests)
+
+    def train(self, groups) -> list:
+        saturated = sum(s.get("saturated_tokens_per_s") or 0.0 for s in self.rollout.stats())
+        rollout_metrics = self.stats.rollout_done(groups, saturated)
+        t = time.time()
+        train_metrics = self.trainer.train_step(groups, temperature=self.cfg.rollout.temperature or 1.0)
+        t_train = time.time() - t
+        self.version += 1
+        t = time.time()
+        self.rollout.update_weights(self.trainer.weights_ref(), self.version)
+        t_sync = time.time() - t
+        self.step += 1
+        self.scheduler.sizer.observe(groups)
+        metrics = dict(rollout_metrics, **self.stats.step_totals())
+        self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
+        metrics.update({"policy_version": self.version, "timing/train_s": t_train,
+                        "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors})
+        metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        metrics.update(self.scheduler.metrics())
+        metrics.update(self.scheduler.sizer.metrics())
+        self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
+        every = self.cfg.control.eval_every
+        if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:
+            metrics["eval/accuracy"] = self.evaluate()
+        self.log.write(self.step, self.now(), metrics)
+        self.scheduler.version = self.version
+        every = self.cfg.control.save_every
+        self.done = self.step >= self.cfg.trainer.total_steps or self.stop_requested
+        if (every and self.step % every == 0) or self.done:
+            self.save()
+        if self.done:
+            return []
+        self.stats.start_step()
+        return self.scheduler.on_trained(self.version, self.now())
+
+    # --- eval, checkpoints, end -------------------------------------------------------------
+    def evaluate(self) -> float:
+        t = time.time()
+        params = SamplingParams(self.cfg.rollout.max_new_tokens, self.cfg.rollout.eval_temperature, 1.0, seed=0)
+        requests = [Request(f"eval/{p.uid}", p.uid, self.tokenizer(p.text)["input_ids"], params)
+                    for p in self.eval_prompts]
+        completions = self.rollout.generate(requests)
+        answers = {f"eval/{p.uid}": p.answer for p in self.eval_prompts}
+        results = self.rewards.score_all(
+            [(c.request_id, c.text, answers[c.request_id], c.num_tokens) for c in completions])
+        self.paused_s += time.time() - t
+        return sum(r.reward > 0.5 for r in results) / max(len(results), 1)
+
+    def save(self) -> Path:
+        t = time.time()
+
+        def write(folder: Path) -> None:
+            self.trainer.save(str(folder / "trainer"))
+            write_json_atomic(folder / STATE_FILE, {
+                "step": self.step, "version": self.version, "elapsed_s": self.now(),
+                "scheduler": self.scheduler.state_dict(), "reward_errors": self.rewards.errors})
+        path = self.checkpoints.save(self.step, write)
+        self.paused_s += time.time() - t
+        return path
+
+    def _restore(self) -> None:
+        import json
+
+        latest = self.checkpoints.latest()
+        if latest is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.checkpoints.root}")
+        state = json.loads((latest / STATE_FILE).read_text())
+        self.trainer.load(str(latest / "trainer"))
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.version, self.elapsed_before = state["step"], state["version"], state["elapsed_s"]
+        self.rewards.errors = state.get("reward_errors", 0)
+        self.rollout.update_weights(self.trainer.weights_ref(), self.version)
+        self.log.truncate_after(self.step)
+        print(f"resumed from {latest} at step {self.step}")
+
+    def finish(self) -> dict:
+        """The last step's checkpoint is already written; evaluate and export unless pre-empted."""
+        final = {"policy_version": self.version, "step": self.step}
+        if not self.stop_requested:
+            final["eval/accuracy"] = self.evaluate()
+            self.log.write(self.step, self.now(), final, final=True)
+            self.trainer.export_hf(str(self.run_dir / "export"), str(self.model_dir))
+        self.log.close()
+        return final
+
+    def shutdown(self) -> None:
+        for part in (self.rollout, self.rewards, self.trainer):
+            part.shutdown()
+
+    # --- small helpers ----------------------------------------------------------------------
+    def now(self) -> float:
+        """The training clock: wall time since the start, less evaluation and checkpoint time."""
+        return time.time() - self.t0 - self.paused_s
+
+    def _seed(self, request_id: str) -> int:
+        return zlib.crc32(f"{self.cfg.seed}:{request_id}".encode())
+
+    def _datasets(self):
+        train, evals = load_datasets(self.cfg.data)
+        train, dropped = filter_long_prompts(train, self.tokenizer, self.cfg.data.max_prompt_tokens)
+        if dropped:
+            print(f"dropped {dropped} training prompts longer than data.max_prompt_tokens="
+                  f"{self.cfg.data.max_prompt_tokens}")
+        evals, _ = filter_long_prompts(evals, self.tokenizer, self.cfg.data.max_prompt_tokens)
+        return train, evals
+
+    def _on_sigterm(self, *_):
+        print("SIGTERM: finishing the current step, saving a checkpoint, then exiting")
+        self.stop_requested = True
+
+
+def train(cfg: Config, resume: bool = False) -> dict:
+    controller = Controller(cfg, resume=resume)
+    try:
+        return controller.run()
+    finally:
+        controller.shutdown()

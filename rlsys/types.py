@@ -1,0 +1,81 @@
+"""The records that flow through rlsys: prompt -> request -> completion -> scored sample -> group.
+
+Plain dataclasses with no torch inside, so the pure control/ code and the simulator can use them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Prompt:
+    uid: str  # stable across runs: "<split>-<index>"
+    text: str
+    answer: str
+    data_source: str = "synthetic"
+    index: int = 0  # position in its dataset, what the data cursor counts
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: Optional[int] = None  # per-request seed, so a sample is reproducible
+
+
+@dataclass
+class Request:
+    """One sample to generate. `resume_*` carry tokens already generated (partial rollouts)."""
+    request_id: str
+    prompt_uid: str
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    resume_ids: list[int] = field(default_factory=list)
+    resume_logprobs: list[float] = field(default_factory=list)
+    resume_versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Completion:
+    """What an engine returns for a request: finished ("stop" | "length") or cut ("abort")."""
+    request_id: str
+    prompt_uid: str
+    prompt_ids: list[int]
+    token_ids: list[int]  # response tokens only
+    logprobs: list[float]  # behaviour log-prob of each response token
+    versions: list[int]  # policy version that produced each response token
+    finish_reason: str
+    text: str = ""
+    worker: int = 0
+    slot: int = -1
+    submit_time: float = 0.0
+    start_time: float = 0.0  # when it took a slot
+    end_time: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class ScoredSample:
+    completion: Completion
+    reward: float
+    reward_error: Optional[str] = None  # why the fallback reward was used, if it was
+
+
+@dataclass
+class Group:
+    """All samples of one prompt that are trained together; advantages are relative within it."""
+    prompt: Prompt
+    samples: list[ScoredSample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.completion.num_tokens for s in self.samples]
