@@ -74,7 +74,8 @@ class Controller:
                 self.apply(self.train(action.groups))
 
     def next_samples(self) -> list[ScoredSample]:
-        """Wait for completions and rewards; send completions to the reward pool, return scored samples."""
+        """Wait for completions and rewards; send completions to the reward pool, return scored samples.
+        Aborted requests go straight back to the scheduler."""
         rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
         ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=1, timeout=1.0)
         if ready:
@@ -83,9 +84,10 @@ class Controller:
         for completion in self.rollout.collect([r for r in rollout_refs if r in ready]):
             self.stats.add_completion(completion)
             prompt = self.prompts.get(completion.request_id)
-            if prompt is None or completion.finish_reason == "abort":
+            if completion.finish_reason == "abort":
                 self.prompts.pop(completion.request_id, None)
-                continue  # aborted by the scheduler, which already accounted for it
+                self.apply(self.scheduler.on_abort(completion, self.now()))
+                continue
             self.in_flight[completion.request_id] = (completion, prompt)
             self.rewards.submit(completion.request_id, completion.text, prompt.answer, completion.num_tokens)
         results = self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap()

@@ -1,7 +1,7 @@
 """Schedulers: pure policies that turn events into actions (DESIGN.md principle 1).
 
-Events: a sample finished and was scored (`on_sample`), the trainer published weights version v
-(`on_trained`). Actions: Submit, Abort, Train. No ray, torch or vllm here, so the live controller,
+Events: a sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the
+trainer published weights version v (`on_trained`). Actions: Submit, Abort, Train. No ray, torch or vllm here, so the live controller,
 the simulator and the tests all drive the very same classes.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from rlsys.control.ledger import Ledger
 from rlsys.control.registry import Registry
 from rlsys.control.sizing import GroupSizer
 from rlsys.data.cursor import PromptCursor
-from rlsys.types import Group, Prompt, ScoredSample
+from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 Action = Submit | Abort | Train
 
@@ -52,6 +52,11 @@ class Scheduler:
 
     def on_trained(self, version: int, now: float) -> list[Action]:
         raise NotImplementedError
+
+    def on_abort(self, completion: Completion, now: float) -> list[Action]:
+        """An aborted request's partial output (tokens, log-probs, versions), e.g. to resume it later."""
+        self.finish(completion.request_id)
+        return []
 
     # --- helpers ------------------------------------------------------------------------
     def draw(self, n: int) -> list[Prompt]:
