@@ -1,0 +1,259 @@
+"""The reward actor pool: scores completions as they arrive, on Ray actors, and never stops the run.
+
+The driver keeps one queue; each idle worker takes the next few items in one call (one call in flight
+per worker, so an idle worker is by definition the least loaded). Faults become the fallback reward
+with an error string, counted in `errors`:
+- the function raises or returns junk (not a finite number): caught in the worker, per item;
+- it runs past `timeout_s`: the worker stops waiting for it, reports the timeout, and is replaced,
+  since the thread it ran on may be stuck forever;
+- the worker does not answer by its deadline (e.g. a regex holding the GIL): the driver kills and
+  replaces it; a lone item gets the fallback, items of a larger call are retried one by one;
+- the worker dies: it is replaced and its items are retried once, alone.
+
+The reward function travels to the workers pickled: functions of rlsys by reference (imported there),
+any other (a test module, a user script) by value, so it need not be importable in the workers.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import ray
+from ray import cloudpickle
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from rlsys.config import RewardConfig
+from rlsys.reward.registry import REWARDS, BadReward, RewardFn, score
+
+GRACE_S = 2.0  # driver deadline slack for Ray's round trip, beyond the workers' own per-item timeouts
+START_TIMEOUT_S = 120.0
+MAX_BATCH = 32
+
+
+@dataclass
+class RewardResult:
+    key: str
+    reward: float
+    error: str | None = None
+
+
+@dataclass
+class _Item:
+    key: str
+    response: str
+    answer: str
+    num_tokens: int
+    retried: bool = False  # lost once with a worker already; retried items go alone
+
+
+@dataclass
+class _Call:
+    worker: int
+    items: list[_Item] = field(default_factory=list)  # empty: the worker's start-up call
+    deadline: float = 0.0
+
+
+def _describe(error: Exception) -> str:
+    return str(error) if isinstance(error, BadReward) else f"raised {type(error).__name__}: {error}"
+
+
+class RewardWorker:
+    """One reward actor. Runs the function on a side thread so it can stop waiting for a hung call."""
+
+    def __init__(self, cfg: RewardConfig, fn_blob: bytes):
+        self.cfg = cfg
+        self.fn: RewardFn = cloudpickle.loads(fn_blob)
+        self.runner = ThreadPoolExecutor(1)
+
+    def ready(self) -> bool:
+        return True
+
+    def score_batch(self, items: list[tuple[str, str, str, int]]) -> tuple[list[RewardResult], bool]:
+        """Results for a prefix of `items`, and whether the runner thread is stuck (stop and replace)."""
+        cfg, results = self.cfg, []
+        for key, response, answer, num_tokens in items:
+            job = self.runner.submit(score, cfg, response, answer, num_tokens, self.fn)
+            if not wait([job], timeout=cfg.timeout_s).done:
+                results.append(RewardResult(key, cfg.fallback, f"timeout after {cfg.timeout_s}s"))
+                return results, True
+            try:
+                results.append(RewardResult(key, job.result()))
+            except Exception as e:  # the user's code: any error becomes the fallback
+                results.append(RewardResult(key, cfg.fallback, _describe(e)))
+        return results, False
+
+
+_RemoteWorker = ray.remote(RewardWorker)
+
+
+def _pickle(fn: RewardFn) -> bytes:
+    module = inspect.getmodule(fn)
+    if module is None or module.__name__.startswith("rlsys.") or not inspect.isfunction(fn):
+        return cloudpickle.dumps(fn)
+    registered = module.__name__ in cloudpickle.list_registry_pickle_by_value()
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(fn)
+    finally:
+        if not registered:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+class RewardPool:
+    """`cfg.num_workers` reward actors fed from one queue. Use from the driver only (not thread-safe)."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self._fn_blob = _pickle(REWARDS.get(cfg.fn))  # an unknown name fails here, listing the known ones
+        self.errors = 0  # samples that got the fallback: logged as reward/errors
+        self.restarts = 0  # workers killed or lost and replaced
+        self._queue: deque[_Item] = deque()
+        self._calls: dict[ray.ObjectRef, _Call] = {}
+        self._idle: set[int] = set()
+        self._start_failures = [0] * cfg.num_workers  # in a row, per worker slot
+        self.workers: list = [None] * cfg.num_workers
+        for i in range(cfg.num_workers):
+            self._start(i)
+        try:  # wait here, so a function that cannot load in the workers fails now, not mid-run
+            ray.get(self.refs(), timeout=START_TIMEOUT_S)
+        except (RayActorError, GetTimeoutError) as e:
+            self.shutdown()
+            raise RuntimeError(f"reward workers for {cfg.fn!r} did not start: {e}") from e
+        self._calls.clear()
+        self._idle = set(range(cfg.num_workers))
+
+    # -- the streaming API the controller uses --------------------------------------------------
+
+    def submit(self, key: str, response: str, answer: str, num_tokens: int) -> None:
+        self._queue.append(_Item(key, response, answer, num_tokens))
+        self._dispatch()
+
+    def refs(self) -> list[ray.ObjectRef]:
+        """Calls in flight (start-ups included), for a `ray.wait` over every component."""
+        return list(self._calls)
+
+    def collect(self, ready_refs: list) -> list[RewardResult]:
+        """Results of the given finished calls; refs that are not the pool's are ignored."""
+        results = []
+        for ref in ready_refs:
+            call = self._calls.pop(ref, None)
+            if call is None:
+                continue
+            try:
+                out = ray.get(ref)
+            except RayActorError as e:
+                results += self._lost(call, e)
+                continue
+            if call.items:
+                results += self._scored(call, *out)
+            else:
+                self._start_failures[call.worker] = 0
+                self._idle.add(call.worker)
+        self._dispatch()
+        return self._counted(results)
+
+    def reap(self) -> list[RewardResult]:
+        """Fallbacks for calls past their deadline; their workers are killed and replaced."""
+        now, results = time.monotonic(), []
+        for ref, call in list(self._calls.items()):
+            if now < call.deadline:
+                continue
+            del self._calls[ref]
+            if not call.items:
+                raise RuntimeError(f"reward worker did not start within {START_TIMEOUT_S}s "
+                                   "(is the Ray cluster out of CPUs?)")
+            self._replace(call.worker)
+            if len(call.items) == 1:
+                results.append(RewardResult(call.items[0].key, self.cfg.fallback,
+                                            f"timeout after {self.cfg.timeout_s}s"))
+            else:  # which item hung is unknown: retry each alone
+                results += self._retry_or_fail(call.items, f"timeout after {self.cfg.timeout_s}s")
+        self._dispatch()
+        return self._counted(results)
+
+    def pending(self) -> int:
+        return len(self._queue) + sum(len(c.items) for c in self._calls.values())
+
+    # -- conveniences --------------------------------------------------------------------------
+
+    def score_all(self, items: list[tuple[str, str, str, int]]) -> list[RewardResult]:
+        """Score (key, response, answer, num_tokens) items and wait: results in input order (eval)."""
+        if self.pending():
+            raise RuntimeError("score_all needs an idle pool; this one has items in flight")
+        keys = [item[0] for item in items]
+        if len(set(keys)) != len(keys):
+            raise ValueError("score_all: keys must be unique")
+        for item in items:
+            self.submit(*item)
+        by_key: dict[str, RewardResult] = {}
+        while self.pending():
+            next_deadline = min(c.deadline for c in self._calls.values())
+            ready, _ = ray.wait(self.refs(), num_returns=1,
+                                timeout=max(0.01, next_deadline - time.monotonic()))
+            for result in self.collect(ready) + self.reap():
+                by_key[result.key] = result
+        return [by_key[k] for k in keys]
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker)
+        self._calls.clear()
+        self._queue.clear()
+        self._idle.clear()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _start(self, i: int) -> None:
+        self.workers[i] = _RemoteWorker.remote(self.cfg, self._fn_blob)
+        self._calls[self.workers[i].ready.remote()] = _Call(i, deadline=time.monotonic() + START_TIMEOUT_S)
+
+    def _replace(self, i: int) -> None:
+        ray.kill(self.workers[i])
+        self._idle.discard(i)
+        self.restarts += 1
+        self._start(i)
+
+    def _dispatch(self) -> None:
+        while self._queue and self._idle:
+            batch = [self._queue.popleft()]
+            size = min(MAX_BATCH, math.ceil((len(self._queue) + 1) / len(self.workers)))
+            while not batch[0].retried and len(batch) < size and self._queue and not self._queue[0].retried:
+                batch.append(self._queue.popleft())
+            i = self._idle.pop()
+            payload = [(it.key, it.response, it.answer, it.num_tokens) for it in batch]
+            ref = self.workers[i].score_batch.remote(payload)
+            self._calls[ref] = _Call(i, batch, time.monotonic() + len(batch) * self.cfg.timeout_s + GRACE_S)
+
+    def _scored(self, call: _Call, done: list[RewardResult], stuck: bool) -> list[RewardResult]:
+        self._queue.extendleft(reversed(call.items[len(done):]))  # never ran: back to the front
+        if stuck:
+            self._replace(call.worker)
+        else:
+            self._idle.add(call.worker)
+        return done
+
+    def _lost(self, call: _Call, error: RayActorError) -> list[RewardResult]:
+        """The worker died: replace it; retry its items (or its start, a few times)."""
+        if not call.items:
+            self._start_failures[call.worker] += 1
+            if self._start_failures[call.worker] >= 3:
+                raise RuntimeError(f"reward worker for {self.cfg.fn!r} failed to start 3 times: {error}")
+        self._replace(call.worker)
+        return self._retry_or_fail(call.items, f"worker died: {type(error).__name__}")
+
+    def _retry_or_fail(self, items: list[_Item], error: str) -> list[RewardResult]:
+        """Items lost with a worker: back to the front of the queue once, then the fallback."""
+        failed = [RewardResult(it.key, self.cfg.fallback, error) for it in items if it.retried]
+        retry = [it for it in items if not it.retried]
+        for it in reversed(retry):
+            it.retried = True
+            self._queue.appendleft(it)
+        return failed
+
+    def _counted(self, results: list[RewardResult]) -> list[RewardResult]:
+        self.errors += sum(r.error is not None for r in results)
+        return results
