@@ -108,6 +108,30 @@ class DynamicSamplingConfig(Section):
     max_extra_rounds: int = Field(2, ge=0)
 
 
+class TailConfig(Section):
+    """RollPacker tail batching: a short round over-draws prompts and samples by these factors."""
+    eta_p: float = Field(1.25, ge=1)  # prompts drawn per short round = ceil(eta_p * prompts_per_step)
+    eta_r: float = Field(1.25, ge=1)  # samples per prompt in a short round = ceil(eta_r * group_size)
+
+
+class SAGCConfig(Section):
+    """Straggler-aware group control: G_t = argmax V*U(G) - Q_t*p(G) over `sizes` (DESIGN.md "SAGC")."""
+    sizes: list[int] = [4, 8, 16]  # allowed group sizes
+    delta: float = Field(0.1, ge=0, le=1)  # budget on the long-run straggler rate
+    v: float = Field(1.0, gt=0)  # V, the weight of utility against the straggler queue
+    utility: Literal["informative", "log"] = "informative"
+    prompt_rule: Literal["constant_samples", "constant_prompts"] = "constant_samples"
+    prior_tail_share: float = Field(0.02, ge=0, le=1)  # prior share of samples over kappa x median
+    prior_samples: float = Field(64.0, ge=0)  # weight of the priors, in samples
+    decay: float = Field(0.99, gt=0, le=1)  # per-step discount of old observations
+
+    @model_validator(mode="after")
+    def _sizes_usable(self):
+        if not self.sizes or min(self.sizes) < 2 or len(set(self.sizes)) != len(self.sizes):
+            raise ValueError("control.sagc.sizes must be distinct group sizes of at least 2")
+        return self
+
+
 class ControlConfig(Section):
     scheduler: str = "sync"
     group_sizer: str = "fixed"
@@ -115,6 +139,8 @@ class ControlConfig(Section):
     group_size: int = Field(8, ge=1)
     straggler_kappa: float = Field(2.0, gt=1)
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
+    tail: TailConfig = TailConfig()
+    sagc: SAGCConfig = SAGCConfig()
     eval_every: int = Field(10, ge=0)  # 0: only before and after training
     save_every: int = Field(20, ge=0)  # 0: only at the end
 

@@ -1,0 +1,141 @@
+"""`tail`: RollPacker's tail batching (DESIGN.md "Tail batching").
+
+Short round: draw ceil(eta_p * P) prompts with ceil(eta_r * R) samples each. A prompt is complete
+when R of its samples have finished; its other samples are aborted at once. When P prompts are
+complete the round ends: every request still running is aborted, the unfinished prompts join the
+long-prompt queue, and the P complete groups (the first R samples of each) are trained.
+
+Long round: once the queue holds P prompts, the next round runs the P oldest with R samples each,
+no speculation, regenerated from scratch under the current weights (fresh request ids, nothing
+resumed), and trains when all have finished. Finished samples of a queued prompt are discarded,
+so every trained sample comes from the weights of its own step, as in synchronous training.
+
+One round is one step; P and R are read from the group sizer at each round start. Prompts still
+queued when training ends are reported as deferred (`prompts/deferred`).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import asdict
+
+from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.scheduler import SCHEDULERS, Action, GroupBuilder, Scheduler
+from rlsys.types import Completion, Prompt, ScoredSample
+
+
+def scaled(eta: float, n: int) -> int:
+    """ceil(eta * n), immune to float noise such as 1.1 * 10 = 11.000000000000002."""
+    return math.ceil(round(eta * n, 9))
+
+
+@SCHEDULERS.register("tail")
+class TailScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.cfg.dynamic_sampling.enabled:
+            raise ValueError("control.dynamic_sampling.enabled: the tail scheduler does not support "
+                             "DAPO dynamic sampling; use control.scheduler=sync for it")
+        self.queue: deque[Prompt] = deque()  # long-prompt queue, oldest first
+        self.shape = None
+        self.long_round = False
+        # The round in flight. Prompts are indexed by position, as one prompt may be drawn twice.
+        self.builders: list[GroupBuilder] = []
+        self.running: list[set[str]] = []  # per prompt, its requests still generating
+        self.slot: dict[str, int] = {}  # request id -> prompt position
+        self.complete: list[int] = []  # positions of complete prompts, in completion order
+        self.counts = {"short_rounds": 0, "long_rounds": 0, "aborted_samples": 0,
+                       "wasted_tokens": 0, "discarded_samples": 0}
+
+    # --- events ---------------------------------------------------------------------------
+    def start(self, now: float) -> list[Action]:
+        self.shape = self.sizer.next_shape()
+        p, r = self.shape.prompts, self.shape.group_size
+        self.long_round = len(self.queue) >= p
+        if self.long_round:
+            prompts, samples = [self.queue.popleft() for _ in range(p)], r
+        else:
+            prompts, samples = self.draw(scaled(self.cfg.tail.eta_p, p)), scaled(self.cfg.tail.eta_r, r)
+        self.builders = [GroupBuilder(prompt, r) for prompt in prompts]
+        self.running = [set() for _ in prompts]
+        return [self._submit(i, samples) for i in range(len(prompts))]
+
+    def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
+        request_id = sample.completion.request_id
+        if self.finish(request_id) is None:
+            return []  # aborted by us (it finished in flight) or not ours
+        i = self.slot.pop(request_id)
+        self.running[i].discard(request_id)
+        builder = self.builders[i]
+        builder.add(sample)
+        if not builder.complete:
+            return []
+        self.complete.append(i)
+        if len(self.complete) < self.shape.prompts:
+            return self._abort(self.running[i])  # the prompt's extra samples
+        return self._end_round()
+
+    def on_abort(self, completion: Completion, now: float) -> list[Action]:
+        self.counts["wasted_tokens"] += completion.num_tokens
+        if self.finish(completion.request_id) is None:
+            return []  # one we aborted
+        # Aborted by the engine, not by us: replace it so that the round can still finish.
+        i = self.slot.pop(completion.request_id)
+        self.running[i].discard(completion.request_id)
+        return [self._submit(i, 1)]
+
+    def on_trained(self, version: int, now: float) -> list[Action]:
+        self.version = version
+        return self.start(now)
+
+    # --- the round ------------------------------------------------------------------------
+    def _submit(self, i: int, n: int) -> Submit:
+        action = self.submit(self.builders[i].prompt, n)
+        self.running[i].update(action.request_ids)
+        self.slot.update((rid, i) for rid in action.request_ids)
+        return action
+
+    def _abort(self, request_ids) -> list[Action]:
+        ids = sorted(request_ids)
+        for rid in ids:
+            self.finish(rid)
+            i = self.slot.pop(rid)
+            self.running[i].discard(rid)
+        self.counts["aborted_samples"] += len(ids)
+        return [Abort(ids)] if ids else []
+
+    def _end_round(self) -> list[Action]:
+        actions = self._abort([rid for running in self.running for rid in running])
+        unfinished = [b for b in self.builders if not b.complete]
+        self.queue.extend(b.prompt for b in unfinished)  # in draw order
+        self.counts["discarded_samples"] += sum(len(b.samples) for b in unfinished)
+        groups = [self.builders[i].group() for i in self.complete]
+        self.ledger.train(len(groups))
+        self.counts["long_rounds" if self.long_round else "short_rounds"] += 1
+        self.builders, self.running, self.slot, self.complete = [], [], {}, []
+        return actions + [Train(groups)]
+
+    # --- accounting -----------------------------------------------------------------------
+    def in_flight_prompts(self) -> int:
+        return len(self.builders) + len(self.queue)
+
+    def metrics(self) -> dict[str, float]:
+        out = super().metrics()
+        out.update({"tail/round": int(self.long_round), "tail/long_queue": len(self.queue),
+                    "prompts/deferred": len(self.queue)})
+        out.update({f"tail/{k}": v for k, v in self.counts.items()})
+        return out
+
+    def state_dict(self) -> dict:
+        if self.builders:
+            raise RuntimeError("the tail scheduler is checkpointed between rounds, not with one in flight")
+        state = super().state_dict()
+        state["tail"] = {"queue": [asdict(p) for p in self.queue], "long_round": self.long_round,
+                         "counts": dict(self.counts)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        tail = state["tail"]
+        self.queue = deque(Prompt(**p) for p in tail["queue"])
+        self.long_round, self.counts = tail["long_round"], dict(tail["counts"])

@@ -1,0 +1,279 @@
+"""The `tail` scheduler (RollPacker tail batching), driven by scripted events on a fake clock."""
+import heapq
+import json
+import random
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlsys.config import ControlConfig
+from rlsys.control import GROUP_SIZERS, SCHEDULERS
+from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.tail import scaled
+from rlsys.data.cursor import PromptCursor
+from rlsys.types import Completion, Prompt, ScoredSample
+
+
+def prompts(n):
+    return [Prompt(f"train-{i}", f"q{i}", str(i), index=i) for i in range(n)]
+
+
+def build(scheduler="tail", sizer="fixed", n_prompts=5000, **control):
+    cfg = ControlConfig(scheduler=scheduler, group_sizer=sizer, **control)
+    return SCHEDULERS.get(scheduler)(cfg, PromptCursor(prompts(n_prompts), seed=1), GROUP_SIZERS.get(sizer)(cfg))
+
+
+def completion(rid, uid, tokens, reason="stop", t=0.0):
+    return Completion(rid, uid, [1], [2] * tokens, [-0.1] * tokens, [0] * tokens, reason, end_time=t)
+
+
+def sample(rid, uid, tokens=5, reward=1.0):
+    return ScoredSample(completion(rid, uid, tokens), reward)
+
+
+def heavy_tailed(prompt, rid):
+    """A per-prompt scale (every 7th prompt is long) times a Pareto draw, fixed by the request id."""
+    rng = random.Random(zlib.crc32(rid.encode()))
+    scale = 6.0 if prompt.index % 7 == 0 else 1.0
+    return min(int(10 * scale * rng.paretovariate(1.5)), 600)
+
+
+def coin(prompt, rid):
+    return float(random.Random(zlib.crc32(rid.encode()) + 1).random() < 0.4)
+
+
+class FakeEngine:
+    """An unbounded engine on a fake clock: a request finishes `length` time units after its submit.
+
+    An aborted request reports its partial output through `on_abort`, except that a share `late` of
+    them race the abort and finish anyway, as a real engine's may.
+    """
+
+    def __init__(self, sched, length=heavy_tailed, reward=coin, late=0.0, seed=0):
+        self.sched, self.length, self.reward, self.late = sched, length, reward, late
+        self.rng = random.Random(seed)
+        self.now, self.version, self._seq = 0.0, 0, 0
+        self.events = []  # (time, seq, kind, rid, prompt, submit time)
+        self.live = {}  # rid -> prompt, for requests generating
+        self.seen, self.aborted = set(), set()
+        self.trains, self.submits = [], []  # what the scheduler asked for, in order
+
+    def push(self, t, kind, rid, prompt, t0):
+        self._seq += 1
+        heapq.heappush(self.events, (t, self._seq, kind, rid, prompt, t0))
+
+    def apply(self, actions):
+        for a in actions:
+            if isinstance(a, Submit):
+                assert not a.resume, "tail never resumes a request"
+                self.submits.append(a)
+                for rid in a.request_ids:
+                    assert rid not in self.seen, f"request id {rid} reused"
+                    self.seen.add(rid)
+                    self.live[rid] = a.prompt
+                    self.push(self.now + self.length(a.prompt, rid), "done", rid, a.prompt, self.now)
+            elif isinstance(a, Abort):
+                for rid in a.request_ids:
+                    self.aborted.add(rid)
+                    if rid in self.live and self.rng.random() >= self.late:
+                        self.push(self.now, "abort", rid, self.live.pop(rid), self.now)
+            else:
+                assert isinstance(a, Train)
+                self.trains.append(a.groups)
+
+    def step(self):
+        """Deliver events until the scheduler trains; returns that step's groups."""
+        n = len(self.trains)
+        while len(self.trains) == n:
+            t, _, kind, rid, prompt, t0 = heapq.heappop(self.events)
+            self.now = t
+            if kind == "abort":
+                self.apply(self.sched.on_abort(completion(rid, prompt.uid, 3, "abort", t), t))
+            elif self.live.pop(rid, None) is not None:  # includes aborted requests that finish late
+                s = ScoredSample(completion(rid, prompt.uid, self.length(prompt, rid), t=t), self.reward(prompt, rid))
+                self.apply(self.sched.on_sample(s, t))
+        return self.trains[-1]
+
+    def trained(self):
+        self.version += 1
+        self.apply(self.sched.on_trained(self.version, self.now))
+
+
+def run(sched, engine, steps, check=lambda step, groups: None):
+    engine.apply(sched.start(0.0))
+    for step in range(steps):
+        groups = engine.step()
+        sched.ledger.check(sched.in_flight_prompts())
+        check(step, groups)
+        if step < steps - 1:
+            engine.trained()
+
+
+# --- scripted rounds ---------------------------------------------------------------------------
+def test_short_round_over_draws_and_keeps_the_first_complete_prompts():
+    sched = build(prompts_per_step=4, group_size=4)  # eta 1.25: 5 prompts x 5 samples
+    subs = sched.start(0.0)
+    assert [len(s.request_ids) for s in subs] == [5] * 5 and sched.long_round is False
+    a, b, c, d, e = subs
+    out = [sched.on_sample(sample(rid, a.prompt.uid), 0) for rid in a.request_ids[:4]]
+    assert out[:3] == [[], [], []] and out[3] == [Abort([a.request_ids[4]])]  # extras aborted at once
+    assert sched.on_sample(sample(a.request_ids[4], a.prompt.uid), 0) == []  # finished in flight: ignored
+    for s in (b, c):
+        for rid in s.request_ids[:4]:
+            sched.on_sample(sample(rid, s.prompt.uid), 0)
+    sched.on_sample(sample(e.request_ids[0], e.prompt.uid), 0)  # e is started, not complete
+    for rid in d.request_ids[1:4]:
+        assert sched.on_sample(sample(rid, d.prompt.uid), 0) == []
+    out = sched.on_sample(sample(d.request_ids[4], d.prompt.uid), 0)
+    abort, train = out
+    assert sorted(abort.request_ids) == sorted([d.request_ids[0]] + e.request_ids[1:])
+    assert [g.prompt.uid for g in train.groups] == [s.prompt.uid for s in (a, b, c, d)]
+    assert all(len(g.samples) == 4 for g in train.groups)
+    assert [s.completion.request_id for s in train.groups[0].samples] == a.request_ids[:4]
+    assert list(sched.queue) == [e.prompt]
+    sched.ledger.check(sched.in_flight_prompts())
+    m = sched.metrics()
+    assert m["tail/round"] == 0 and m["tail/long_queue"] == 1 and m["prompts/deferred"] == 1
+    assert m["tail/aborted_samples"] == 3 + 5 and m["tail/discarded_samples"] == 1
+    assert sched.on_abort(completion(e.request_ids[1], e.prompt.uid, 7, "abort"), 0) == []
+    assert sched.metrics()["tail/wasted_tokens"] == 7
+
+
+def test_long_round_runs_the_oldest_queued_prompts_fresh():
+    sched = build(prompts_per_step=2, group_size=2, tail={"eta_p": 1.5, "eta_r": 1.0})
+    seen = set()
+    for _ in range(2):  # two short rounds: 3 prompts drawn, 2 trained, 1 queued each time
+        subs = sched.start(0.0)
+        seen.update(rid for s in subs for rid in s.request_ids)
+        for s in subs[:2]:
+            out = [sched.on_sample(sample(rid, s.prompt.uid), 0) for rid in s.request_ids]
+        assert isinstance(out[-1][-1], Train)
+    queued = list(sched.queue)
+    assert len(queued) == 2
+    subs = sched.on_trained(1, 0.0)
+    assert sched.long_round and [s.prompt for s in subs] == queued and not sched.queue
+    ids = [rid for s in subs for rid in s.request_ids]
+    assert [len(s.request_ids) for s in subs] == [2, 2] and not seen & set(ids)
+    out = []
+    for s in subs:
+        for rid in s.request_ids:
+            out += sched.on_sample(sample(rid, s.prompt.uid), 0)
+    assert len(out) == 1 and isinstance(out[0], Train)  # no speculation: nothing to abort
+    assert {g.prompt.uid for g in out[0].groups} == {p.uid for p in queued}
+    assert sched.metrics()["tail/round"] == 1
+    sched.ledger.check(sched.in_flight_prompts())
+
+
+def test_engine_side_abort_is_replaced_by_a_fresh_request():
+    sched = build(prompts_per_step=1, group_size=2, tail={"eta_p": 1.0, "eta_r": 1.0})
+    (sub,) = sched.start(0.0)
+    (again,) = sched.on_abort(completion(sub.request_ids[0], sub.prompt.uid, 4, "abort"), 0)
+    assert again.prompt == sub.prompt and len(again.request_ids) == 1
+    assert again.request_ids[0] not in sub.request_ids
+    sched.on_sample(sample(sub.request_ids[1], sub.prompt.uid), 0)
+    (train,) = sched.on_sample(sample(again.request_ids[0], sub.prompt.uid), 0)
+    assert len(train.groups[0].samples) == 2
+
+
+def test_config_errors_and_mid_round_checkpoints_are_refused():
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        build(dynamic_sampling={"enabled": True})
+    with pytest.raises(ValueError):
+        ControlConfig(tail={"eta_p": 0.5})
+    sched = build(prompts_per_step=2, group_size=2)
+    sched.start(0.0)
+    with pytest.raises(RuntimeError, match="between rounds"):
+        sched.state_dict()
+
+
+# --- long runs on the fake engine --------------------------------------------------------------
+def check_run(p, r, eta_p, eta_r, steps, late, seed):
+    """Run tail for `steps` steps on heavy-tailed lengths and assert every invariant at each step."""
+    sched = build(prompts_per_step=p, group_size=r, tail={"eta_p": eta_p, "eta_r": eta_r})
+    engine = FakeEngine(sched, length=lambda prompt, rid: heavy_tailed(prompt, f"{seed}/{rid}"), late=late, seed=seed)
+    trained_uids, trained_rids = [], set()
+    queue_bound = p - 1 + scaled(eta_p, p) - p  # under P at a short round's start, which queues the rest
+    queue_max = [0]
+    long_rounds = []
+
+    def check(step, groups):
+        assert len(groups) == p and all(len(g.samples) == r for g in groups)
+        for g in groups:
+            rids = [s.completion.request_id for s in g.samples]
+            assert all(s.completion.prompt_uid == g.prompt.uid for s in g.samples)
+            assert not set(rids) & engine.aborted, "an aborted request reached Train"
+            assert not set(rids) & trained_rids
+            trained_rids.update(rids)
+        trained_uids.extend(g.prompt.uid for g in groups)
+        queue_max[0] = max(queue_max[0], len(sched.queue))
+        if sched.long_round:
+            long_rounds.append(step)
+
+    # Long rounds: their prompts are the queue's oldest, each with exactly R brand-new requests.
+    real_start = sched.start
+
+    def start(now):
+        queued, seen = list(sched.queue), set(engine.seen)
+        actions = real_start(now)
+        if sched.long_round:
+            assert [a.prompt for a in actions] == queued[:p]
+            assert all(len(a.request_ids) == r and not set(a.request_ids) & seen for a in actions)
+        return actions
+    sched.start = start
+
+    run(sched, engine, steps, check)
+    assert len(trained_uids) == len(set(trained_uids)), "a prompt was trained twice"
+    drawn = {a.prompt.uid for a in engine.submits}
+    assert drawn == set(trained_uids) | {q.uid for q in sched.queue}
+    assert sched.ledger.drawn == len(trained_uids) + len(sched.queue)
+    assert queue_max[0] <= queue_bound
+    return sched, long_rounds
+
+
+def test_heavy_tails_over_many_steps_keep_the_queue_bounded_and_drain_it():
+    sched, long_rounds = check_run(p=8, r=4, eta_p=1.25, eta_r=1.25, steps=80, late=0.3, seed=0)
+    # Each short round queues 2 of its 10 prompts, so every fifth round is a long one.
+    assert 12 <= len(long_rounds) <= 20
+    m = sched.metrics()
+    assert m["tail/long_rounds"] == len(long_rounds) and m["tail/short_rounds"] == 80 - len(long_rounds)
+    assert m["tail/aborted_samples"] > 0 and m["tail/wasted_tokens"] > 0
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(p=st.integers(1, 6), r=st.integers(1, 5), eta_p=st.sampled_from([1.0, 1.25, 1.5, 2.0]),
+       eta_r=st.sampled_from([1.0, 1.25, 1.5, 2.0]), late=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 10**6))
+def test_invariants_hold_for_random_completion_orders(p, r, eta_p, eta_r, late, seed):
+    check_run(p, r, eta_p, eta_r, steps=12, late=late, seed=seed)
+
+
+def test_a_prompt_drawn_twice_in_one_round_is_two_groups():
+    sched = build(n_prompts=3, prompts_per_step=2, group_size=2, tail={"eta_p": 2.0})  # 4 draws from 3
+    sizes = []
+    run(sched, FakeEngine(sched), 20, lambda step, groups: sizes.append([len(g.samples) for g in groups]))
+    assert sizes == [[2, 2]] * 20 and sched.ledger.drawn == 2 * 20 + len(sched.queue)
+
+
+def test_state_round_trip_mid_run_continues_identically():
+    a = build(prompts_per_step=6, group_size=3)
+    engine_a = FakeEngine(a)
+    run(a, engine_a, 3)
+    assert a.queue, "the test needs a checkpoint with prompts waiting for a long round"
+    state = json.loads(json.dumps(a.state_dict()))  # checkpoints are JSON
+    b = build(prompts_per_step=6, group_size=3)
+    b.load_state_dict(state)
+    assert list(b.queue) == list(a.queue) and b.metrics() == a.metrics()
+    engine_b = FakeEngine(b)
+    engine_b.apply(b.start(0.0))
+    engine_a.trained()
+    trace = lambda e: [(s.prompt.uid, s.request_ids) for s in e.submits[-len(engine_b.submits):]]  # noqa: E731
+    assert trace(engine_a) == trace(engine_b)
+    for _ in range(8):
+        ga, gb = engine_a.step(), engine_b.step()
+        assert [[s.completion.request_id for s in g.samples] for g in ga] == \
+               [[s.completion.request_id for s in g.samples] for g in gb]
+        assert a.long_round == b.long_round and list(a.queue) == list(b.queue)
+        engine_a.trained()
+        engine_b.trained()
+    assert a.counts["long_rounds"] > state["tail"]["counts"]["long_rounds"]
