@@ -1,0 +1,159 @@
+"""A rollout worker: one engine driven by a background generation thread, served as a Ray actor.
+
+Only the generation thread touches the engine. Calls from the driver (submit, abort, new weights)
+are queued and applied by that thread between two steps, in the order they arrived, so a weight
+update lands between decode steps and in-flight requests simply continue under the new weights.
+Finished completions pile up until `drain` takes them. An error on the generation thread stops
+the worker and is raised from the next call, never swallowed.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import ray
+import torch
+
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.engine import RolloutEngine
+from rlsys.types import Completion, Request
+
+MAX_CONCURRENCY = 8  # a pending drain, plus submit/abort/update/stats calls beside it
+
+
+class WorkerStopped(RuntimeError):
+    pass
+
+
+class RolloutWorker:
+    def __init__(self, model_dir: str, slots: int, index: int = 0, torch_threads: int | None = None,
+                 engine_kwargs: dict | None = None):
+        self.index, self.torch_threads = index, torch_threads
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.engine: RolloutEngine = CPUEngine(model_dir, slots, **(engine_kwargs or {}))
+        self._cond = threading.Condition()
+        self._ops: list[tuple[Callable[[], Any], Future | None]] = []
+        self._ready: list[Completion] = []
+        self._error: BaseException | None = None  # the generation thread died of it
+        self._submit_error: BaseException | None = None  # a submitted request was refused
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"rollout-worker-{index}", daemon=True)
+        self._thread.start()
+
+    # --- called by the driver -----------------------------------------------------------------
+    def ready(self) -> dict:
+        return self.engine.load()
+
+    def submit(self, requests: list[Request]) -> None:
+        """Check and queue requests, then return at once (the generation thread adds them between steps).
+        A bad request refuses the whole batch here; a later failure is raised from the next drain()."""
+        for r in requests:
+            self.engine.validate(r)
+
+        def add_all():
+            for r in requests:
+                self.engine.add(r)
+        self._enqueue(add_all, None)
+
+    def abort(self, request_ids: list[str]) -> list[str]:
+        """Cut these requests now; their partial completions come out of drain(). Returns the ids cut."""
+        def cut():
+            done = self.engine.abort(list(request_ids))
+            self._publish(done)
+            return [c.request_id for c in done]
+        return self._call(cut)
+
+    def update_weights(self, state_dict: dict, version: int) -> None:
+        self._call(lambda: self.engine.load_weights(state_dict, version))
+
+    def drain(self, timeout_s: float = 1.0) -> list[Completion]:
+        """Block until a completion is ready (or timeout), then return every ready one."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or self._error or self._submit_error or self._stopped,
+                                timeout=timeout_s)
+            self._raise_if_failed()
+            if self._submit_error is not None:
+                error, self._submit_error = self._submit_error, None
+                raise error
+            out, self._ready = self._ready, []
+        return out
+
+    def stats(self) -> dict:
+        return dict(self._call(self.engine.stats), worker=self.index)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # --- the generation thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.torch_threads:  # thread counts can be per thread (OpenMP): set it here too
+            torch.set_num_threads(self.torch_threads)
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._ops or self._stopped or self.engine.has_work())
+                    if self._stopped:
+                        break
+                    ops, self._ops = self._ops, []
+                for fn, future in ops:
+                    self._run_op(fn, future)
+                if self.engine.has_work():
+                    self._publish(self.engine.step())
+        except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        with self._cond:
+            for _, future in self._ops:
+                if future is not None:
+                    future.set_exception(self._error or WorkerStopped(f"rollout worker {self.index} stopped"))
+            self._ops = []
+
+    def _run_op(self, fn: Callable[[], Any], future: Future | None) -> None:
+        try:
+            result = fn()
+        except Exception as e:  # the caller's mistake (bad request, bad weights): report it, keep going
+            if future is None:
+                with self._cond:
+                    self._submit_error = self._submit_error or e
+                    self._cond.notify_all()
+            else:
+                future.set_exception(e)
+            return
+        if future is not None:
+            future.set_result(result)
+
+    def _publish(self, completions: list[Completion]) -> None:
+        if not completions:
+            return
+        for c in completions:
+            c.worker = self.index
+        with self._cond:
+            self._ready.extend(completions)
+            self._cond.notify_all()
+
+    def _enqueue(self, fn: Callable[[], Any], future: Future | None) -> None:
+        with self._cond:
+            self._raise_if_failed()
+            self._ops.append((fn, future))
+            self._cond.notify_all()
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        future: Future = Future()
+        self._enqueue(fn, future)
+        return future.result()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rollout worker {self.index}: the generation thread failed: "
+                               f"{type(self._error).__name__}: {self._error}") from self._error
+        if self._stopped:
+            raise WorkerStopped(f"rollout worker {self.index} stopped")
+
+
+RemoteRolloutWorker = ray.remote(num_cpus=1, max_concurrency=MAX_CONCURRENCY)(RolloutWorker)

@@ -1,0 +1,246 @@
+"""The CPU engine against transformers' own forward and generate, on tiny random-init models."""
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.types import Request, SamplingParams
+
+SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, max_position_embeddings=256, initializer_range=0.2)
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9, 9], [12, 40, 33, 2, 2, 8, 1, 0, 63, 17, 21]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared machine spare threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build(tmp_path, arch="qwen2", seed=0, name="model"):
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SIZES))
+    else:  # Llama with the options Qwen2 lacks: tied embeddings, o_proj bias, another rope_theta
+        model = LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=True, attention_bias=True,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
+    model.eval().save_pretrained(tmp_path / name)
+    return model, str(tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("qwen"))
+
+
+def greedy(n=20):
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt, tokens, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+    return (logits / temperature).log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def run(engine, requests, add_after: dict | None = None):
+    """Run to the end; `add_after[k]` are requests added after k steps. Returns {request_id: Completion}."""
+    for r in requests:
+        engine.add(r)
+    out, steps = {}, 0
+    while engine.has_work() or (add_after and steps <= max(add_after)):
+        for r in (add_after or {}).get(steps, []):
+            engine.add(r)
+        out.update((c.request_id, c) for c in engine.step())
+        steps += 1
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_matches_hf_generate_and_logprobs(tmp_path, arch):
+    model, path = build(tmp_path, arch)
+    engine = CPUEngine(path, slots=8)
+    out = run(engine, [Request(f"r{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        c = out[f"r{i}"]
+        expected = hf_greedy(model, prompt, 20)
+        assert c.token_ids == expected, f"prompt {i}"
+        assert c.finish_reason == "length" and c.versions == [0] * 20
+        reference = hf_logprobs(model, prompt, expected)
+        torch.testing.assert_close(torch.tensor(c.logprobs), reference, atol=1e-4, rtol=0)
+
+
+def test_request_joining_mid_flight_matches_running_alone(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=4)
+    early = [Request(f"early{i}", "p", p, greedy(30)) for i, p in enumerate(PROMPTS[:2])]
+    late = Request("late", "p", PROMPTS[4], greedy(20))
+    out = run(engine, early, add_after={5: [late]})
+    assert out["late"].start_time > out["early0"].start_time
+    assert out["late"].token_ids == hf_greedy(model, PROMPTS[4], 20)
+    assert out["early0"].token_ids == hf_greedy(model, PROMPTS[0], 30)
+
+
+def test_waiting_request_takes_the_first_freed_slot(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=2)
+    reqs = [Request("short", "p", PROMPTS[0], greedy(3)), Request("long", "p", PROMPTS[1], greedy(25)),
+            Request("queued", "p", PROMPTS[2], greedy(10))]
+    for r in reqs:
+        engine.add(r)
+    assert engine.load() == {"running": 0, "waiting": 3, "slots": 2}
+    engine.step()
+    assert engine.load() == {"running": 2, "waiting": 1, "slots": 2}
+    out = run(engine, [])
+    assert out["queued"].slot == out["short"].slot
+    assert out["queued"].start_time >= out["short"].end_time
+    assert out["queued"].token_ids == hf_greedy(model, PROMPTS[2], 10)
+
+
+def test_abort_frees_the_slot_at_once_and_returns_partial_tokens(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=1)
+    engine.add(Request("a", "p", PROMPTS[1], greedy(40)))
+    engine.add(Request("b", "p", PROMPTS[0], greedy(5)))
+    for _ in range(3):
+        assert engine.step() == []
+    (cut,) = engine.abort(["a", "unknown-id"])
+    assert cut.finish_reason == "abort" and 0 < cut.num_tokens < 40
+    assert cut.token_ids == hf_greedy(model, PROMPTS[1], 40)[: cut.num_tokens]
+    assert len(cut.logprobs) == len(cut.versions) == cut.num_tokens
+    assert engine.load() == {"running": 0, "waiting": 1, "slots": 1}
+    engine.add(Request("c", "p", PROMPTS[2], greedy(5)))
+    (waiting_cut,) = engine.abort(["c"])  # never started: no tokens, no slot
+    assert waiting_cut.finish_reason == "abort" and waiting_cut.token_ids == [] and waiting_cut.slot == -1
+    out = run(engine, [])
+    assert set(out) == {"b"} and out["b"].slot == cut.slot
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=2)
+    full = run(engine, [Request("full", "p", PROMPTS[3], greedy(24))])["full"]
+    engine.add(Request("part", "p", PROMPTS[3], greedy(24)))
+    for _ in range(4):
+        engine.step()
+    (part,) = engine.abort(["part"])
+    resumed = Request("again", "p", PROMPTS[3], greedy(24), resume_ids=part.token_ids,
+                      resume_logprobs=part.logprobs, resume_versions=part.versions)
+    done = run(engine, [resumed])["again"]
+    assert done.token_ids == full.token_ids and done.finish_reason == "length"
+    torch.testing.assert_close(torch.tensor(done.logprobs), torch.tensor(full.logprobs), atol=1e-5, rtol=0)
+    # A resume that already used its whole budget comes straight back.
+    spent = Request("spent", "p", PROMPTS[3], greedy(3), resume_ids=[1, 2, 3], resume_logprobs=[-1.0] * 3,
+                    resume_versions=[0] * 3)
+    assert run(engine, [spent])["spent"].token_ids == [1, 2, 3]
+
+
+def test_load_weights_changes_outputs_and_version_tags(tmp_path, qwen):
+    model, path = qwen
+    other, _ = build(tmp_path, seed=1, name="other")
+    engine = CPUEngine(path, slots=2)
+    engine.add(Request("inflight", "p", PROMPTS[0], greedy(30)))
+    for _ in range(3):
+        engine.step()  # 1 prefill token + 3 decode tokens under version 0
+    engine.load_weights(other.state_dict(), version=7)
+    out = run(engine, [Request("fresh", "p", PROMPTS[1], greedy(20))])
+    assert out["inflight"].versions == [0] * 4 + [7] * 26
+    assert out["fresh"].versions == [7] * 20
+    assert out["fresh"].token_ids == hf_greedy(other, PROMPTS[1], 20) != hf_greedy(model, PROMPTS[1], 20)
+    with pytest.raises(KeyError, match="model.layers.0.mlp.nope"):
+        engine.load_weights({"model.layers.0.mlp.nope": torch.zeros(1)}, version=8)
+    with pytest.raises(ValueError, match=r"model.norm.weight has shape \(3,\)"):
+        engine.load_weights({"model.norm.weight": torch.zeros(3)}, version=8)
+
+
+def test_eos_is_kept_in_tokens_but_not_in_text(tmp_path, qwen):
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    model, path = build(tmp_path, name="with_tokenizer")
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-"
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="a"))
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    expected = hf_greedy(model, PROMPTS[1], 20)
+    eos = expected[4]
+    stop_at = expected.index(eos)
+    engine = CPUEngine(path, slots=2, eos_token_id=eos)
+    out = run(engine, [Request("r", "p", PROMPTS[1], greedy(20)), Request("len", "p", PROMPTS[1], greedy(2))])
+    assert out["r"].finish_reason == "stop" and out["r"].token_ids == expected[: stop_at + 1]
+    assert out["r"].text == "".join(chars[t] for t in expected[:stop_at])
+    assert out["len"].finish_reason == "length" and out["len"].num_tokens == min(2, stop_at + 1)
+
+
+def test_eos_from_model_config_and_full_cache(tmp_path):
+    model, path = build(tmp_path, name="eos_in_config")
+    expected = hf_greedy(model, PROMPTS[0], 10)
+    config = json.loads((tmp_path / "eos_in_config" / "config.json").read_text())
+    (tmp_path / "eos_in_config" / "config.json").write_text(json.dumps(dict(config, eos_token_id=[expected[6]])))
+    out = run(CPUEngine(path, slots=1), [Request("r", "p", PROMPTS[0], greedy(50))])["r"]
+    assert out.finish_reason == "stop" and out.token_ids == expected[: expected.index(expected[6]) + 1]
+    engine = CPUEngine(path, slots=1, eos_token_id=63, max_len=8)  # a 3-token prompt leaves room for 5
+    out = run(engine, [Request("r", "p", PROMPTS[0], greedy(50))])["r"]
+    assert out.finish_reason == "length" and out.token_ids == [t for t in expected if t != 63][:5]
+    with pytest.raises(ValueError, match="request long: prompt of 11 tokens leaves no room in max_len=8"):
+        engine.add(Request("long", "p", PROMPTS[4], greedy()))
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_untruncated(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=4)
+
+    def sample(seed, top_p=1.0, companions=()):
+        params = SamplingParams(max_new_tokens=25, temperature=0.7, top_p=top_p, seed=seed)
+        return run(engine, [Request("s", "p", PROMPTS[1], params), *companions])["s"]
+
+    first = sample(3)
+    noisy = [Request(f"c{i}", "p", p, SamplingParams(30, 1.0, 0.9, seed=i)) for i, p in enumerate(PROMPTS[:3])]
+    assert sample(3, companions=noisy).token_ids == first.token_ids  # independent of batch companions
+    assert sample(4).token_ids != first.token_ids
+    torch.testing.assert_close(torch.tensor(first.logprobs), hf_logprobs(model, PROMPTS[1], first.token_ids, 0.7),
+                               atol=1e-4, rtol=0)
+    nucleus_of_one = sample(5, top_p=1e-6)  # top-p keeps only the most likely token
+    assert nucleus_of_one.token_ids == hf_greedy(model, PROMPTS[1], 25)
+    torch.testing.assert_close(torch.tensor(nucleus_of_one.logprobs),
+                               hf_logprobs(model, PROMPTS[1], nucleus_of_one.token_ids, 0.7), atol=1e-4, rtol=0)
+
+
+def test_stats_count_steps_tokens_and_saturation(qwen):
+    _, path = qwen
+    engine = CPUEngine(path, slots=2)
+    assert engine.stats()["saturated_tokens_per_s"] is None
+    out = run(engine, [Request(f"r{i}", "p", p, greedy(10)) for i, p in enumerate(PROMPTS)])
+    s = engine.stats()
+    assert s["generated_tokens"] == sum(c.num_tokens for c in out.values()) == 50
+    assert s["active_slot_steps"] == 50 - len(PROMPTS)  # each request's first token comes from its prefill
+    assert s["decode_steps"] >= 25 and s["busy_s"] > 0 and s["saturated_tokens_per_s"] > 0
+
+
+def test_bad_requests_and_models_are_refused_with_the_field(tmp_path, qwen):
+    _, path = qwen
+    engine = CPUEngine(path, slots=1)
+    with pytest.raises(ValueError, match=r"request x: prompt_ids\[1\]=64 is not a token id in \[0, 64\)"):
+        engine.add(Request("x", "p", [1, 64], greedy()))
+    with pytest.raises(ValueError, match="request y: resume_ids, resume_logprobs and resume_versions"):
+        engine.add(Request("y", "p", [1], greedy(), resume_ids=[2], resume_logprobs=[]))
+    with pytest.raises(ValueError, match="request z: params.top_p"):
+        engine.add(Request("z", "p", [1], SamplingParams(top_p=0.0)))
+    engine.add(Request("dup", "p", [1], greedy()))
+    with pytest.raises(ValueError, match="request dup: request_id already in the engine"):
+        engine.add(Request("dup", "p", [1], greedy()))
+    bad = tmp_path / "gpt2ish"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported"):
+        CPUEngine(str(bad), slots=1)

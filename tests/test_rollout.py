@@ -1,0 +1,204 @@
+"""Rollout worker (its generation thread, in process) and rollout manager (workers as Ray actors)."""
+import time
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.worker import RolloutWorker
+from rlsys.types import Request, SamplingParams
+
+SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, max_position_embeddings=512, initializer_range=0.2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared machine spare threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def build(path, seed):
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**SIZES)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rollout")
+    build(root / "a", 0)
+    other = build(root / "b", 1)
+    return str(root / "a"), {k: v.clone() for k, v in other.state_dict().items()}
+
+
+def req(rid, n, prompt=(1, 2, 3)):
+    return Request(rid, "p", list(prompt), SamplingParams(max_new_tokens=n, temperature=0.0))
+
+
+def drain_until(worker, n, timeout_s=30):
+    out, deadline = [], time.time() + timeout_s
+    while len(out) < n and time.time() < deadline:
+        out += worker.drain(0.5)
+    return {c.request_id: c for c in out}
+
+
+def wait_for_tokens(stats, at_least=1, timeout_s=30):
+    deadline = time.time() + timeout_s
+    while stats()["generated_tokens"] < at_least:
+        assert time.time() < deadline, "no tokens generated"
+        time.sleep(0.005)
+
+
+# --- the worker, in this process ------------------------------------------------------------------
+def test_worker_applies_new_weights_between_steps(models):
+    path, other = models
+    worker = RolloutWorker(path, slots=2, torch_threads=1)
+    try:
+        worker.submit([req("long", 300)])
+        wait_for_tokens(worker.stats)
+        worker.update_weights(other, version=1)  # lands between two decode steps
+        done = drain_until(worker, 1)["long"]
+        k = done.versions.index(1)
+        assert 0 < k < 300 and done.versions == [0] * k + [1] * (300 - k)
+        worker.submit([req("after", 5)])
+        assert drain_until(worker, 1)["after"].versions == [1] * 5
+    finally:
+        worker.stop()
+
+
+def test_worker_reports_bad_input_and_keeps_going(models):
+    path, _ = models
+    worker = RolloutWorker(path, slots=2, torch_threads=1)
+    try:
+        with pytest.raises(ValueError, match=r"request bad: prompt_ids\[1\]=99"):
+            worker.submit([req("fine", 4), Request("bad", "p", [1, 99], SamplingParams())])
+        worker.submit([req("twice", 200)])
+        worker.submit([req("twice", 4)])  # only the engine knows the first is still running
+        with pytest.raises(ValueError, match="request twice: request_id already in the engine"):
+            worker.drain(5)
+        with pytest.raises(ValueError, match=r"model.norm.weight has shape \(2,\)"):
+            worker.update_weights({"model.norm.weight": torch.zeros(2)}, version=1)
+        worker.submit([req("good", 4)])
+        done = drain_until(worker, 2)
+        assert set(done) == {"twice", "good"} and done["good"].num_tokens == 4
+    finally:
+        worker.stop()
+
+
+def test_generation_thread_errors_are_raised_from_drain(models, monkeypatch):
+    path, _ = models
+    worker = RolloutWorker(path, slots=2, torch_threads=1)
+
+    def broken_step():
+        raise RuntimeError("kv cache exploded")
+    monkeypatch.setattr(worker.engine, "step", broken_step)
+    worker.submit([req("r", 4)])
+    with pytest.raises(RuntimeError, match="generation thread failed: RuntimeError: kv cache exploded"):
+        worker.drain(5)
+    with pytest.raises(RuntimeError, match="kv cache exploded"):
+        worker.submit([req("s", 4)])
+
+
+# --- the manager, with workers as Ray actors -----------------------------------------------------
+@pytest.fixture(scope="module")
+def manager(ray_cluster, models):
+    from rlsys.rollout.manager import RolloutManager
+
+    path, _ = models
+    m = RolloutManager(path, num_workers=2, slots=2, torch_threads=1, drain_timeout_s=0.5)
+    yield m
+    m.shutdown()
+
+
+def collect(manager, n, timeout_s=60):
+    import ray
+
+    out, deadline = [], time.time() + timeout_s
+    while len(out) < n and time.time() < deadline:
+        ready, _ = ray.wait(manager.refs(), num_returns=1, timeout=1.0)
+        out += manager.collect(ready)
+    return out
+
+
+def test_completions_stream_before_all_are_finished(manager):
+    manager.submit([req("s0", 1), req("s1", 1), req("l0", 400), req("l1", 400)])
+    first = collect(manager, 1)
+    received_at = time.time()
+    assert first and {c.request_id for c in first} <= {"s0", "s1"}
+    assert sum(manager.outstanding) >= 2  # the long ones are still generating
+    rest = collect(manager, 4 - len(first))
+    longs = [c for c in rest if c.request_id.startswith("l")]
+    assert len(longs) == 2 and all(c.end_time > received_at for c in longs)
+    assert all(c.num_tokens == 400 and c.finish_reason == "length" for c in longs)
+    assert manager.outstanding == [0, 0]
+
+
+def test_least_loaded_dispatch_spreads_requests(manager):
+    manager.submit([req(f"d{i}", 8) for i in range(4)])
+    assert sorted(manager.owner.values()) == [0, 0, 1, 1]
+    done = collect(manager, 4)
+    assert sorted(c.worker for c in done) == [0, 0, 1, 1]
+    manager.submit([req("w0-busy", 300)])
+    manager.submit([req("next", 3)])  # worker 0 has one outstanding, so this one goes to worker 1
+    assert manager.owner == {"w0-busy": 0, "next": 1}
+    manager.abort(["w0-busy"])
+    collect(manager, 2)
+
+
+def test_abort_through_the_manager(manager):
+    def generated():
+        return {"generated_tokens": sum(s["generated_tokens"] for s in manager.stats())}
+
+    before = generated()["generated_tokens"]
+    manager.submit([req("victim", 400), req("other", 400)])
+    wait_for_tokens(generated, before + 10)
+    assert manager.abort(["victim", "never-submitted"]) == ["victim"]
+    assert all(s["running"] <= 1 for s in manager.stats())  # the victim's slot is already free
+    done = {c.request_id: c for c in collect(manager, 2)}
+    assert done["victim"].finish_reason == "abort" and 0 < done["victim"].num_tokens < 400
+    assert done["other"].finish_reason == "length"
+    assert manager.outstanding == [0, 0] and manager.owner == {}
+
+
+def test_generate_matches_the_engine_and_keeps_other_completions(manager, models):
+    path, _ = models
+    manager.submit([req("background", 50)])
+    prompts = [(1, 2, 3), (4, 5), (6, 7, 8, 9), (10,)]
+    got = manager.generate([req(f"g{i}", 12, p) for i, p in enumerate(prompts)])
+    assert [c.request_id for c in got] == [f"g{i}" for i in range(4)]
+    engine = CPUEngine(path, slots=4)
+    for i, p in enumerate(prompts):
+        engine.add(req(f"g{i}", 12, p))
+    expected = {}
+    while engine.has_work():
+        expected.update((c.request_id, c.token_ids) for c in engine.step())
+    assert all(c.token_ids == expected[c.request_id] for c in got)
+    assert [c.request_id for c in collect(manager, 1)] == ["background"]
+
+
+def test_update_weights_reaches_every_worker(manager, models):
+    import ray
+
+    _, other = models
+    manager.update_weights(other, version=3)
+    done = manager.generate([req("x", 4), req("y", 4)])
+    assert {c.worker for c in done} == {0, 1} and all(c.versions == [3] * 4 for c in done)
+    manager.update_weights(ray.put(other), version=4)
+    assert all(s["version"] == 4 for s in manager.stats())
+
+
+def test_a_refused_batch_is_raised_from_submit_and_forgotten(manager):
+    with pytest.raises(ValueError, match=r"request bad: prompt_ids\[1\]=500"):
+        manager.submit([req("ok", 3), Request("bad", "p", [1, 500], SamplingParams()), req("ok2", 3)])
+    with pytest.raises(ValueError, match="request ok: request_id already in flight"):
+        manager.submit([req("new", 3), req("ok", 3)])
+    # Requests are checked per worker batch: worker 1's batch (with "bad") was refused and forgotten.
+    assert manager.owner == {"ok": 0, "ok2": 0} and manager.outstanding == [2, 0]
+    assert manager.generate([req("fine", 3)])[0].num_tokens == 3
+    assert {c.request_id for c in collect(manager, 2)} == {"ok", "ok2"}
