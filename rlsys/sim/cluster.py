@@ -1,0 +1,97 @@
+"""Cost model of an H100-class cluster: vLLM decode and prefill, the trainer, and weight sync.
+
+Constants and formulas follow CALIBRATION.md: §1 "D - per-model constants" for decode (weights read
+at 75% of HBM bandwidth, KV reads at 90%, 90% of memory usable), §1 "Prefill" for prefill at about
+45% of BF16 peak, §3 for weight sync, §4 for trainer MFU. Qwen2.5 shapes from arXiv 2412.15115 Table 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BF16 = 2  # bytes
+
+
+@dataclass(frozen=True)
+class GPU:
+    memory: float  # bytes of HBM
+    bandwidth: float  # bytes/s
+    peak_flops: float  # dense BF16
+
+
+GPUS = {
+    "h100": GPU(80e9, 3.35e12, 989e12),
+    "h800": GPU(80e9, 3.35e12, 989e12),  # same HBM and tensor cores as H100 SXM; less NVLink
+    "h200": GPU(141e9, 4.8e12, 989e12),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int = 128
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * BF16  # K and V, every layer
+
+
+MODELS = {
+    "qwen2.5-1.5b": ModelShape(1.54e9, 28, 2),
+    "qwen2.5-7b": ModelShape(7.61e9, 28, 4),
+    "qwen2.5-14b": ModelShape(14.7e9, 48, 8),
+    "qwen2.5-32b": ModelShape(32.5e9, 64, 8),
+}
+
+
+@dataclass(frozen=True)
+class EngineCost:
+    """One vLLM instance over `tp` GPUs. A decode step costs
+
+        max(weights / (0.75 BW), n * 2 * params / (peak * decode_mfu)) + live_KV * kv_bytes / (0.9 BW) + overhead
+
+    per GPU: the weight read dominates small batches, the matmuls large ones (roofline), and KV
+    reads grow with the live tokens of the batch, which is what makes long-CoT rollout slow.
+    """
+    weight_s: float  # seconds per step to stream this GPU's weights
+    compute_s_per_seq: float  # seconds per step per running sequence when compute-bound
+    kv_s_per_token: float  # seconds per step per live KV token
+    overhead_s: float
+    prefill_s_per_token: float
+    kv_capacity: float  # tokens of KV cache per engine
+
+    @classmethod
+    def build(cls, model: ModelShape, gpu: GPU, tp: int, memory_fraction: float = 0.9,
+              overhead_s: float = 1e-3, decode_mfu: float = 0.5, prefill_mfu: float = 0.45,
+              allreduce_s: float = 10e-6) -> "EngineCost":
+        weights = model.params * BF16 / tp
+        kv_token = model.kv_bytes_per_token / tp
+        free = memory_fraction * gpu.memory - weights
+        if free <= 0:
+            raise ValueError(f"{model.params / 1e9:.1f}B parameters do not fit on {tp} GPU(s); raise cluster.tp")
+        flops_per_token = 2 * model.params / tp
+        return cls(weight_s=weights / (0.75 * gpu.bandwidth),
+                   compute_s_per_seq=flops_per_token / (gpu.peak_flops * decode_mfu),
+                   kv_s_per_token=kv_token / (0.9 * gpu.bandwidth),
+                   overhead_s=overhead_s + (2 * model.layers * allreduce_s if tp > 1 else 0.0),  # 2 per layer
+                   prefill_s_per_token=flops_per_token / (gpu.peak_flops * prefill_mfu),
+                   kv_capacity=free / kv_token)
+
+    def fixed_s(self, n: int) -> float:
+        """The part of a decode step that does not depend on context length."""
+        return max(self.weight_s, n * self.compute_s_per_seq) + self.overhead_s
+
+    def step_s(self, n: int, live_kv: float) -> float:
+        return self.fixed_s(n) + live_kv * self.kv_s_per_token
+
+
+def train_seconds(model: ModelShape, gpu: GPU, gpus: int, tokens: float, mfu: float,
+                  flops_per_param_token: float, overhead_s: float) -> float:
+    """FLOPs = k * params * tokens (k = 6 for forward+backward, +2 per extra forward pass)."""
+    return flops_per_param_token * model.params * tokens / (gpus * gpu.peak_flops * mfu) + overhead_s
+
+
+def sync_seconds(model: ModelShape, bandwidth_gbps: float, latency_s: float) -> float:
+    """Broadcast the full BF16 weights once (CALIBRATION §3: 7B in 0.55-0.8 s over NCCL)."""
+    return model.params * BF16 / (bandwidth_gbps * 1e9) + latency_s

@@ -1,0 +1,179 @@
+"""Workload configs for `rlsys simulate`: pydantic models, unknown keys refused with the field's name."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from rlsys.config import ConfigError, ControlConfig, Section, _format_errors
+from rlsys.sim.cluster import GPUS, MODELS, EngineCost, ModelShape
+
+
+class ModelSpec(Section):
+    """A model by shape, for sizes without a preset."""
+    params: float = Field(gt=0)
+    layers: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(128, ge=1)
+
+
+class ClusterSpec(Section):
+    gpu: Literal["h100", "h800", "h200"] = "h800"
+    gpus: int = Field(16, ge=1)
+    tp: int = Field(1, ge=1)  # GPUs per rollout engine
+    trainer_gpus: Optional[int] = Field(None, ge=1)  # None: colocated, rollout pauses while training
+
+    @model_validator(mode="after")
+    def _engines_fit(self):
+        rollout = self.gpus - (self.trainer_gpus or 0)
+        if rollout < self.tp or rollout % self.tp:
+            raise ValueError(f"the {rollout} rollout GPUs must be a positive multiple of tp={self.tp}")
+        return self
+
+    @property
+    def engines(self) -> int:
+        return (self.gpus - (self.trainer_gpus or 0)) // self.tp
+
+
+class EngineSpec(Section):
+    max_seqs: int = Field(256, ge=1)  # vLLM max_num_seqs
+    dispatch: Literal["request", "prompt"] = "request"  # least-loaded engine per request or per prompt
+    memory_fraction: float = Field(0.9, gt=0, le=1)  # vLLM gpu_memory_utilization
+    kv_watermark: float = Field(0.01, ge=0, lt=1)  # KV share kept free when admitting
+    step_overhead_ms: float = Field(1.0, ge=0)  # scheduling and sampling on the CPU, per step
+    allreduce_us: float = Field(10.0, ge=0)  # latency of one tensor-parallel all-reduce (two per layer)
+    decode_mfu: float = Field(0.5, gt=0, le=1)
+    prefill_mfu: float = Field(0.45, gt=0, le=1)
+
+
+class WorkloadSpec(Section):
+    """Response lengths: lognormal, with a per-prompt scale (CALIBRATION §2: prompt identity explains
+    ~65% of length variance) and a share of runaway samples that loop until the cap."""
+    max_tokens: int = Field(8192, ge=1)
+    median_tokens: float = Field(1500, gt=0)
+    sigma: float = Field(0.9, ge=0)  # sd of log length over all samples
+    prompt_share: float = Field(0.65, ge=0, le=1)  # share of log-length variance set by the prompt
+    runaway_share: float = Field(0.01, ge=0, le=1)
+    prompt_tokens: float = Field(300, gt=0)  # median prompt length
+    max_prompt_tokens: int = Field(2048, ge=1)
+    success_rate: float = Field(0.5, ge=0, le=1)  # mean per-prompt chance that a sample is correct
+    dataset_size: int = Field(20000, ge=1)
+
+
+class RewardKind(Section):
+    share: float = Field(gt=0)  # relative share of prompts using this reward
+    median_s: float = Field(ge=0)
+    sigma: float = Field(0.5, ge=0)
+    timeout_s: Optional[float] = Field(None, gt=0)
+
+
+class RewardSpec(Section):
+    kinds: dict[str, RewardKind] = {"rule": RewardKind(share=1.0, median_s=0.005)}
+    workers: Optional[int] = Field(None, ge=1)  # None: as many as needed
+
+    @model_validator(mode="after")
+    def _some_kind(self):
+        if not self.kinds:
+            raise ValueError("give at least one reward kind")
+        return self
+
+
+class TrainerSpec(Section):
+    mfu: float = Field(0.35, gt=0, le=1)  # CALIBRATION §4: ~0.33 on H100 in RL frameworks
+    flops_per_param_token: float = Field(8.0, gt=0)  # 6 forward+backward, 2 old log-probs
+    overhead_s: float = Field(2.0, ge=0)
+
+
+class WeightSyncSpec(Section):
+    bandwidth_gbps: float = Field(25.0, gt=0)  # GB/s of full weights
+    latency_s: float = Field(0.2, ge=0)
+
+
+class SchedulerRun(Section):
+    """One scheduler to simulate, with optional overrides of `control` and `cluster`."""
+    name: str
+    label: Optional[str] = None
+    control: dict[str, Any] = {}
+    cluster: dict[str, Any] = {}
+
+
+class SimConfig(Section):
+    name: str = "sim"
+    seed: int = 0
+    steps: int = Field(10, ge=1)  # trained steps per scheduler
+    schedulers: list[Union[str, SchedulerRun]] = Field(["sync"], min_length=1)
+    model: Union[str, ModelSpec] = "qwen2.5-7b"
+    cluster: ClusterSpec = ClusterSpec()
+    engine: EngineSpec = EngineSpec()
+    workload: WorkloadSpec = WorkloadSpec()
+    reward: RewardSpec = RewardSpec()
+    trainer: TrainerSpec = TrainerSpec()
+    weight_sync: WeightSyncSpec = WeightSyncSpec()
+    control: ControlConfig = ControlConfig(prompts_per_step=128, group_size=8)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if isinstance(self.model, str) and self.model not in MODELS:
+            raise ValueError(f"model {self.model!r} is not a preset; choose one of {', '.join(MODELS)} "
+                             "or give params, layers, kv_heads")
+        labels = [r.label for r in self.runs()]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"schedulers: labels must be unique, got {labels}; set `label`")
+        for i, run in enumerate(self.runs()):
+            for section, build in (("control", self.control_for), ("cluster", self.cluster_for)):
+                try:
+                    build(run)
+                except ValidationError as e:
+                    where = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(top)'}: {x['msg']}" for x in e.errors())
+                    raise ValueError(f"schedulers[{i}].{section}: {where}") from None
+        need = self.workload.max_prompt_tokens + self.workload.max_tokens
+        if min(self.engine_cost(self.cluster_for(r)).kv_capacity for r in self.runs()) < need:
+            raise ValueError(f"engine KV cache holds fewer tokens than one request needs ({need}); "
+                             "raise cluster.tp or lower workload.max_tokens")
+        return self
+
+    def runs(self) -> list[SchedulerRun]:
+        out = [SchedulerRun(name=r) if isinstance(r, str) else r for r in self.schedulers]
+        return [r.model_copy(update={"label": r.label or r.name}) for r in out]
+
+    def shape(self) -> ModelShape:
+        return MODELS[self.model] if isinstance(self.model, str) else ModelShape(**self.model.model_dump())
+
+    def cluster_for(self, run: SchedulerRun) -> ClusterSpec:
+        return ClusterSpec.model_validate({**self.cluster.model_dump(), **run.cluster})
+
+    def control_for(self, run: SchedulerRun) -> ControlConfig:
+        return ControlConfig.model_validate({**self.control.model_dump(), **run.control, "scheduler": run.name})
+
+    def engine_cost(self, cluster: ClusterSpec) -> EngineCost:
+        e = self.engine
+        return EngineCost.build(self.shape(), GPUS[cluster.gpu], cluster.tp, e.memory_fraction,
+                                e.step_overhead_ms / 1e3, e.decode_mfu, e.prefill_mfu, e.allreduce_us / 1e6)
+
+
+def load_sim_config(source: Union[str, Path, dict, SimConfig]) -> SimConfig:
+    """A SimConfig from a YAML path, a plain dict or an existing SimConfig."""
+    if isinstance(source, SimConfig):
+        return source
+    path, text = Path("<dict>"), ""
+    if isinstance(source, dict):
+        raw = source
+    else:
+        path = Path(source)
+        try:
+            text = path.read_text()
+            raw = yaml.safe_load(text) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"simulator config not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        return SimConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, path, text or "{}", {})) from None
+    except ValueError as e:  # raised while building the engine cost model
+        raise ConfigError(f"{path}: {e}") from None

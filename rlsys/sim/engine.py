@@ -1,0 +1,225 @@
+"""A simulated vLLM engine with continuous batching, advanced from event to event, not token by token.
+
+Decode progress `progress` counts the steps the engine has taken: every running sequence gains one
+token per step. A request admitted at progress D0 with r tokens to go finishes at D0 + r, so
+finishing order is a heap, and the live KV tokens are `kv_offset + n * progress`. Between two events
+the batch is fixed, the step time grows linearly with progress, and the time to advance dD steps is
+
+    c0 * dD + c1 * dD**2 / 2,   c0 = step time now,  c1 = kv_s_per_token * n,
+
+so one event costs O(log n) whatever the number of tokens (the "fluid" view: progress is real-valued).
+When the KV cache is full the newest request is preempted and later recomputed (prefill of prompt
+plus the tokens it has), as vLLM does.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_right
+from collections import deque
+from typing import Optional
+
+from rlsys.sim.cluster import EngineCost
+
+QUEUED, RUNNING, DONE, ABORTED = "queued", "running", "done", "aborted"
+EPS = 1e-6  # tokens
+
+
+class SimRequest:
+    __slots__ = ("rid", "prompt", "prompt_tokens", "target", "truncated", "reward", "reward_latency",
+                 "done", "base", "state", "engine", "key", "submit_time", "start_time", "end_time",
+                 "versions", "counted")
+
+    def __init__(self, rid, prompt, prompt_tokens, draw, submit_time, done=0):
+        self.rid, self.prompt, self.prompt_tokens = rid, prompt, prompt_tokens
+        self.target, self.truncated = draw.length, draw.truncated
+        self.reward, self.reward_latency = draw.reward, draw.reward_latency
+        self.done = float(done)  # tokens generated before the current admission
+        self.counted = done  # whole tokens already attributed to a policy version
+        self.base = 0.0  # engine progress at admission
+        self.state, self.engine, self.key = QUEUED, None, -1
+        self.submit_time, self.start_time, self.end_time = submit_time, None, None
+        self.versions: list[tuple[int, int]] = []  # (policy version, tokens) runs
+
+
+class SimEngine:
+    def __init__(self, index: int, cost: EngineCost, max_seqs: int, watermark: float, slots: int):
+        self.index, self.cost, self.max_seqs = index, cost, max_seqs
+        self.admit_limit = (1 - watermark) * cost.kv_capacity
+        self.slots = slots  # the concurrency counted as full in the bubble ratio
+        self.clock = self.progress = self.kv_offset = 0.0
+        self.n = self.queued = 0
+        self.running: list = []  # heap of (finish progress, key, request)
+        self.admitted: list = []  # (key, request) in admission order: the newest is preempted first
+        self.queue: deque[SimRequest] = deque()
+        self.paused_until = self.prefill_until = 0.0
+        self.epoch = 0  # bumped whenever a scheduled event may be stale
+        self._keys = 0
+        self.mark_at, self.mark_versions = [0.0], [0]  # progress at which each weight version arrived
+        self.busy_slot_s = self.alloc_s = self.kv_token_s = self.generated = 0.0
+        self.preemptions = 0
+
+    @property
+    def load(self) -> int:
+        return self.n + self.queued
+
+    def live_kv(self) -> float:
+        return self.kv_offset + self.n * self.progress
+
+    # --- time --------------------------------------------------------------------------------
+    def advance_to(self, t: float, target: Optional[float] = None) -> None:
+        """Run until time t with the current batch (no internal event may fall before t)."""
+        if t <= self.clock:
+            return
+        if self.clock < self.paused_until:  # not allocated to rollout: no progress, no accounting
+            self.clock = min(t, self.paused_until)
+            if t <= self.clock:
+                return
+        span = t - self.clock
+        self.alloc_s += span
+        self.busy_slot_s += min(self.n, self.slots) * span
+        kv0 = self.live_kv()
+        if self.clock < self.prefill_until:
+            stall = min(t, self.prefill_until) - self.clock
+            self.kv_token_s += kv0 * stall
+            self.clock += stall
+        dt = t - self.clock
+        if self.n and dt > 0:
+            if target is None:
+                c0 = self.cost.fixed_s(self.n) + self.cost.kv_s_per_token * kv0
+                c1 = self.cost.kv_s_per_token * self.n
+                step = 2 * dt / (c0 + math.sqrt(c0 * c0 + 2 * c1 * dt))  # the stable root of the quadratic
+            else:
+                step = target - self.progress
+            self.progress += step
+            self.generated += self.n * step
+            self.kv_token_s += (kv0 + self.n * step / 2) * dt
+        self.clock = t
+
+    def next_event(self) -> Optional[tuple[float, float]]:
+        """(time, progress) of the next finish or KV-full moment, if anything runs."""
+        if not self.n:
+            return None
+        while self.running and not self._valid(*self.running[0][1:]):
+            heapq.heappop(self.running)
+        kv = self.live_kv()
+        step = max(0.0, min(self.running[0][0] - self.progress, (self.cost.kv_capacity - kv) / self.n))
+        c0 = self.cost.fixed_s(self.n) + self.cost.kv_s_per_token * kv
+        c1 = self.cost.kv_s_per_token * self.n
+        start = max(self.clock, self.paused_until, self.prefill_until)
+        return start + c0 * step + 0.5 * c1 * step * step, self.progress + step
+
+    def pause(self, now: float, until: float) -> None:
+        """Hand the GPUs to the trainer or to weight sync; pending prefill resumes afterwards."""
+        self.advance_to(now)
+        left = max(0.0, self.prefill_until - now)
+        self.paused_until = max(self.paused_until, until)
+        self.prefill_until = self.paused_until + left if left else self.prefill_until
+        self.epoch += 1
+
+    def mark_version(self, version: int) -> None:
+        self.mark_at.append(self.progress)
+        self.mark_versions.append(version)
+
+    # --- requests ----------------------------------------------------------------------------
+    def enqueue(self, req: SimRequest) -> None:
+        req.engine, req.state = self, QUEUED
+        self.queue.append(req)
+        self.queued += 1
+        self.epoch += 1
+
+    def abort(self, req: SimRequest, now: float) -> None:
+        if req.state == QUEUED:
+            self.queued -= 1
+        else:
+            self._remove(req)
+        req.state, req.end_time = ABORTED, now
+        self.epoch += 1
+
+    def settle(self, now: float) -> list[SimRequest]:
+        """Finish what has finished, preempt while the KV cache is full, admit what fits."""
+        finished = []
+        while self.running and self.running[0][0] <= self.progress + EPS:
+            _, key, req = heapq.heappop(self.running)
+            if self._valid(key, req):
+                self._remove(req, finished=True)
+                req.state, req.end_time = DONE, now
+                finished.append(req)
+        while self.n and self.live_kv() >= self.cost.kv_capacity - EPS * self.n:
+            self._preempt_newest()
+        self._admit(now)
+        self.epoch += 1
+        return finished
+
+    def _valid(self, key: int, req: SimRequest) -> bool:
+        return req.state == RUNNING and req.key == key
+
+    def _admit(self, now: float) -> None:
+        prefill = 0.0
+        while self.queue and self.n < self.max_seqs:
+            req = self.queue[0]
+            if req.state != QUEUED:  # aborted while waiting
+                self.queue.popleft()
+                continue
+            need = req.prompt_tokens + req.done
+            if self.n and self.live_kv() + need > self.admit_limit:
+                break
+            self.queue.popleft()
+            self.queued -= 1
+            self._keys += 1
+            req.state, req.key, req.base = RUNNING, self._keys, self.progress
+            self.kv_offset += need - self.progress
+            self.n += 1
+            heapq.heappush(self.running, (self.progress + req.target - req.done, req.key, req))
+            self.admitted.append((req.key, req))
+            if len(self.admitted) > 2 * self.n + 64:  # drop finished entries now and then, or they pile up
+                self.admitted = [(k, r) for k, r in self.admitted if self._valid(k, r)]
+            if req.start_time is None:
+                req.start_time = now
+            prefill += need * self.cost.prefill_s_per_token  # recompute after preemption, as vLLM does
+        if prefill:
+            self.prefill_until = max(self.prefill_until, self.paused_until, self.clock) + prefill
+
+    def _preempt_newest(self) -> None:
+        while True:
+            key, req = self.admitted.pop()
+            if self._valid(key, req):
+                break
+        self._remove(req)
+        req.state = QUEUED
+        self.queue.appendleft(req)
+        self.queued += 1
+        self.preemptions += 1
+
+    def _remove(self, req: SimRequest, finished: bool = False) -> None:
+        """Take a running request off the batch, crediting its tokens to the versions that made them."""
+        self.n -= 1
+        self.kv_offset -= req.prompt_tokens + req.done - req.base
+        done = req.target if finished else min(req.target, req.done + self.progress - req.base)
+        whole = round(done) if finished else int(done)
+        self._credit(req, req.base, self.progress, whole - req.counted)
+        req.done, req.counted = done, whole
+
+    def _credit(self, req: SimRequest, start: float, end: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        i = bisect_right(self.mark_at, start) - 1
+        # Weight updates that landed mid-generation split the tokens between versions.
+        if i + 1 < len(self.mark_at) and self.mark_at[i + 1] < end:
+            bounds = [start] + [d for d in self.mark_at[i + 1:] if d < end] + [end]
+            total, given = end - start, 0
+            for j in range(len(bounds) - 1):
+                share = tokens - given if j == len(bounds) - 2 else round(tokens * (bounds[j + 1] - bounds[j]) / total)
+                self._add_run(req, self.mark_versions[i + j], share)
+                given += share
+        else:
+            self._add_run(req, self.mark_versions[i], tokens)
+
+    @staticmethod
+    def _add_run(req: SimRequest, version: int, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        if req.versions and req.versions[-1][0] == version:
+            req.versions[-1] = (version, req.versions[-1][1] + tokens)
+        else:
+            req.versions.append((version, tokens))

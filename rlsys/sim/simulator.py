@@ -1,0 +1,334 @@
+"""The discrete-event loop: a control/ scheduler driven against simulated engines, rewards and a trainer.
+
+The scheduler is built exactly as the live controller builds it (`rlsys.control.build_scheduler`)
+and is driven the same way (rlsys/train.py): start, on_sample for each scored sample, on_abort for
+each aborted request's partial output, sizer.observe(groups) then on_trained after each step (not
+after the last). Only the clock, the engines, the reward pool and the trainer are simulated.
+"""
+from __future__ import annotations
+
+import gc
+import heapq
+import math
+import time
+from collections import Counter, deque
+from itertools import groupby
+from types import SimpleNamespace
+from typing import Optional
+
+from rlsys.control import build_scheduler
+from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.metrics import percentile, straggler_rate
+from rlsys.data.cursor import PromptCursor
+from rlsys.sim.cluster import GPUS, sync_seconds, train_seconds
+from rlsys.sim.config import SchedulerRun, SimConfig
+from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest
+from rlsys.sim.runs import Runs
+from rlsys.sim.workload import Workload
+from rlsys.types import Completion, ScoredSample
+
+ENGINE, SAMPLE, ABORTED_OUT, SYNC, TRAINED = "engine", "sample", "aborted", "sync", "trained"
+
+
+class SimulationError(AssertionError):
+    pass
+
+
+def mean(xs: list) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig, run: SchedulerRun, workload: Optional[Workload] = None):
+        self.cfg, self.run_spec = cfg, run
+        cluster, control = cfg.cluster_for(run), cfg.control_for(run)
+        self.kappa = control.straggler_kappa
+        self.per_prompt = cfg.engine.dispatch == "prompt"
+        self.shape, self.gpu = cfg.shape(), GPUS[cluster.gpu]
+        self.colocated = cluster.trainer_gpus is None
+        self.trainer_gpus = cluster.trainer_gpus or cluster.gpus
+        self.sync_s = sync_seconds(self.shape, cfg.weight_sync.bandwidth_gbps, cfg.weight_sync.latency_s)
+        cost = cfg.engine_cost(cluster)
+        # Bubble capacity: the concurrency a nominal step can fill, the same for every scheduler.
+        slots = min(cfg.engine.max_seqs, math.ceil(control.prompts_per_step * control.group_size / cluster.engines))
+        self.engines = [SimEngine(i, cost, cfg.engine.max_seqs, cfg.engine.kv_watermark, slots)
+                        for i in range(cluster.engines)]
+        self.workload = workload or Workload(cfg.workload, cfg.reward, cfg.seed)  # shareable: it only caches
+        cursor = PromptCursor(self.workload.prompts(), seed=cfg.seed)
+        self.scheduler = build_scheduler(SimpleNamespace(control=control), cursor)
+
+        self.now, self.version, self.trained = 0.0, 0, 0
+        self.events: list = []
+        self._seq = 0
+        self.requests: dict[str, SimRequest] = {}  # not yet delivered to the scheduler
+        self.known: set[str] = set()
+        self.samples_drawn: Counter[str] = Counter()  # per prompt uid, to key the workload's draws
+        self.reward_free: Optional[list[float]] = [0.0] * cfg.reward.workers if cfg.reward.workers else None
+        self.train_queue: deque[tuple[list, int]] = deque()  # (groups, tokens) waiting for the trainer
+        self.training: Optional[list] = None  # the groups being trained
+        self.counts: Counter[str] = Counter()
+        self.step_start = 0.0
+        self.rollout_s: list[float] = []
+        self.train_s: list[float] = []
+        self.step_ends: list[float] = []
+        self.group_lengths: list[list[int]] = []
+        self.trained_tokens = self.wasted_tokens = self.truncated = 0
+        self.controller_s = 0.0
+        self.controller_calls = 0
+
+    # --- the loop ------------------------------------------------------------------------
+    def run(self, trace: Optional[list] = None) -> dict:
+        # Millions of short-lived, acyclic records: generational GC passes over the long-lived ones
+        # would cost ~40% of the run and reclaim nothing that reference counting does not.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(trace)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, trace: Optional[list]) -> dict:
+        wall = time.perf_counter()
+        self._act(self._call(self.scheduler.start, 0.0))
+        events, pop = self.events, heapq.heappop
+        while self.trained < self.cfg.steps:
+            if not events:
+                raise SimulationError(f"{self.run_spec.label}: nothing left to simulate after "
+                                      f"{self.trained} steps (the scheduler stopped submitting work)")
+            t, _, kind, obj, extra = pop(events)
+            if kind == ENGINE and extra[0] != obj.epoch:
+                continue  # superseded by a later change to that engine
+            if t < self.now - 1e-9:
+                raise SimulationError(f"time went backwards: {kind} event at {t} after {self.now}")
+            self.now = max(self.now, t)
+            if trace is not None:
+                trace.append((self.now, kind))
+            if kind == ENGINE:
+                obj.advance_to(self.now, extra[1])
+                self._refresh(obj)
+            elif kind == SAMPLE:
+                self._deliver(obj)
+            elif kind == ABORTED_OUT:
+                self._act(self._call(self.scheduler.on_abort, obj, self.now))
+            elif kind == SYNC:
+                self._weight_sync()
+            else:
+                self._trained()
+        self.check()
+        return self._metrics(time.perf_counter() - wall)
+
+    def _push(self, t: float, kind: str, obj=None, extra=None) -> None:
+        self._seq += 1  # ties break in insertion order, so runs are deterministic
+        heapq.heappush(self.events, (t, self._seq, kind, obj, extra))
+
+    def _call(self, fn, *args) -> list:
+        start = time.perf_counter()
+        actions = fn(*args)
+        self.controller_s += time.perf_counter() - start
+        self.controller_calls += 1
+        return actions
+
+    def _refresh(self, engine: SimEngine) -> None:
+        for req in engine.settle(self.now):
+            self._generated(req)
+        nxt = engine.next_event()
+        if nxt is not None:
+            self._push(nxt[0], ENGINE, engine, (engine.epoch, nxt[1]))
+
+    def _touch(self, engine: SimEngine, touched: dict) -> None:
+        if engine.index not in touched:
+            engine.advance_to(self.now)
+            touched[engine.index] = engine
+
+    # --- actions ----------------------------------------------------------------------------
+    def _act(self, actions: list) -> None:
+        if not actions:
+            return
+        touched: dict[int, SimEngine] = {}
+        loads = None
+        for action in actions:
+            if isinstance(action, Submit):
+                if loads is None:
+                    loads = [(e.load, e.index) for e in self.engines]
+                    heapq.heapify(loads)
+                self._submit(action, loads, touched)
+            elif isinstance(action, Abort):
+                loads = None  # aborts free slots: recount before the next dispatch
+                self._abort(action, touched)
+            elif isinstance(action, Train):
+                self._train(action, touched)
+            else:
+                raise SimulationError(f"unknown action {action!r}")
+        for engine in touched.values():
+            self._refresh(engine)
+
+    def _submit(self, action: Submit, loads: list, touched: dict) -> None:
+        prompt = action.prompt
+        traits = self.workload.traits(prompt)
+        first = self.samples_drawn[prompt.uid]
+        self.samples_drawn[prompt.uid] += len(action.request_ids)
+        draws = iter(self.workload.samples(prompt, first, len(action.request_ids)))
+        for j, rid in enumerate(action.request_ids):
+            if rid in self.known:
+                raise SimulationError(f"request id {rid!r} submitted twice")
+            self.known.add(rid)
+            draw = next(draws)
+            resume = action.resume.get(rid)
+            done = len(resume.resume_ids) if resume else 0
+            if done:
+                draw = self.workload.resumed(prompt, first + j, done)
+            req = SimRequest(rid, prompt, traits.prompt_tokens, draw, self.now, done)
+            if resume:
+                req.versions = [(v, len(list(run))) for v, run in groupby(resume.resume_versions)]
+            if j == 0 or not self.per_prompt:  # least-loaded dispatch, as OpenRLHF does
+                load, index = loads[0]
+                heapq.heapreplace(loads, (load + (len(action.request_ids) if self.per_prompt else 1), index))
+            engine = self.engines[index]
+            self._touch(engine, touched)
+            engine.enqueue(req)
+            self.requests[rid] = req
+            self.counts["submitted"] += 1
+
+    def _abort(self, action: Abort, touched: dict) -> None:
+        for rid in action.request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.state in (DONE, ABORTED):
+                if rid not in self.known:
+                    raise SimulationError(f"abort of request {rid!r}, which was never submitted")
+                self.counts["late_aborts"] += 1  # already generated: the reward still arrives
+                continue
+            self._touch(req.engine, touched)
+            req.engine.abort(req, self.now)
+            self.wasted_tokens += int(req.done)
+            self.counts["aborted"] += 1
+            del self.requests[rid]
+            # As from a live engine: the partial output comes back, after the actions at hand.
+            self._push(self.now, ABORTED_OUT, self._completion(req, int(req.done), "abort"))
+
+    def _train(self, action: Train, touched: dict) -> None:
+        tokens = 0
+        for group in action.groups:
+            lengths = group.lengths
+            self.group_lengths.append(lengths)
+            self.trained_tokens += sum(lengths)
+            self.truncated += sum(s.completion.finish_reason == "length" for s in group.samples)
+            tokens += sum(lengths) + sum(len(s.completion.prompt_ids) for s in group.samples)
+        self.rollout_s.append(self.now - self.step_start)
+        self.train_queue.append((action.groups, tokens))
+        if self.training is None:
+            self._start_training(touched)
+
+    def _start_training(self, touched: dict) -> None:
+        t = self.cfg.trainer
+        self.training, tokens = self.train_queue.popleft()
+        seconds = train_seconds(self.shape, self.gpu, self.trainer_gpus, tokens,
+                                t.mfu, t.flops_per_param_token, t.overhead_s)
+        self.train_s.append(seconds)
+        if self.colocated:  # the trainer and then the weight reload hold every GPU
+            for engine in self.engines:
+                self._touch(engine, touched)
+                engine.pause(self.now, self.now + seconds + self.sync_s)
+            self._push(self.now + seconds + self.sync_s, TRAINED)
+        else:
+            self._push(self.now + seconds, SYNC)
+
+    # --- events -----------------------------------------------------------------------------
+    def _generated(self, req: SimRequest) -> None:
+        self.counts["finished"] += 1
+        start = self.now
+        if self.reward_free is not None:  # a bounded reward pool: wait for the first free worker
+            start = max(start, heapq.heappop(self.reward_free))
+            heapq.heappush(self.reward_free, start + req.reward_latency)
+        self._push(start + req.reward_latency, SAMPLE, req)
+
+    def _deliver(self, req: SimRequest) -> None:
+        self.requests.pop(req.rid, None)
+        completion = self._completion(req, req.target, "length" if req.truncated else "stop")
+        self._act(self._call(self.scheduler.on_sample, ScoredSample(completion, req.reward), self.now))
+
+    @staticmethod
+    def _completion(req: SimRequest, tokens: int, reason: str) -> Completion:
+        """Token lists stand in as run-length sequences: only lengths and versions matter here."""
+        start = req.start_time if req.start_time is not None else req.end_time
+        return Completion(
+            req.rid, req.prompt.uid, Runs.repeat(0, req.prompt_tokens), Runs.repeat(0, tokens),
+            Runs.repeat(0.0, tokens), Runs(req.versions), reason, worker=req.engine.index,
+            submit_time=req.submit_time, start_time=start, end_time=req.end_time)
+
+    def _weight_sync(self) -> None:
+        for engine in self.engines:  # engines stop generating while new weights load
+            engine.pause(self.now, self.now + self.sync_s)
+            self._refresh(engine)
+        self._push(self.now + self.sync_s, TRAINED)
+
+    def _trained(self) -> None:
+        self.version += 1
+        self.trained += 1
+        self.step_ends.append(self.now)
+        for engine in self.engines:
+            engine.advance_to(self.now)
+            engine.mark_version(self.version)
+        groups, self.training = self.training, None
+        self._call(self.scheduler.sizer.observe, groups)  # as the live controller does after a step
+        self.scheduler.version = self.version
+        self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
+        touched: dict[int, SimEngine] = {}
+        if self.train_queue:
+            self._start_training(touched)
+        for engine in touched.values():
+            self._refresh(engine)
+        self.step_start = self.now
+        if self.trained < self.cfg.steps:  # after the last step nothing more is asked of the scheduler
+            self._act(self._call(self.scheduler.on_trained, self.version, self.now))
+
+    # --- checks and figures ----------------------------------------------------------------------
+    def check(self) -> None:
+        """Every request finished or was aborted exactly once, or is still in flight."""
+        live = Counter(r.state for r in self.requests.values())
+        in_flight = live[QUEUED] + live[RUNNING]
+        c = self.counts
+        if c["submitted"] != c["finished"] + c["aborted"] + in_flight:
+            raise SimulationError(f"request accounting broken: submitted {c['submitted']} != finished "
+                                  f"{c['finished']} + aborted {c['aborted']} + in flight {in_flight}")
+        if sum(e.load for e in self.engines) != in_flight:
+            raise SimulationError("engines hold a different number of requests than are in flight")
+        self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
+
+    def _metrics(self, wall_s: float) -> dict:
+        for engine in self.engines:
+            engine.advance_to(self.now)
+        sim_s = self.now
+        alloc = sum(e.slots * e.alloc_s for e in self.engines)
+        busy = sum(e.busy_slot_s for e in self.engines)
+        kv_room = sum(e.cost.kv_capacity * e.alloc_s for e in self.engines)
+        kv = sum(e.kv_token_s for e in self.engines) / kv_room if kv_room else 0.0
+        lengths = [n for g in self.group_lengths for n in g]
+        generated = sum(e.generated for e in self.engines)
+        steps = self.trained
+        return {
+            "scheduler": self.run_spec.name,
+            "steps": steps,
+            "sim_time_s": sim_s,
+            "step_time_s": sim_s / steps,
+            "rollout_time_s": mean(self.rollout_s),
+            "train_time_s": mean(self.train_s),
+            "weight_sync_s": self.sync_s,
+            "bubble_ratio": max(0.0, 1 - busy / alloc) if alloc else 0.0,
+            "kv_utilization": kv,
+            "straggler_rate": straggler_rate(self.group_lengths, self.kappa),
+            "tokens_per_s": self.trained_tokens / sim_s,
+            "generated_tokens_per_s": generated / sim_s,
+            "wasted_token_share": self.wasted_tokens / generated if generated else 0.0,
+            "truncated_share": self.truncated / len(lengths) if lengths else 0.0,
+            "response_tokens": {"mean": mean(lengths), "p50": percentile(lengths, 50),
+                                "p99": percentile(lengths, 99), "max": max(lengths, default=0)},
+            "trained_prompts": len(self.group_lengths),
+            "preemptions_per_step": sum(e.preemptions for e in self.engines) / steps,
+            "requests": {k: self.counts[k] for k in ("submitted", "finished", "aborted", "late_aborts")},
+            "prompts": self.scheduler.metrics(),
+            "step_ends_s": self.step_ends,
+            "wall": {"run_s": wall_s, "controller_s": self.controller_s,
+                     "controller_calls": self.controller_calls,
+                     "controller_share": self.controller_s / sim_s},
+        }
