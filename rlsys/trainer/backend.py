@@ -1,0 +1,252 @@
+"""Trainer backends. The micro-batch loop and the loss are shared here; a backend owns the model, the
+optimizer step, and how weights and optimizer state reach files. `TorchBackend` is plain torch AdamW
+in one process; `DeepSpeedBackend` (deepspeed_backend.py) adds ZeRO and data parallelism.
+
+Checkpoint folder written by `save` (safetensors + JSON only, nothing pickled):
+  model.safetensors                      full weights, HF names (rank 0)
+  optimizer_rank{r}.safetensors/.json    optimizer state: rank 0 only, or every rank when ZeRO partitions it
+  state_rank{r}.safetensors/.json        RNG states and step counters of each rank
+  trainer.json                           the layout it was written with, checked on load
+"""
+from __future__ import annotations
+
+import json
+import random
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from rlsys.config import TrainerConfig
+from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
+from rlsys.trainer.losses import LossInputs, compute_loss, token_mean
+from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
+
+LAYOUT_FILE = "trainer.json"
+
+
+def load_model(model_dir: str, device) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()  # no dropout, ever: training log-probs must match the engine's
+    return model.to(device)
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
+                   with_entropy: bool = False):
+    """log softmax(logits / T) of each next token, [B, L-1]: what the engine records when sampling at T.
+
+    T <= 0 (greedy) counts as 1. With `with_entropy`, also the (detached) entropy at each position.
+    """
+    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    log_norm = torch.logsumexp(scaled, -1)
+    logprobs = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_norm
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        entropy = log_norm - (torch.softmax(scaled, -1) * scaled).sum(-1)
+    return logprobs, entropy
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def write_hf_model(weights: dict[str, torch.Tensor], config_dir: str, out_dir: str | Path) -> None:
+    """A standard HF model folder (config, generation config, safetensors) from HF-named weights."""
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):  # the weights come from `weights`: no second copy is allocated
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(weights, assign=True, strict=True)
+    model.tie_weights()
+    if (Path(config_dir) / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(config_dir)
+    model.save_pretrained(str(out_dir))
+
+
+class TrainerBackend(ABC):
+    """One rank's trainer. Subclasses set `model` (what forward runs through) and `optimizer` (torch)."""
+
+    name = "base"
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1, device="cpu"):
+        self.cfg, self.model_dir = cfg, model_dir
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.skipped_steps = 0
+        seed_everything(cfg.seed)
+        self.reference = None
+        if cfg.kl.estimator and cfg.kl.coef > 0:  # the initial weights, frozen
+            self.reference = load_model(model_dir, device).requires_grad_(False)
+
+    # --- the shared loop ----------------------------------------------------------------------
+    def compute_logprobs(self, samples: list[TrainSample], temperature: float = 1.0,
+                         micro_batches: int = 0) -> list[list[float]]:
+        """Log-probs of each sample's response tokens under the current weights, in input order."""
+        found: dict[int, list[float]] = {}
+        with torch.no_grad():
+            for batch in self._micro_batches(samples, micro_batches):
+                mb = collate(batch).to(self.device)
+                logprobs = token_logprobs(self._logits(self.model, mb), mb.input_ids, temperature)
+                for row, sample in enumerate(batch):
+                    found[id(sample)] = logprobs[row, sample.prompt_len - 1:sample.num_tokens - 1].tolist()
+        return [found[id(s)] for s in samples]
+
+    def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float = 1.0) -> dict:
+        """Accumulate gradients over this rank's micro-batches, then take exactly one optimizer step.
+
+        Returned statistics are this rank's shares of the step's values (sum them over ranks);
+        `grad_norm` and `skipped_steps` are the same on every rank.
+        """
+        if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
+            self.skipped_steps += 1
+            return {"grad_norm": 0.0, "skipped_steps": self.skipped_steps, "tokens": 0, "sequences": 0}
+        stats = self.accumulate_gradients(samples, totals, temperature)
+        grad_norm, applied = self._optimizer_step()
+        self.skipped_steps += not applied
+        return dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps,
+                    tokens=sum(s.response_len for s in samples), sequences=len(samples))
+
+    def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float) -> dict:
+        if totals.micro_batches < 1:
+            raise ValueError("a train step needs at least one sample with response tokens")
+        stats: dict[str, float] = defaultdict(float)
+        batches = self._micro_batches(samples, totals.micro_batches)
+        for i, batch in enumerate(batches):
+            self._start_micro_batch(last=i == len(batches) - 1)
+            mb = collate(batch).to(self.device)
+            logprobs, entropy = token_logprobs(self._logits(self.model, mb), mb.input_ids, temperature, True)
+            inp = LossInputs(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages, mb.response_mask,
+                             float(totals.tokens), float(totals.sequences), self._reference_logprobs(mb, temperature),
+                             mb.versions)
+            loss, mb_stats = compute_loss(inp, self.cfg)
+            mb_stats["entropy"] = token_mean(entropy, inp).item()
+            self._backward(loss)
+            for k, v in mb_stats.items():
+                stats[k] += v
+        return dict(stats)
+
+    def _micro_batches(self, samples: list[TrainSample], count: int) -> list[list[TrainSample]]:
+        batches = pack_micro_batches(samples, self.cfg.micro_batch_tokens)
+        return batches + [[] for _ in range(count - len(batches))]
+
+    @staticmethod
+    def _logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+
+    def _reference_logprobs(self, mb: MicroBatch, temperature: float):
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return token_logprobs(self._logits(self.reference, mb), mb.input_ids, temperature)
+
+    # --- what a backend provides -----------------------------------------------------------------
+    def _start_micro_batch(self, last: bool) -> None:
+        """Called before each forward; DeepSpeed needs to know which one ends the step."""
+
+    @abstractmethod
+    def _backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _optimizer_step(self) -> tuple[float, bool]:
+        """Clip and step unless the gradients are not finite; return (grad norm before clipping, applied)."""
+
+    @abstractmethod
+    def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
+        """Full weights, HF names, CPU float32 (a collective under ZeRO-3: every rank must call it)."""
+
+    @abstractmethod
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
+
+    def _optimizer_is_partitioned(self) -> bool:
+        return False
+
+    def _optimizer_state(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def _load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def _layout(self) -> dict:
+        return {"backend": self.name, "world_size": self.world_size}
+
+    # --- files ----------------------------------------------------------------------------------
+    def save(self, folder: str) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = self.state_dict_for_rollout()
+        if self.rank == 0:
+            save_tensors(weights, folder / "model.safetensors")
+            (folder / LAYOUT_FILE).write_text(json.dumps(self._layout()))
+        if self.rank == 0 or self._optimizer_is_partitioned():
+            save_state(self._optimizer_state(), folder, f"optimizer_rank{self.rank}")
+        save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps}, folder, f"state_rank{self.rank}")
+
+    def load(self, folder: str) -> None:
+        folder = Path(folder)
+        layout = json.loads((folder / LAYOUT_FILE).read_text())
+        if layout != self._layout():
+            raise ValueError(f"{folder} was written by a trainer with {layout}; this one is {self._layout()}: "
+                             "resume with the same trainer.backend, trainer.world_size and trainer.zero_stage")
+        self._load_weights(load_file(str(folder / "model.safetensors")))
+        rank = self.rank if self._optimizer_is_partitioned() else 0
+        self._load_optimizer_state(load_state(folder, f"optimizer_rank{rank}"))
+        state = load_state(folder, f"state_rank{self.rank}")
+        set_rng_state(state["rng"])
+        self.skipped_steps = state["skipped_steps"]
+
+    def export_hf(self, folder: str) -> None:
+        """A standard HF model folder with the current weights (no tokenizer: the caller adds it)."""
+        weights = self.state_dict_for_rollout()
+        if self.rank == 0:
+            write_hf_model(weights, self.model_dir, folder)
+
+
+class TorchBackend(TrainerBackend):
+    """Plain torch AdamW on the HF model, one process."""
+
+    name = "torch"
+
+    def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1):
+        if world_size != 1:
+            raise ValueError(f"TorchBackend runs on one rank, not {world_size}: use DeepSpeedBackend")
+        super().__init__(cfg, model_dir, rank, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(model_dir, self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def _optimizer_step(self) -> tuple[float, bool]:
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        applied = bool(np.isfinite(norm))
+        if applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, applied
+
+    def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.model.state_dict().items()}
+
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(weights)

@@ -1,0 +1,130 @@
+"""From scored groups to tensors: samples with advantages, split across ranks, packed into micro-batches.
+
+The plan of a step is made once, in the driver, so every rank knows the step's totals (what the
+losses divide by) and runs the same number of micro-batches: ZeRO-2/3 communicate on every
+forward/backward, so a rank with less data pads with empty micro-batches rather than stop early.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlsys.trainer.advantages import group_advantages
+from rlsys.types import Group
+
+PAD_ID = 0  # padding positions are masked out of attention and loss, so the id never matters
+
+
+@dataclass
+class TrainSample:
+    input_ids: list[int]  # prompt ids + response ids
+    prompt_len: int
+    advantage: float
+    logprobs: list[float]  # behaviour log-prob of each response token
+    versions: list[int]  # policy version that sampled each response token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """The whole step, over every rank and micro-batch: what losses normalise by."""
+    tokens: int  # response tokens
+    sequences: int
+    micro_batches: int  # run by every rank
+
+
+def build_samples(groups: list[Group], advantage: str) -> list[TrainSample]:
+    """One sample per completion with a response; empty responses still count in their group's advantages."""
+    samples = []
+    for group in groups:
+        for scored, adv in zip(group.samples, group_advantages(group.rewards, advantage)):
+            c = scored.completion
+            if not c.token_ids:
+                continue
+            if not c.prompt_ids:
+                raise ValueError(f"completion {c.request_id}: empty prompt, so no position predicts its first token")
+            if len(c.logprobs) != len(c.token_ids) or len(c.versions) != len(c.token_ids):
+                raise ValueError(f"completion {c.request_id}: {len(c.token_ids)} tokens but {len(c.logprobs)} "
+                                 f"log-probs and {len(c.versions)} versions; the engine must record one per token")
+            samples.append(TrainSample(list(c.prompt_ids) + list(c.token_ids), len(c.prompt_ids), float(adv),
+                                       list(c.logprobs), list(c.versions)))
+    return samples
+
+
+def split_across_ranks(samples: list[TrainSample], world_size: int) -> list[list[TrainSample]]:
+    """Longest first, each to the rank with the fewest tokens so far: near-equal work per rank."""
+    ranks: list[list[TrainSample]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for sample in sorted(samples, key=lambda s: -s.num_tokens):
+        r = load.index(min(load))
+        ranks[r].append(sample)
+        load[r] += sample.num_tokens
+    return ranks
+
+
+def pack_micro_batches(samples: list[TrainSample], token_budget: int) -> list[list[TrainSample]]:
+    """Longest first; a micro-batch takes samples while rows x longest row stays within the budget.
+
+    Padding counts against the budget. A sample longer than the budget gets a micro-batch of its own.
+    """
+    batches: list[list[TrainSample]] = []
+    for sample in sorted(samples, key=lambda s: -s.num_tokens):
+        current = batches[-1] if batches else None
+        if current and (len(current) + 1) * current[0].num_tokens <= token_budget:
+            current.append(sample)
+        else:
+            batches.append([sample])
+    return batches
+
+
+def plan_step(samples: list[TrainSample], world_size: int, token_budget: int):
+    """Each rank's samples, and the totals every rank needs to normalise its share of the step."""
+    per_rank = split_across_ranks(samples, world_size)
+    micro_batches = max(len(pack_micro_batches(s, token_budget)) for s in per_rank)
+    totals = StepTotals(tokens=sum(s.response_len for s in samples), sequences=len(samples),
+                        micro_batches=micro_batches)
+    return per_rank, totals
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors. Per-token tensors are [B, L-1]: position t predicts input_ids[:, t+1]."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor  # float; 1.0 where the predicted token is a response token
+    advantages: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    versions: torch.Tensor
+
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(*(t.to(device) for t in vars(self).values()))
+
+
+def collate(samples: list[TrainSample]) -> MicroBatch:
+    """An empty list gives one row with no response tokens: a padding micro-batch adding zero gradient."""
+    rows = samples or [TrainSample([PAD_ID, PAD_ID], 2, 0.0, [], [])]
+    width = max(s.num_tokens for s in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    response_mask = torch.zeros(len(rows), width - 1)
+    advantages = torch.zeros(len(rows), width - 1)
+    behaviour = torch.zeros(len(rows), width - 1)
+    versions = torch.zeros(len(rows), width - 1, dtype=torch.long)
+    for i, s in enumerate(rows):
+        input_ids[i, :s.num_tokens] = torch.tensor(s.input_ids)
+        attention_mask[i, :s.num_tokens] = 1  # even on the padding row: a fully masked row gives NaN
+        response = slice(s.prompt_len - 1, s.num_tokens - 1)
+        response_mask[i, response] = 1.0
+        advantages[i, response] = s.advantage
+        behaviour[i, response] = torch.tensor(s.logprobs)
+        versions[i, response] = torch.tensor(s.versions, dtype=torch.long)
+    return MicroBatch(input_ids, attention_mask, response_mask, advantages, behaviour, versions)

@@ -1,0 +1,153 @@
+"""Trainer actors: one `TrainerWorker` per data-parallel rank, driven by a `TrainerGroup` in the driver.
+
+The group turns scored groups into samples with advantages, plans the step (each rank's samples,
+the step totals, the micro-batch count every rank runs) and merges the ranks' statistics. Files
+(checkpoints, exports) are written by the workers, so on several nodes the run folder must be on a
+shared filesystem.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import ray
+
+from rlsys.config import Config, TrainerConfig
+from rlsys.trainer.batching import StepTotals, TrainSample, build_samples, plan_step
+from rlsys.types import Group
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
+SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps")  # everything else a rank reports is its share of a sum
+
+
+@ray.remote
+class TrainerWorker:
+    def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int, world_size: int):
+        self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
+        self.backend = None
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int, ranks_on_node: int) -> None:
+        # Each actor owns one device (Ray narrows CUDA_VISIBLE_DEVICES), hence LOCAL_RANK 0.
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one bar per load per rank would flood the driver's log
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
+        if self.cfg.backend == "torch":
+            from rlsys.trainer.backend import TorchBackend as Backend
+        else:
+            from rlsys.trainer.deepspeed_backend import DeepSpeedBackend as Backend
+        self.backend = Backend(self.cfg, self.model_dir, self.rank, self.world_size)
+
+    def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float) -> dict:
+        return self.backend.train_step(samples, totals, temperature)
+
+    def compute_logprobs(self, samples: list[TrainSample], temperature: float, micro_batches: int):
+        return self.backend.compute_logprobs(samples, temperature, micro_batches)
+
+    def rollout_weights(self):
+        weights = self.backend.state_dict_for_rollout()
+        return weights if self.rank == 0 else None
+
+    def save(self, folder: str) -> None:
+        self.backend.save(folder)
+
+    def load(self, folder: str) -> None:
+        self.backend.load(folder)
+
+    def export_hf(self, folder: str) -> None:
+        self.backend.export_hf(folder)
+
+
+def get_all(refs: list[ray.ObjectRef]) -> list:
+    """Like ray.get, but a rank's error is raised as soon as it happens, not after the ranks still
+    blocked in a collective with it time out."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
+def merge_metrics(per_rank: list[dict]) -> dict:
+    keys = {k for m in per_rank for k in m}
+    merged = {k: sum(m.get(k, 0.0) for m in per_rank) for k in keys if k not in SAME_ON_ALL_RANKS}
+    merged.update({k: per_rank[0][k] for k in SAME_ON_ALL_RANKS if k in per_rank[0]})
+    return merged
+
+
+class TrainerGroup:
+    def __init__(self, cfg: Config, model_dir: str):
+        self.cfg = cfg.trainer
+        world = self.cfg.world_size
+        if self.cfg.backend == "torch" and world > 1:  # refused before any actor starts
+            raise ValueError(f"trainer.backend=torch runs on one rank, got trainer.world_size={world}; "
+                             "use trainer.backend=deepspeed for data parallelism")
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        actor = TrainerWorker.options(num_cpus=1, num_gpus=gpus)
+        self.workers = [actor.remote(self.cfg, model_dir, rank, world) for rank in range(world)]
+        ips = ray.get([w.node_ip.remote() for w in self.workers])
+        port = ray.get(self.workers[0].free_port.remote())
+        get_all([w.setup.remote(ips[0], port, ips.count(ip)) for w, ip in zip(self.workers, ips)])
+
+    # --- training -----------------------------------------------------------------------------
+    def train_step(self, groups: list[Group], temperature: float) -> dict:
+        """One optimizer step on these groups; blocks until every rank is done."""
+        return self.finish_train_step(self.start_train_step(groups, temperature))
+
+    def start_train_step(self, groups: list[Group], temperature: float) -> list[ray.ObjectRef]:
+        """Launch the step and return at once; pass the refs to `finish_train_step` (or ray.wait on them)."""
+        samples = build_samples(groups, self.cfg.advantage)
+        per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
+        return [w.train_step.remote(s, totals, temperature) for w, s in zip(self.workers, per_rank)]
+
+    def finish_train_step(self, refs: list[ray.ObjectRef]) -> dict:
+        """Merged metrics: sums of the ranks' shares, and grad_norm / skipped_steps from rank 0."""
+        return merge_metrics(get_all(refs))
+
+    def compute_logprobs(self, samples: list[TrainSample], temperature: float) -> list[list[float]]:
+        """Current-policy log-probs of each sample's response tokens, in input order."""
+        per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
+        results = get_all([w.compute_logprobs.remote(s, temperature, totals.micro_batches)
+                           for w, s in zip(self.workers, per_rank)])
+        found = {id(s): lp for part, part_lps in zip(per_rank, results) for s, lp in zip(part, part_lps)}
+        return [found[id(s)] for s in samples]
+
+    # --- weights and files ------------------------------------------------------------------------
+    def weights_ref(self) -> ray.ObjectRef:
+        """Rank 0's full weights (HF names, CPU float32) in the object store, for the rollout workers."""
+        gather_on_all = self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3
+        refs = [w.rollout_weights.remote() for w in (self.workers if gather_on_all else self.workers[:1])]
+        get_all(refs[1:])  # the other ranks only take part in the gather; rank 0's stays in the store
+        return refs[0]
+
+    def save(self, folder: str) -> None:
+        get_all([w.save.remote(folder) for w in self.workers])
+
+    def load(self, folder: str) -> None:
+        get_all([w.load.remote(folder) for w in self.workers])
+
+    def export_hf(self, folder: str, tokenizer_dir: str) -> None:
+        """A standard HF folder (config, safetensors weights, tokenizer files) loadable by from_pretrained."""
+        get_all([w.export_hf.remote(folder) for w in self.workers])
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
