@@ -20,7 +20,7 @@ class Section(BaseModel):
 
 class WarmStartConfig(Section):
     """Short supervised fine-tuning so RL starts, as in practice, from a partly right policy."""
-    steps: int = Field(300, ge=0)
+    steps: int = Field(400, ge=0)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
@@ -132,6 +132,20 @@ class SAGCConfig(Section):
         return self
 
 
+class SortedConfig(Section):
+    """SortedRL: oversubscribed rollout groups, trained in finish order (DESIGN.md "SortedRL")."""
+    mode: Literal["on_policy", "partial"] = "on_policy"  # unfinished samples at an update: regenerate | resume
+    rollout_prompts: Optional[int] = Field(None, ge=1)  # prompts per rollout group; None: 4 x update_prompts
+    update_prompts: Optional[int] = Field(None, ge=1)  # prompts per Train; None: the group sizer's prompts
+    max_versions: int = Field(2, ge=1)  # K (partial mode): policy versions a trained sample may span
+
+    @model_validator(mode="after")
+    def _rollout_covers_update(self):
+        if self.rollout_prompts and self.update_prompts and self.rollout_prompts < self.update_prompts:
+            raise ValueError("control.sorted.rollout_prompts must be at least control.sorted.update_prompts")
+        return self
+
+
 class ControlConfig(Section):
     scheduler: str = "sync"
     group_sizer: str = "fixed"
@@ -141,6 +155,7 @@ class ControlConfig(Section):
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     tail: TailConfig = TailConfig()
     sagc: SAGCConfig = SAGCConfig()
+    sorted: SortedConfig = SortedConfig()
     eval_every: int = Field(10, ge=0)  # 0: only before and after training
     save_every: int = Field(20, ge=0)  # 0: only at the end
 
@@ -149,6 +164,9 @@ class ClusterConfig(Section):
     address: Optional[str] = None  # None starts a local Ray cluster; "auto" joins a running one
     num_cpus: Optional[int] = Field(None, ge=1)
     dashboard_host: str = "127.0.0.1"
+    # torch threads per CPU actor (rollout and trainer). One thread each avoids oversubscribing cores
+    # that the other actors share; oversubscribed CPU kernels ran many times slower here.
+    torch_threads: int = Field(1, ge=1)
 
 
 class LoggingConfig(Section):

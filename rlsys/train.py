@@ -17,8 +17,10 @@ from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Submit, Train
 from rlsys.data import filter_long_prompts, load_datasets
 from rlsys.data.cursor import PromptCursor
+from rlsys.evaluate import eval_accuracy
 from rlsys.logger import RunLogger
 from rlsys.models import load_tokenizer, prepare_model
+from rlsys.plot import plot_run
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats
@@ -37,7 +39,8 @@ class Controller:
         self.tokenizer = load_tokenizer(self.model_dir)
         train, self.eval_prompts = self._datasets()
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
-        self.rollout = RolloutManager(str(self.model_dir), cfg.rollout.num_workers, cfg.rollout.slots)
+        self.rollout = RolloutManager(str(self.model_dir), cfg.rollout.num_workers, cfg.rollout.slots,
+                                      torch_threads=cfg.cluster.torch_threads)
         self.rewards = RewardPool(cfg.reward)
         self.trainer = TrainerGroup(cfg, str(self.model_dir))
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
@@ -148,15 +151,9 @@ class Controller:
     # --- eval, checkpoints, end -------------------------------------------------------------
     def evaluate(self) -> float:
         t = time.time()
-        params = SamplingParams(self.cfg.rollout.max_new_tokens, self.cfg.rollout.eval_temperature, 1.0, seed=0)
-        requests = [Request(f"eval/{p.uid}", p.uid, self.tokenizer(p.text)["input_ids"], params)
-                    for p in self.eval_prompts]
-        completions = self.rollout.generate(requests)
-        answers = {f"eval/{p.uid}": p.answer for p in self.eval_prompts}
-        results = self.rewards.score_all(
-            [(c.request_id, c.text, answers[c.request_id], c.num_tokens) for c in completions])
+        accuracy = eval_accuracy(self.rollout, self.rewards, self.tokenizer, self.eval_prompts, self.cfg.rollout)
         self.paused_s += time.time() - t
-        return sum(r.reward > 0.5 for r in results) / max(len(results), 1)
+        return accuracy
 
     def save(self) -> Path:
         t = time.time()
@@ -193,6 +190,7 @@ class Controller:
             self.log.write(self.step, self.now(), final, final=True)
             self.trainer.export_hf(str(self.run_dir / "export"), str(self.model_dir))
         self.log.close()
+        plot_run(self.run_dir)
         return final
 
     def shutdown(self) -> None:

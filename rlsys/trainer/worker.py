@@ -37,7 +37,7 @@ class TrainerWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int, ranks_on_node: int) -> None:
+    def setup(self, master_addr: str, master_port: int, torch_threads: int) -> None:
         # Each actor owns one device (Ray narrows CUDA_VISIBLE_DEVICES), hence LOCAL_RANK 0.
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
@@ -45,7 +45,7 @@ class TrainerWorker:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # one bar per load per rank would flood the driver's log
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_node))
+        torch.set_num_threads(torch_threads)
         if self.cfg.backend == "torch":
             from rlsys.trainer.backend import TorchBackend as Backend
         else:
@@ -101,7 +101,7 @@ class TrainerGroup:
         self.workers = [actor.remote(self.cfg, model_dir, rank, world) for rank in range(world)]
         ips = ray.get([w.node_ip.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
-        get_all([w.setup.remote(ips[0], port, ips.count(ip)) for w, ip in zip(self.workers, ips)])
+        get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
 
     # --- training -----------------------------------------------------------------------------
     def train_step(self, groups: list[Group], temperature: float) -> dict:
