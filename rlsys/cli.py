@@ -12,6 +12,8 @@ EPILOG = """examples:
   rlsys train configs/tiny.yaml output_dir=runs/a --resume     continue from the last checkpoint
   rlsys eval runs/tiny                           eval accuracy of a run's exported model (or any HF model dir)
   rlsys plot runs/tiny                           progress.png and timeline.png in the run folder
+  rlsys bench --quick --output benchmarks/results/bench_quick.json
+  rlsys simulate configs/sim/qwen7b_8k.yaml --output sim.json
 """
 
 
@@ -55,6 +57,12 @@ def cmd_simulate(args) -> int:
     return run_from_args(args) or 0
 
 
+def cmd_bench(args) -> int:
+    from rlsys.bench import run_from_args
+
+    return run_from_args(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlsys", description="Distributed RL post-training for language models (GRPO/DAPO) on Ray.",
@@ -85,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("bench", help="compare presets (sync, tail, sagc, ...) on the same workload, repeated")
+    from rlsys.bench import add_arguments as bench_arguments
+    bench_arguments(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

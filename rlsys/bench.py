@@ -1,0 +1,219 @@
+"""`rlsys bench`: the same workload under several presets, interleaved and repeated so that machine
+noise shows as a spread, summarised in one table, one JSON file and three figures."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from rlsys.config import DEFAULT_CONFIG, load_config
+from rlsys.control import GROUP_SIZERS, SCHEDULERS
+
+# name -> config overrides on top of the workload. Presets whose scheduler or sizer is not
+# registered yet are skipped, so the table grows as schedulers land.
+PRESETS: dict[str, list[str]] = {
+    "sync": [],
+    "tail": ["control.scheduler=tail"],
+    "sorted": ["control.scheduler=sorted"],
+    "sagc": ["control.group_sizer=sagc"],
+    "async": ["control.scheduler=async"],
+    "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
+}
+QUICK = ["trainer.total_steps=30", "control.eval_every=5", "data.eval_size=100", "control.save_every=0"]
+
+
+def available(name: str) -> bool:
+    values = dict(o.split("=", 1) for o in PRESETS[name])
+    return (values.get("control.scheduler", "sync") in SCHEDULERS
+            and values.get("control.group_sizer", "fixed") in GROUP_SIZERS)
+
+
+def machine() -> dict:
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "load_average_at_start": os.getloadavg()[0]}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def summarise_run(rows: list[dict], target: float) -> dict:
+    """The figures of one run, from its metrics.jsonl rows."""
+    steps = [r for r in rows if "timing/step_s" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    reached = [r["time_s"] for r in evals if r["eval/accuracy"] >= target]
+    samples = sum(r["samples"] for r in steps)
+    mean = lambda key: statistics.mean(r[key] for r in steps) if steps else 0.0  # noqa: E731
+    return {
+        "step_time_s": mean("timing/step_s"),
+        "time_per_sample_s": steps[-1]["time_s"] / samples if samples else None,
+        "bubble_ratio": mean("rollout/bubble_ratio"),
+        "straggler_rate": mean("rollout/straggler_rate"),
+        "efficiency": mean("rollout/efficiency"),
+        "tokens_per_s": mean("throughput/tokens_per_s"),
+        "time_to_target_s": reached[0] if reached else None,
+        "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
+        "samples": samples,
+        "wall_s": steps[-1]["time_s"] if steps else 0.0,
+    }
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Median over repeats, with [min, max] spreads for the figures that vary."""
+    out: dict = {"repeats": len(runs)}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r[key] is not None]
+        if key == "time_to_target_s" and len(values) < len(runs):
+            out[key] = None  # not every repeat reached the target
+        else:
+            out[key] = statistics.median(values) if values else None
+        if len(values) > 1:
+            out[f"{key}_spread"] = [min(values), max(values)]
+    return out
+
+
+def speedups(results: dict) -> dict:
+    base = results.get("sync")
+    if not base:
+        return {}
+    out = {}
+    for name, r in results.items():
+        out[name] = {"per_sample": base["time_per_sample_s"] / r["time_per_sample_s"]
+                     if r["time_per_sample_s"] else None,
+                     "time_to_target": (base["time_to_target_s"] / r["time_to_target_s"]
+                                        if base["time_to_target_s"] and r["time_to_target_s"] else None)}
+    return out
+
+
+def run_preset(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
+    from rlsys.train import train
+
+    cfg = load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
+    if out_dir.exists():
+        import shutil
+        shutil.rmtree(out_dir)
+    train(cfg)
+    return read_metrics(out_dir)
+
+
+def bench(config: str, overrides: list[str], presets: list[str], repeats: int, target: float,
+          out_dir: Path) -> dict:
+    names = [p for p in presets if available(p)]
+    skipped = [p for p in presets if p not in names]
+    if skipped:
+        print(f"skipping presets not available yet: {', '.join(skipped)}")
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[: r % len(names)]  # rotate so no preset always runs first
+        for name in order:
+            t = time.time()
+            rows = run_preset(config, overrides + PRESETS[name], out_dir / f"{name}-r{r}")
+            runs[name].append(summarise_run(rows, target))
+            print(f"[bench] {name} repeat {r}: {time.time() - t:.0f}s, "
+                  f"final accuracy {runs[name][-1]['final_accuracy']}", flush=True)
+    cfg = load_config(config, overrides)
+    results = {n: aggregate(v) for n, v in runs.items()}
+    return {
+        "workload": {"config": str(config), "overrides": overrides, "target_accuracy": target,
+                     "model": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers", "path"}),
+                     "task": cfg.data.task, "seed": cfg.seed, "prompts_per_step": cfg.control.prompts_per_step,
+                     "group_size": cfg.control.group_size, "total_steps": cfg.trainer.total_steps,
+                     "max_new_tokens": cfg.rollout.max_new_tokens, "slots": cfg.rollout.slots},
+        "machine": machine(),
+        "results": results,
+        "speedup_vs_sync": speedups(results),
+        "runs": runs,
+    }
+
+
+def print_table(report: dict) -> None:
+    cols = [("step_time_s", "step s", "{:.2f}"), ("time_per_sample_s", "s/sample", "{:.4f}"),
+            ("bubble_ratio", "bubble", "{:.3f}"), ("straggler_rate", "straggler", "{:.2f}"),
+            ("efficiency", "effic.", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.0f}"),
+            ("time_to_target_s", "to target s", "{:.0f}"), ("final_accuracy", "final acc", "{:.3f}")]
+    print(f"{'preset':<12}" + "".join(f"{h:>12}" for _, h, _ in cols) + f"{'speedup':>10}")
+    for name, r in report["results"].items():
+        cells = "".join(f"{(f.format(r[k]) if r[k] is not None else '-'):>12}" for k, _, f in cols)
+        s = report["speedup_vs_sync"].get(name, {}).get("per_sample")
+        print(f"{name:<12}{cells}{(f'{s:.2f}x' if s else '-'):>10}")
+
+
+def plot_bench(report: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rlsys.plot import draw_timeline, read_jsonl
+
+    names = list(report["results"])
+    colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in names:
+        for r in range(report["results"][name]["repeats"]):
+            rows = [x for x in read_jsonl(out_dir / f"{name}-r{r}" / "metrics.jsonl") if "eval/accuracy" in x]
+            ax.plot([x["time_s"] for x in rows], [x["eval/accuracy"] for x in rows], "o-", color=colors[name],
+                    alpha=0.8, label=name if r == 0 else None)
+    ax.axhline(report["workload"]["target_accuracy"], ls="--", color="grey", lw=1)
+    ax.set(xlabel="training wall time (s)", ylabel="eval accuracy", title="Accuracy against wall time")
+    ax.legend(), ax.grid(alpha=0.3)
+    paths = [out_dir / "accuracy_vs_time.png"]
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    med = [report["results"][n]["bubble_ratio"] for n in names]
+    spread = [report["results"][n].get("bubble_ratio_spread", [m, m]) for n, m in zip(names, med)]
+    ax.bar(names, med, color=[colors[n] for n in names],
+           yerr=[[m - s[0] for m, s in zip(med, spread)], [s[1] - m for m, s in zip(med, spread)]])
+    ax.set(ylabel="rollout/bubble_ratio", title="Bubble ratio per preset (median, min-max)")
+    paths.append(out_dir / "bubble_ratio.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        rows = read_jsonl(out_dir / f"{name}-r0" / "timeline.jsonl")
+        steps = sorted({x["step"] for x in rows})
+        shown = steps[len(steps) // 2: len(steps) // 2 + 3]  # three steps from the middle of the run
+        draw_timeline(ax, [x for x in rows if x["step"] in shown], f"{name}: steps {shown[0]}-{shown[-1]}")
+    paths.append(out_dir / "timelines.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def add_arguments(p) -> None:
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
+                   help=f"the workload: a config (default {DEFAULT_CONFIG.name}) and overrides")
+    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets (default: all available)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per preset, interleaved (default 2)")
+    p.add_argument("--target", type=float, default=0.5, help="eval accuracy for time-to-target (default 0.5)")
+    p.add_argument("--quick", action="store_true", help="a short workload: " + " ".join(QUICK))
+    p.add_argument("--out-dir", default="runs/bench", help="where the runs and figures go")
+    p.add_argument("--output", help="write the report JSON here")
+
+
+def run_from_args(args) -> int:
+    from rlsys.cli import _split_config_and_overrides
+
+    config, overrides = _split_config_and_overrides(args.items)
+    overrides = (QUICK if args.quick else []) + overrides
+    out_dir = Path(args.out_dir)
+    report = bench(config, overrides, args.presets.split(","), args.repeats, args.target, out_dir)
+    print_table(report)
+    for path in plot_bench(report, out_dir):
+        print(f"wrote {path}")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.output}")
+    return 0
