@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -109,8 +110,9 @@ class Controller:
             self.prompts[rid] = action.prompt
             params = SamplingParams(self.cfg.rollout.max_new_tokens, self.cfg.rollout.temperature,
                                     self.cfg.rollout.top_p, seed=self._seed(rid))
-            resume = action.resume.get(rid)
-            requests.append(resume if resume else Request(rid, action.prompt.uid, prompt_ids, params))
+            resume = action.resume.get(rid)  # a partial rollout continues with this run's sampling params
+            requests.append(replace(resume, params=params) if resume
+                            else Request(rid, action.prompt.uid, prompt_ids, params))
         self.stats.submitted(len(requests))
         self.rollout.submit(requests)
 
