@@ -208,7 +208,7 @@ class Controller:
         return zlib.crc32(f"{self.cfg.seed}:{request_id}".encode())
 
     def _datasets(self):
-        train, evals = load_datasets(self.cfg.data)
+        train, evals = load_datasets(self.cfg.data, self.tokenizer)
         train, dropped = filter_long_prompts(train, self.tokenizer, self.cfg.data.max_prompt_tokens)
         if dropped:
             print(f"dropped {dropped} training prompts longer than data.max_prompt_tokens="

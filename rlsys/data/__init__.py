@@ -1,0 +1,54 @@
+"""Datasets: the built-in synthetic tasks or veRL-style files, as (train, eval) lists of Prompts."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from rlsys.config import DataConfig
+from rlsys.data.files import DataError, read_prompts
+from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
+from rlsys.types import Prompt
+
+__all__ = ["DataError", "TASKS", "filter_long_prompts", "length_stats", "load_datasets", "read_prompts"]
+
+
+def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, eval) for `cfg.task`: "synthetic" (the default mix), a task family name, or "files".
+
+    With "files" and no `eval_path`, `eval_size` prompts are held out of the training file (seeded).
+    `tokenizer` renders chat-message prompts with its chat template, if it has one.
+    """
+    if cfg.task == "files":
+        if not cfg.train_path:
+            raise DataError("data.train_path must be set when data.task is 'files'")
+        train = read_prompts(cfg.train_path, "train", tokenizer)
+        if cfg.eval_path:
+            return train, read_prompts(cfg.eval_path, "eval", tokenizer)
+        return _hold_out(train, cfg.eval_size, cfg.seed, cfg.train_path)
+    if cfg.task != "synthetic" and cfg.task not in TASKS:
+        raise DataError(f"data.task: unknown task {cfg.task!r}; choose 'files', 'synthetic' or one of: "
+                        f"{', '.join(TASKS.names())}")
+    return synthetic_splits(cfg.task, cfg.train_size, cfg.eval_size, cfg.seed)
+
+
+def _hold_out(prompts: list[Prompt], n_eval: int, seed: int, path: str) -> tuple[list[Prompt], list[Prompt]]:
+    if n_eval >= len(prompts):
+        raise DataError(f"{path}: {len(prompts)} rows cannot spare data.eval_size={n_eval} for evaluation; "
+                        "set data.eval_path or a smaller data.eval_size")
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_eval])
+
+    def renumber(items: list[Prompt], split: str) -> list[Prompt]:
+        return [dataclasses.replace(p, uid=f"{split}-{i}", index=i) for i, p in enumerate(items)]
+    return (renumber([p for i, p in enumerate(prompts) if i not in held], "train"),
+            renumber([prompts[i] for i in sorted(held)], "eval"))
+
+
+def filter_long_prompts(prompts: list[Prompt], tokenizer, max_tokens: int) -> tuple[list[Prompt], int]:
+    """(prompts of at most `max_tokens` tokens, how many were dropped); the caller reports the count."""
+    if not prompts:
+        return [], 0
+    lengths = [len(ids) for ids in tokenizer([p.text for p in prompts])["input_ids"]]
+    kept = [p for p, n in zip(prompts, lengths) if n <= max_tokens]
+    return kept, len(prompts) - len(kept)

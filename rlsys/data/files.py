@@ -1,0 +1,115 @@
+"""Prompt datasets from jsonl or parquet files with veRL-style columns.
+
+Columns: `prompt` (a string, or a list of {role, content} chat messages), the answer in `answer` or in
+`reward_model.ground_truth`, and an optional `data_source` (default: the file's stem). A bad row is
+refused with the file, the line (jsonl, from 1) or row (parquet, from 0) and what is wrong with it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from rlsys.types import Prompt
+
+
+class DataError(ValueError):
+    pass
+
+
+def read_prompts(path: str | Path, split: str = "train", tokenizer=None) -> list[Prompt]:
+    """Every row of a .jsonl or .parquet file as a Prompt with uid `<split>-<i>`.
+
+    Chat-message prompts are rendered with `tokenizer`'s chat template when it has one; otherwise the
+    last user message is the prompt text.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: dataset file not found")
+    rows = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}.get(path.suffix)
+    if rows is None:
+        raise DataError(f"{path}: unsupported dataset file type {path.suffix!r}; use .jsonl or .parquet")
+    prompts = []
+    for where, row in rows(path):
+        try:
+            text, answer, source = _parse_row(row, tokenizer, default_source=path.stem)
+        except DataError as e:
+            raise DataError(f"{path}, {where}: {e}") from None
+        i = len(prompts)
+        prompts.append(Prompt(uid=f"{split}-{i}", text=text, answer=answer, data_source=source, index=i))
+    if not prompts:
+        raise DataError(f"{path}: the file is empty (no rows)")
+    return prompts
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue  # blank lines (a trailing newline) are not rows
+            try:
+                yield f"line {number}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    for number, row in enumerate(table.to_pylist()):
+        yield f"row {number}", row
+
+
+def _parse_row(row: Any, tokenizer, default_source: str) -> tuple[str, str, str]:
+    if not isinstance(row, dict):
+        raise DataError(f"a row must be an object with a 'prompt' field, got {type(row).__name__}")
+    if row.get("prompt") is None:
+        raise DataError("missing 'prompt'")
+    text = _prompt_text(row["prompt"], tokenizer)
+    if not text.strip():
+        raise DataError("'prompt' is empty")
+    source = row.get("data_source")
+    if source is None:
+        source = default_source
+    elif not isinstance(source, str):
+        raise DataError(f"'data_source' must be a string, got {type(source).__name__}")
+    return text, _answer(row), source
+
+
+def _prompt_text(prompt: Any, tokenizer) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise DataError(f"'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
+    for i, message in enumerate(prompt):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(f"'prompt' message {i} must be an object with string 'role' and 'content'")
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    if not users:
+        raise DataError("'prompt' has no message with role 'user'")
+    return users[-1]
+
+
+def _answer(row: dict) -> str:
+    answer, field = row.get("answer"), "answer"
+    if answer is None:
+        reward_model, field = row.get("reward_model"), "reward_model.ground_truth"
+        if reward_model is None:
+            raise DataError("missing the answer: give 'answer' or 'reward_model.ground_truth'")
+        if not isinstance(reward_model, dict):
+            raise DataError(f"'reward_model' must be an object, got {type(reward_model).__name__}")
+        answer = reward_model.get("ground_truth")
+        if answer is None:
+            raise DataError("missing 'reward_model.ground_truth' (and no 'answer')")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f"'{field}' must be a string or a number, got {type(answer).__name__}")
+    return str(answer)

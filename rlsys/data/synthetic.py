@@ -1,0 +1,108 @@
+"""Built-in verifiable tasks whose answer lengths are heavy-tailed and fixed by the prompt.
+
+Each family is a function `rng -> (prompt text, answer)` registered by name. Most answers are a few
+characters, but `rep` (repeat a unit k times, k heavy-tailed) reaches toward the 96-token response
+limit, so a rollout batch has real stragglers and the samples of one prompt share their length, as in
+RL on math or code. Answers are checked by exact match.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import string
+from typing import Callable
+
+from rlsys.control.registry import Registry
+from rlsys.types import Prompt
+
+TaskFn = Callable[[random.Random], tuple[str, str]]
+TASKS: Registry[TaskFn] = Registry("task family")
+
+MAX_ANSWER_CHARS = 90  # under the default 96-token response limit, eos included
+# The default mix ("synthetic"): family -> share of prompts. After the default warm start the tiny model
+# gets many short `rep`s right, some `rev`/`srt`, and almost no `add` (hard prompts, as in real data).
+MIX = {"rep": 0.45, "rev": 0.2, "srt": 0.2, "add": 0.15}
+
+
+def _word(rng: random.Random, lo: int, hi: int) -> str:
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
+
+
+@TASKS.register("rep")
+def repeat_unit(rng: random.Random) -> tuple[str, str]:
+    """`rep 7 ab=` -> `ababababababab`; k is Pareto-distributed, so long answers are rare but real."""
+    unit = _word(rng, 1, 3)
+    k = 1 + int(rng.paretovariate(1.0))
+    while len(unit) * k > MAX_ANSWER_CHARS:  # redraw rather than clip, so no spike at the limit
+        k = 1 + int(rng.paretovariate(1.0))
+    return f"rep {k} {unit}=", unit * k
+
+
+@TASKS.register("rev")
+def reverse_word(rng: random.Random) -> tuple[str, str]:
+    """`rev abc=` -> `cba`."""
+    word = _word(rng, 2, 7)
+    return f"rev {word}=", word[::-1]
+
+
+@TASKS.register("add")
+def add_numbers(rng: random.Random) -> tuple[str, str]:
+    """`add 385+7=` -> `392`: a number and a digit, so the carry is the hard part."""
+    a, b = rng.randint(0, 999), rng.randint(0, 9)
+    return f"add {a}+{b}=", str(a + b)
+
+
+@TASKS.register("srt")
+def sort_letters(rng: random.Random) -> tuple[str, str]:
+    """`srt dbca=` -> `abcd`."""
+    word = _word(rng, 2, 7)
+    return f"srt {word}=", "".join(sorted(word))
+
+
+def _draw(task: str, rng: random.Random) -> tuple[str, str, str]:
+    """One (family, text, answer); "synthetic" picks the family by the default mix."""
+    family = rng.choices(list(MIX), weights=list(MIX.values()))[0] if task == "synthetic" else task
+    text, answer = TASKS.get(family)(rng)
+    return family, text, answer
+
+
+def make_split(task: str, split: str, size: int, seed: int, exclude: set[str] | frozenset = frozenset()
+               ) -> list[Prompt]:
+    """`size` distinct prompts of `task` (a family name or "synthetic"), none of whose text is in `exclude`."""
+    if task != "synthetic" and task not in TASKS:
+        TASKS.get(task)  # raises, listing the known families
+    rng = random.Random(f"rlsys:{task}:{split}:{seed}")  # str seeds hash stably across processes
+    prompts: list[Prompt] = []
+    seen = set(exclude)
+    for _ in range(100 * size + 1000):
+        if len(prompts) == size:
+            return prompts
+        family, text, answer = _draw(task, rng)
+        if text not in seen:
+            seen.add(text)
+            prompts.append(Prompt(uid=f"{split}-{len(prompts)}", text=text, answer=answer,
+                                  data_source=family, index=len(prompts)))
+    if len(prompts) == size:
+        return prompts
+    raise ValueError(f"task {task!r} has too few distinct prompts for a {split} split of {size}")
+
+
+def synthetic_splits(task: str, train_size: int, eval_size: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, eval); eval is held out: no eval prompt text appears in train."""
+    train = make_split(task, "train", train_size, seed)
+    evals = make_split(task, "eval", eval_size, seed, exclude={p.text for p in train})
+    return train, evals
+
+
+def length_stats(prompts: list[Prompt], tokenizer=None) -> dict[str, float]:
+    """Answer length in tokens (eos not counted): median, p99 and their ratio (the tail's weight)."""
+    if not prompts:
+        raise ValueError("length_stats: no prompts")
+    if tokenizer is None:
+        lengths = sorted(len(p.answer.encode()) for p in prompts)  # the byte tokenizer: a token per byte
+    else:
+        lengths = sorted(len(ids) for ids in tokenizer([p.answer for p in prompts])["input_ids"])
+    median = statistics.median(lengths)
+    p99 = lengths[min(len(lengths) - 1, int(0.99 * len(lengths)))]
+    return {"median": median, "p99": p99, "ratio": p99 / max(median, 1), "max": lengths[-1],
+            "mean": statistics.fmean(lengths)}

@@ -1,0 +1,111 @@
+"""The policy's starting point: a user's local HF directory, or the tiny model built, warm-started and
+cached by config hash (so later runs and tests reuse it)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from rlsys.config import Config
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+BUILD_INFO = "rlsys_build.json"
+# The code that decides what a cached model is: editing it makes a new cache entry, never a stale hit.
+BUILDER_SOURCES = ("models/tiny.py", "models/warm_start.py", "data/synthetic.py")
+
+
+class ModelDirError(ValueError):
+    pass
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def validate_model_dir(path: str | Path, field: str = "model.path") -> Path:
+    """A local HF directory with config.json, weights and tokenizer files, or a ModelDirError naming `field`."""
+    model_dir = Path(path).expanduser()
+    if not model_dir.is_dir():
+        raise ModelDirError(f"{field}: {model_dir} is not a directory (a local Hugging Face model folder; "
+                            "nothing is downloaded)")
+    missing = []
+    if not (model_dir / "config.json").is_file():
+        missing.append("config.json")
+    if not any((model_dir / name).is_file() for name in WEIGHT_FILES):
+        missing.append("weights (" + " or ".join(WEIGHT_FILES) + ")")
+    if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer (" + " or ".join(TOKENIZER_FILES) + ")")
+    if missing:
+        raise ModelDirError(f"{field}: {model_dir} lacks " + "; ".join(missing))
+    return model_dir
+
+
+def prepare_model(cfg: Config) -> Path:
+    """`cfg.model.path` if set (validated); else the cached tiny model for this config, built if absent."""
+    if cfg.model.path:
+        return validate_model_dir(cfg.model.path)
+    cache_dir = Path(cfg.model.cache_dir).expanduser()
+    final = cache_dir / cache_key(cfg)
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    print(f"building the tiny model and its warm start (once; cached at {final})", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a cache entry is readable like any model folder
+    try:
+        _build(cfg, tmp)
+        os.rename(tmp, final)  # atomic: the entry appears complete or not at all
+    except OSError:
+        if not final.is_dir():  # another process finished the same entry first: keep theirs
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build(cfg: Config, out: Path) -> None:
+    from rlsys.data import load_datasets
+    from rlsys.models.tiny import build_tiny_model
+    from rlsys.models.warm_start import exact_match_accuracy, warm_start
+
+    ws = cfg.model.warm_start
+    build_tiny_model(cfg.model, out, seed=ws.seed)
+    train, evals = load_datasets(cfg.data)
+    metrics = warm_start(out, train, ws)
+    t = time.time()
+    metrics["eval_greedy_accuracy"] = exact_match_accuracy(out, evals, max_new_tokens=cfg.rollout.max_new_tokens)
+    metrics["eval_seconds"] = time.time() - t
+    # For the record only (not part of the cache key): measured on the eval split of the building run.
+    info = {"model": cfg.model.model_dump(), "data": cfg.data.model_dump(), "warm_start": metrics}
+    (out / BUILD_INFO).write_text(json.dumps(info, indent=1))
+    print(f"warm start: {metrics['steps']} steps in {metrics['seconds']:.0f}s, loss {metrics['loss_first']:.2f} "
+          f"-> {metrics['loss_last']:.2f}, eval greedy accuracy {metrics['eval_greedy_accuracy']:.1%}", flush=True)
+
+
+def cache_key(cfg: Config) -> str:
+    """Hash of what the built model depends on: model config, the data its warm start sees, builder code."""
+    data = cfg.data
+    parts = {"model": cfg.model.model_dump(exclude={"path", "cache_dir"}),
+             "data": {"task": data.task, "train_size": data.train_size, "seed": data.seed}}
+    if data.task == "files":  # the train split may be a hold-out of the file, and the file may change
+        parts["data"].update(train_path=data.train_path, eval_path=data.eval_path, eval_size=data.eval_size,
+                             train_file=_file_stamp(data.train_path))
+    package = Path(__file__).resolve().parent.parent
+    parts["code"] = [hashlib.sha256((package / rel).read_bytes()).hexdigest() for rel in BUILDER_SOURCES]
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{cfg.model.arch}-h{cfg.model.hidden_size}-l{cfg.model.num_layers}-{digest}"
+
+
+def _file_stamp(path: str | None) -> list | None:
+    if not path or not Path(path).is_file():
+        return None
+    stat = Path(path).stat()
+    return [str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns]

@@ -1,0 +1,84 @@
+"""The whole system through the CLI: Ray actors, the CPU engine, the reward pool, DeepSpeed trainers."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlsys.cli import main
+from rlsys.config import DEFAULT_CONFIG
+
+pytestmark = pytest.mark.slow
+
+# Small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
+SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=16", "rollout.slots=16",
+         "rollout.max_new_tokens=48", "model.warm_start.steps=30", "logging.progress=false"]
+STEP_KEYS = ["step", "time_s", "policy_version", "samples", "reward/mean", "response_length/mean",
+             "response_length/max", "response_length/p99", "group_size", "rollout/bubble_ratio",
+             "rollout/straggler_rate", "timing/rollout_s", "timing/reward_s", "timing/train_s",
+             "timing/weight_sync_s", "throughput/tokens_per_s", "reward/errors"]
+
+
+def rows(run_dir, name="metrics.jsonl"):
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line]
+
+
+def test_two_step_run_writes_metrics_checkpoint_export_and_plots(tmp_path, ray_cluster):
+    out = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", *SMALL]) == 0
+    metrics = rows(out)
+    steps = [r for r in metrics if "timing/train_s" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in STEP_KEYS:
+        assert all(key in r for r in steps), key
+    assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
+    assert steps[-1]["policy_version"] == 2 and steps[0]["samples"] == 16
+    assert 0.0 <= steps[0]["rollout/bubble_ratio"] < 1.0
+    assert (out / "checkpoints" / "step_000002" / "controller.json").exists()
+    assert (out / "progress.png").stat().st_size > 0 and (out / "timeline.png").stat().st_size > 0
+    timeline = rows(out, "timeline.jsonl")
+    assert len(timeline) == 32 and all(r["end"] >= r["start"] for r in timeline)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(out / "export")
+    AutoTokenizer.from_pretrained(out / "export")
+    trained = load_file(str(out / "checkpoints" / "step_000002" / "trainer" / "model.safetensors"))
+    for name, param in model.state_dict().items():
+        if name in trained:
+            torch.testing.assert_close(param, trained[name])
+
+
+def trained_order(run_dir):
+    """(step, request id, reward-relevant tokens) of every trained request, in step order."""
+    return sorted((r["step"], r["request_id"], r["tokens"]) for r in rows(run_dir, "timeline.jsonl"))
+
+
+def test_killed_run_resumes_with_the_same_data_order(tmp_path):
+    """SIGKILL after the step-2 checkpoint, then --resume: same prompts, samples and weights as a run
+    that was never interrupted."""
+    common = [str(DEFAULT_CONFIG), "trainer.total_steps=4", "control.save_every=2", "control.eval_every=0", *SMALL]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "rlsys.cli", "train"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    subprocess.run(cmd + common + [f"output_dir={whole}"], check=True, env=env, timeout=600)
+
+    proc = subprocess.Popen(cmd + common + [f"output_dir={broken}"], env=env, start_new_session=True)
+    deadline = time.time() + 600
+    while not (broken / "checkpoints" / "step_000002" / "controller.json").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(cmd + common + [f"output_dir={broken}", "--resume"], check=True, env=env, timeout=600)
+
+    assert trained_order(broken) == trained_order(whole)
+    a = load_file(str(whole / "export" / "model.safetensors"))
+    b = load_file(str(broken / "export" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
+    resumed_steps = [r["step"] for r in rows(broken) if "timing/train_s" in r]
+    assert resumed_steps == [1, 2, 3, 4]

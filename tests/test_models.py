@@ -1,0 +1,100 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rlsys.models as models
+from rlsys.config import Config, DataConfig, ModelConfig, WarmStartConfig
+from rlsys.data.synthetic import make_split
+from rlsys.models import ModelDirError, cache_key, load_tokenizer, prepare_model, validate_model_dir
+from rlsys.models.tiny import build_char_tokenizer, build_tiny_model
+from rlsys.models.warm_start import warm_start
+
+SMALL = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=128)
+
+
+def small_config(tmp_path, steps=3) -> Config:
+    return Config(model=ModelConfig(**SMALL, cache_dir=str(tmp_path / "cache"),
+                                    warm_start=WarmStartConfig(steps=steps, batch_size=8)),
+                  data=DataConfig(train_size=40, eval_size=4))
+
+
+def test_tokenizer_round_trips_one_token_per_character_after_save_and_load(tmp_path):
+    build_char_tokenizer().save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = "rep 3 ab=ababab\nadd 12+7=19 ,:?*-"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text) and tok.decode(ids) == text
+    assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id) == (0, 1, None)
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == text
+    assert tok.decode(tok("naïve €")["input_ids"]) == "naïve €"  # any text: bytes, not <unk>
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_tiny_model_is_a_standard_hf_dir(tmp_path, arch):
+    model_dir = build_tiny_model(ModelConfig(arch=arch, **SMALL), tmp_path / "m", seed=0)
+    assert validate_model_dir(model_dir) == model_dir
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
+    assert model.config.model_type == arch and model.config.num_hidden_layers == 2
+    assert model.config.vocab_size == len(tok)
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == tok.eos_token_id
+    assert model.config.pad_token_id == model.generation_config.pad_token_id == tok.pad_token_id
+    logits = model(**tok(["rev ab="], return_tensors="pt")).logits
+    assert logits.shape == (1, 7, len(tok))
+    again = build_tiny_model(ModelConfig(arch=arch, **SMALL), tmp_path / "again", seed=0)
+    first, second = load_file(model_dir / "model.safetensors"), load_file(again / "model.safetensors")
+    assert all(torch.equal(first[k], second[k]) for k in first)  # seeded
+
+
+def test_warm_start_lowers_the_answer_loss_and_saves_an_hf_dir(tmp_path):
+    model_dir = build_tiny_model(ModelConfig(**SMALL), tmp_path / "m")
+    before = load_file(model_dir / "model.safetensors")
+    train = make_split("synthetic", "train", 64, seed=0)
+    threads = torch.get_num_threads()
+    result = warm_start(model_dir, train, WarmStartConfig(steps=20, batch_size=16, lr=1e-2))
+    assert result["loss_last"] < 0.8 * result["loss_first"], result
+    after = load_file(model_dir / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert torch.get_num_threads() == threads  # its one-thread setting is undone
+    assert AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size == 259
+
+
+def test_prepare_model_builds_once_then_reuses_the_cache(tmp_path, monkeypatch):
+    cfg = small_config(tmp_path)
+    path = prepare_model(cfg)
+    assert path.parent == tmp_path / "cache" and path.name == cache_key(cfg)
+    info = json.loads((path / models.BUILD_INFO).read_text())
+    assert info["warm_start"]["steps"] == 3 and 0 <= info["warm_start"]["eval_greedy_accuracy"] <= 1
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no temp dir left
+
+    def no_rebuild(*_):
+        raise AssertionError("the cached model was rebuilt")
+    monkeypatch.setattr(models, "_build", no_rebuild)
+    assert prepare_model(cfg) == path
+    other = small_config(tmp_path, steps=4)
+    assert cache_key(other) != cache_key(cfg)
+
+
+def test_a_failed_build_leaves_no_cache_entry(tmp_path, monkeypatch):
+    def crash(cfg, out):
+        (out / "config.json").write_text("{}")  # half written
+        raise RuntimeError("killed mid-build")
+    monkeypatch.setattr(models, "_build", crash)
+    with pytest.raises(RuntimeError, match="mid-build"):
+        prepare_model(small_config(tmp_path))
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_model_path_is_validated_with_the_field_named(tmp_path):
+    cfg = Config(model=ModelConfig(path=str(tmp_path / "absent")))
+    with pytest.raises(ModelDirError, match="model.path: .*absent is not a directory"):
+        prepare_model(cfg)
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "config.json").write_text("{}")
+    with pytest.raises(ModelDirError, match="model.path: .*partial lacks weights.*; tokenizer"):
+        prepare_model(Config(model=ModelConfig(path=str(tmp_path / "partial"))))
+    model_dir = build_tiny_model(ModelConfig(**SMALL), tmp_path / "ok")
+    assert prepare_model(Config(model=ModelConfig(path=str(model_dir)))) == model_dir
