@@ -90,7 +90,7 @@ class TrainerConfig(Section):
     world_size: int = Field(1, ge=1)
     zero_stage: int = Field(2, ge=0, le=3)
     total_steps: int = Field(60, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one micro-batch (padding counted)
