@@ -81,7 +81,8 @@ class Controller:
         """Wait for completions and rewards; send completions to the reward pool, return scored samples.
         Aborted requests go straight back to the scheduler."""
         rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
-        ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=1, timeout=1.0)
+        held = self.rollout.held or self.rewards.held  # results set aside while evaluating
+        ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=1, timeout=0 if held else 1.0)
         if ready:
             ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=len(rollout_refs + reward_refs), timeout=0)
         ready = set(ready)

@@ -5,6 +5,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import ray
 
 from rlsys.config import OverlongConfig, RewardConfig
 from rlsys.reward import REWARDS, RewardPool, overlong_penalty, register_reward, score
@@ -144,6 +145,21 @@ def test_pool_score_all_with_math_verify(ray_cluster):
                  ("c", "$\\frac{2}{4}$", "0.5", 3)]
         assert [(r.key, r.reward, r.error) for r in pool.score_all(items)] == [
             ("a", 1.0, None), ("b", 0.0, None), ("c", 1.0, None)]
+    finally:
+        pool.shutdown()
+
+
+def test_score_all_while_other_items_are_in_flight(ray_cluster):
+    """Evaluation mid-run: score_all returns its own items; the others come back through collect()."""
+    pool = RewardPool(RewardConfig(fn="exact_match", num_workers=1))
+    try:
+        pool.submit("train-1", "ab", "ab", 2)
+        assert [r.key for r in pool.score_all([("eval-1", "x", "y", 1)])] == ["eval-1"]
+        got = pool.collect([])
+        while not got:
+            ready, _ = ray.wait(pool.refs(), num_returns=1, timeout=5)
+            got = pool.collect(ready)
+        assert [(r.key, r.reward) for r in got] == [("train-1", 1.0)]
     finally:
         pool.shutdown()
 

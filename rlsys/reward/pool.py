@@ -112,6 +112,7 @@ class RewardPool:
         self.errors = 0  # samples that got the fallback: logged as reward/errors
         self.restarts = 0  # workers killed or lost and replaced
         self._queue: deque[_Item] = deque()
+        self.held: list[RewardResult] = []  # results that arrived during score_all, for the next collect
         self._calls: dict[ray.ObjectRef, _Call] = {}
         self._idle: set[int] = set()
         self._start_failures = [0] * cfg.num_workers  # in a row, per worker slot
@@ -137,8 +138,9 @@ class RewardPool:
         return list(self._calls)
 
     def collect(self, ready_refs: list) -> list[RewardResult]:
-        """Results of the given finished calls; refs that are not the pool's are ignored."""
-        results = []
+        """Results of the given finished calls (and any kept aside by score_all); refs that are not the
+        pool's are ignored."""
+        results, self.held = self.held, []
         for ref in ready_refs:
             call = self._calls.pop(ref, None)
             if call is None:
@@ -182,20 +184,22 @@ class RewardPool:
 
     def score_all(self, items: list[tuple[str, str, str, int]]) -> list[RewardResult]:
         """Score (key, response, answer, num_tokens) items and wait: results in input order (eval)."""
-        if self.pending():
-            raise RuntimeError("score_all needs an idle pool; this one has items in flight")
         keys = [item[0] for item in items]
         if len(set(keys)) != len(keys):
             raise ValueError("score_all: keys must be unique")
         for item in items:
             self.submit(*item)
-        by_key: dict[str, RewardResult] = {}
-        while self.pending():
+        wanted, by_key, others = set(keys), {}, []
+        while len(by_key) < len(wanted):
             next_deadline = min(c.deadline for c in self._calls.values())
             ready, _ = ray.wait(self.refs(), num_returns=1,
                                 timeout=max(0.01, next_deadline - time.monotonic()))
             for result in self.collect(ready) + self.reap():
-                by_key[result.key] = result
+                if result.key in wanted:
+                    by_key[result.key] = result
+                else:
+                    others.append(result)
+        self.held = others + self.held
         return [by_key[k] for k in keys]
 
     def shutdown(self) -> None:

@@ -27,7 +27,7 @@ class RolloutManager:
         self.outstanding = [0] * num_workers
         self.owner: dict[str, int] = {}  # request id -> worker, until its completion is collected
         self._drains: dict[ObjectRef, int] = {self._arm(i): i for i in range(num_workers)}
-        self._held: list[Completion] = []  # collected by generate() for other callers
+        self.held: list[Completion] = []  # collected by generate() for other callers
 
     @property
     def capacity(self) -> int:
@@ -75,7 +75,7 @@ class RolloutManager:
 
     def collect(self, ready_refs: list[ObjectRef]) -> list[Completion]:
         """Results of the ready drain calls (re-armed at once), plus any completions held back."""
-        out, self._held = self._held, []
+        out, self.held = self.held, []
         for ref in ready_refs:
             if ref not in self._drains:
                 raise KeyError(f"{ref} is not one of this manager's drain calls (take them from refs())")
@@ -102,7 +102,7 @@ class RolloutManager:
                     got[c.request_id] = c
                 else:
                     others.append(c)
-        self._held = others + self._held
+        self.held = others + self.held
         return [got[r.request_id] for r in requests]
 
     def update_weights(self, state_dict, version: int) -> None:
