@@ -256,17 +256,23 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    path = Path(path) if path else DEFAULT_CONFIG
+def read_yaml_mapping(path: Path, what: str = "config file") -> tuple[dict, str]:
+    """(parsed mapping, raw text) of a YAML file, or a ConfigError naming the file."""
     try:
         text = path.read_text()
         raw = yaml.safe_load(text) or {}
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"{what} not found: {path}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return raw, text
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    path = Path(path) if path else DEFAULT_CONFIG
+    raw, text = read_yaml_mapping(path)
     extra = parse_overrides(overrides or [])
     try:
         return Config.model_validate(_merge(raw, extra))

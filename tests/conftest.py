@@ -11,3 +11,14 @@ def ray_cluster():
     init_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared machine spare threads only contend."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -13,15 +13,6 @@ SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_h
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9, 9], [12, 40, 33, 2, 2, 8, 1, 0, 63, 17, 21]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared machine spare threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def build(tmp_path, arch="qwen2", seed=0, name="model"):
     torch.manual_seed(seed)
     if arch == "qwen2":

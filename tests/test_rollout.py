@@ -13,15 +13,6 @@ SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_h
              intermediate_size=128, max_position_embeddings=512, initializer_range=0.2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared machine spare threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def build(path, seed):
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**SIZES)).eval()

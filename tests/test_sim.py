@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlsys.config import ConfigError
-from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.actions import Abort, Train
 from rlsys.control.metrics import bubble_ratio
 from rlsys.control.scheduler import GroupBuilder, Scheduler
 from rlsys.sim.cluster import GPUS, MODELS, EngineCost

@@ -4,10 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from rlsys.config import ConfigError, ControlConfig, Section, _format_errors
+from rlsys.config import ConfigError, ControlConfig, Section, _format_errors, read_yaml_mapping
 from rlsys.sim.cluster import GPUS, MODELS, EngineCost, ModelShape
 
 
@@ -162,15 +161,7 @@ def load_sim_config(source: Union[str, Path, dict, SimConfig]) -> SimConfig:
         raw = source
     else:
         path = Path(source)
-        try:
-            text = path.read_text()
-            raw = yaml.safe_load(text) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"simulator config not found: {path}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
+        raw, text = read_yaml_mapping(path, "simulator config")
     try:
         return SimConfig.model_validate(raw)
     except ValidationError as e:
