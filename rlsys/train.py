@@ -47,7 +47,7 @@ class Controller:
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
         self.log = RunLogger(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps)
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
-        self.in_flight: dict[str, tuple[Completion, Prompt]] = {}
+        self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
@@ -93,12 +93,12 @@ class Controller:
                 self.prompts.pop(completion.request_id, None)
                 self.apply(self.scheduler.on_abort(completion, self.now()))
                 continue
-            self.in_flight[completion.request_id] = (completion, prompt)
+            self.in_flight[completion.request_id] = completion
             self.rewards.submit(completion.request_id, completion.text, prompt.answer, completion.num_tokens)
         results = self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap()
         samples = []
         for result in results:
-            completion, _ = self.in_flight.pop(result.key)
+            completion = self.in_flight.pop(result.key)
             self.prompts.pop(result.key, None)
             samples.append(ScoredSample(completion, result.reward, result.error))
             self.stats.add_reward(result.error)
