@@ -94,10 +94,13 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one micro-batch (padding counted)
+    mini_batches: int = Field(1, ge=1)  # optimizer steps per rollout batch (veRL's PPO mini-batches)
     advantage: str = "grpo"
     loss: str = "dapo"
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0)
+    is_cap: float = Field(5.0, ge=1)  # decoupled_ppo: tokens with pi_prox / pi_behav above this are dropped
+    dg_eta: float = Field(1.0, gt=0)  # dg, dg_clipped: temperature of the delight gate
     kl: KLConfig = KLConfig()
     seed: int = 0
 
@@ -146,6 +149,11 @@ class SortedConfig(Section):
         return self
 
 
+class StalenessConfig(Section):
+    """The `async` scheduler: rollout overlaps training, samples at most `eta` versions old."""
+    eta: int = Field(1, ge=0)  # 0 is the synchronous schedule
+
+
 class ControlConfig(Section):
     scheduler: str = "sync"
     group_sizer: str = "fixed"
@@ -156,6 +164,7 @@ class ControlConfig(Section):
     tail: TailConfig = TailConfig()
     sagc: SAGCConfig = SAGCConfig()
     sorted: SortedConfig = SortedConfig()
+    staleness: StalenessConfig = StalenessConfig()
     eval_every: int = Field(10, ge=0)  # 0: only before and after training
     save_every: int = Field(20, ge=0)  # 0: only at the end
 

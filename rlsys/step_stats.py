@@ -11,12 +11,16 @@ from rlsys.types import Completion, Group
 class StepStats:
     def __init__(self, kappa: float, capacity: int):
         self.kappa, self.capacity = kappa, capacity
+        self.completions: list[Completion] = []
+        self.finished: list[Completion] = []  # the last handed-over step's, for its totals and timeline
         self.start_step()
 
     def start_step(self) -> None:
-        self.t_start = time.time()
-        self.t_last_completion = self.t_start
-        self.completions: list[Completion] = []
+        """A new step's window opens now, or, when the engines kept generating through the train step
+        (sorted, async), where the last one closed: their engines are never handed back."""
+        carried = self.completions  # finished while the trainer ran: they count in this step
+        self.t_start = self.t_handover if carried else time.time()
+        self.t_last_completion = max([self.t_start] + [c.end_time for c in carried])
         self.requests = 0
         self.reward_errors = 0
 
@@ -32,13 +36,14 @@ class StepStats:
 
     def rollout_done(self, groups: list[Group], saturated_tokens_per_s: float) -> dict[str, float]:
         """Metrics of the rollout phase, called when the scheduler hands over the groups to train."""
-        now = time.time()
+        now = self.t_handover = time.time()
         end = max([c.end_time for c in self.completions] + [self.t_start])
         rollout_s = self.t_last_completion - self.t_start
         lengths = [n for g in groups for n in g.lengths]
         rewards = [r for g in groups for r in g.rewards]
         generated = sum(c.num_tokens for c in self.completions)
         engine_window = max(end - self.t_start, 1e-9)
+        done, self.finished, self.completions = self.completions, self.completions, []  # later: next step's
         return {
             "samples": len(lengths),
             "prompts": len(groups),
@@ -48,12 +53,12 @@ class StepStats:
             "response_length/mean": statistics.mean(lengths) if lengths else 0.0,
             "response_length/max": max(lengths, default=0),
             "response_length/p99": percentile(lengths, 99),
-            "rollout/bubble_ratio": bubble_ratio(self.completions, self.capacity, self.t_start, end),
+            "rollout/bubble_ratio": bubble_ratio(done, self.capacity, self.t_start, end),
             "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
             "rollout/efficiency": (generated / (saturated_tokens_per_s * engine_window)
                                    if saturated_tokens_per_s else 0.0),
             "rollout/generated_tokens": generated,
-            "rollout/aborted": sum(c.finish_reason == "abort" for c in self.completions),
+            "rollout/aborted": sum(c.finish_reason == "abort" for c in done),
             "timing/rollout_s": rollout_s,
             "timing/reward_s": now - self.t_last_completion,  # reward time not hidden behind generation
         }
@@ -61,10 +66,10 @@ class StepStats:
     def step_totals(self) -> dict[str, float]:
         """Called once the step's weights are published: its full wall time and token throughput."""
         step_s = time.time() - self.t_start
-        generated = sum(c.num_tokens for c in self.completions)
+        generated = sum(c.num_tokens for c in self.finished)
         return {"timing/step_s": step_s, "throughput/tokens_per_s": generated / max(step_s, 1e-9)}
 
     def timeline_rows(self, step: int, t0: float) -> list[dict]:
         return [{"step": step, "request_id": c.request_id, "worker": c.worker, "slot": c.slot,
                  "start": round(c.start_time - t0, 4), "end": round(c.end_time - t0, 4),
-                 "tokens": c.num_tokens, "finish_reason": c.finish_reason} for c in self.completions]
+                 "tokens": c.num_tokens, "finish_reason": c.finish_reason} for c in self.finished]

@@ -49,6 +49,7 @@ class Controller:
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
         self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
+        self.training: tuple[list, float] | None = None  # the train step running: (its refs, start time)
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
         if resume:
@@ -66,6 +67,8 @@ class Controller:
         while not self.done:
             for sample in self.next_samples():
                 self.apply(self.scheduler.on_sample(sample, self.now()))
+            if self.training and not ray.wait(self.training[0], num_returns=len(self.training[0]), timeout=0)[1]:
+                self.apply(self.finish_training())
         return self.finish()
 
     def apply(self, actions) -> None:
@@ -75,14 +78,15 @@ class Controller:
             elif isinstance(action, Abort):
                 self.rollout.abort(action.request_ids)
             elif isinstance(action, Train):
-                self.apply(self.train(action.groups))
+                self.start_training(action.groups)
 
     def next_samples(self) -> list[ScoredSample]:
         """Wait for completions and rewards; send completions to the reward pool, return scored samples.
         Aborted requests go straight back to the scheduler."""
         rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
+        training = self.training[0] if self.training else []
         held = self.rollout.held or self.rewards.held  # results set aside while evaluating
-        ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=1, timeout=0 if held else 1.0)
+        ready, _ = ray.wait(rollout_refs + reward_refs + training, num_returns=1, timeout=0 if held else 1.0)
         if ready:
             ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=len(rollout_refs + reward_refs), timeout=0)
         ready = set(ready)
@@ -117,12 +121,22 @@ class Controller:
         self.stats.submitted(len(requests))
         self.rollout.submit(requests)
 
-    def train(self, groups) -> list:
+    def start_training(self, groups) -> None:
+        """Launch the train step; generation and scoring go on while it runs (sync simply has no work)."""
+        if self.training:
+            raise RuntimeError(f"scheduler {self.cfg.control.scheduler!r} asked to train before the last "
+                               "step's weights were published")
         saturated = sum(s.get("saturated_tokens_per_s") or 0.0 for s in self.rollout.stats())
-        rollout_metrics = self.stats.rollout_done(groups, saturated)
-        t = time.time()
-        train_metrics = self.trainer.train_step(groups, temperature=self.cfg.rollout.temperature or 1.0)
-        t_train = time.time() - t
+        self.rollout_metrics = self.stats.rollout_done(groups, saturated)
+        self.trained_groups = groups
+        temperature = self.cfg.rollout.temperature or 1.0
+        self.training = (self.trainer.start_train_step(groups, temperature, self.version), time.time())
+
+    def finish_training(self) -> list:
+        refs, t = self.training
+        train_metrics = self.trainer.finish_train_step(refs)
+        t_train, self.training = time.time() - t, None
+        groups, rollout_metrics = self.trained_groups, self.rollout_metrics
         self.version += 1
         t = time.time()
         self.rollout.update_weights(self.trainer.weights_ref(), self.version)

@@ -124,7 +124,7 @@ def test_kl_term_is_added_with_its_coefficient():
     assert loss.item() == pytest.approx(0.1 * stats["kl"])
 
 
-@pytest.mark.parametrize("loss_name", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_name", ["grpo", "dapo", "decoupled_ppo", "ppo_naive", "dg", "dg_clipped"])
 def test_micro_batch_shares_sum_to_the_whole_batch_loss(loss_name):
     torch.manual_seed(0)
     mask = (torch.rand(6, 5) > 0.3).float()
@@ -200,3 +200,83 @@ def test_tensor_io_round_trips_an_optimizer_like_state(tmp_path):
     assert set(back["state"]) == {0} and back["param_groups"][0]["betas"] == (0.9, 0.999)
     assert torch.equal(back["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
     assert back["numpy"].tolist() == [0, 1, 2] and back["param_groups"][0]["fused"] is None
+
+
+# --- staleness-robust losses ----------------------------------------------------------------------
+def _stale(logprobs, old, behaviour, adv):
+    logprobs = torch.tensor(logprobs, requires_grad=True)
+    mask = torch.ones_like(logprobs)
+    return LossInputs(logprobs, torch.tensor(old), torch.tensor(behaviour), torch.tensor(adv), mask,
+                      float(mask.sum()), float(mask.shape[0]))
+
+
+def _loss_and_grad(inp, **cfg):
+    loss, stats = compute_loss(inp, TrainerConfig(**cfg))
+    (grad,) = torch.autograd.grad(loss, inp.logprobs)
+    return loss.item(), grad, stats
+
+
+def test_decoupled_ppo_is_dapo_when_behaviour_is_proximal():
+    torch.manual_seed(0)
+    logprobs, old = (torch.randn(4, 6) - 2).tolist(), (torch.randn(4, 6) - 2).tolist()
+    adv = torch.randn(4, 1).expand(4, 6).tolist()
+    dapo = _loss_and_grad(_stale(logprobs, old, old, adv), loss="dapo")
+    dppo = _loss_and_grad(_stale(logprobs, old, old, adv), loss="decoupled_ppo")
+    assert dppo[0] == dapo[0] and torch.equal(dppo[1], dapo[1])
+    assert dppo[2]["is_capped_fraction"] == 0.0 and dppo[2]["is_weight"] == pytest.approx(1.0)
+
+
+def test_decoupled_ppo_weights_by_proximal_over_behaviour_and_drops_capped_tokens():
+    # Token 0: w = 2, ratio 1, A = 1 -> loss -2, gradient -2, over 3 tokens. Token 1: w = 10 > cap 5, dropped.
+    # Token 2: w = e^1000 overflows to inf; still dropped, and no NaN reaches the gradient.
+    inp = _stale([[0.0, 0.0, 0.0]], [[0.0, 0.0, 0.0]], [[-math.log(2), -math.log(10), -1000.0]], [[1.0] * 3])
+    loss, grad, stats = _loss_and_grad(inp, loss="decoupled_ppo", is_cap=5.0)
+    assert loss == pytest.approx(-2 / 3)  # the dropped tokens still count in the step's 3 tokens
+    assert grad.flatten().tolist() == pytest.approx([-2 / 3, 0.0, 0.0])
+    assert stats["is_capped_fraction"] == pytest.approx(2 / 3) and stats["is_weight"] == pytest.approx(2 / 3)
+
+
+def test_ppo_naive_takes_the_behaviour_policy_as_old():
+    # pi / pi_behav = 1.5 > 1 + 0.28 with A > 0: clipped (no gradient), whatever the proximal policy says.
+    inp = _stale([[math.log(1.5)]], [[math.log(1.5)]], [[0.0]], [[1.0]])
+    loss, grad, stats = _loss_and_grad(inp, loss="ppo_naive")
+    assert loss == pytest.approx(-1.28) and grad.item() == 0.0 and stats["clip_fraction_high"] == 1.0
+    as_dapo = _loss_and_grad(_stale([[math.log(1.5)]], [[0.0]], [[0.0]], [[1.0]]), loss="dapo")
+    assert loss == as_dapo[0]
+    assert _loss_and_grad(inp, loss="dapo")[1].item() == pytest.approx(-1.0)  # dapo: ratio to proximal is 1
+
+
+@pytest.mark.parametrize("adv, logprob, gate", [
+    (1.0, math.log(1e-4), 1 / (1 + 1e-4)),   # rare success: passes
+    (-1.0, math.log(1e-4), 1e-4 / (1 + 1e-4)),  # rare failure: suppressed
+    (1.0, 0.0, 0.5), (-1.0, 0.0, 0.5),        # a certain token: delight 0, half weight
+])
+def test_delight_gate_at_chosen_points(adv, logprob, gate):
+    inp = _stale([[logprob]], [[logprob]], [[0.0]], [[adv]])
+    _, grad, stats = _loss_and_grad(inp, loss="dg")
+    assert stats["dg_gate"] == pytest.approx(gate, rel=1e-4)
+    assert grad.item() == pytest.approx(-gate * adv, rel=1e-4)  # d(-w A log pi)/d log pi, w detached
+
+
+def test_dg_gradient_by_hand():
+    # eta 1, l = log 3 for both tokens: A = 1 -> gate sigmoid(log 3) = 3/4; A = -2 -> sigmoid(-2 log 3) = 1/10.
+    inp = _stale([[-math.log(3)], [-math.log(3)]], [[0.0], [0.0]], [[0.0], [0.0]], [[1.0], [-2.0]])
+    loss, grad, stats = _loss_and_grad(inp, loss="dg", dg_eta=1.0)
+    assert loss == pytest.approx((0.75 * math.log(3) - 0.2 * math.log(3)) / 2)
+    assert grad.flatten().tolist() == pytest.approx([-0.75 / 2, 0.2 / 2])
+    assert stats["dg_gate"] == pytest.approx((0.75 + 0.1) / 2) and stats["dg_gate_low"] == 0.0
+    # eta scales the delight: eta 2 gives sigmoid(log 3 / 2) = sqrt(3) / (1 + sqrt(3)) for A = 1.
+    _, grad, _ = _loss_and_grad(_stale([[-math.log(3)]], [[0.0]], [[0.0]], [[1.0]]), loss="dg", dg_eta=2.0)
+    assert grad.item() == pytest.approx(-math.sqrt(3) / (1 + math.sqrt(3)))
+
+
+def test_dg_clipped_is_dg_at_ratio_one_and_clips_beyond():
+    torch.manual_seed(1)
+    logprobs, adv = (torch.randn(3, 4) - 1).tolist(), torch.randn(3, 1).expand(3, 4).tolist()
+    dg = _loss_and_grad(_stale(logprobs, logprobs, logprobs, adv), loss="dg")
+    clipped = _loss_and_grad(_stale(logprobs, logprobs, logprobs, adv), loss="dg_clipped")
+    assert torch.allclose(clipped[1], dg[1])
+    far = _stale([[math.log(0.5)]], [[math.log(0.25)]], [[0.0]], [[1.0]])  # ratio 2, A > 0: clipped
+    loss, grad, stats = _loss_and_grad(far, loss="dg_clipped")
+    gate = 1 / (1 + 0.5)  # sigmoid(log 2) = 2/3
+    assert loss == pytest.approx(-gate * 1.28) and grad.item() == 0.0 and stats["clip_fraction_high"] == 1.0

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from rlsys.config import Config, TrainerConfig
 from rlsys.trainer.backend import TorchBackend, token_logprobs
-from rlsys.trainer.batching import build_samples, plan_step
+from rlsys.trainer.batching import build_samples, plan_step, split_mini_batches
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
@@ -282,3 +282,53 @@ def test_compute_logprobs_across_ranks_keeps_the_input_order(model_dir, two_rank
     got = trainer.compute_logprobs(samples, TEMPERATURE)
     for mine, theirs in zip(got, local.compute_logprobs(samples, TEMPERATURE)):
         assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+# --- mini-batches: several optimizer steps on one rollout batch -----------------------------------
+def test_later_mini_batches_are_scored_against_the_weights_at_the_start(model_dir):
+    cfg = trainer_config(lr=3e-2)
+    samples = build_samples(make_groups(4, prompts=6), cfg.advantage)
+    first, second = split_mini_batches(samples, 2)
+    parts = [(part, plan_step(part, 1, cfg.micro_batch_tokens)[1]) for part in (first, second)]
+
+    recomputed = TorchBackend(cfg, model_dir)
+    recomputed.train_mini_batches(parts, TEMPERATURE, fresh=False, proximal_micro_batches=0)
+
+    by_hand = TorchBackend(cfg, model_dir)  # proximal log-probs taken before any update, then two steps
+    start = by_hand.compute_logprobs(samples, TEMPERATURE)
+    for sample, logprobs in zip(samples, start):
+        sample.proximal_logprobs = logprobs
+    for part, totals in parts:
+        by_hand.train_step(part, totals, TEMPERATURE)
+    assert max_diff(recomputed.state_dict_for_rollout(), by_hand.state_dict_for_rollout()) < 1e-6
+
+    naive = TorchBackend(cfg, model_dir)  # the mistake: each mini-batch its own proximal policy
+    for sample in samples:
+        sample.proximal_logprobs = None
+    for part, totals in parts:
+        naive.train_step(part, totals, TEMPERATURE)
+    assert max_diff(naive.state_dict_for_rollout(), by_hand.state_dict_for_rollout()) > 1e-5
+
+
+def test_fresh_samples_use_their_behaviour_logprobs_as_the_proximal_policy(model_dir):
+    cfg = trainer_config(lr=3e-2)
+    samples = build_samples(make_groups(5, prompts=6), cfg.advantage)
+    true_logprobs = TorchBackend(cfg, model_dir).compute_logprobs(samples, TEMPERATURE)
+    for sample, logprobs in zip(samples, true_logprobs):
+        sample.logprobs = logprobs  # as the engine records them when these weights sampled the tokens
+    parts = [(part, plan_step(part, 1, cfg.micro_batch_tokens)[1]) for part in split_mini_batches(samples, 3)]
+    results = []
+    for fresh in (True, False):
+        backend = TorchBackend(cfg, model_dir)
+        metrics = backend.train_mini_batches(parts, TEMPERATURE, fresh=fresh, proximal_micro_batches=0)
+        results.append(backend.state_dict_for_rollout())
+        assert metrics["sequences"] == len(samples)
+    assert max_diff(*results) < 1e-6
+
+
+def test_mini_batches_are_contiguous_and_cover_every_sample():
+    samples = build_samples(make_groups(6, prompts=5), "grpo")
+    parts = split_mini_batches(samples, 3)
+    assert [s for part in parts for s in part] == samples
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert split_mini_batches(samples[:2], 4) == [samples[:1], samples[1:2]]

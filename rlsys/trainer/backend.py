@@ -126,6 +126,25 @@ class TrainerBackend(ABC):
         return dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps,
                     tokens=sum(s.response_len for s in samples), sequences=len(samples))
 
+    def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
+                           fresh: bool, proximal_micro_batches: int = 0) -> dict:
+        """One optimizer step per part (veRL's PPO mini-batches) on a rollout batch. From the second part
+        on the weights have moved, so every part is scored against the proximal policy (the weights at
+        the start): the behaviour log-probs when `fresh` (every token sampled by these very weights),
+        else recomputed here. Statistics are means over the parts; tokens and sequences are sums."""
+        if len(parts) > 1:
+            samples = [s for part, _ in parts for s in part]
+            proximal = ([s.logprobs for s in samples] if fresh else
+                        self.compute_logprobs(samples, temperature, proximal_micro_batches))
+            for sample, logprobs in zip(samples, proximal):
+                sample.proximal_logprobs = list(logprobs)
+        per_part = [self.train_step(samples, totals, temperature) for samples, totals in parts]
+        keys = set().union(*per_part)
+        merged = {k: sum(m.get(k, 0.0) for m in per_part) / len(per_part) for k in keys}
+        merged.update(tokens=sum(m["tokens"] for m in per_part), sequences=sum(m["sequences"] for m in per_part),
+                      skipped_steps=per_part[-1]["skipped_steps"])
+        return merged
+
     def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float) -> dict:
         if totals.micro_batches < 1:
             raise ValueError("a train step needs at least one sample with response tokens")
@@ -135,7 +154,8 @@ class TrainerBackend(ABC):
             self._start_micro_batch(last=i == len(batches) - 1)
             mb = collate(batch).to(self.device)
             logprobs, entropy = token_logprobs(self._logits(self.model, mb), mb.input_ids, temperature, True)
-            inp = LossInputs(logprobs, logprobs.detach(), mb.behaviour_logprobs, mb.advantages, mb.response_mask,
+            proximal = logprobs.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs
+            inp = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.response_mask,
                              float(totals.tokens), float(totals.sequences), self._reference_logprobs(mb, temperature),
                              mb.versions)
             loss, mb_stats = compute_loss(inp, self.cfg)

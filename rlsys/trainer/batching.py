@@ -23,6 +23,7 @@ class TrainSample:
     advantage: float
     logprobs: list[float]  # behaviour log-prob of each response token
     versions: list[int]  # policy version that sampled each response token
+    proximal_logprobs: list[float] | None = None  # under the weights at the start of the step, when known
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +86,14 @@ def pack_micro_batches(samples: list[TrainSample], token_budget: int) -> list[li
     return batches
 
 
+def split_mini_batches(samples: list[TrainSample], count: int) -> list[list[TrainSample]]:
+    """`count` contiguous, near-equal slices in the scheduler's order (a group's samples stay together
+    when the groups are equal in size; under SortedRL the order is short to long, a micro-curriculum)."""
+    count = max(1, min(count, len(samples)))
+    bounds = [round(i * len(samples) / count) for i in range(count + 1)]
+    return [samples[bounds[i]:bounds[i + 1]] for i in range(count)]
+
+
 def plan_step(samples: list[TrainSample], world_size: int, token_budget: int):
     """Each rank's samples, and the totals every rank needs to normalise its share of the step."""
     per_rank = split_across_ranks(samples, world_size)
@@ -103,9 +112,10 @@ class MicroBatch:
     advantages: torch.Tensor
     behaviour_logprobs: torch.Tensor
     versions: torch.Tensor
+    proximal_logprobs: torch.Tensor | None  # None: the weights have not moved since the step began
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(*(t.to(device) for t in vars(self).values()))
+        return MicroBatch(*(None if t is None else t.to(device) for t in vars(self).values()))
 
 
 def collate(samples: list[TrainSample]) -> MicroBatch:
@@ -119,6 +129,8 @@ def collate(samples: list[TrainSample]) -> MicroBatch:
     advantages = torch.zeros(len(rows), width - 1)
     behaviour = torch.zeros(len(rows), width - 1)
     versions = torch.zeros(len(rows), width - 1, dtype=torch.long)
+    known = samples and all(s.proximal_logprobs is not None for s in samples)
+    proximal = torch.zeros(len(rows), width - 1) if known else None
     for i, s in enumerate(rows):
         input_ids[i, :s.num_tokens] = torch.tensor(s.input_ids)
         attention_mask[i, :s.num_tokens] = 1  # even on the padding row: a fully masked row gives NaN
@@ -127,4 +139,6 @@ def collate(samples: list[TrainSample]) -> MicroBatch:
         advantages[i, response] = s.advantage
         behaviour[i, response] = torch.tensor(s.logprobs)
         versions[i, response] = torch.tensor(s.versions, dtype=torch.long)
-    return MicroBatch(input_ids, attention_mask, response_mask, advantages, behaviour, versions)
+        if proximal is not None:
+            proximal[i, response] = torch.tensor(s.proximal_logprobs)
+    return MicroBatch(input_ids, attention_mask, response_mask, advantages, behaviour, versions, proximal)

@@ -7,13 +7,13 @@ sequence count of the whole step (all micro-batches, all ranks), so summing the 
 over micro-batches and ranks gives exactly the loss of the step taken as one batch; every returned
 statistic is a share of the step's value in the same way.
 
-To add a loss (decoupled PPO, Delightful Policy Gradient, ...): write `fn(inp, cfg) ->
-(per_token_loss, {stat_name: per_token_tensor})` and decorate it with `@register_policy_loss(name,
-aggregation)`. Behaviour log-probs, proximal log-probs and per-token versions are all in `inp`.
+To add a loss: write `fn(inp, cfg) -> (per_token_loss, {stat_name: per_token_tensor})` and decorate
+it with `@register_policy_loss(name, aggregation)`. Behaviour log-probs, proximal log-probs and
+per-token versions are all in `inp`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -94,6 +94,61 @@ def grpo_loss(inp: LossInputs, cfg: TrainerConfig):
 @register_policy_loss("dapo", aggregation="token_mean")
 def dapo_loss(inp: LossInputs, cfg: TrainerConfig):
     return clipped_surrogate(inp, cfg.eps_low, cfg.eps_high)
+
+
+# --- staleness-robust losses (DESIGN.md "Decoupled PPO", "Delightful Policy Gradient") -------------
+@register_policy_loss("decoupled_ppo", aggregation="token_mean")
+def decoupled_ppo_loss(inp: LossInputs, cfg: TrainerConfig):
+    """w * clipped_surrogate(pi / pi_prox, A), w = pi_prox / pi_behav; tokens with w > `is_cap` dropped.
+
+    A dropped token adds zero but stays in the step's token count (as AReaL does), so dropping does
+    not inflate the weight of the others. With behaviour == proximal, w = 1 and this is `dapo`.
+    """
+    weight = torch.exp(inp.old_logprobs - inp.behaviour_logprobs).detach()
+    capped = weight > cfg.is_cap
+    weight = torch.where(capped, torch.zeros_like(weight), weight)  # also zeroes an overflowed inf
+    loss, stats = clipped_surrogate(inp, cfg.eps_low, cfg.eps_high)
+    stats.update(is_capped_fraction=capped.float(), is_weight=weight)  # is_weight: as used, 0 if dropped
+    return weight * loss, stats
+
+
+@register_policy_loss("ppo_naive", aggregation="token_mean")
+def ppo_naive_loss(inp: LossInputs, cfg: TrainerConfig):
+    """Standard PPO that ignores staleness: the behaviour policy plays pi_old, there is no proximal
+    policy and no importance weight (the "naive PPO" of AReaL's ablation). DAPO's clip-higher eps."""
+    return clipped_surrogate(replace(inp, old_logprobs=inp.behaviour_logprobs), cfg.eps_low, cfg.eps_high)
+
+
+def delight_gate(inp: LossInputs, eta: float) -> Tensor:
+    """sigmoid(A * l / eta), l = -log pi (detached): rare successes pass, rare failures are damped."""
+    surprisal = -inp.logprobs.detach()
+    return torch.sigmoid(inp.advantages * surprisal / eta)
+
+
+def gate_stats(gate: Tensor) -> dict[str, Tensor]:
+    """Mean gate, and the shares of tokens it nearly shuts (< 0.1) and nearly fully opens (> 0.9)."""
+    return {"dg_gate": gate, "dg_gate_low": (gate < 0.1).float(), "dg_gate_high": (gate > 0.9).float()}
+
+
+@register_policy_loss("dg", aggregation="token_mean")
+def dg_loss(inp: LossInputs, cfg: TrainerConfig):
+    """Delightful Policy Gradient: -gate * A * log pi per token; needs no behaviour log-probs."""
+    gate = delight_gate(inp, cfg.dg_eta)
+    return -gate * inp.advantages * inp.logprobs, gate_stats(gate)
+
+
+@register_policy_loss("dg_clipped", aggregation="token_mean")
+def dg_clipped_loss(inp: LossInputs, cfg: TrainerConfig):
+    """The gate times DAPO's clipped surrogate against the proximal policy.
+
+    The gate decides how much a token counts, the clip how far one batch may move the policy: the two
+    act on different things, so they multiply. At ratio 1 (one optimizer step per train step) the
+    gradient is exactly `dg`'s; the clip only bites when a batch takes several steps.
+    """
+    gate = delight_gate(inp, cfg.dg_eta)
+    loss, stats = clipped_surrogate(inp, cfg.eps_low, cfg.eps_high)
+    stats.update(gate_stats(gate))
+    return gate * loss, stats
 
 
 # --- KL to the reference policy -------------------------------------------------------------------
