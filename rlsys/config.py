@@ -53,6 +53,7 @@ class DataConfig(Section):
     eval_size: int = Field(200, ge=1)
     seed: int = 0
     max_prompt_tokens: int = Field(64, ge=1)  # longer prompts are dropped and counted
+    chat_template: bool = False  # prompts become a user message rendered with the tokenizer's chat template
 
 
 class RolloutConfig(Section):
@@ -62,7 +63,13 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(96, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    eval_temperature: float = Field(0.0, ge=0)
+    eval_temperature: Optional[float] = Field(None, ge=0)  # None: the rollout temperature
+    eval_samples: int = Field(4, ge=1)  # samples per eval prompt (eval/accuracy is their mean, avg@k)
+    eval_greedy: bool = True  # also eval/greedy_accuracy, one greedy sample per prompt
+    tensor_parallel_size: int = Field(1, ge=1)  # GPUs per engine (vllm); kept within one node
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)  # vllm: share of each GPU for weights + KV cache
+    enable_sleep_mode: bool = False  # vllm: release GPU memory while the trainer runs (colocated layout)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # vllm: weights and activations
 
 
 class OverlongConfig(Section):
@@ -72,12 +79,33 @@ class OverlongConfig(Section):
     cache_len: int = Field(16, ge=1)
 
 
+class SandboxConfig(Section):
+    """Limits of code_tests' sandbox; rlsys/reward/sandbox.py says what each one stops and what it does not."""
+    cpu_s: int = Field(3, ge=1)  # CPU seconds per process
+    memory_mb: int = Field(512, ge=64)  # address space per process
+    file_size_mb: int = Field(16, ge=1)  # largest file written; each private tmpfs holds 4 of them
+    max_processes: int = Field(16, ge=1)  # processes and threads of the sandbox's user
+    t_min_s: float = Field(1.0, gt=0)  # wall-clock timeout: min(max(t_min_s, 1.5 x slowest pass), t_max_s)
+    t_max_s: float = Field(3.0, gt=0)
+    uid: int = Field(65534, ge=1)  # the user (and group) the code runs as when rlsys runs as root
+    hide_paths: list[str] = []  # hidden besides the temp dirs, the home and the working directory
+    allow_unsandboxed: bool = False  # without namespaces, run with resource limits only (else refuse)
+
+    @model_validator(mode="after")
+    def _timeouts_ordered(self):
+        if self.t_min_s > self.t_max_s:
+            raise ValueError("reward.sandbox.t_min_s must be at most reward.sandbox.t_max_s")
+        return self
+
+
 class RewardConfig(Section):
     fn: str = "exact_match"
     num_workers: int = Field(1, ge=1)
     timeout_s: float = Field(5.0, gt=0)
     fallback: float = 0.0  # reward given to a sample whose reward function raised, hung or returned junk
+    after_round: bool = False  # score a round's completions only once it has all generated (a baseline)
     overlong: OverlongConfig = OverlongConfig()
+    sandbox: SandboxConfig = SandboxConfig()  # code_tests only
 
 
 class KLConfig(Section):
@@ -89,12 +117,17 @@ class TrainerConfig(Section):
     backend: Literal["deepspeed", "torch"] = "deepspeed"
     world_size: int = Field(1, ge=1)
     zero_stage: int = Field(2, ge=0, le=3)
+    dtype: Literal["float32", "bf16"] = "float32"  # bf16: bf16 weights and activations, fp32 master weights
+    gradient_checkpointing: bool = False  # recompute each decoder layer's activations in backward
+    offload_optimizer: bool = False  # ZeRO 1-3: fp32 master weights and Adam moments in CPU memory
+    offload_params: bool = False  # ZeRO-3: bf16/fp32 weights in CPU memory between uses
     total_steps: int = Field(60, ge=1)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one micro-batch (padding counted)
     mini_batches: int = Field(1, ge=1)  # optimizer steps per rollout batch (veRL's PPO mini-batches)
+    streamed: bool = False  # gradients of completed prompts while the round generates (trainer/streamed.py)
     advantage: str = "grpo"
     loss: str = "dapo"
     eps_low: float = Field(0.2, ge=0)
@@ -103,6 +136,23 @@ class TrainerConfig(Section):
     dg_eta: float = Field(1.0, gt=0)  # dg, dg_clipped: temperature of the delight gate
     kl: KLConfig = KLConfig()
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _precision_and_offload(self):
+        if self.backend == "torch" and (self.dtype != "float32" or self.offload_optimizer or self.offload_params):
+            raise ValueError("trainer.dtype=bf16, trainer.offload_optimizer and trainer.offload_params need "
+                             "trainer.backend=deepspeed")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError(f"trainer.offload_params needs trainer.zero_stage=3 (got {self.zero_stage}): "
+                             "only ZeRO-3 partitions the weights")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("trainer.offload_optimizer needs trainer.zero_stage of 1, 2 or 3 (got 0)")
+        if self.dtype == "bf16" and self.zero_stage == 0:
+            # Only DeepSpeed's ZeRO optimizers keep fp32 master weights and moments for bf16 weights.
+            raise ValueError("trainer.dtype=bf16 needs trainer.zero_stage of 1, 2 or 3 (got 0)")
+        if self.streamed and self.mini_batches != 1:  # a streamed step ends in exactly one update
+            raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {self.mini_batches})")
+        return self
 
 
 class DynamicSamplingConfig(Section):
@@ -154,6 +204,23 @@ class StalenessConfig(Section):
     eta: int = Field(1, ge=0)  # 0 is the synchronous schedule
 
 
+class ElasticTPConfig(Section):
+    """Elastic rollout parallelism: the engines' TP size moves between rounds with KV-cache preemptions
+    (rlsys/control/elastic_tp.py). Sizes are the powers of two from min_tp to max_tp."""
+    enabled: bool = False
+    min_tp: int = Field(1, ge=1)
+    max_tp: int = Field(8, ge=1)
+    raise_at: float = Field(0.02, ge=0)  # preemptions per request in a round above which TP doubles
+    lower_at: float = Field(0.0, ge=0)  # ... at or below which a round counts as calm
+    calm_rounds: int = Field(3, ge=1)  # calm rounds in a row before TP halves
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_tp > self.max_tp or self.lower_at > self.raise_at:
+            raise ValueError("control.elastic_tp needs min_tp <= max_tp and lower_at <= raise_at")
+        return self
+
+
 class ControlConfig(Section):
     scheduler: str = "sync"
     group_sizer: str = "fixed"
@@ -165,6 +232,7 @@ class ControlConfig(Section):
     sagc: SAGCConfig = SAGCConfig()
     sorted: SortedConfig = SortedConfig()
     staleness: StalenessConfig = StalenessConfig()
+    elastic_tp: ElasticTPConfig = ElasticTPConfig()
     eval_every: int = Field(10, ge=0)  # 0: only before and after training
     save_every: int = Field(20, ge=0)  # 0: only at the end
 
@@ -173,6 +241,10 @@ class ClusterConfig(Section):
     address: Optional[str] = None  # None starts a local Ray cluster; "auto" joins a running one
     num_cpus: Optional[int] = Field(None, ge=1)
     dashboard_host: str = "127.0.0.1"
+    # GPU placement (rlsys/placement.py), checked when the config loads. gpus_per_node 0: no GPUs, no plan.
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    layout: Literal["colocated", "separate"] = "colocated"  # engines and trainer share GPUs, or not
     # torch threads per CPU actor (rollout and trainer). One thread each avoids oversubscribing cores
     # that the other actors share; oversubscribed CPU kernels ran many times slower here.
     torch_threads: int = Field(1, ge=1)
@@ -197,6 +269,13 @@ class Config(Section):
     output_dir: str = "runs/tiny"
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _placement_fits(self):
+        from rlsys.placement import plan_from_config  # pure; imported here as it reads this Config
+
+        plan_from_config(self)  # raises PlacementError (a ValueError) naming the fields
+        return self
+
 
 class ConfigError(ValueError):
     pass
@@ -220,7 +299,7 @@ def _format_errors(err: ValidationError, path: Path, text: str, overrides: dict)
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        got = "" if e["type"] == "missing" else f" (got {e.get('input')!r})"
+        got = "" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r})"  # not the whole file
         msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
         line = _yaml_line(text, e["loc"])
         origin = "command-line override" if _has_dotted(overrides, e["loc"]) else (

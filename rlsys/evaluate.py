@@ -1,5 +1,9 @@
-"""Eval accuracy on the held-out split: one greedy (by default) sample per prompt, scored by the reward
-pool; a prompt counts as solved when its reward exceeds 0.5."""
+"""Eval accuracy on the held-out split, scored by the reward pool (a prompt's sample counts as solved
+when its reward exceeds 0.5):
+  eval/accuracy         mean over k samples per prompt at the rollout temperature (avg@k, as DAPO
+                        reports): the policy RL trains, and what it is measured by;
+  eval/greedy_accuracy  one greedy sample per prompt, when `rollout.eval_greedy` is on.
+Seeds are fixed per prompt and sample, so two evaluations of the same weights agree exactly."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,13 +11,25 @@ from pathlib import Path
 from rlsys.types import Request, SamplingParams
 
 
-def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> float:
-    params = SamplingParams(rollout_cfg.max_new_tokens, rollout_cfg.eval_temperature, 1.0, seed=0)
-    requests = [Request(f"eval/{p.uid}", p.uid, tokenizer(p.text)["input_ids"], params) for p in prompts]
-    answers = {r.request_id: p.answer for r, p in zip(requests, prompts)}
+def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> dict[str, float]:
+    temperature = rollout_cfg.temperature if rollout_cfg.eval_temperature is None else rollout_cfg.eval_temperature
+    runs = {"eval/accuracy": (temperature, rollout_cfg.eval_samples)}
+    if rollout_cfg.eval_greedy and temperature > 0:
+        runs["eval/greedy_accuracy"] = (0.0, 1)
+    answers, run_of, requests = {}, {}, []
+    for name, (temp, k) in runs.items():
+        for i, p in enumerate(prompts):
+            ids = tokenizer(p.text)["input_ids"]
+            for j in range(k):
+                params = SamplingParams(rollout_cfg.max_new_tokens, temp, rollout_cfg.top_p, seed=i * 1009 + j)
+                requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
+                answers[requests[-1].request_id], run_of[requests[-1].request_id] = p.answer, name
     completions = rollout.generate(requests)
     results = rewards.score_all([(c.request_id, c.text, answers[c.request_id], c.num_tokens) for c in completions])
-    return sum(r.reward > 0.5 for r in results) / max(len(results), 1)
+    solved = {name: [] for name in runs}
+    for r in results:
+        solved[run_of[r.key]].append(r.reward > 0.5)
+    return {name: sum(v) / max(len(v), 1) for name, v in solved.items()}
 
 
 def resolve_model(path: Path) -> tuple[Path | None, Path | None]:
@@ -30,13 +46,13 @@ def resolve_model(path: Path) -> tuple[Path | None, Path | None]:
                             "Hugging Face model directory (config.json + weights + tokenizer)")
 
 
-def evaluate_path(path: str, overrides: list[str]) -> tuple[float, int]:
+def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], int]:
     from rlsys.cluster import init_ray
     from rlsys.config import load_config
     from rlsys.data import filter_long_prompts, load_datasets
     from rlsys.models import load_tokenizer, prepare_model
     from rlsys.reward.pool import RewardPool
-    from rlsys.rollout.manager import RolloutManager
+    from rlsys.rollout.manager import RolloutManager, engine_kwargs
 
     checkpoint = Path(path)
     model_dir, run_cfg = resolve_model(checkpoint)
@@ -44,10 +60,11 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[float, int]:
     init_ray(cfg.cluster)
     model_dir = model_dir or prepare_model(cfg)
     tokenizer = load_tokenizer(model_dir)
-    _, prompts = load_datasets(cfg.data)
+    _, prompts = load_datasets(cfg.data, tokenizer)  # the tokenizer renders chat templates
     prompts, _ = filter_long_prompts(prompts, tokenizer, cfg.data.max_prompt_tokens)
     rollout = RolloutManager(str(model_dir), cfg.rollout.num_workers, cfg.rollout.slots,
-                             torch_threads=cfg.cluster.torch_threads)
+                             torch_threads=cfg.cluster.torch_threads, engine_kwargs=engine_kwargs(cfg),
+                             engine=cfg.rollout.engine)
     if (checkpoint / "controller.json").exists():
         from safetensors.torch import load_file
         rollout.update_weights(load_file(str(checkpoint / "trainer" / "model.safetensors")), version=1)

@@ -20,10 +20,11 @@ from rlsys.data import filter_long_prompts, load_datasets
 from rlsys.data.cursor import PromptCursor
 from rlsys.evaluate import eval_accuracy
 from rlsys.logger import RunLogger
+from rlsys.placement import format_plan, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.plot import plot_run
 from rlsys.reward.pool import RewardPool
-from rlsys.rollout.manager import RolloutManager
+from rlsys.rollout.manager import RolloutManager, engine_kwargs
 from rlsys.step_stats import StepStats
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Prompt, Request, SamplingParams, ScoredSample
@@ -36,12 +37,16 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         init_ray(cfg.cluster)
+        plan = plan_from_config(cfg)
+        if plan:  # where each engine and trainer rank goes (GPU clusters only)
+            print(format_plan(plan), flush=True)
         self.model_dir = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
         train, self.eval_prompts = self._datasets()
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
         self.rollout = RolloutManager(str(self.model_dir), cfg.rollout.num_workers, cfg.rollout.slots,
-                                      torch_threads=cfg.cluster.torch_threads)
+                                      torch_threads=cfg.cluster.torch_threads, engine_kwargs=engine_kwargs(cfg),
+                                      engine=cfg.rollout.engine)
         self.rewards = RewardPool(cfg.reward)
         self.trainer = TrainerGroup(cfg, str(self.model_dir))
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
@@ -61,7 +66,7 @@ class Controller:
     def run(self) -> dict:
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.step == 0:
-            self.log.write(0, self.now(), {"eval/accuracy": self.evaluate(), "policy_version": 0})
+            self.log.write(0, self.now(), {**self.evaluate(), "policy_version": 0})
         self.stats.start_step()
         self.apply(self.scheduler.start(self.now()))
         while not self.done:
@@ -153,7 +158,7 @@ class Controller:
         self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
         every = self.cfg.control.eval_every
         if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:
-            metrics["eval/accuracy"] = self.evaluate()
+            metrics.update(self.evaluate())
         self.log.write(self.step, self.now(), metrics)
         self.scheduler.version = self.version
         every = self.cfg.control.save_every
@@ -166,11 +171,11 @@ class Controller:
         return self.scheduler.on_trained(self.version, self.now())
 
     # --- eval, checkpoints, end -------------------------------------------------------------
-    def evaluate(self) -> float:
+    def evaluate(self) -> dict[str, float]:
         t = time.time()
-        accuracy = eval_accuracy(self.rollout, self.rewards, self.tokenizer, self.eval_prompts, self.cfg.rollout)
+        metrics = eval_accuracy(self.rollout, self.rewards, self.tokenizer, self.eval_prompts, self.cfg.rollout)
         self.paused_s += time.time() - t
-        return accuracy
+        return metrics
 
     def save(self) -> Path:
         t = time.time()
@@ -203,7 +208,7 @@ class Controller:
         """The last step's checkpoint is already written; evaluate and export unless pre-empted."""
         final = {"policy_version": self.version, "step": self.step}
         if not self.stop_requested:
-            final["eval/accuracy"] = self.evaluate()
+            final.update(self.evaluate())
             self.log.write(self.step, self.now(), final, final=True)
             self.trainer.export_hf(str(self.run_dir / "export"), str(self.model_dir))
         self.log.close()

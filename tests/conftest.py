@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 
@@ -22,3 +24,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """`very_slow` tests (minutes each on a CPU) run only when asked for, with RLSYS_SLOW=1."""
+    if os.environ.get("RLSYS_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="very_slow: minutes on a CPU; set RLSYS_SLOW=1 to run it")
+    for item in items:
+        if "very_slow" in item.keywords:
+            item.add_marker(skip)

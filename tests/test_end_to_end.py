@@ -51,6 +51,13 @@ def test_two_step_run_writes_metrics_checkpoint_export_and_plots(tmp_path, ray_c
         if name in trained:
             torch.testing.assert_close(param, trained[name])
 
+    # `rlsys eval` on the exported model reproduces the run's final evaluation exactly (fixed seeds).
+    from rlsys.evaluate import evaluate_path
+    final = metrics[-1]
+    again, n = evaluate_path(str(out), [])
+    assert n == 16 and set(again) == {"eval/accuracy", "eval/greedy_accuracy"}
+    assert again == {k: final[k] for k in again}
+
 
 def trained_order(run_dir):
     """(step, request id, reward-relevant tokens) of every trained request, in step order."""

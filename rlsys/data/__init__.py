@@ -5,7 +5,10 @@ import dataclasses
 import random
 
 from rlsys.config import DataConfig
-from rlsys.data.files import DataError, read_prompts
+from rlsys.data.files import DataError, chat_text, read_prompts
+from rlsys.data import code_tasks  # noqa: F401  registers the `code` family
+from rlsys.data import math_tasks  # noqa: F401  registers the `math` family
+from rlsys.data import word_problems  # noqa: F401  registers the `word_problems` family
 from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
 from rlsys.types import Prompt
 
@@ -16,19 +19,27 @@ def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[P
     """(train, eval) for `cfg.task`: "synthetic" (the default mix), a task family name, or "files".
 
     With "files" and no `eval_path`, `eval_size` prompts are held out of the training file (seeded).
-    `tokenizer` renders chat-message prompts with its chat template, if it has one.
+    `tokenizer` renders chat-message prompts with its chat template, if it has one; with
+    `cfg.chat_template` every prompt is rendered, as one user message (it must have one then).
     """
+    if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DataError("data.chat_template is true but the model's tokenizer has no chat template"
+                        if tokenizer is not None else "data.chat_template is true but no tokenizer was given")
     if cfg.task == "files":
         if not cfg.train_path:
             raise DataError("data.train_path must be set when data.task is 'files'")
-        train = read_prompts(cfg.train_path, "train", tokenizer)
+        train = read_prompts(cfg.train_path, "train", tokenizer, cfg.chat_template)
         if cfg.eval_path:
-            return train, read_prompts(cfg.eval_path, "eval", tokenizer)
+            return train, read_prompts(cfg.eval_path, "eval", tokenizer, cfg.chat_template)
         return _hold_out(train, cfg.eval_size, cfg.seed, cfg.train_path)
     if cfg.task != "synthetic" and cfg.task not in TASKS:
         raise DataError(f"data.task: unknown task {cfg.task!r}; choose 'files', 'synthetic' or one of: "
                         f"{', '.join(TASKS.names())}")
-    return synthetic_splits(cfg.task, cfg.train_size, cfg.eval_size, cfg.seed)
+    splits = synthetic_splits(cfg.task, cfg.train_size, cfg.eval_size, cfg.seed)
+    if not cfg.chat_template:
+        return splits
+    return tuple([dataclasses.replace(p, text=chat_text(tokenizer, [{"role": "user", "content": p.text}]))
+                  for p in split] for split in splits)
 
 
 def _hold_out(prompts: list[Prompt], n_eval: int, seed: int, path: str) -> tuple[list[Prompt], list[Prompt]]:

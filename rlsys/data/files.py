@@ -17,11 +17,13 @@ class DataError(ValueError):
     pass
 
 
-def read_prompts(path: str | Path, split: str = "train", tokenizer=None) -> list[Prompt]:
+def read_prompts(path: str | Path, split: str = "train", tokenizer=None, chat_template: bool = False
+                 ) -> list[Prompt]:
     """Every row of a .jsonl or .parquet file as a Prompt with uid `<split>-<i>`.
 
     Chat-message prompts are rendered with `tokenizer`'s chat template when it has one; otherwise the
-    last user message is the prompt text.
+    last user message is the prompt text. With `chat_template`, string prompts are rendered too, as one
+    user message.
     """
     path = Path(path)
     if not path.is_file():
@@ -32,7 +34,7 @@ def read_prompts(path: str | Path, split: str = "train", tokenizer=None) -> list
     prompts = []
     for where, row in rows(path):
         try:
-            text, answer, source = _parse_row(row, tokenizer, default_source=path.stem)
+            text, answer, source = _parse_row(row, tokenizer, path.stem, chat_template)
         except DataError as e:
             raise DataError(f"{path}, {where}: {e}") from None
         i = len(prompts)
@@ -65,12 +67,12 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {number}", row
 
 
-def _parse_row(row: Any, tokenizer, default_source: str) -> tuple[str, str, str]:
+def _parse_row(row: Any, tokenizer, default_source: str, chat_template: bool = False) -> tuple[str, str, str]:
     if not isinstance(row, dict):
         raise DataError(f"a row must be an object with a 'prompt' field, got {type(row).__name__}")
     if row.get("prompt") is None:
         raise DataError("missing 'prompt'")
-    text = _prompt_text(row["prompt"], tokenizer)
+    text = _prompt_text(row["prompt"], tokenizer, chat_template)
     if not text.strip():
         raise DataError("'prompt' is empty")
     source = row.get("data_source")
@@ -81,9 +83,19 @@ def _parse_row(row: Any, tokenizer, default_source: str) -> tuple[str, str, str]
     return text, _answer(row), source
 
 
-def _prompt_text(prompt: Any, tokenizer) -> str:
+def chat_text(tokenizer, messages: list[dict]) -> str:
+    """The messages rendered by the chat template, ready for `tokenizer(text)`: a template that writes the
+    BOS token itself loses it here when the tokenizer adds one anyway, so the model never sees two."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text
+
+
+def _prompt_text(prompt: Any, tokenizer, chat_template: bool = False) -> str:
     if isinstance(prompt, str):
-        return prompt
+        return chat_text(tokenizer, [{"role": "user", "content": prompt}]) if chat_template else prompt
     if not isinstance(prompt, list):
         raise DataError(f"'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
     for i, message in enumerate(prompt):
@@ -91,8 +103,7 @@ def _prompt_text(prompt: Any, tokenizer) -> str:
                 and isinstance(message.get("content"), str)):
             raise DataError(f"'prompt' message {i} must be an object with string 'role' and 'content'")
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return chat_text(tokenizer, [{"role": m["role"], "content": m["content"]} for m in prompt])
     users = [m["content"] for m in prompt if m["role"] == "user"]
     if not users:
         raise DataError("'prompt' has no message with role 'user'")

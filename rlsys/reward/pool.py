@@ -67,6 +67,8 @@ class RewardWorker:
     def __init__(self, cfg: RewardConfig, fn_blob: bytes):
         self.cfg = cfg
         self.fn: RewardFn = cloudpickle.loads(fn_blob)
+        if hasattr(self.fn, "setup"):  # e.g. code_tests builds its sandbox: a refusal fails the pool's start
+            self.fn.setup(cfg)
         self.runner = ThreadPoolExecutor(1)
 
     def ready(self) -> bool:
@@ -112,6 +114,7 @@ class RewardPool:
         self.errors = 0  # samples that got the fallback: logged as reward/errors
         self.restarts = 0  # workers killed or lost and replaced
         self._queue: deque[_Item] = deque()
+        self._round: list[_Item] = []  # reward.after_round: completions held until end_round()
         self.held: list[RewardResult] = []  # results that arrived during score_all, for the next collect
         self._calls: dict[ray.ObjectRef, _Call] = {}
         self._idle: set[int] = set()
@@ -130,7 +133,17 @@ class RewardPool:
     # -- the streaming API the controller uses --------------------------------------------------
 
     def submit(self, key: str, response: str, answer: str, num_tokens: int) -> None:
-        self._queue.append(_Item(key, response, answer, num_tokens))
+        item = _Item(key, response, answer, num_tokens)
+        if self.cfg.after_round:  # the baseline that overlap is measured against: hold it
+            self._round.append(item)
+            return
+        self._queue.append(item)
+        self._dispatch()
+
+    def end_round(self) -> None:
+        """reward.after_round: the round has finished generating; score what it produced."""
+        self._queue.extend(self._round)
+        self._round.clear()
         self._dispatch()
 
     def refs(self) -> list[ray.ObjectRef]:
@@ -178,7 +191,7 @@ class RewardPool:
         return self._counted(results)
 
     def pending(self) -> int:
-        return len(self._queue) + sum(len(c.items) for c in self._calls.values())
+        return len(self._round) + len(self._queue) + sum(len(c.items) for c in self._calls.values())
 
     # -- conveniences --------------------------------------------------------------------------
 
@@ -187,8 +200,8 @@ class RewardPool:
         keys = [item[0] for item in items]
         if len(set(keys)) != len(keys):
             raise ValueError("score_all: keys must be unique")
-        for item in items:
-            self.submit(*item)
+        self._queue.extend(_Item(*item) for item in items)  # scored now, even under reward.after_round
+        self._dispatch()
         wanted, by_key, others = set(keys), {}, []
         while len(by_key) < len(wanted):
             next_deadline = min(c.deadline for c in self._calls.values())

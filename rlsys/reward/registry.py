@@ -6,7 +6,9 @@ A reward function has one signature, `fn(response: str, answer: str) -> float`. 
     def my_reward(response, answer): ...
 
 and select it with `reward.fn=my_reward`. Functions run in a worker thread of a reward actor, so
-they must not rely on signals (signal.alarm); the pool enforces the deadline instead.
+they must not rely on signals (signal.alarm); the pool enforces the deadline instead. A function
+with a `setup(cfg: RewardConfig)` attribute gets it called once as each actor starts (code_tests,
+in code.py, builds its sandbox there).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
-from rlsys.rollout.engine import RolloutEngine
+from rlsys.rollout.engine import RolloutEngine, check_request
 from rlsys.types import Completion, Request
 
 
@@ -63,7 +63,9 @@ class DecoderModel:
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
         self.layers, self.eps = cfg.num_hidden_layers, cfg.rms_norm_eps
-        self.max_len = max_len or cfg.max_position_embeddings
+        # The KV cache holds max_len positions per slot: callers pass what a run can use (prompt + response),
+        # as a real model's context (8k for SmolLM2) would cost gigabytes per few slots.
+        self.max_len = min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.config = cfg
         H, KV, D, I = self.heads, self.kv_heads, self.head_dim, cfg.intermediate_size
         qkv_bias = cfg.model_type == "qwen2" or getattr(cfg, "attention_bias", False)
@@ -404,24 +406,4 @@ class CPUEngine(RolloutEngine):
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def validate(self, req: Request) -> None:
-        rid, p = req.request_id, req.params
-        if not req.prompt_ids:
-            raise ValueError(f"request {rid}: prompt_ids is empty")
-        for field in ("prompt_ids", "resume_ids"):
-            for i, t in enumerate(getattr(req, field)):
-                if not isinstance(t, int) or not 0 <= t < self.model.vocab:
-                    raise ValueError(f"request {rid}: {field}[{i}]={t!r} is not a token id in "
-                                     f"[0, {self.model.vocab})")
-        if not len(req.resume_ids) == len(req.resume_logprobs) == len(req.resume_versions):
-            raise ValueError(f"request {rid}: resume_ids, resume_logprobs and resume_versions must have the "
-                             f"same length (got {len(req.resume_ids)}, {len(req.resume_logprobs)}, "
-                             f"{len(req.resume_versions)})")
-        if len(req.prompt_ids) >= self.max_len:
-            raise ValueError(f"request {rid}: prompt of {len(req.prompt_ids)} tokens leaves no room in "
-                             f"max_len={self.max_len}")
-        if p.max_new_tokens < 1:
-            raise ValueError(f"request {rid}: params.max_new_tokens must be >= 1 (got {p.max_new_tokens})")
-        if p.temperature < 0:
-            raise ValueError(f"request {rid}: params.temperature must be >= 0 (got {p.temperature})")
-        if not 0 < p.top_p <= 1:
-            raise ValueError(f"request {rid}: params.top_p must be in (0, 1] (got {p.top_p})")
+        check_request(req, self.model.vocab, self.max_len)

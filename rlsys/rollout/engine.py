@@ -50,3 +50,38 @@ class RolloutEngine(ABC):
     def stats(self) -> dict:
         """Cumulative counters: decode_steps, active_slot_steps, generated_tokens, busy_s,
         saturated_tokens_per_s (None until every slot was busy at least once)."""
+
+
+def check_request(req: Request, vocab: int, max_len: int) -> None:
+    """The checks of `validate` that hold for every engine: ValueError naming the request and the field."""
+    rid, p = req.request_id, req.params
+    if not req.prompt_ids:
+        raise ValueError(f"request {rid}: prompt_ids is empty")
+    for field in ("prompt_ids", "resume_ids"):
+        for i, t in enumerate(getattr(req, field)):
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"request {rid}: {field}[{i}]={t!r} is not a token id in [0, {vocab})")
+    if not len(req.resume_ids) == len(req.resume_logprobs) == len(req.resume_versions):
+        raise ValueError(f"request {rid}: resume_ids, resume_logprobs and resume_versions must have the "
+                         f"same length (got {len(req.resume_ids)}, {len(req.resume_logprobs)}, "
+                         f"{len(req.resume_versions)})")
+    if len(req.prompt_ids) >= max_len:
+        raise ValueError(f"request {rid}: prompt of {len(req.prompt_ids)} tokens leaves no room in "
+                         f"max_len={max_len}")
+    if p.max_new_tokens < 1:
+        raise ValueError(f"request {rid}: params.max_new_tokens must be >= 1 (got {p.max_new_tokens})")
+    if p.temperature < 0:
+        raise ValueError(f"request {rid}: params.temperature must be >= 0 (got {p.temperature})")
+    if not 0 < p.top_p <= 1:
+        raise ValueError(f"request {rid}: params.top_p must be in (0, 1] (got {p.top_p})")
+
+
+def make_engine(name: str, model_dir: str, slots: int, **kwargs) -> RolloutEngine:
+    """The engine named by `rollout.engine`; each is imported only when chosen (vLLM needs a GPU)."""
+    if name == "cpu":
+        from rlsys.rollout.cpu_engine import CPUEngine
+        return CPUEngine(model_dir, slots, **kwargs)
+    if name == "vllm":
+        from rlsys.rollout.vllm_engine import VLLMEngine
+        return VLLMEngine(model_dir, slots, **kwargs)
+    raise ValueError(f"rollout.engine: unknown engine {name!r} (cpu or vllm)")

@@ -15,13 +15,25 @@ from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request
 
 
+def engine_kwargs(cfg) -> dict:
+    """Engine options from a run's Config: the KV cache sized to the longest prompt plus response."""
+    kwargs = {"max_len": cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens}
+    r = cfg.rollout
+    if r.engine == "vllm":
+        kwargs.update(tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                      enable_sleep_mode=r.enable_sleep_mode, dtype=r.dtype)
+    return kwargs
+
+
 class RolloutManager:
     def __init__(self, model_dir: str, num_workers: int, slots: int, torch_threads: int | None = None,
-                 engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0):
+                 engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0, engine: str = "cpu"):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         self.slots, self.drain_timeout_s = slots, drain_timeout_s
-        self.workers = [RemoteRolloutWorker.remote(model_dir, slots, i, torch_threads, engine_kwargs)
+        gpus = (engine_kwargs or {}).get("tensor_parallel_size", 1) if engine == "vllm" else 0
+        self.workers = [RemoteRolloutWorker.options(num_gpus=gpus).remote(model_dir, slots, i, torch_threads,
+                                                                          engine_kwargs, engine)
                         for i in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])  # surface load errors here, not later
         self.outstanding = [0] * num_workers

@@ -15,8 +15,7 @@ from typing import Any, Callable
 import ray
 import torch
 
-from rlsys.rollout.cpu_engine import CPUEngine
-from rlsys.rollout.engine import RolloutEngine
+from rlsys.rollout.engine import RolloutEngine, make_engine
 from rlsys.types import Completion, Request
 
 MAX_CONCURRENCY = 8  # a pending drain, plus submit/abort/update/stats calls beside it
@@ -28,11 +27,11 @@ class WorkerStopped(RuntimeError):
 
 class RolloutWorker:
     def __init__(self, model_dir: str, slots: int, index: int = 0, torch_threads: int | None = None,
-                 engine_kwargs: dict | None = None):
+                 engine_kwargs: dict | None = None, engine: str = "cpu"):
         self.index, self.torch_threads = index, torch_threads
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self.engine: RolloutEngine = CPUEngine(model_dir, slots, **(engine_kwargs or {}))
+        self.engine: RolloutEngine = make_engine(engine, model_dir, slots, **(engine_kwargs or {}))
         self._cond = threading.Condition()
         self._ops: list[tuple[Callable[[], Any], Future | None]] = []
         self._ready: list[Completion] = []
@@ -73,6 +72,9 @@ class RolloutWorker:
         with self._cond:
             self._cond.wait_for(lambda: self._ready or self._error or self._submit_error or self._stopped,
                                 timeout=timeout_s)
+            if self._stopped and self._error is None:  # shut down on purpose: the last drain is not an error
+                out, self._ready = self._ready, []
+                return out
             self._raise_if_failed()
             if self._submit_error is not None:
                 error, self._submit_error = self._submit_error, None

@@ -7,6 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, ValidationError, model_validator
 
 from rlsys.config import ConfigError, ControlConfig, Section, _format_errors, read_yaml_mapping
+from rlsys.control.elastic_tp import tp_sizes
 from rlsys.sim.cluster import GPUS, MODELS, EngineCost, ModelShape
 
 
@@ -21,7 +22,8 @@ class ModelSpec(Section):
 class ClusterSpec(Section):
     gpu: Literal["h100", "h800", "h200"] = "h800"
     gpus: int = Field(16, ge=1)
-    tp: int = Field(1, ge=1)  # GPUs per rollout engine
+    tp: int = Field(1, ge=1)  # GPUs per rollout engine (the starting size under control.elastic_tp)
+    gpus_per_node: int = Field(8, ge=1)  # an engine's GPUs stay within one node
     trainer_gpus: Optional[int] = Field(None, ge=1)  # None: colocated, rollout pauses while training
 
     @model_validator(mode="after")
@@ -29,7 +31,13 @@ class ClusterSpec(Section):
         rollout = self.gpus - (self.trainer_gpus or 0)
         if rollout < self.tp or rollout % self.tp:
             raise ValueError(f"the {rollout} rollout GPUs must be a positive multiple of tp={self.tp}")
+        if self.tp > self.gpus_per_node:
+            raise ValueError(f"tp={self.tp} would span nodes of gpus_per_node={self.gpus_per_node}")
         return self
+
+    @property
+    def rollout_gpus(self) -> int:
+        return self.gpus - (self.trainer_gpus or 0)
 
     @property
     def engines(self) -> int:
@@ -131,7 +139,27 @@ class SimConfig(Section):
         if min(self.engine_cost(self.cluster_for(r)).kv_capacity for r in self.runs()) < need:
             raise ValueError(f"engine KV cache holds fewer tokens than one request needs ({need}); "
                              "raise cluster.tp or lower workload.max_tokens")
+        for run in self.runs():
+            cluster, elastic = self.cluster_for(run), self.control_for(run).elastic_tp
+            if elastic.enabled and cluster.tp not in self.tp_sizes(cluster, elastic):
+                raise ValueError(f"{run.label}: cluster.tp={cluster.tp} is not a size control.elastic_tp may use: "
+                                 f"{self.tp_sizes(cluster, elastic)}")
         return self
+
+    def tp_sizes(self, cluster: ClusterSpec, elastic) -> list[int]:
+        """The TP sizes elastic TP may pick: within its bounds and a node, dividing the rollout GPUs,
+        with room for the weights and one whole request in each engine's KV cache."""
+        need = self.workload.max_prompt_tokens + self.workload.max_tokens
+        sizes = []
+        for tp in tp_sizes(elastic.min_tp, elastic.max_tp):
+            if tp > cluster.gpus_per_node or cluster.rollout_gpus % tp:
+                continue
+            try:
+                if self.engine_cost(cluster.model_copy(update={"tp": tp})).kv_capacity >= need:
+                    sizes.append(tp)
+            except ValueError:  # the weights alone do not fit
+                continue
+        return sizes
 
     def runs(self) -> list[SchedulerRun]:
         out = [SchedulerRun(name=r) if isinstance(r, str) else r for r in self.schedulers]

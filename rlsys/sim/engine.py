@@ -58,6 +58,7 @@ class SimEngine:
         self.mark_at, self.mark_versions = [0.0], [0]  # progress at which each weight version arrived
         self.busy_slot_s = self.alloc_s = self.kv_token_s = self.generated = 0.0
         self.preemptions = 0
+        self.recomputed_tokens = 0.0  # prompt + generated tokens of preempted sequences, prefilled again
 
     @property
     def load(self) -> int:
@@ -190,6 +191,7 @@ class SimEngine:
         self.queue.appendleft(req)
         self.queued += 1
         self.preemptions += 1
+        self.recomputed_tokens += req.prompt_tokens + req.done  # charged as prefill when re-admitted
 
     def _remove(self, req: SimRequest, finished: bool = False) -> None:
         """Take a running request off the batch, crediting its tokens to the versions that made them."""

@@ -18,6 +18,7 @@ from typing import Optional
 
 from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.elastic_tp import ElasticTP
 from rlsys.control.metrics import percentile, straggler_rate
 from rlsys.data.cursor import PromptCursor
 from rlsys.sim.cluster import GPUS, sync_seconds, train_seconds
@@ -48,11 +49,7 @@ class Simulation:
         self.colocated = cluster.trainer_gpus is None
         self.trainer_gpus = cluster.trainer_gpus or cluster.gpus
         self.sync_s = sync_seconds(self.shape, cfg.weight_sync.bandwidth_gbps, cfg.weight_sync.latency_s)
-        cost = cfg.engine_cost(cluster)
-        # Bubble capacity: the concurrency a nominal step can fill, the same for every scheduler.
-        slots = min(cfg.engine.max_seqs, math.ceil(control.prompts_per_step * control.group_size / cluster.engines))
-        self.engines = [SimEngine(i, cost, cfg.engine.max_seqs, cfg.engine.kv_watermark, slots)
-                        for i in range(cluster.engines)]
+        self.cluster, self.control = cluster, control
         self.workload = workload or Workload(cfg.workload, cfg.reward, cfg.seed)  # shareable: it only caches
         cursor = PromptCursor(self.workload.prompts(), seed=cfg.seed)
         self.scheduler = build_scheduler(SimpleNamespace(control=control), cursor)
@@ -75,6 +72,30 @@ class Simulation:
         self.trained_tokens = self.wasted_tokens = self.truncated = 0
         self.controller_s = 0.0
         self.controller_calls = 0
+        self.tp = cluster.tp
+        self.engines = self._build_engines(cluster.tp)
+        self.retired: list[SimEngine] = []  # engines of earlier TP sizes, kept for their figures
+        self.elastic = (ElasticTP(control.elastic_tp, cluster.tp, cfg.tp_sizes(cluster, control.elastic_tp))
+                        if control.elastic_tp.enabled else None)
+        self.next_tp = cluster.tp
+        self.tp_per_step: list[int] = []
+        self.preemptions_by_step: list[int] = []
+        self._round_start = (0, 0)  # (preemptions, submitted requests) when the step's round began
+
+    def _build_engines(self, tp: int) -> list[SimEngine]:
+        cost = self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}))
+        count = self.cluster.rollout_gpus // tp
+        # Bubble capacity: the concurrency a nominal step can fill, the same for every scheduler.
+        slots = min(self.cfg.engine.max_seqs,
+                    math.ceil(self.control.prompts_per_step * self.control.group_size / count))
+        engines = [SimEngine(i, cost, self.cfg.engine.max_seqs, self.cfg.engine.kv_watermark, slots)
+                   for i in range(count)]
+        for engine in engines:  # born now, serving the current weights
+            engine.clock, engine.mark_versions = self.now, [self.version]
+        return engines
+
+    def _all_engines(self) -> list[SimEngine]:
+        return self.engines + self.retired
 
     # --- the loop ------------------------------------------------------------------------
     def run(self, trace: Optional[list] = None) -> dict:
@@ -271,6 +292,7 @@ class Simulation:
             engine.mark_version(self.version)
         groups, self.training = self.training, None
         self._call(self.scheduler.sizer.observe, groups)  # as the live controller does after a step
+        self._end_round()
         self.scheduler.version = self.version
         self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
         touched: dict[int, SimEngine] = {}
@@ -281,6 +303,25 @@ class Simulation:
         self.step_start = self.now
         if self.trained < self.cfg.steps:  # after the last step nothing more is asked of the scheduler
             self._act(self._call(self.scheduler.on_trained, self.version, self.now))
+
+    def _end_round(self) -> None:
+        """Per-step KV figures; under elastic TP, the planner's choice for the next round. Engines are
+        rebuilt only while idle (nothing queued or running, trainer done); until then the change waits."""
+        preempted = sum(e.preemptions for e in self._all_engines())
+        submitted = self.counts["submitted"]
+        self.preemptions_by_step.append(preempted - self._round_start[0])
+        self.tp_per_step.append(self.tp)
+        if self.elastic is not None:
+            self.next_tp = self.elastic.observe(preempted - self._round_start[0], submitted - self._round_start[1])
+        self._round_start = (preempted, submitted)
+        idle = self.training is None and not self.train_queue and not any(e.load for e in self.engines)
+        if self.next_tp != self.tp and idle:
+            for engine in self.engines:
+                engine.advance_to(self.now)
+            self.retired += self.engines
+            self.engines, self.tp = self._build_engines(self.next_tp), self.next_tp
+            for engine in self.engines:  # the re-sharded engines load the weights, as after a weight sync
+                engine.pause(self.now, self.now + self.sync_s)
 
     # --- checks and figures ----------------------------------------------------------------------
     def check(self) -> None:
@@ -298,13 +339,14 @@ class Simulation:
     def _metrics(self, wall_s: float) -> dict:
         for engine in self.engines:
             engine.advance_to(self.now)
+        engines = self._all_engines()
         sim_s = self.now
-        alloc = sum(e.slots * e.alloc_s for e in self.engines)
-        busy = sum(e.busy_slot_s for e in self.engines)
-        kv_room = sum(e.cost.kv_capacity * e.alloc_s for e in self.engines)
-        kv = sum(e.kv_token_s for e in self.engines) / kv_room if kv_room else 0.0
+        alloc = sum(e.slots * e.alloc_s for e in engines)
+        busy = sum(e.busy_slot_s for e in engines)
+        kv_room = sum(e.cost.kv_capacity * e.alloc_s for e in engines)
+        kv = sum(e.kv_token_s for e in engines) / kv_room if kv_room else 0.0
         lengths = [n for g in self.group_lengths for n in g]
-        generated = sum(e.generated for e in self.engines)
+        generated = sum(e.generated for e in engines)
         steps = self.trained
         return {
             "scheduler": self.run_spec.name,
@@ -324,7 +366,10 @@ class Simulation:
             "response_tokens": {"mean": mean(lengths), "p50": percentile(lengths, 50),
                                 "p99": percentile(lengths, 99), "max": max(lengths, default=0)},
             "trained_prompts": len(self.group_lengths),
-            "preemptions_per_step": sum(e.preemptions for e in self.engines) / steps,
+            "preemptions_per_step": sum(e.preemptions for e in engines) / steps,
+            "recomputed_tokens_per_step": sum(e.recomputed_tokens for e in engines) / steps,
+            "preemptions_by_step": self.preemptions_by_step,
+            "tp_per_step": self.tp_per_step,
             "requests": {k: self.counts[k] for k in ("submitted", "finished", "aborted", "late_aborts")},
             "prompts": self.scheduler.metrics(),
             "step_ends_s": self.step_ends,

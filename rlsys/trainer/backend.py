@@ -4,7 +4,9 @@ in one process; `DeepSpeedBackend` (deepspeed_backend.py) adds ZeRO and data par
 
 Checkpoint folder written by `save` (safetensors + JSON only, nothing pickled):
   model.safetensors                      full weights, HF names (rank 0)
-  optimizer_rank{r}.safetensors/.json    optimizer state: rank 0 only, or every rank when ZeRO partitions it
+  optimizer_rank{r}.safetensors/.json    torch backend: the optimizer's state dict (rank 0)
+  optimizer.json, optimizer_shard{r}.safetensors   DeepSpeed: state per parameter name (universal.py),
+                                         so a run resumes on another world size or ZeRO stage
   state_rank{r}.safetensors/.json        RNG states and step counters of each rank
   trainer.json                           the layout it was written with, checked on load
 """
@@ -33,6 +35,17 @@ def load_model(model_dir: str, device) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.eval()  # no dropout, ever: training log-probs must match the engine's
     return model.to(device)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward. HF checkpoints a layer only while it is in
+    training mode, so the layers alone are flagged as training: their submodules stay in eval (no dropout)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
@@ -145,13 +158,15 @@ class TrainerBackend(ABC):
                       skipped_steps=per_part[-1]["skipped_steps"])
         return merged
 
-    def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float) -> dict:
+    def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float,
+                             closes_step: bool = True) -> dict:
+        """`closes_step=False`: more parts follow (a streamed step, streamed.py), so no micro-batch is the last."""
         if totals.micro_batches < 1:
             raise ValueError("a train step needs at least one sample with response tokens")
         stats: dict[str, float] = defaultdict(float)
         batches = self._micro_batches(samples, totals.micro_batches)
         for i, batch in enumerate(batches):
-            self._start_micro_batch(last=i == len(batches) - 1)
+            self._start_micro_batch(last=closes_step and i == len(batches) - 1)
             mb = collate(batch).to(self.device)
             logprobs, entropy = token_logprobs(self._logits(self.model, mb), mb.input_ids, temperature, True)
             proximal = logprobs.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs
@@ -190,6 +205,13 @@ class TrainerBackend(ABC):
     def _optimizer_step(self) -> tuple[float, bool]:
         """Clip and step unless the gradients are not finite; return (grad norm before clipping, applied)."""
 
+    def _rescaled_optimizer_step(self, divisor: float) -> tuple[float, bool]:
+        """`_optimizer_step` on the accumulated gradients divided by `divisor` (a streamed step's normaliser)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(divisor)
+        return self._optimizer_step()
+
     @abstractmethod
     def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
         """Full weights, HF names, CPU float32 (a collective under ZeRO-3: every rank must call it)."""
@@ -209,6 +231,19 @@ class TrainerBackend(ABC):
     def _layout(self) -> dict:
         return {"backend": self.name, "world_size": self.world_size}
 
+    def _check_layout(self, layout: dict, folder: Path) -> None:
+        if layout != self._layout():
+            raise ValueError(f"{folder} was written by a trainer with {layout}; this one is {self._layout()}: "
+                             "resume with the same trainer.backend, trainer.world_size and trainer.zero_stage")
+
+    def _save_optimizer(self, folder: Path) -> None:
+        if self.rank == 0 or self._optimizer_is_partitioned():
+            save_state(self._optimizer_state(), folder, f"optimizer_rank{self.rank}")
+
+    def _load_optimizer(self, folder: Path) -> None:
+        rank = self.rank if self._optimizer_is_partitioned() else 0
+        self._load_optimizer_state(load_state(folder, f"optimizer_rank{rank}"))
+
     # --- files ----------------------------------------------------------------------------------
     def save(self, folder: str) -> None:
         folder = Path(folder)
@@ -217,20 +252,18 @@ class TrainerBackend(ABC):
         if self.rank == 0:
             save_tensors(weights, folder / "model.safetensors")
             (folder / LAYOUT_FILE).write_text(json.dumps(self._layout()))
-        if self.rank == 0 or self._optimizer_is_partitioned():
-            save_state(self._optimizer_state(), folder, f"optimizer_rank{self.rank}")
+        self._save_optimizer(folder)
         save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps}, folder, f"state_rank{self.rank}")
 
     def load(self, folder: str) -> None:
         folder = Path(folder)
         layout = json.loads((folder / LAYOUT_FILE).read_text())
-        if layout != self._layout():
-            raise ValueError(f"{folder} was written by a trainer with {layout}; this one is {self._layout()}: "
-                             "resume with the same trainer.backend, trainer.world_size and trainer.zero_stage")
+        self._check_layout(layout, folder)
         self._load_weights(load_file(str(folder / "model.safetensors")))
-        rank = self.rank if self._optimizer_is_partitioned() else 0
-        self._load_optimizer_state(load_state(folder, f"optimizer_rank{rank}"))
-        state = load_state(folder, f"state_rank{self.rank}")
+        self._load_optimizer(folder)
+        # A rank the saving run did not have (a larger world) takes rank 0's RNG states and counters.
+        own = folder / f"state_rank{self.rank}.json"
+        state = load_state(folder, own.stem if own.exists() else "state_rank0")
         set_rng_state(state["rng"])
         self.skipped_steps = state["skipped_steps"]
 
@@ -251,6 +284,8 @@ class TorchBackend(TrainerBackend):
             raise ValueError(f"TorchBackend runs on one rank, not {world_size}: use DeepSpeedBackend")
         super().__init__(cfg, model_dir, rank, world_size, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model(model_dir, self.device)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def _backward(self, loss: torch.Tensor) -> None:

@@ -3,32 +3,30 @@
 Gradient accumulation is driven by hand: the step's micro-batch count varies, so the engine is told
 which backward closes the step, and `step()` is called once. The process group comes from the
 MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK variables that the worker sets.
+
+Checkpoints keep the optimizer state per parameter name (universal.py): the full fp32 tensors are
+gathered one parameter at a time, so a run saved on N ranks resumes on M ranks or another ZeRO stage.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 
 import deepspeed
 import numpy as np
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param,
+                             safe_set_full_optimizer_state)
 
 from rlsys.config import TrainerConfig
-from rlsys.trainer.backend import TrainerBackend, load_model
+from rlsys.trainer.backend import TrainerBackend, enable_gradient_checkpointing, load_model
+from rlsys.trainer.batching import StepTotals
+from rlsys.trainer.ds_config import deepspeed_config
+from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_parameter
 
-
-def deepspeed_config(cfg: TrainerConfig, world_size: int) -> dict:
-    return {
-        # Nominal sizes: batches are token-packed and accumulation is set per step (see the module doc).
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "train_batch_size": world_size,
-        "gradient_clipping": cfg.grad_clip,
-        # ZeRO 1-3 skip a step whose gradient norm is not finite; in fp32 that norm is the only check.
-        "zero_optimization": {"stage": cfg.zero_stage, "compute_grad_norm": True},
-        "steps_per_print": 2**62,
-        "wall_clock_breakdown": False,
-    }
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
+MASTER = "master"  # the fp32 master weights, kept apart from bf16 model weights
 
 
 class DeepSpeedBackend(TrainerBackend):
@@ -37,13 +35,20 @@ class DeepSpeedBackend(TrainerBackend):
     def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1):
         accelerator = get_accelerator()
         super().__init__(cfg, model_dir, rank, world_size, accelerator.current_device_name())
+        check_device_supports(cfg, accelerator)
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
         model = load_model(model_dir, self.device)
-        # A torch optimizer, so DeepSpeed neither compiles its CPU Adam nor needs a GPU one.
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if cfg.offload_optimizer:  # DeepSpeed's own CPU Adam (compiled on first use) steps the offloaded state
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            self.optimizer = DeepSpeedCPUAdam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                              adamw_mode=True)
+        else:  # a torch optimizer, so DeepSpeed neither compiles its CPU Adam nor needs a GPU one
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
                                                config=deepspeed_config(cfg, world_size))
         self.engine.eval()  # no dropout (see load_model); gradients flow all the same
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(self.engine.module)
         self.model = self.engine
         self.stage = cfg.zero_stage
 
@@ -69,6 +74,24 @@ class DeepSpeedBackend(TrainerBackend):
         self.engine.step()
         return float(self.engine.get_global_grad_norm()), self.engine.was_step_applied()
 
+    def _rescaled_optimizer_step(self, divisor: float) -> tuple[float, bool]:
+        # Streamed parts never close the accumulation: an empty micro-batch does, so the engine reduces at
+        # the boundary. Then ZeRO's step divides the gradients and their norm by its loss scale before
+        # clipping (`unscale_and_clip_grads`): set to `divisor`, that is the division we need, exactly
+        # where it belongs, whether gradients live in p.grad or in ZeRO's partitions.
+        self.accumulate_gradients([], StepTotals(1, 1, 1), 1.0)
+        if self.stage == 0:  # reduced into p.grad at the boundary: divide there
+            return super()._rescaled_optimizer_step(divisor)
+        optimizer = self.engine.optimizer
+        if optimizer.loss_scale != 1.0:
+            raise ValueError(f"trainer.streamed needs a loss scale of 1 (got {optimizer.loss_scale}); "
+                             "use trainer.streamed=false")
+        optimizer.override_loss_scale(divisor)
+        try:
+            return self._optimizer_step()
+        finally:
+            optimizer.override_loss_scale(1.0)
+
     def _parameters_gathered(self, modifier_rank=None):
         """Full parameters inside the block: a no-op below ZeRO-3, an all-gather at ZeRO-3."""
         params = list(self.engine.module.parameters())
@@ -86,13 +109,10 @@ class DeepSpeedBackend(TrainerBackend):
         if self.stage > 0:  # ZeRO keeps its own fp32 master partitions: copy the loaded weights in
             self.engine.optimizer.refresh_fp32_params()
 
-    def _optimizer_is_partitioned(self) -> bool:
-        return self.stage > 0
-
     @contextmanager
     def _fp32_partitions_attached(self):
         """ZeRO-3 detaches its fp32 partitions from the torch optimizer between steps (DeepSpeed does
-        the same around its own checkpoints): attach them so the optimizer's state dict can map them."""
+        the same around its own checkpoints): attach them so the optimizer's param groups list them."""
         if self.stage == 3:
             self.engine.optimizer._set_fp32_optimizer_param_groups()
         try:
@@ -101,13 +121,86 @@ class DeepSpeedBackend(TrainerBackend):
             if self.stage == 3:
                 self.engine.optimizer._clear_fp32_optimizer_param_groups()
 
-    def _optimizer_state(self) -> dict:
-        with self._fp32_partitions_attached():
-            return self.optimizer.state_dict()
-
-    def _load_optimizer_state(self, state: dict) -> None:
-        with self._fp32_partitions_attached():
-            self.optimizer.load_state_dict(state)
-
+    # --- optimizer state per parameter name ---------------------------------------------------------
     def _layout(self) -> dict:
-        return dict(super()._layout(), zero_stage=self.stage)
+        return dict(super()._layout(), zero_stage=self.stage, dtype=self.cfg.dtype, optimizer=FORMAT)
+
+    def _check_layout(self, layout: dict, folder: Path) -> None:
+        # World size, ZeRO stage and dtype may all change: the state is stored whole, per parameter.
+        if layout.get("backend") != self.name:
+            raise ValueError(f"{folder} was written by the {layout.get('backend')} backend: resume it with "
+                             f"trainer.backend={layout.get('backend')}")
+        if layout.get("optimizer") != FORMAT:
+            raise ValueError(f"{folder} keeps its optimizer state per rank (an older rlsys): resume it with the "
+                             "rlsys version that wrote it")
+
+    def _state_keys(self) -> list[str]:
+        if not self.optimizer.state:  # no step taken yet: nothing but zeros to keep
+            return []
+        return list(MOMENTS) + ([MASTER] if self.cfg.dtype == "bf16" else [])
+
+    def _step_count(self) -> float:
+        state = next(iter(self.optimizer.state.values()), None)
+        return float(state["step"]) if state else 0.0
+
+    def _save_optimizer(self, folder: Path) -> None:
+        params = dict(self.engine.module.named_parameters())
+
+        def full(name: str, key: str) -> torch.Tensor:  # a collective under ZeRO: every rank gathers
+            param = params[name]
+            if self.stage == 0:
+                tensor = self.optimizer.state[param][key]
+            elif key == MASTER:
+                tensor = safe_get_full_fp32_param(param)
+            else:
+                tensor = safe_get_full_optimizer_state(param, key)
+            return tensor.reshape(getattr(param, "ds_shape", param.shape))
+
+        save_per_parameter(folder, params, self._state_keys(), full, self.rank, self.world_size,
+                           self._step_count())
+
+    def _load_optimizer(self, folder: Path) -> None:
+        params = dict(self.engine.module.named_parameters())
+        with PerParameterState(folder) as saved:
+            saved.check_names(params)
+            self._reset_optimizer_state(saved.step, zero=not saved.keys)
+            for name, param in params.items():
+                for key in saved.keys:
+                    value = saved.get(name, key)
+                    if key == MASTER:
+                        if self.cfg.dtype == "bf16":  # the bf16 weights just loaded are these, rounded
+                            safe_set_full_fp32_param(param, value)
+                    elif self.stage == 0:
+                        self.optimizer.state[param][key].copy_(value)
+                    else:
+                        safe_set_full_optimizer_state(param, value, key)
+
+    def _reset_optimizer_state(self, step: float, zero: bool) -> None:
+        """Give every tensor the optimizer steps a state (AdamW creates it lazily at the first step) with
+        the saved step count; zero its moments when the checkpoint predates the first step."""
+        as_tensor = isinstance(self.optimizer, torch.optim.AdamW)  # DeepSpeed's CPU Adam counts in an int
+        with self._fp32_partitions_attached():
+            for group in self.optimizer.param_groups:
+                for p in group["params"]:
+                    state = self.optimizer.state[p]
+                    if not state:
+                        state.update({k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in MOMENTS})
+                    elif zero:
+                        for k in MOMENTS:
+                            state[k].zero_()
+                    state["step"] = torch.tensor(step, dtype=torch.float32) if as_tensor else int(step)
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # ZeRO 1-2 map each parameter onto its slice of the state after the first step
+            link()
+
+
+def check_device_supports(cfg: TrainerConfig, accelerator) -> None:
+    """Refuse what this rank's device cannot run before any process group starts."""
+    on_cpu = accelerator.device_name() == "cpu"
+    for field in ("offload_optimizer", "offload_params"):
+        if getattr(cfg, field) and on_cpu:
+            raise ValueError(f"trainer.{field}=true needs a CUDA GPU (this rank runs on the CPU, "
+                             "where everything already lives in CPU memory)")
+    if cfg.dtype == "bf16" and not accelerator.is_bf16_supported():
+        raise ValueError(f"trainer.dtype=bf16: the {accelerator.device_name()} device of this rank has no bf16; "
+                         "use trainer.dtype=float32")

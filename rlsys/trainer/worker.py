@@ -17,6 +17,7 @@ import ray
 from rlsys.config import Config, TrainerConfig
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
+from rlsys.trainer.streamed import StreamedStep
 from rlsys.types import Group
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -29,6 +30,7 @@ class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int, world_size: int):
         self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
         self.backend = None
+        self.stream: StreamedStep | None = None
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -58,6 +60,23 @@ class TrainerWorker:
 
     def compute_logprobs(self, samples: list[TrainSample], temperature: float, micro_batches: int):
         return self.backend.compute_logprobs(samples, temperature, micro_batches)
+
+    def stream_begin(self, temperature: float) -> None:
+        if self.stream is not None:
+            raise RuntimeError("stream_begin: the previous streamed step was never finished")
+        self.stream = StreamedStep(self.backend, temperature)
+
+    def stream_accumulate(self, samples: list[TrainSample], micro_batches: int) -> None:
+        if self.stream is None:
+            raise RuntimeError("stream_accumulate: no streamed step is open (stream_begin first)")
+        self.stream.accumulate(samples, micro_batches)
+
+    def stream_finish(self, tokens: int, sequences: int, *parts) -> dict:
+        # `parts`: this rank's accumulate refs, resolved by Ray first, so a failed part fails the finish.
+        if self.stream is None:
+            raise RuntimeError("stream_finish: no streamed step is open (stream_begin first)")
+        stream, self.stream = self.stream, None
+        return stream.finish(tokens, sequences)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
                            fresh: bool, proximal_micro_batches: int) -> dict:
@@ -132,6 +151,40 @@ class TrainerGroup:
     def finish_train_step(self, refs: list[ray.ObjectRef]) -> dict:
         """Merged metrics: sums of the ranks' shares, and grad_norm / skipped_steps from rank 0."""
         return merge_metrics(get_all(refs))
+
+    # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
+    def stream_begin(self, temperature: float) -> None:
+        """Open a streamed step; the weights must not change until it ends."""
+        # Each rank's calls of this step, handed to its finish: an error in any of them fails the step.
+        self._stream_parts = [[w.stream_begin.remote(temperature)] for w in self.workers]
+        self._stream_totals = [0, 0]  # response tokens, sequences
+
+    def stream_groups(self, groups: list[Group]) -> list[ray.ObjectRef]:
+        """Accumulate the gradients of these completed groups; returns at once (one ref per rank).
+        A group's advantages need only its own rewards, so they are final when it completes."""
+        if getattr(self, "_stream_parts", None) is None:
+            raise RuntimeError("stream_groups: call stream_begin first")
+        samples = build_samples(groups, self.cfg.advantage)
+        per_rank, part = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
+        self._stream_totals[0] += part.tokens
+        self._stream_totals[1] += part.sequences
+        refs = [w.stream_accumulate.remote(mine, part.micro_batches) for w, mine in zip(self.workers, per_rank)]
+        for pending, ref in zip(self._stream_parts, refs):
+            pending.append(ref)
+        return refs
+
+    def stream_end(self) -> list[ray.ObjectRef]:
+        """Launch the step's one optimizer update; pass the refs to `finish_train_step` (or ray.wait on them)."""
+        if getattr(self, "_stream_parts", None) is None:
+            raise RuntimeError("stream_end: call stream_begin first")
+        tokens, sequences = self._stream_totals
+        refs = [w.stream_finish.remote(tokens, sequences, *parts) for w, parts in zip(self.workers, self._stream_parts)]
+        self._stream_parts = None
+        return refs
+
+    def stream_finish(self) -> dict:
+        """`stream_end`, waited for: the merged metrics, as `train_step` returns them."""
+        return self.finish_train_step(self.stream_end())
 
     def compute_logprobs(self, samples: list[TrainSample], temperature: float) -> list[list[float]]:
         """Current-policy log-probs of each sample's response tokens, in input order."""

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Submit `rlsys train CONFIG [key=value ...]` to a running Ray cluster as a Ray job (`ray job submit`).
+
+    python launch/submit.py CONFIG [key=value ...] [--address http://127.0.0.1:8265] [--no-wait] [--dry-run]
+
+The config and overrides are checked here first, so a typo fails before anything is queued. The
+repository is uploaded as the job's working directory (without runs/ and .git/); rlsys and its
+dependencies must already be installed on every node. The job joins the cluster it runs in
+(cluster.address=auto unless given). The address is the head's dashboard, 127.0.0.1 by default:
+from another machine, tunnel to it (ssh -L 8265:127.0.0.1:8265 HEAD) rather than exposing it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIME_ENV = {"working_dir": ".", "excludes": ["runs/", ".git/"]}
+
+
+def build_command(config: str, overrides: list[str], address: str, wait: bool) -> list[str]:
+    if not any(o.startswith("cluster.address=") for o in overrides):
+        overrides = overrides + ["cluster.address=auto"]
+    entrypoint = ["rlsys", "train", config, *overrides]
+    return ["ray", "job", "submit", "--address", address, "--runtime-env-json", json.dumps(RUNTIME_ENV),
+            *([] if wait else ["--no-wait"]), "--", *entrypoint]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="launch/submit.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="a run config, relative to the repository root")
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
+                        help="the Ray dashboard of the head (default $RAY_ADDRESS or http://127.0.0.1:8265)")
+    parser.add_argument("--no-wait", action="store_true", help="return once submitted, without following the logs")
+    parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    from rlsys.config import ConfigError, load_config
+
+    try:
+        load_config(ROOT / args.config, args.overrides)
+    except ConfigError as e:
+        print(f"submit.py: {e}", file=sys.stderr)
+        return 2
+    cmd = build_command(args.config, args.overrides, args.address, wait=not args.no_wait)
+    print(shlex.join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Elastic rollout parallelism: the engines' tensor-parallel size, chosen between rounds from KV-cache
+preemptions (after RollPacker's parallelism planner; the rule below is ours).
+
+A preempted sequence loses its KV cache and is recomputed later, so preemptions mean the engines hold
+more live tokens than their KV memory. Doubling TP halves the engines but more than doubles each
+engine's KV room (the weights are split too), so every sequence gets more cache; halving TP gives back
+engines, hence decode throughput, when the cache is not the limit.
+
+After each round, rate = preemptions / requests of the round:
+  rate > raise_at and TP < max:           the next larger size, at once (preemptions stall the batch);
+  rate <= lower_at for `need_calm` rounds: the next smaller size;
+a raise within `need_calm` rounds of a lowering doubles `need_calm` (up to BACKOFF_CAP x calm_rounds),
+so a workload on the edge does not flip TP every few rounds.
+"""
+from __future__ import annotations
+
+BACKOFF_CAP = 16
+
+
+def tp_sizes(min_tp: int, max_tp: int) -> list[int]:
+    sizes, tp = [], 1
+    while tp <= max_tp:
+        if tp >= min_tp:
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+class ElasticTP:
+    def __init__(self, cfg, tp: int, allowed: list[int] | None = None):
+        """`cfg` is a control.elastic_tp section; `allowed` narrows the sizes (e.g. to those dividing the
+        rollout GPUs and fitting the model); `tp` is the size the engines start with."""
+        self.cfg = cfg
+        self.allowed = sorted(allowed if allowed is not None else tp_sizes(cfg.min_tp, cfg.max_tp))
+        if tp not in self.allowed:
+            raise ValueError(f"control.elastic_tp: the starting TP size {tp} is not one of {self.allowed} "
+                             "(powers of two from min_tp to max_tp that fit the cluster)")
+        self.tp = tp
+        self.calm = 0  # calm rounds in a row
+        self.need_calm = cfg.calm_rounds
+        self.since_lower: int | None = None  # rounds since the last lowering, while it may be regretted
+        self.last_rate = 0.0
+        self.changes = 0
+
+    def observe(self, preemptions: int, requests: int) -> int:
+        """A round ended with these counts; returns the TP size for the next round."""
+        rate = preemptions / requests if requests else 0.0
+        self.last_rate = rate
+        i = self.allowed.index(self.tp)
+        if self.since_lower is not None:
+            self.since_lower += 1
+        if rate > self.cfg.raise_at:
+            self.calm = 0
+            if i + 1 < len(self.allowed):
+                if self.since_lower is not None and self.since_lower <= self.need_calm:
+                    self.need_calm = min(2 * self.need_calm, BACKOFF_CAP * self.cfg.calm_rounds)
+                self._set(self.allowed[i + 1])
+                self.since_lower = None
+        elif rate <= self.cfg.lower_at:
+            self.calm += 1
+            if self.calm >= self.need_calm and i > 0:
+                self._set(self.allowed[i - 1])
+                self.calm, self.since_lower = 0, 0
+        else:
+            self.calm = 0
+        return self.tp
+
+    def _set(self, tp: int) -> None:
+        self.tp = tp
+        self.changes += 1
+
+    def state_dict(self) -> dict:
+        return {"tp": self.tp, "calm": self.calm, "need_calm": self.need_calm, "since_lower": self.since_lower,
+                "last_rate": self.last_rate, "changes": self.changes}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["tp"] not in self.allowed:
+            raise ValueError(f"control.elastic_tp: saved TP size {state['tp']} is not one of {self.allowed}")
+        self.tp, self.calm, self.need_calm = state["tp"], state["calm"], state["need_calm"]
+        self.since_lower, self.last_rate, self.changes = state["since_lower"], state["last_rate"], state["changes"]

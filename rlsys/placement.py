@@ -1,0 +1,185 @@
+"""Which GPUs each rollout engine and trainer rank gets: a pure planner, its Ray placement groups, a printout.
+
+Layouts:
+  colocated  engines and trainer ranks share every GPU, taking turns (veRL's hybrid engine);
+  separate   engines on their own GPUs, the trainer on the rest (needed by the async scheduler).
+An engine's tensor-parallel GPUs always sit on one node (TP all-reduces run every layer, over NVLink).
+Nodes are logical: Ray picks which machine becomes "node 0".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Layout = Literal["colocated", "separate"]
+ROLLOUT, TRAINER = "rollout", "trainer"
+
+
+class PlacementError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Slot:
+    role: str  # ROLLOUT (an engine) or TRAINER (a rank)
+    index: int  # engine index or trainer rank
+    node: int
+    gpus: tuple[int, ...]  # GPU indices on that node
+
+
+@dataclass(frozen=True)
+class Plan:
+    nodes: int
+    gpus_per_node: int
+    layout: str
+    tp: int
+    engines: tuple[Slot, ...]
+    trainer: tuple[Slot, ...]
+
+    @property
+    def used_gpus(self) -> int:
+        return len({(s.node, g) for s in self.engines + self.trainer for g in s.gpus})
+
+
+def plan_placement(nodes: int, gpus_per_node: int, engines: int, tp: int, trainer_world: int,
+                   layout: Layout = "colocated") -> Plan:
+    """Engines first-fit node by node, then trainer ranks on GPUs in order: the free ones (separate)
+    or all of them from the first (colocated). Errors use the config's field names."""
+    for name, value in (("cluster.nodes", nodes), ("cluster.gpus_per_node", gpus_per_node),
+                        ("rollout.num_workers", engines), ("rollout.tensor_parallel_size", tp),
+                        ("trainer.world_size", trainer_world)):
+        if value < 1:
+            raise PlacementError(f"{name} must be at least 1 to plan GPU placement (got {value})")
+    if layout not in ("colocated", "separate"):
+        raise PlacementError(f"cluster.layout must be colocated or separate (got {layout!r})")
+    if tp > gpus_per_node:
+        raise PlacementError(f"rollout.tensor_parallel_size={tp} would span nodes of cluster.gpus_per_node="
+                             f"{gpus_per_node} GPUs; tensor parallelism must stay within one node")
+    total, rollout_gpus = nodes * gpus_per_node, engines * tp
+    shape = f"cluster.nodes={nodes} x cluster.gpus_per_node={gpus_per_node} = {total} GPUs"
+    need = rollout_gpus + trainer_world if layout == "separate" else max(rollout_gpus, trainer_world)
+    if need > total:
+        what = (f"rollout.num_workers={engines} x rollout.tensor_parallel_size={tp} = {rollout_gpus} GPUs"
+                + (f" plus trainer.world_size={trainer_world}" if layout == "separate" else
+                   f" and trainer.world_size={trainer_world}"))
+        raise PlacementError(f"cluster.layout={layout}: {what} need {need} GPUs, more than {shape}")
+
+    free = [list(range(gpus_per_node)) for _ in range(nodes)]
+    engine_slots = []
+    for i in range(engines):
+        node = next((n for n in range(nodes) if len(free[n]) >= tp), None)
+        if node is None:  # enough GPUs in total, but split into pieces smaller than one engine
+            per_node = gpus_per_node // tp
+            raise PlacementError(f"only {per_node} engines of rollout.tensor_parallel_size={tp} fit on a node of "
+                                 f"cluster.gpus_per_node={gpus_per_node}, so {nodes} nodes hold {per_node * nodes}, "
+                                 f"not rollout.num_workers={engines}")
+        engine_slots.append(Slot(ROLLOUT, i, node, tuple(free[node][:tp])))
+        del free[node][:tp]
+    if layout == "colocated":
+        free = [list(range(gpus_per_node)) for _ in range(nodes)]
+    open_gpus = [(n, g) for n in range(nodes) for g in free[n]]
+    trainer_slots = tuple(Slot(TRAINER, r, n, (g,)) for r, (n, g) in enumerate(open_gpus[:trainer_world]))
+    return Plan(nodes, gpus_per_node, layout, tp, tuple(engine_slots), trainer_slots)
+
+
+def plan_from_config(cfg) -> Plan | None:
+    """The plan for a run's Config; None on a machine without GPUs (cluster.gpus_per_node=0)."""
+    c = cfg.cluster
+    if not c.gpus_per_node:
+        return None
+    return plan_placement(c.nodes, c.gpus_per_node, cfg.rollout.num_workers, cfg.rollout.tensor_parallel_size,
+                          cfg.trainer.world_size, c.layout)
+
+
+# --- Ray placement groups ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    bundles: tuple[dict, ...]
+    strategy: str
+
+
+def group_specs(plan: Plan, cpus_per_gpu: float = 1.0) -> tuple[list[GroupSpec], dict]:
+    """The placement groups a plan needs, and where each slot lives: (role, index) -> (group, bundles).
+
+    colocated: one STRICT_PACK group per node, one bundle per GPU, shared by that node's engines and ranks;
+    separate:  one STRICT_PACK group per engine (its TP GPUs on one node), one PACK group for the trainer.
+    """
+    bundle = {"GPU": 1, "CPU": cpus_per_gpu}
+    where = {}
+    if plan.layout == "colocated":
+        used: dict[int, int] = {}  # node -> GPUs in use there (always the first ones)
+        for s in plan.engines + plan.trainer:
+            used[s.node] = max(used.get(s.node, 0), max(s.gpus) + 1)
+        specs = [GroupSpec(f"rlsys-node{n}", (bundle,) * k, "STRICT_PACK") for n, k in sorted(used.items())]
+        for s in plan.engines + plan.trainer:
+            where[s.role, s.index] = (f"rlsys-node{s.node}", s.gpus)
+        return specs, where
+    specs = [GroupSpec(f"rlsys-rollout{s.index}", (bundle,) * len(s.gpus), "STRICT_PACK") for s in plan.engines]
+    specs.append(GroupSpec("rlsys-trainer", (bundle,) * len(plan.trainer), "PACK"))
+    for s in plan.engines:
+        where[s.role, s.index] = (f"rlsys-rollout{s.index}", tuple(range(len(s.gpus))))
+    for s in plan.trainer:
+        where[s.role, s.index] = ("rlsys-trainer", (s.index,))
+    return specs, where
+
+
+class Placement:
+    """Live placement groups for a plan: `strategy(role, index)` schedules an actor on its first bundle."""
+
+    def __init__(self, plan: Plan, cpus_per_gpu: float = 1.0, timeout_s: float = 120.0):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        specs, self.where = group_specs(plan, cpus_per_gpu)
+        self.groups = {s.name: placement_group(list(s.bundles), strategy=s.strategy, name=s.name) for s in specs}
+        for spec in specs:
+            ready, _ = ray.wait([self.groups[spec.name].ready()], timeout=timeout_s)
+            if not ready:
+                have = ray.cluster_resources().get("GPU", 0)
+                raise PlacementError(f"placement group {spec.name} ({len(spec.bundles)} GPUs, {spec.strategy}) not "
+                                     f"ready after {timeout_s:.0f} s; the Ray cluster has {have:g} GPUs: check "
+                                     "cluster.nodes and cluster.gpus_per_node against `ray status`")
+
+    def strategy(self, role: str, index: int, bundle: int = 0):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        name, bundles = self.where[role, index]
+        return PlacementGroupSchedulingStrategy(self.groups[name], placement_group_bundle_index=bundles[bundle],
+                                                placement_group_capture_child_tasks=True)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self.groups.values():
+            remove_placement_group(group)
+
+
+# --- printout ------------------------------------------------------------------------------------
+def _runs(items: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    out, start = [], None
+    for i, x in enumerate(items):
+        if start is None:
+            start = x
+        if i + 1 == len(items) or items[i + 1] != x + 1:
+            out.append(f"{start}" if start == x else f"{start}-{x}")
+            start = None
+    return ",".join(out)
+
+
+def format_plan(plan: Plan) -> str:
+    total = plan.nodes * plan.gpus_per_node
+    lines = [f"placement: {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {total}, {plan.layout}; "
+             f"rollout {len(plan.engines)} engine(s) x TP {plan.tp}, trainer {len(plan.trainer)} rank(s); "
+             f"{plan.used_gpus} GPUs used"]
+    width = len(str(plan.nodes - 1))
+    for node in range(plan.nodes):
+        parts = []
+        for label, slots in (("engines", plan.engines), ("trainer ranks", plan.trainer)):
+            mine = [s for s in slots if s.node == node]
+            if mine:
+                gpus = sorted(g for s in mine for g in s.gpus)
+                parts.append(f"{label} {_runs([s.index for s in mine])} on GPUs {_runs(gpus)}")
+        lines.append(f"  node {node:>{width}}: " + ("; ".join(parts) or "idle"))
+    return "\n".join(lines)

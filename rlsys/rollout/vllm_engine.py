@@ -1,0 +1,209 @@
+"""The vLLM engine: the RolloutEngine interface on vLLM's v1 `LLMEngine`, one `step()` per worker step.
+
+Written against vLLM 0.33 (vllm/v1/engine/llm_engine.py: add_request, step, abort_request,
+collective_rpc, sleep, wake_up, reset_prefix_cache). vLLM is imported only when an engine is built,
+so this module imports on machines without it. The engine core runs in this process (no extra engine
+process), so a step is one schedule + forward + sample, driven by the rollout worker's thread.
+
+- Requests go in as token ids: prompt + resumed tokens, with max_tokens cut by the resumed length.
+- Outputs stream as deltas (RequestOutputKind.DELTA): each step's new tokens and their log-probs are
+  appended here, tagged with the current version, so an abort returns the tokens so far.
+- Log-probs: logprobs=0 returns the sampled token's; logprobs_mode "processed_logprobs" takes them
+  after temperature, as the trainer scores them (with top_p < 1, after the nucleus cut as well).
+- Weights: `load_weights` sends buckets with the RPC (Ray's object store brought them here); the NCCL
+  and CUDA IPC paths receive inside vLLM's workers (rollout/vllm_extension.py). After any update the
+  prefix cache is dropped and running requests recompute their KV cache under the new weights.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import Tensor
+
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.engine import RolloutEngine, check_request
+from rlsys.rollout.vllm_extension import EXTENSION
+from rlsys.types import Completion, Request
+from rlsys.weights.buckets import BucketPlan, iter_buckets
+
+RPC_BUCKET_BYTES = 256 << 20  # object-store path: one RPC per bucket keeps each message bounded
+
+
+@dataclass
+class _Sample:
+    request: Request
+    submit_time: float
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    start_time: float = 0.0  # when its first new token came out
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, model_dir: str, slots: int, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.85, enable_sleep_mode: bool = False, dtype: str = "bfloat16",
+                 max_len: int | None = None, seed: int = 0, eos_token_id: int | None = None,
+                 name: str = "vllm engine", **engine_args):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core steps in this process
+        try:
+            from vllm import EngineArgs, LLMEngine
+        except ImportError as e:
+            raise ImportError("rollout.engine=vllm needs vLLM (pip install vllm) and a GPU; "
+                              "rollout.engine=cpu runs anywhere") from e
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1 (got {slots})")
+        args = EngineArgs(model=model_dir, tensor_parallel_size=tensor_parallel_size,
+                          distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
+                          gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                          dtype=dtype, max_model_len=max_len, max_num_seqs=slots, seed=seed,
+                          logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
+                          generation_config="vllm",  # no sampling defaults from the model: ours, as sent
+                          worker_extension_cls=EXTENSION, **engine_args)
+        self.llm = LLMEngine.from_engine_args(args)
+        self.name, self.slots, self.version = name, slots, 0
+        self.max_len = self.llm.model_config.max_model_len
+        self.vocab = self.llm.model_config.get_vocab_size()
+        path = Path(model_dir)  # EOS and text: the same rules as the CPU engine
+        self.eos_ids = CPUEngine._eos_ids(path, eos_token_id)
+        self.tokenizer = CPUEngine._tokenizer(path)
+        self.samples: dict[str, _Sample] = {}  # every request vLLM holds, waiting or running
+        self.finished_early: list[Completion] = []  # resumed requests with nothing left to generate
+        self.counters = dict(decode_steps=0, active_slot_steps=0, generated_tokens=0, busy_s=0.0)
+        self.saturated_tokens, self.saturated_s = 0, 0.0
+
+    # --- interface --------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        rid, p, resumed = request.request_id, request.params, request.resume_ids
+        if rid in self.samples:
+            raise ValueError(f"request {rid}: request_id already in the engine")
+        self.validate(request)
+        sample = _Sample(request, time.time(), list(resumed), list(request.resume_logprobs),
+                         list(request.resume_versions))
+        if resumed and (len(resumed) >= p.max_new_tokens or resumed[-1] in self.eos_ids
+                        or len(request.prompt_ids) + len(resumed) >= self.max_len):
+            self.finished_early.append(self._completion(sample, "stop" if resumed[-1] in self.eos_ids else "length"))
+            return
+        # vLLM seeds each request's sampler afresh: a resumed seeded sample is reproducible, but not the
+        # draw an uninterrupted run would have made.
+        params = SamplingParams(n=1, max_tokens=p.max_new_tokens - len(resumed), temperature=p.temperature,
+                                top_p=p.top_p, seed=p.seed, logprobs=0, stop_token_ids=sorted(self.eos_ids),
+                                detokenize=False, output_kind=RequestOutputKind.DELTA)
+        self.llm.add_request(rid, TokensPrompt(prompt_token_ids=request.prompt_ids + resumed), params)
+        self.samples[rid] = sample
+
+    def step(self) -> list[Completion]:
+        t0 = time.perf_counter()
+        done, self.finished_early = self.finished_early, []
+        active = new_tokens = 0
+        now = time.time()
+        for out in self.llm.step():
+            sample = self.samples.get(out.request_id)
+            if sample is None:  # aborted after this step's outputs were made
+                continue
+            seq = out.outputs[0]
+            tokens = list(seq.token_ids)
+            if tokens:
+                if seq.logprobs is None or len(seq.logprobs) != len(tokens):
+                    raise RuntimeError(f"{self.name}: request {out.request_id} came back without a log-prob "
+                                       "per token (SamplingParams.logprobs=0 was set)")
+                sample.tokens += tokens
+                sample.logprobs += [seq.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+                sample.versions += [self.version] * len(tokens)
+                sample.start_time = sample.start_time or now
+                active, new_tokens = active + 1, new_tokens + len(tokens)
+            if out.finished:
+                if seq.finish_reason not in ("stop", "length", "abort"):
+                    raise RuntimeError(f"{self.name}: request {out.request_id} finished with "
+                                       f"{seq.finish_reason!r} (expected stop, length or abort)")
+                del self.samples[out.request_id]
+                done.append(self._completion(sample, seq.finish_reason))
+        elapsed = time.perf_counter() - t0
+        if active:
+            self.counters["decode_steps"] += 1
+            self.counters["active_slot_steps"] += active
+        self.counters["generated_tokens"] += new_tokens
+        self.counters["busy_s"] += elapsed
+        if active >= self.slots:
+            self.saturated_tokens += new_tokens
+            self.saturated_s += elapsed
+        return done
+
+    def abort(self, request_ids: list[str]) -> list[Completion]:
+        held = [rid for rid in request_ids if rid in self.samples]
+        if held:
+            self.llm.abort_request(held)
+        return [self._completion(self.samples.pop(rid), "abort") for rid in held]
+
+    def has_work(self) -> bool:
+        return bool(self.samples or self.finished_early)
+
+    def load(self) -> dict:
+        running = sum(1 for s in self.samples.values() if s.start_time)
+        return {"running": running, "waiting": len(self.samples) - running, "slots": self.slots}
+
+    def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        for plan, flat in iter_buckets(state_dict, RPC_BUCKET_BYTES, dtype=self.llm.model_config.dtype):
+            self.llm.collective_rpc("rlsys_load_bucket", args=(plan, flat))
+        self._weights_changed(version)
+
+    def stats(self) -> dict:
+        sat = self.saturated_tokens / self.saturated_s if self.saturated_s > 0 else None
+        return dict(self.counters, saturated_tokens_per_s=sat, version=self.version, **self.load())
+
+    def validate(self, request: Request) -> None:
+        check_request(request, self.vocab, self.max_len)
+
+    # --- weights by NCCL or CUDA IPC, and sleep mode (colocated placement) --------------------
+    def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str = "nccl",
+                          timeout_s: float = 600.0) -> list[int]:
+        """Join trainer rank 0's weight group as ranks rank_offset .. rank_offset + TP - 1."""
+        return self.llm.collective_rpc("rlsys_init_weight_group",
+                                       args=(host, port, world_size, rank_offset, backend, timeout_s))
+
+    def receive_weights(self, plans: list[BucketPlan], version: int) -> None:
+        """Blocking: every worker receives trainer rank 0's broadcast of these buckets and loads them."""
+        self.llm.collective_rpc("rlsys_receive_broadcast", args=(plans, self.name))
+        self._weights_changed(version)
+
+    def receive_ipc(self, plans: list[BucketPlan], handles: dict, version: int) -> None:
+        """Colocated: load the buckets the trainer shares on each worker's GPU (CudaIpcTransfer.send)."""
+        self.llm.collective_rpc("rlsys_receive_ipc", args=(plans, handles, self.name))
+        self._weights_changed(version)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU for the trainer: level 1 keeps the weights in CPU memory, level 2 drops them too."""
+        if self.has_work():
+            raise RuntimeError(f"{self.name}: cannot sleep with {len(self.samples)} requests in flight "
+                               "(abort or drain them first)")
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """tags=["weights"] first to load new weights into a sleeping engine, then ["kv_cache"]; None: both."""
+        self.llm.wake_up(tags=tags)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _weights_changed(self, version: int) -> None:
+        # Cached prefixes hold old-weight keys and values: drop them, and have running requests
+        # recompute theirs (vLLM preempts them and keeps their tokens).
+        self.llm.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
+
+    def _completion(self, sample: _Sample, reason: str) -> Completion:
+        r = sample.request
+        return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), sample.tokens, sample.logprobs,
+                          sample.versions, reason, text=self._decode(sample.tokens), submit_time=sample.submit_time,
+                          start_time=sample.start_time or time.time(), end_time=time.time())
+
+    def _decode(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        if tokens and tokens[-1] in self.eos_ids:  # the trainer learns EOS; the text never shows it
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,0 +1,62 @@
+"""A streamed train step: gradients of completed prompts accumulate while the round is still generating,
+and one optimizer update at the end equals the synchronous step's (DESIGN.md "Tail batching").
+
+The losses divide by the step's token (or sequence) count, which is unknown until the round ends. So each
+part is accumulated un-normalised (step totals of 1) and `finish` divides the summed gradients by the count
+before clipping and stepping: the same gradient as the synchronous step up to float rounding. Statistics
+are divided the same way. Each part is planned on its own (`plan_step`), so every rank runs the same number
+of micro-batches per part, as ZeRO-2/3 need.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from rlsys.trainer.backend import TrainerBackend
+from rlsys.trainer.batching import StepTotals, TrainSample
+from rlsys.trainer.losses import POLICY_LOSSES
+
+LOSS_STATS = ("loss", "pg_loss")  # aggregated by the loss's own mode; every other statistic is a token mean
+NORMALISER = {"token_mean": "tokens", "seq_mean_token_mean": "sequences"}  # aggregation -> what it divides by
+
+
+class StreamedStep:
+    """One rank's streamed step: `accumulate` any number of parts, then `finish` once."""
+
+    def __init__(self, backend: TrainerBackend, temperature: float):
+        cfg = backend.cfg
+        if cfg.mini_batches != 1:
+            raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {cfg.mini_batches}): "
+                             "a streamed step ends in exactly one optimizer update")
+        aggregation = POLICY_LOSSES.get(cfg.loss).aggregation
+        if aggregation not in NORMALISER:
+            raise ValueError(f"trainer.streamed: trainer.loss={cfg.loss!r} aggregates by {aggregation!r}, "
+                             f"which a streamed step cannot normalise afterwards; use trainer.streamed=false")
+        self.backend, self.temperature = backend, temperature
+        self.normaliser = NORMALISER[aggregation]
+        self.stats: dict[str, float] = defaultdict(float)
+        self.tokens = self.sequences = 0  # this rank's share
+
+    def accumulate(self, samples: list[TrainSample], micro_batches: int) -> None:
+        """Add this rank's samples of one part; `micro_batches` is the part's count, the same on every rank."""
+        if micro_batches == 0:
+            return
+        unnormalised = StepTotals(tokens=1, sequences=1, micro_batches=micro_batches)
+        part = self.backend.accumulate_gradients(samples, unnormalised, self.temperature, closes_step=False)
+        for k, v in part.items():
+            self.stats[k] += v
+        self.tokens += sum(s.response_len for s in samples)
+        self.sequences += len(samples)
+
+    def finish(self, tokens: int, sequences: int) -> dict:
+        """The one optimizer update; `tokens` and `sequences` are the step's totals over every rank.
+        Returns what `TrainerBackend.train_step` returns, this rank's shares of the step's values."""
+        backend = self.backend
+        if tokens == 0:  # nothing streamed anywhere, so no rank ran a micro-batch: nothing to step on
+            backend.skipped_steps += 1
+            return {"grad_norm": 0.0, "skipped_steps": backend.skipped_steps, "tokens": 0, "sequences": 0}
+        divisor = {"tokens": tokens, "sequences": sequences}[self.normaliser]
+        grad_norm, applied = backend._rescaled_optimizer_step(float(divisor))
+        backend.skipped_steps += not applied
+        stats = {k: v / (divisor if k in LOSS_STATS else tokens) for k, v in self.stats.items()}
+        return dict(stats, grad_norm=grad_norm, skipped_steps=backend.skipped_steps, tokens=self.tokens,
+                    sequences=self.sequences)

@@ -1,0 +1,116 @@
+"""GPU placement plans for given cluster shapes, their placement groups, the printout and the errors."""
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+from rlsys.config import Config, ConfigError, load_config
+from rlsys.placement import PlacementError, format_plan, group_specs, plan_from_config, plan_placement
+
+
+def gpus_of(slots) -> list[tuple[int, int]]:
+    return [(s.node, g) for s in slots for g in s.gpus]
+
+
+def assert_sound(plan):
+    """No engine spans nodes or shares a GPU with another engine; no two ranks share a GPU."""
+    for s in plan.engines:
+        assert len(s.gpus) == plan.tp and all(0 <= g < plan.gpus_per_node for g in s.gpus)
+    for role in (plan.engines, plan.trainer):
+        assert max(Counter(gpus_of(role)).values()) == 1
+    if plan.layout == "separate":
+        assert not set(gpus_of(plan.engines)) & set(gpus_of(plan.trainer))
+
+
+def test_one_node_of_8_colocated():
+    plan = plan_placement(1, 8, engines=8, tp=1, trainer_world=8, layout="colocated")
+    assert_sound(plan)
+    assert gpus_of(plan.engines) == gpus_of(plan.trainer) == [(0, g) for g in range(8)]
+    specs, where = group_specs(plan)
+    assert [(s.name, len(s.bundles), s.strategy) for s in specs] == [("rlsys-node0", 8, "STRICT_PACK")]
+    assert where["rollout", 3] == where["trainer", 3] == ("rlsys-node0", (3,))
+    assert "engines 0-7 on GPUs 0-7; trainer ranks 0-7 on GPUs 0-7" in format_plan(plan)
+
+
+def test_two_nodes_separate_with_tp2_engines():
+    plan = plan_placement(2, 8, engines=4, tp=2, trainer_world=8, layout="separate")
+    assert_sound(plan)
+    assert [(s.node, s.gpus) for s in plan.engines] == [(0, (0, 1)), (0, (2, 3)), (0, (4, 5)), (0, (6, 7))]
+    assert {s.node for s in plan.trainer} == {1}
+    specs, where = group_specs(plan)
+    assert [(len(s.bundles), s.strategy) for s in specs] == [(2, "STRICT_PACK")] * 4 + [(8, "PACK")]
+    assert where["rollout", 2] == ("rlsys-rollout2", (0, 1)) and where["trainer", 5] == ("rlsys-trainer", (5,))
+    text = format_plan(plan)
+    assert "node 0: engines 0-3 on GPUs 0-7" in text and "node 1: trainer ranks 0-7 on GPUs 0-7" in text
+
+
+def test_64_gpus_on_8_nodes_colocated_tp2():
+    plan = plan_placement(8, 8, engines=32, tp=2, trainer_world=64)
+    assert_sound(plan)
+    assert Counter(s.node for s in plan.engines) == {n: 4 for n in range(8)} and plan.used_gpus == 64
+    specs, _ = group_specs(plan)
+    assert len(specs) == 8 and all(len(s.bundles) == 8 for s in specs)
+
+
+def test_128_gpus_on_16_nodes_separate():
+    # RollPacker-like: 96 rollout GPUs as 48 TP2 engines, 32 trainer ranks on the last 4 nodes.
+    plan = plan_placement(16, 8, engines=48, tp=2, trainer_world=32, layout="separate")
+    assert_sound(plan)
+    assert {s.node for s in plan.engines} == set(range(12)) and {s.node for s in plan.trainer} == {12, 13, 14, 15}
+    assert plan.used_gpus == 128 and len(format_plan(plan).splitlines()) == 17
+
+
+def test_separate_layout_shares_a_node_at_gpu_granularity():
+    plan = plan_placement(1, 8, engines=2, tp=2, trainer_world=4, layout="separate")
+    assert gpus_of(plan.trainer) == [(0, g) for g in range(4, 8)]
+    specs, _ = group_specs(plan)
+    assert sum(len(s.bundles) for s in specs) == 8
+
+
+@pytest.mark.parametrize("args, message", [
+    ((1, 8, 1, 16, 8, "colocated"), "rollout.tensor_parallel_size=16 would span nodes"),
+    ((1, 8, 4, 2, 8, "separate"), "need 16 GPUs, more than cluster.nodes=1 x cluster.gpus_per_node=8"),
+    ((1, 8, 1, 1, 9, "colocated"), "trainer.world_size=9 need 9 GPUs"),
+    ((2, 8, 5, 3, 1, "colocated"), "only 2 engines of rollout.tensor_parallel_size=3 fit on a node"),
+    ((1, 0, 1, 1, 1, "colocated"), "cluster.gpus_per_node must be at least 1"),
+    ((1, 8, 1, 1, 1, "mixed"), "cluster.layout must be colocated or separate"),
+])
+def test_impossible_shapes_are_refused_by_field(args, message):
+    with pytest.raises(PlacementError, match=message):
+        plan_placement(*args)
+
+
+def test_config_checks_the_plan_when_it_loads():
+    assert plan_from_config(Config()) is None  # no GPUs: nothing to place
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=4 would span nodes"):
+        load_config(None, ["cluster.gpus_per_node=2", "rollout.tensor_parallel_size=4"])
+    cfg = load_config(None, ["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.layout=separate",
+                             "rollout.num_workers=4", "rollout.tensor_parallel_size=2", "trainer.world_size=8"])
+    assert plan_from_config(cfg) == plan_placement(2, 8, 4, 2, 8, "separate")
+
+
+@pytest.mark.slow
+def test_placement_groups_schedule_actors_on_their_gpus():
+    """Real Ray placement groups on a one-node Ray with 16 logical GPUs (in a child process)."""
+    script = textwrap.dedent("""
+        import ray
+        from rlsys.placement import Placement, plan_placement
+        ray.init(num_cpus=16, num_gpus=16, include_dashboard=False, logging_level="ERROR")
+
+        @ray.remote(num_gpus=1, num_cpus=1)
+        class Probe:
+            def gpus(self):
+                return ray.get_gpu_ids()
+
+        placement = Placement(plan_placement(2, 8, 4, 2, 8, "separate"), timeout_s=30)
+        probes = [Probe.options(scheduling_strategy=placement.strategy("rollout", i, b)).remote()
+                  for i in range(4) for b in range(2)]
+        probes += [Probe.options(scheduling_strategy=placement.strategy("trainer", r)).remote() for r in range(8)]
+        ids = [g for p in probes for g in ray.get(p.gpus.remote())]
+        print("GPUS", len(set(ids)))
+        placement.remove()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert "GPUS 16" in out.stdout, out.stdout + out.stderr

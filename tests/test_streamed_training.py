@@ -1,0 +1,192 @@
+"""Streamed training: groups whose gradients accumulate as they complete, in any order and any chunks,
+give the weights and statistics of the synchronous step on all of them (trainer/streamed.py)."""
+import math
+import os
+import socket
+
+import pytest
+import ray
+from test_trainer import TEMPERATURE, make_groups, max_diff, model_dir, trainer_config  # noqa: F401
+
+from rlsys.config import Config, ConfigError, load_config
+from rlsys.trainer.backend import TorchBackend
+from rlsys.trainer.batching import build_samples, plan_step
+from rlsys.trainer.streamed import StreamedStep
+from rlsys.trainer.worker import TrainerGroup
+
+ARRIVALS = [[4, 1, 5], [0], [3, 2]]  # uneven chunks, in an order unlike the groups'
+STATS = ("loss", "pg_loss", "entropy", "clip_fraction", "behaviour_logprob_diff", "grad_norm")
+
+
+def step_groups(seeds):
+    return [make_groups(seed, prompts=6) for seed in seeds]
+
+
+def record_gradients(backend) -> list:
+    """The gradients each optimizer step sees (after any division, before clipping), one dict per step."""
+    seen, step = [], backend._optimizer_step
+
+    def recorded():
+        seen.append({n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None})
+        return step()
+    backend._optimizer_step = recorded
+    return seen
+
+
+def sync_steps(backend, steps):
+    metrics, weights = [], []
+    for groups in steps:
+        samples = build_samples(groups, backend.cfg.advantage)
+        metrics.append(backend.train_step(samples, plan_step(samples, 1, backend.cfg.micro_batch_tokens)[1],
+                                          TEMPERATURE))
+        weights.append(backend.state_dict_for_rollout())
+    return metrics, weights
+
+
+def streamed_steps(backend, steps):
+    metrics, weights = [], []
+    for groups in steps:
+        stream, tokens, sequences = StreamedStep(backend, TEMPERATURE), 0, 0
+        for chunk in ARRIVALS:
+            samples = build_samples([groups[i] for i in chunk], backend.cfg.advantage)
+            _, part = plan_step(samples, 1, backend.cfg.micro_batch_tokens)
+            stream.accumulate(samples, part.micro_batches)
+            tokens, sequences = tokens + part.tokens, sequences + part.sequences
+        metrics.append(stream.finish(tokens, sequences))
+        weights.append(backend.state_dict_for_rollout())
+    return metrics, weights
+
+
+def relative_error(a: dict, b: dict) -> float:
+    """|a - b| / |a| over every tensor together."""
+    diff = sum(((a[k] - b[k]) ** 2).sum() for k in a)
+    return float(diff.sqrt() / sum((a[k] ** 2).sum() for k in a).sqrt())
+
+
+def assert_equivalent(sync, streamed, initial, rel=1e-6):
+    """Same statistics and grad norm within `rel`; the same weights up to what AdamW makes of float rounding.
+
+    AdamW divides by sqrt(v) + 1e-8: on entries whose gradient is near 1e-8, a rounding difference of ~1e-7
+    of the largest gradient moves the update by a sizeable share of lr (the synchronous step differs from
+    itself that way under another micro-batch packing). So weights are held to 2% of the step's largest
+    move, and the exact claim is checked on gradients and grad norms instead."""
+    for (m_sync, w_sync), (m_streamed, w_streamed) in zip(zip(*sync), zip(*streamed)):
+        assert m_streamed["tokens"] == m_sync["tokens"] and m_streamed["sequences"] == m_sync["sequences"]
+        assert m_streamed["skipped_steps"] == m_sync["skipped_steps"] == 0
+        assert m_streamed["grad_norm"] == pytest.approx(m_sync["grad_norm"], rel=rel)
+        for key in STATS + tuple(k for k in ("kl",) if k in m_sync):
+            assert m_streamed[key] == pytest.approx(m_sync[key], rel=10 * rel, abs=1e-7), key
+    moved = max_diff(initial, sync[1][0])
+    assert moved > 1e-3  # lr 1e-2: the steps moved the weights, so the check is not vacuous
+    for w_sync, w_streamed in zip(sync[1], streamed[1]):
+        assert max_diff(w_sync, w_streamed) <= 0.02 * moved
+
+
+# --- plain torch, in process ------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides", [
+    {"loss": "dapo"},  # token mean: the normaliser is the step's token count
+    {"loss": "grpo", "kl": {"estimator": "k3", "coef": 0.1}},  # sequence mean, and a KL term
+    {"loss": "dapo", "grad_clip": 0.05},  # clipping bites, so the division must come before it
+])
+def test_two_streamed_steps_equal_two_synchronous_steps(model_dir, overrides):  # noqa: F811
+    cfg = trainer_config(**overrides)
+    steps = step_groups([0, 1])
+    sync_backend, streamed_backend = TorchBackend(cfg, model_dir), TorchBackend(cfg, model_dir)
+    initial = sync_backend.state_dict_for_rollout()
+    sync_grads, streamed_grads = record_gradients(sync_backend), record_gradients(streamed_backend)
+    sync = sync_steps(sync_backend, steps)
+    streamed = streamed_steps(streamed_backend, steps)
+    assert_equivalent(sync, streamed, initial)
+    assert len(streamed_grads) == 2  # one optimizer update per step
+    # The gradient each update was given: from the same weights in the first step; in the second, from
+    # weights that the first step's AdamW rounding (above) already set slightly apart.
+    assert relative_error(sync_grads[0], streamed_grads[0]) < 1e-6
+    assert relative_error(sync_grads[1], streamed_grads[1]) < 1e-4
+    if "grad_clip" in overrides:
+        assert sync[0][0]["grad_norm"] > 4 * cfg.grad_clip
+
+
+def test_an_empty_streamed_step_is_skipped_and_leaves_the_weights(model_dir):  # noqa: F811
+    backend = TorchBackend(trainer_config(), model_dir)
+    before = backend.state_dict_for_rollout()
+    stream = StreamedStep(backend, TEMPERATURE)
+    stream.accumulate([], 0)
+    assert stream.finish(0, 0)["skipped_steps"] == 1
+    assert max_diff(before, backend.state_dict_for_rollout()) == 0.0
+
+
+def test_a_nan_in_a_streamed_step_skips_it_and_the_next_one_trains(model_dir):  # noqa: F811
+    backend = TorchBackend(trainer_config(), model_dir)
+    before = backend.state_dict_for_rollout()
+    poisoned = step_groups([2])
+    poisoned[0][3].samples[0].reward = math.nan  # a reward function gone wrong: NaN advantages, NaN loss
+    metrics, weights = streamed_steps(backend, poisoned)
+    assert metrics[0]["skipped_steps"] == 1 and math.isnan(metrics[0]["loss"])
+    assert max_diff(before, weights[0]) == 0.0 and all(p.grad is None for p in backend.model.parameters())
+    metrics, weights = streamed_steps(backend, step_groups([3]))
+    assert metrics[0]["skipped_steps"] == 1 and math.isfinite(metrics[0]["loss"])
+    assert max_diff(before, weights[0]) > 0.0
+
+
+def test_streamed_refuses_several_mini_batches(model_dir):  # noqa: F811
+    with pytest.raises(ConfigError, match="trainer.streamed needs trainer.mini_batches=1"):
+        load_config(None, ["trainer.streamed=true", "trainer.mini_batches=2"])
+    with pytest.raises(ValueError, match="trainer.mini_batches=1"):
+        StreamedStep(TorchBackend(trainer_config(mini_batches=2), model_dir), TEMPERATURE)
+
+
+# --- DeepSpeed on one rank, in process (gloo) ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_rank_process_group():
+    """The variables the trainer worker sets for rank 0 of 1; DeepSpeed starts gloo on the first engine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k)
+        else:
+            os.environ[k] = v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_streamed_steps_equal_synchronous_steps(model_dir, one_rank_process_group, stage):  # noqa: F811
+    from rlsys.trainer.deepspeed_backend import DeepSpeedBackend
+
+    cfg = trainer_config(backend="deepspeed", zero_stage=stage, grad_clip=0.05)
+    steps = step_groups([0, 1])
+    sync_backend = DeepSpeedBackend(cfg, model_dir)
+    initial = sync_backend.state_dict_for_rollout()
+    sync = sync_steps(sync_backend, steps)
+    streamed = streamed_steps(DeepSpeedBackend(cfg, model_dir), steps)
+    assert_equivalent(sync, streamed, initial)
+
+
+# --- the Ray actors: two DeepSpeed ranks against the in-process synchronous step -----------------------
+@pytest.mark.slow
+def test_trainer_group_streams_across_two_ranks(ray_cluster, model_dir):  # noqa: F811
+    cfg = trainer_config(backend="deepspeed", zero_stage=2, world_size=2, streamed=True, grad_clip=0.05)
+    steps = step_groups([0, 1])
+    local = TorchBackend(trainer_config(grad_clip=0.05), model_dir)
+    initial = local.state_dict_for_rollout()
+    sync = sync_steps(local, steps)
+    trainer = TrainerGroup(Config(trainer=cfg), model_dir)
+    try:
+        metrics, weights = [], []
+        for groups in steps:
+            trainer.stream_begin(TEMPERATURE)
+            refs = [trainer.stream_groups([groups[i] for i in chunk]) for chunk in ARRIVALS]
+            assert all(isinstance(r, ray.ObjectRef) for part in refs for r in part)  # nothing waited for
+            metrics.append(trainer.stream_finish())
+            weights.append(ray.get(trainer.weights_ref()))
+        with pytest.raises(RuntimeError, match="stream_begin first"):
+            trainer.stream_groups(steps[0])
+    finally:
+        trainer.shutdown()
+    # Another backend on two ranks: float reassociation, as in test_trainer's cross-backend checks.
+    assert_equivalent(sync, (metrics, weights), initial, rel=1e-4)

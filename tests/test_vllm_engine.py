@@ -1,0 +1,139 @@
+"""The vLLM engine against transformers on a tiny random model (needs vLLM and a GPU, else skipped),
+and the engine choice, which runs anywhere."""
+import importlib.util
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rlsys.rollout.engine import make_engine
+from rlsys.types import Request, SamplingParams
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not (HAVE_VLLM and torch.cuda.is_available()),
+                                reason="needs vLLM and a CUDA GPU (the CPU engine is tested in test_cpu_engine.py)")
+# head_dim 64: a size every vLLM attention backend takes. No EOS: runs are cut by length only.
+SIZES = dict(vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=512, max_position_embeddings=256, initializer_range=0.2, eos_token_id=None)
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 40, 33, 2, 2, 8, 1, 0, 63, 17, 21]]
+
+
+def test_unknown_engine_is_refused_with_the_config_field():
+    with pytest.raises(ValueError, match="rollout.engine: unknown engine 'tpu'"):
+        make_engine("tpu", "unused", 4)
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="checks the message shown where vLLM is missing")
+def test_vllm_engine_without_vllm_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError, even if a stray copy exists
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine sets it; keep it out of other tests
+    with pytest.raises(ImportError, match="rollout.engine=vllm needs vLLM"):
+        make_engine("vllm", "unused", 4)
+
+
+def test_cpu_engine_is_still_the_default_choice(tmp_path):
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**dict(SIZES, hidden_size=64, intermediate_size=128))).save_pretrained(tmp_path)
+    engine = make_engine("cpu", str(tmp_path), 2)
+    engine.add(Request("r", "p", [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0)))
+    done = []
+    while engine.has_work():
+        done += engine.step()
+    assert done[0].num_tokens == 4 and done[0].finish_reason == "length"
+
+
+# --- on a GPU with vLLM ---------------------------------------------------------------------------
+def build(path, seed):
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**SIZES)).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    return (build(root / "a", 0), str(root / "a")), (build(root / "b", 1), str(root / "b"))
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    from rlsys.rollout.vllm_engine import VLLMEngine
+
+    (_, path), _ = models
+    return VLLMEngine(path, slots=4, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
+
+
+def greedy(n=16):
+    return SamplingParams(max_new_tokens=n, temperature=0.0)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt, tokens):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def run(engine, requests, steps=None):
+    """Step until done (or `steps` steps); returns {request_id: Completion}."""
+    for r in requests:
+        engine.add(r)
+    out, n = {}, 0
+    while engine.has_work() and (steps is None or n < steps):
+        out.update((c.request_id, c) for c in engine.step())
+        n += 1
+    return out
+
+
+@needs_vllm
+def test_greedy_matches_transformers(engine, models):
+    (model, _), _ = models
+    out = run(engine, [Request(f"g{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        c = out[f"g{i}"]
+        expected = hf_greedy(model, prompt, 16)
+        assert c.token_ids == expected and c.finish_reason == "length", f"prompt {i}"
+        assert c.versions == [engine.version] * 16
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, prompt, expected), atol=2e-3, rtol=0)
+
+
+@needs_vllm
+def test_abort_returns_the_tokens_so_far(engine):
+    out = run(engine, [Request("a", "p", PROMPTS[1], greedy(64))], steps=6)
+    assert "a" not in out
+    [c] = engine.abort(["a", "never-added"])
+    assert c.finish_reason == "abort" and 0 < c.num_tokens < 64
+    assert len(c.logprobs) == len(c.versions) == c.num_tokens
+    assert not engine.has_work() and engine.abort(["a"]) == []
+
+
+@needs_vllm
+def test_resume_continues_where_the_abort_stopped(engine):
+    whole = run(engine, [Request("w", "p", PROMPTS[3], greedy(24))])["w"]
+    run(engine, [Request("r", "p", PROMPTS[3], greedy(24))], steps=5)
+    [cut] = engine.abort(["r"])
+    resumed = Request("r", "p", PROMPTS[3], greedy(24), resume_ids=cut.token_ids,
+                      resume_logprobs=[-1.0] * cut.num_tokens, resume_versions=[-7] * cut.num_tokens)
+    c = run(engine, [resumed])["r"]
+    assert c.token_ids == whole.token_ids and c.finish_reason == "length"
+    k = cut.num_tokens  # resumed tokens keep what was recorded for them
+    assert c.logprobs[:k] == [-1.0] * k and c.versions[:k] == [-7] * k
+    torch.testing.assert_close(torch.tensor(c.logprobs[k:]), torch.tensor(whole.logprobs[k:]), atol=2e-3, rtol=0)
+
+
+@needs_vllm
+def test_load_weights_changes_outputs_and_tags_the_version(engine, models):
+    (model_a, path_a), (model_b, _) = models
+    engine.load_weights({k: v.clone() for k, v in model_b.state_dict().items()}, version=3)
+    try:
+        c = run(engine, [Request("b", "p", PROMPTS[0], greedy())])["b"]
+        assert c.token_ids == hf_greedy(model_b, PROMPTS[0], 16) != hf_greedy(model_a, PROMPTS[0], 16)
+        assert c.versions == [3] * 16 and engine.stats()["version"] == 3
+    finally:
+        engine.load_weights(model_a.state_dict(), version=0)

@@ -1,0 +1,167 @@
+"""Weight buckets and transports: exact round trips, the object store through a real Ray actor, the
+broadcast path over gloo between two processes (the NCCL code with another backend), and deadlines."""
+import multiprocessing as mp
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from rlsys.weights import (NCCLTransfer, ObjectStoreTransfer, WeightGroup, WeightTransferTimeout, iter_buckets,
+                           pack, plan_buckets, unpack)
+from rlsys.weights.buckets import ALIGN
+from rlsys.weights.transfer import wait_for_engines
+
+
+def state_dict() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(33, 7, generator=g),  # odd sizes
+        "model.layers.0.input_layernorm.weight": torch.randn(7, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(5, generator=g).to(torch.float16),
+        "model.layers.0.mlp.big.weight": torch.randn(64, 64, generator=g),  # 16 KiB: above the budget
+        "model.rotary.inv_freq": torch.arange(3, dtype=torch.int64),
+        "model.scale": torch.tensor(1.5),  # 0-dim
+        "model.mask": torch.tensor([True, False, True]),
+        "lm_head.weight": torch.randn(33, 7, generator=g),
+    }
+
+
+def fingerprint(name: str, t: torch.Tensor) -> tuple:
+    return name, str(t.dtype), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                   b.reshape(-1).view(torch.uint8))
+
+
+def round_trip(weights, budget, dtype=None) -> list[tuple[str, torch.Tensor]]:
+    return [pair for plan, flat in iter_buckets(weights, budget, dtype) for pair in unpack(plan, flat.clone())]
+
+
+def test_buckets_round_trip_exactly_in_order():
+    weights = state_dict()
+    out = round_trip(weights, budget=2048)
+    assert [n for n, _ in out] == list(weights)
+    for name, t in out:
+        assert same_bits(t, weights[name]), name
+
+
+def test_bucket_budget_alignment_and_large_tensors():
+    weights = state_dict()
+    plans = plan_buckets(weights, budget_bytes=2048)
+    big = [p for p in plans if any(m.name == "model.layers.0.mlp.big.weight" for m in p.tensors)]
+    assert len(big) == 1 and len(big[0].tensors) == 1  # larger than the budget: a bucket of its own
+    for p in plans:
+        assert len(p.tensors) == 1 or p.nbytes <= 2048
+        assert all(m.offset % ALIGN == 0 for m in p.tensors)
+    assert len(plan_buckets(weights, budget_bytes=1 << 30)) == 1
+
+
+def test_wire_dtype_casts_floating_tensors_only():
+    weights = state_dict()
+    out = dict(round_trip(weights, budget=4096, dtype=torch.bfloat16))
+    assert out["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(out["model.embed_tokens.weight"], weights["model.embed_tokens.weight"].bfloat16())
+    assert out["model.rotary.inv_freq"].dtype == torch.int64 and out["model.mask"].dtype == torch.bool
+
+
+def test_pack_refuses_a_tensor_that_does_not_match_the_plan():
+    weights = state_dict()
+    plan = plan_buckets(weights, 1 << 20)[0]
+    weights["model.scale"] = torch.ones(2)
+    with pytest.raises(ValueError, match="model.scale: shape"):
+        pack(plan, weights)
+
+
+def test_object_store_round_trip_through_a_ray_actor(ray_cluster):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Receiver:
+        def checksums(self, plans, refs):
+            got = [pair for pairs in ObjectStoreTransfer("engine 0").receive(plans, refs) for pair in pairs]
+            return [(name, t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).long().sum().item())
+                    for name, t in got]
+
+    weights = state_dict()
+    plans, buckets = [], []
+    for plan, flat in iter_buckets(weights, 2048):
+        plans.append(plan)
+        buckets.append((plan, flat))
+    refs = ObjectStoreTransfer("trainer").send(buckets)
+    receiver = Receiver.remote()
+    try:
+        got = ray.get(receiver.checksums.remote(plans, refs), timeout=60)
+    finally:
+        ray.kill(receiver)
+    expected = [(n, t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).long().sum().item())
+                for n, t in weights.items()]
+    assert got == expected
+
+
+def test_an_engine_that_does_not_finish_is_named(ray_cluster):
+    ray = ray_cluster
+    nap = ray.remote(num_cpus=0)(lambda s: time.sleep(s))
+    quick, stuck = nap.remote(0), nap.remote(30)
+    with pytest.raises(WeightTransferTimeout, match="engine 1 did not finish within 0.5 s"):
+        wait_for_engines({"engine 0": quick, "engine 1": stuck}, timeout_s=0.5)
+    ray.cancel(stuck, force=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def receive_in_child(port: int, budget: int, out: mp.Queue) -> None:
+    """Rank 1 of a gloo weight group: receives every bucket and sends back what it got."""
+    torch.set_num_threads(1)
+    group = WeightGroup("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout_s=60)
+    plans = plan_buckets(state_dict(), budget)
+    pairs = [p for ws in NCCLTransfer(group, "engine 0").receive(plans) for p in ws]
+    # Plain bytes back: tensors would be shared through this process's memory, and it exits right away.
+    out.put([fingerprint(name, t) for name, t in pairs])
+
+
+def test_broadcast_over_gloo_between_two_processes():
+    port, budget = free_port(), 2048
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=receive_in_child, args=(port, budget, out), daemon=True)
+    child.start()
+    try:
+        group = WeightGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout_s=60)
+        weights = state_dict()
+        NCCLTransfer(group, "trainer").send(iter_buckets(weights, budget))
+        got = out.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert got == [fingerprint(name, t) for name, t in weights.items()]
+
+
+def test_a_bucket_that_never_comes_raises_naming_engine_and_bucket():
+    port = free_port()
+    trainer: dict = {}
+    joined = threading.Thread(target=lambda: trainer.update(
+        group=WeightGroup("127.0.0.1", port, rank=0, world_size=2, backend="gloo", timeout_s=2)))
+    joined.start()  # the trainer joins the group, then never sends
+    group = WeightGroup("127.0.0.1", port, rank=1, world_size=2, backend="gloo", timeout_s=1)
+    joined.join(timeout=30)
+    plans = plan_buckets(state_dict(), 2048)
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferTimeout, match=r"engine 3: bucket 0 \(model.embed_tokens.weight"):
+        next(iter(NCCLTransfer(group, "engine 3").receive(plans)))
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_peer_that_never_joins_raises_instead_of_hanging():
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferTimeout, match="not every rank joined"):
+        WeightGroup("127.0.0.1", free_port(), rank=0, world_size=2, backend="gloo", timeout_s=1)
+    assert time.monotonic() - t0 < 10
