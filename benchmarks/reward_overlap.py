@@ -3,7 +3,7 @@
 
     python benchmarks/reward_overlap.py [--steps N] [--repeats R]
 
-The workload is the embedded default on the `math` task (fraction values; warm start on that task),
+The workload is the embedded default on the `math` task (worked fraction sums; warm start on it),
 scored by math_verify. Two modes of the real controller, interleaved and repeated:
   overlapped   the default: each completion goes to the reward pool as it arrives;
   after_round  reward.after_round=true: the pool holds a round's completions until it has generated.
@@ -31,19 +31,6 @@ MODES = {"overlapped": [], "after_round": ["reward.after_round=true"]}
 METRICS = ("timing/step_s", "timing/reward_s", "timing/rollout_s", "timing/train_s", "reward/mean")
 
 
-def end_round_when_generated(controller) -> None:
-    """Until the controller calls `rewards.end_round()` itself under reward.after_round, do it here at
-    the same moment: right after the round's last completion reaches the pool (nothing left in flight)."""
-    pool, rollout = controller.rewards, controller.rollout
-    submit = pool.submit
-
-    def submit_then_end_round(*args) -> None:
-        submit(*args)
-        if not rollout.owner:
-            pool.end_round()
-    pool.submit = submit_then_end_round
-
-
 def run(mode: str, steps: int, out_dir: Path) -> dict:
     from rlsys.train import Controller
 
@@ -51,8 +38,6 @@ def run(mode: str, steps: int, out_dir: Path) -> dict:
         shutil.rmtree(out_dir)
     cfg = load_config(None, WORKLOAD + MODES[mode] + [f"trainer.total_steps={steps}", f"output_dir={out_dir}"])
     controller = Controller(cfg)
-    if cfg.reward.after_round:
-        end_round_when_generated(controller)
     try:
         controller.run()
     finally:

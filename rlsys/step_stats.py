@@ -13,13 +13,15 @@ class StepStats:
         self.kappa, self.capacity = kappa, capacity
         self.completions: list[Completion] = []
         self.finished: list[Completion] = []  # the last handed-over step's, for its totals and timeline
+        self.t_step = self.t_handover = time.time()  # the last weights publish; the last handover to training
         self.start_step()
 
     def start_step(self) -> None:
-        """A new step's window opens now, or, when the engines kept generating through the train step
-        (sorted, async), where the last one closed: their engines are never handed back."""
+        """A new rollout window opens now, or, when the engines went on generating through the train
+        step (sorted, async: samples finished meanwhile), where the last window closed."""
         carried = self.completions  # finished while the trainer ran: they count in this step
-        self.t_start = self.t_handover if carried else time.time()
+        kept_generating = any(c.finish_reason != "abort" for c in carried)  # aborted extras do not count
+        self.t_start = self.t_handover if kept_generating else time.time()
         self.t_last_completion = max([self.t_start] + [c.end_time for c in carried])
         self.requests = 0
         self.reward_errors = 0
@@ -41,8 +43,9 @@ class StepStats:
         rollout_s = self.t_last_completion - self.t_start
         lengths = [n for g in groups for n in g.lengths]
         rewards = [r for g in groups for r in g.rewards]
-        generated = sum(c.num_tokens for c in self.completions)
         engine_window = max(end - self.t_start, 1e-9)
+        generated = sum(c.num_tokens for c in self.completions)
+        in_window = tokens_within(self.completions, self.t_start, end)
         done, self.finished, self.completions = self.completions, self.completions, []  # later: next step's
         return {
             "samples": len(lengths),
@@ -55,7 +58,7 @@ class StepStats:
             "response_length/p99": percentile(lengths, 99),
             "rollout/bubble_ratio": bubble_ratio(done, self.capacity, self.t_start, end),
             "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
-            "rollout/efficiency": (generated / (saturated_tokens_per_s * engine_window)
+            "rollout/efficiency": (in_window / (saturated_tokens_per_s * engine_window)
                                    if saturated_tokens_per_s else 0.0),
             "rollout/generated_tokens": generated,
             "rollout/aborted": sum(c.finish_reason == "abort" for c in done),
@@ -65,7 +68,8 @@ class StepStats:
 
     def step_totals(self) -> dict[str, float]:
         """Called once the step's weights are published: its full wall time and token throughput."""
-        step_s = time.time() - self.t_start
+        now = time.time()
+        step_s, self.t_step = now - self.t_step, now  # publish to publish: overlapped training counts once
         generated = sum(c.num_tokens for c in self.finished)
         return {"timing/step_s": step_s, "throughput/tokens_per_s": generated / max(step_s, 1e-9)}
 
@@ -73,3 +77,14 @@ class StepStats:
         return [{"step": step, "request_id": c.request_id, "worker": c.worker, "slot": c.slot,
                  "start": round(c.start_time - t0, 4), "end": round(c.end_time - t0, 4),
                  "tokens": c.num_tokens, "finish_reason": c.finish_reason} for c in self.finished]
+
+
+def tokens_within(completions: list[Completion], start: float, end: float) -> float:
+    """Generated tokens that fall in [start, end], spreading each request's tokens evenly over its run:
+    a request that began before the window (async, sorted) counts only for its share inside it."""
+    total = 0.0
+    for c in completions:
+        duration = c.end_time - c.start_time
+        inside = min(c.end_time, end) - max(c.start_time, start)
+        total += c.num_tokens if duration <= 0 else c.num_tokens * max(0.0, min(inside, duration)) / duration
+    return total

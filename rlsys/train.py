@@ -104,6 +104,8 @@ class Controller:
                 continue
             self.in_flight[completion.request_id] = completion
             self.rewards.submit(completion.request_id, completion.text, prompt.answer, completion.num_tokens)
+        if self.cfg.reward.after_round and not self.rollout.owner:  # the round has generated: score it now
+            self.rewards.end_round()
         results = self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap()
         samples = []
         for result in results:

@@ -1,4 +1,5 @@
-"""The `math` task family (fraction values scored by math_verify) and the after-round reward baseline."""
+"""The `math` task family (worked fraction sums, scored on the final value by math_verify) and the
+after-round reward baseline."""
 import itertools
 import random
 import re

@@ -98,3 +98,12 @@ def test_model_path_is_validated_with_the_field_named(tmp_path):
         prepare_model(Config(model=ModelConfig(path=str(tmp_path / "partial"))))
     model_dir = build_tiny_model(ModelConfig(**SMALL), tmp_path / "ok")
     assert prepare_model(Config(model=ModelConfig(path=str(model_dir)))) == model_dir
+
+
+def test_cache_key_covers_the_module_that_defines_the_task_family():
+    """Editing a family's module must give a new warm-start cache entry, never a stale hit."""
+    from rlsys.models import _task_sources
+
+    assert [p.name for p in _task_sources("math")] == ["math_tasks.py"]
+    assert [p.name for p in _task_sources("code")] == ["code_tasks.py"]
+    assert _task_sources("synthetic") == [] and _task_sources("rev") == []  # synthetic.py is always hashed

@@ -99,9 +99,22 @@ def cache_key(cfg: Config) -> str:
         parts["data"].update(train_path=data.train_path, eval_path=data.eval_path, eval_size=data.eval_size,
                              train_file=_file_stamp(data.train_path))
     package = Path(__file__).resolve().parent.parent
-    parts["code"] = [hashlib.sha256((package / rel).read_bytes()).hexdigest() for rel in BUILDER_SOURCES]
+    sources = [package / rel for rel in BUILDER_SOURCES] + _task_sources(data.task)
+    parts["code"] = [hashlib.sha256(path.read_bytes()).hexdigest() for path in sources]
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return f"{cfg.model.arch}-h{cfg.model.hidden_size}-l{cfg.model.num_layers}-{digest}"
+
+
+def _task_sources(task: str) -> list[Path]:
+    """The files defining the task's families beyond synthetic.py (a family may live in its own module)."""
+    import inspect
+
+    from rlsys.data import TASKS  # importing the package registers every family
+    from rlsys.data.synthetic import MIX
+
+    families = MIX if task == "synthetic" else [task] if task in TASKS else []
+    files = {Path(inspect.getsourcefile(TASKS.get(f))).resolve() for f in families}
+    return sorted(f for f in files if f.name != "synthetic.py")
 
 
 def _file_stamp(path: str | None) -> list | None:
