@@ -15,7 +15,7 @@ from rlsys.checkpoint import STATE_FILE, CheckpointManager, write_json_atomic
 from rlsys.cluster import init_ray
 from rlsys.config import Config, save_config
 from rlsys.control import build_scheduler
-from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.data import filter_long_prompts, load_datasets
 from rlsys.data.cursor import PromptCursor
 from rlsys.evaluate import eval_accuracy
@@ -55,6 +55,7 @@ class Controller:
         self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
         self.training: tuple[list, float] | None = None  # the train step running: (its refs, start time)
+        self.streamed_groups = 0  # groups whose gradients the trainer is accumulating (trainer.streamed)
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
         if resume:
@@ -82,6 +83,8 @@ class Controller:
                 self.submit(action)
             elif isinstance(action, Abort):
                 self.rollout.abort(action.request_ids)
+            elif isinstance(action, Accumulate):
+                self.accumulate(action.groups)
             elif isinstance(action, Train):
                 self.start_training(action.groups)
 
@@ -128,6 +131,15 @@ class Controller:
         self.stats.submitted(len(requests))
         self.rollout.submit(requests)
 
+    def accumulate(self, groups) -> None:
+        """trainer.streamed: gradients of groups the next Train will hold, computed while generation goes on."""
+        if not self.cfg.trainer.streamed:
+            return
+        if not self.streamed_groups:
+            self.trainer.stream_begin(self.cfg.rollout.temperature or 1.0)
+        self.trainer.stream_groups(groups)
+        self.streamed_groups += len(groups)
+
     def start_training(self, groups) -> None:
         """Launch the train step; generation and scoring go on while it runs (sync simply has no work)."""
         if self.training:
@@ -137,7 +149,15 @@ class Controller:
         self.rollout_metrics = self.stats.rollout_done(groups, saturated)
         self.trained_groups = groups
         temperature = self.cfg.rollout.temperature or 1.0
-        self.training = (self.trainer.start_train_step(groups, temperature, self.version), time.time())
+        if self.streamed_groups:  # the scheduler announced every group of this Train with Accumulate
+            if self.streamed_groups != len(groups):
+                raise RuntimeError(f"trainer.streamed: {self.streamed_groups} groups were accumulated but the "
+                                   f"Train holds {len(groups)}; scheduler {self.cfg.control.scheduler!r} broke "
+                                   "the Accumulate contract")
+            refs, self.streamed_groups = self.trainer.stream_end(), 0
+        else:
+            refs = self.trainer.start_train_step(groups, temperature, self.version)
+        self.training = (refs, time.time())
 
     def finish_training(self) -> list:
         refs, t = self.training

@@ -89,3 +89,13 @@ def test_killed_run_resumes_with_the_same_data_order(tmp_path):
         torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4)
     resumed_steps = [r["step"] for r in rows(broken) if "timing/train_s" in r]
     assert resumed_steps == [1, 2, 3, 4]
+
+
+def test_tail_with_streamed_training_trains_every_announced_group(tmp_path, ray_cluster):
+    """trainer.streamed: each prompt's gradients are computed as it completes; one update per round."""
+    out = tmp_path / "streamed"
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
+                 "control.scheduler=tail", "trainer.streamed=true", "trainer.mini_batches=1", *SMALL]) == 0
+    steps = [r for r in rows(out) if "timing/train_s" in r]
+    assert [r["policy_version"] for r in steps] == [1, 2]
+    assert all(r["train/sequences"] == 16 and r["train/tokens"] > 0 and "train/loss" in r for r in steps)

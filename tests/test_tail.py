@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from rlsys.config import ControlConfig
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
-from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.tail import scaled
 from rlsys.data.cursor import PromptCursor
 from rlsys.types import Completion, Prompt, ScoredSample
@@ -59,6 +59,7 @@ class FakeEngine:
         self.live = {}  # rid -> prompt, for requests generating
         self.seen, self.aborted = set(), set()
         self.trains, self.submits = [], []  # what the scheduler asked for, in order
+        self.accumulated = []  # groups announced for streamed training since the last Train
 
     def push(self, t, kind, rid, prompt, t0):
         self._seq += 1
@@ -79,9 +80,13 @@ class FakeEngine:
                     self.aborted.add(rid)
                     if rid in self.live and self.rng.random() >= self.late:
                         self.push(self.now, "abort", rid, self.live.pop(rid), self.now)
+            elif isinstance(a, Accumulate):
+                self.accumulated += a.groups
             else:
                 assert isinstance(a, Train)
+                assert a.groups == self.accumulated, "every trained group was announced, unchanged, in order"
                 self.trains.append(a.groups)
+                self.accumulated = []
 
     def step(self):
         """Deliver events until the scheduler trains; returns that step's groups."""
@@ -118,7 +123,10 @@ def test_short_round_over_draws_and_keeps_the_first_complete_prompts():
     assert [len(s.request_ids) for s in subs] == [5] * 5 and sched.long_round is False
     a, b, c, d, e = subs
     out = [sched.on_sample(sample(rid, a.prompt.uid), 0) for rid in a.request_ids[:4]]
-    assert out[:3] == [[], [], []] and out[3] == [Abort([a.request_ids[4]])]  # extras aborted at once
+    announce, abort = out[3]  # a complete prompt is announced for streamed training, its extras aborted
+    assert out[:3] == [[], [], []] and abort == Abort([a.request_ids[4]])
+    assert isinstance(announce, Accumulate) and [g.prompt for g in announce.groups] == [a.prompt]
+    assert [x.completion.request_id for x in announce.groups[0].samples] == a.request_ids[:4]
     assert sched.on_sample(sample(a.request_ids[4], a.prompt.uid), 0) == []  # finished in flight: ignored
     for s in (b, c):
         for rid in s.request_ids[:4]:
@@ -127,7 +135,8 @@ def test_short_round_over_draws_and_keeps_the_first_complete_prompts():
     for rid in d.request_ids[1:4]:
         assert sched.on_sample(sample(rid, d.prompt.uid), 0) == []
     out = sched.on_sample(sample(d.request_ids[4], d.prompt.uid), 0)
-    abort, train = out
+    announce, abort, train = out
+    assert announce.groups == train.groups[-1:]
     assert sorted(abort.request_ids) == sorted([d.request_ids[0]] + e.request_ids[1:])
     assert [g.prompt.uid for g in train.groups] == [s.prompt.uid for s in (a, b, c, d)]
     assert all(len(g.samples) == 4 for g in train.groups)
@@ -160,8 +169,8 @@ def test_long_round_runs_the_oldest_queued_prompts_fresh():
     for s in subs:
         for rid in s.request_ids:
             out += sched.on_sample(sample(rid, s.prompt.uid), 0)
-    assert len(out) == 1 and isinstance(out[0], Train)  # no speculation: nothing to abort
-    assert {g.prompt.uid for g in out[0].groups} == {p.uid for p in queued}
+    assert [type(a) for a in out] == [Accumulate, Accumulate, Train]  # no speculation: nothing to abort
+    assert {g.prompt.uid for g in out[-1].groups} == {p.uid for p in queued}
     assert sched.metrics()["tail/round"] == 1
     sched.ledger.check(sched.in_flight_prompts())
 
@@ -173,7 +182,7 @@ def test_engine_side_abort_is_replaced_by_a_fresh_request():
     assert again.prompt == sub.prompt and len(again.request_ids) == 1
     assert again.request_ids[0] not in sub.request_ids
     sched.on_sample(sample(sub.request_ids[1], sub.prompt.uid), 0)
-    (train,) = sched.on_sample(sample(again.request_ids[0], sub.prompt.uid), 0)
+    _, train = sched.on_sample(sample(again.request_ids[0], sub.prompt.uid), 0)
     assert len(train.groups[0].samples) == 2
 
 

@@ -22,3 +22,10 @@ class Abort:
 @dataclass
 class Train:
     groups: list[Group]
+
+
+@dataclass
+class Accumulate:
+    """These complete groups will be in the next Train, unchanged: a trainer may compute their gradients
+    now, while the round still generates (trainer.streamed). A driver is free to ignore it."""
+    groups: list[Group]

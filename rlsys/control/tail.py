@@ -19,7 +19,7 @@ import math
 from collections import deque
 from dataclasses import asdict
 
-from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.scheduler import SCHEDULERS, Action, GroupBuilder, Scheduler
 from rlsys.types import Completion, Prompt, ScoredSample
 
@@ -71,9 +71,10 @@ class TailScheduler(Scheduler):
         if not builder.complete:
             return []
         self.complete.append(i)
+        stream = [Accumulate([builder.group()])]  # it is trained with this round, whatever comes next
         if len(self.complete) < self.shape.prompts:
-            return self._abort(self.running[i])  # the prompt's extra samples
-        return self._end_round()
+            return stream + self._abort(self.running[i])  # the prompt's extra samples
+        return stream + self._end_round()
 
     def on_abort(self, completion: Completion, now: float) -> list[Action]:
         self.counts["wasted_tokens"] += completion.num_tokens

@@ -398,12 +398,5 @@ class CPUEngine(RolloutEngine):
                           text=self._decode(tokens), slot=slot, submit_time=entry.submit_time,
                           start_time=entry.start_time or time.time(), end_time=time.time())
 
-    def _decode(self, tokens: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        if tokens and tokens[-1] in self.eos_ids:  # the trainer learns EOS; the text never shows it
-            tokens = tokens[:-1]
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
     def validate(self, req: Request) -> None:
         check_request(req, self.model.vocab, self.max_len)

@@ -15,6 +15,17 @@ from rlsys.types import Completion, Request
 
 
 class RolloutEngine(ABC):
+    tokenizer = None  # set by engines that return text
+    eos_ids: set[int] = set()
+
+    def _decode(self, tokens: list[int]) -> str:
+        """The completion's text: what reward functions read."""
+        if self.tokenizer is None:
+            return ""
+        if tokens and tokens[-1] in self.eos_ids:  # the trainer learns EOS; the text never shows it
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
     @abstractmethod
     def add(self, request: Request) -> None:
         """Queue a request; it starts as soon as a slot is free. Bad requests raise ValueError."""

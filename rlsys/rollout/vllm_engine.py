@@ -201,9 +201,3 @@ class VLLMEngine(RolloutEngine):
                           sample.versions, reason, text=self._decode(sample.tokens), submit_time=sample.submit_time,
                           start_time=sample.start_time or time.time(), end_time=time.time())
 
-    def _decode(self, tokens: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        if tokens and tokens[-1] in self.eos_ids:  # the trainer learns EOS; the text never shows it
-            tokens = tokens[:-1]
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from rlsys.control import build_scheduler
-from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.elastic_tp import ElasticTP
 from rlsys.control.metrics import percentile, straggler_rate
 from rlsys.data.cursor import PromptCursor
@@ -179,6 +179,8 @@ class Simulation:
                 self._abort(action, touched)
             elif isinstance(action, Train):
                 self._train(action, touched)
+            elif isinstance(action, Accumulate):
+                continue  # streamed training is not modelled: the simulated trainer starts at Train
             else:
                 raise SimulationError(f"unknown action {action!r}")
         for engine in touched.values():
