@@ -114,7 +114,7 @@ def main() -> None:
 
     results, speedup = interleaved({"hf_generate": hf, "cpu_engine_wave": lambda: run_engine(B)},
                                    args.repeats, B * N)
-    engine.saturated_tokens, engine.saturated_s = 0, 0.0  # measure saturation on the long run only
+    engine.counters.saturated_tokens, engine.counters.saturated_s = 0, 0.0  # saturation on the long run only
     wall, cpu = timed(lambda: run_engine(4 * B))
     results["cpu_engine_saturated"] = {
         "tokens_per_s": round(engine.stats()["saturated_tokens_per_s"], 1),

@@ -16,12 +16,11 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import time
 from pathlib import Path
 
-from rlsys.bench import machine, read_metrics
+from rlsys.bench import machine, run_preset
 from rlsys.config import load_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reward_overlap_cpu.json"
@@ -32,17 +31,8 @@ METRICS = ("timing/step_s", "timing/reward_s", "timing/rollout_s", "timing/train
 
 
 def run(mode: str, steps: int, out_dir: Path) -> dict:
-    from rlsys.train import Controller
-
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    cfg = load_config(None, WORKLOAD + MODES[mode] + [f"trainer.total_steps={steps}", f"output_dir={out_dir}"])
-    controller = Controller(cfg)
-    try:
-        controller.run()
-    finally:
-        controller.shutdown()
-    rows = [r for r in read_metrics(out_dir) if "timing/step_s" in r][1:]  # the first step warms up
+    rows = run_preset(None, WORKLOAD + MODES[mode] + [f"trainer.total_steps={steps}"], out_dir)
+    rows = [r for r in rows if "timing/step_s" in r][1:]  # the first step warms up
     means = {k: statistics.mean(r[k] for r in rows) for k in METRICS}
     # The phase that overlap acts on: from the step's first submit to the groups handed to the trainer.
     means["generate_and_score_s"] = means["timing/rollout_s"] + means["timing/reward_s"]

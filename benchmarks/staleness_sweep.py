@@ -8,14 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
 import time
 from pathlib import Path
 
-from rlsys.bench import read_metrics, summarise_run
-from rlsys.config import load_config
-from rlsys.train import train
+from rlsys.bench import machine, run_preset, summarise_run
 
 LOSSES = ("decoupled_ppo", "dg", "ppo_naive")
 ETAS = (0, 1, 2, 4)
@@ -28,25 +24,20 @@ def main() -> None:
     p.add_argument("--out-dir", default="runs/staleness_sweep")
     p.add_argument("--output", default="benchmarks/results/staleness_sweep_cpu.json")
     args = p.parse_args()
-    results, load_start = {}, os.getloadavg()[0]
+    results, start = {}, machine()
     for eta in ETAS:  # eta outer, so machine drift hits the losses alike
         for loss in LOSSES:
-            run_dir = Path(args.out_dir) / f"{loss}-eta{eta}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            cfg = load_config(None, ["control.scheduler=async", f"control.staleness.eta={eta}", f"trainer.loss={loss}",
-                                     f"trainer.total_steps={args.steps}", "control.eval_every=25",
-                                     "control.save_every=0", "logging.progress=false", f"output_dir={run_dir}"])
             t = time.time()
-            train(cfg)
-            rows = read_metrics(run_dir)
+            rows = run_preset(None, ["control.scheduler=async", f"control.staleness.eta={eta}", f"trainer.loss={loss}",
+                                     f"trainer.total_steps={args.steps}", "control.eval_every=25",
+                                     "control.save_every=0"], Path(args.out_dir) / f"{loss}-eta{eta}")
             summary = summarise_run(rows, args.target)
             summary["staleness_mean"] = next((r["staleness/mean"] for r in reversed(rows) if "staleness/mean" in r), None)
             results[f"{loss}/eta={eta}"] = summary
             print(f"{loss} eta={eta}: {time.time() - t:.0f}s, final {summary['final_accuracy']}, "
                   f"to target {summary['time_to_target_s']}", flush=True)
     report = {"workload": {"config": "configs/tiny.yaml", "steps": args.steps, "target_accuracy": args.target},
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                          "load_average_at_start": load_start, "load_average_at_end": os.getloadavg()[0]},
+              "machine": start | {"load_average_at_end": os.getloadavg()[0]},
               "results": results}
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")

@@ -13,7 +13,7 @@ while [[ $# -gt 0 ]]; do
     --block) extra+=(--block); shift ;;  # stay in the foreground (what srun needs)
     --dry-run) dry_run=1; shift ;;
     --) shift; extra+=("$@"); break ;;
-    -h | --help) sed -n '2,6p' "$0"; exit 0 ;;
+    -h | --help) sed -n '/^[^#]/q;2,$p' "$0"; exit 0 ;;  # the header comment
     *) echo "ray_worker.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done

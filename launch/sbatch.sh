@@ -21,7 +21,7 @@ while [[ $# -gt 0 ]]; do
     --partition) partition="$2"; shift 2 ;;
     --job-name) job="$2"; shift 2 ;;
     --dry-run) dry_run=1; shift ;;
-    -h | --help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h | --help) sed -n '/^[^#]/q;2,$p' "$0"; exit 0 ;;  # the header comment
     -*) echo "sbatch.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) overrides+=("$1"); shift ;;
   esac

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlsys.config import DEFAULT_CONFIG, load_config
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
+from rlsys.logger import read_jsonl
 
 # name -> config overrides on top of the workload. Presets whose scheduler or sizer is not
 # registered yet are skipped, so the table grows as schedulers land.
@@ -41,7 +42,7 @@ def machine() -> dict:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def summarise_run(rows: list[dict], target: float) -> dict:
@@ -66,15 +67,20 @@ def summarise_run(rows: list[dict], target: float) -> dict:
     }
 
 
+def median_of(runs: list[dict], key: str):
+    """The median of `key` over repeats that have it; time to target only if every repeat reached it."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    if key == "time_to_target_s" and len(values) < len(runs):
+        return None
+    return statistics.median(values) if values else None
+
+
 def aggregate(runs: list[dict]) -> dict:
     """Median over repeats, with [min, max] spreads for the figures that vary."""
     out: dict = {"repeats": len(runs)}
     for key in runs[0]:
+        out[key] = median_of(runs, key)
         values = [r[key] for r in runs if r[key] is not None]
-        if key == "time_to_target_s" and len(values) < len(runs):
-            out[key] = None  # not every repeat reached the target
-        else:
-            out[key] = statistics.median(values) if values else None
         if len(values) > 1:
             out[f"{key}_spread"] = [min(values), max(values)]
     return out
@@ -93,7 +99,7 @@ def speedups(results: dict) -> dict:
     return out
 
 
-def run_preset(config: str, overrides: list[str], out_dir: Path) -> list[dict]:
+def run_preset(config: str | None, overrides: list[str], out_dir: Path) -> list[dict]:
     from rlsys.train import train
 
     cfg = load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
@@ -152,7 +158,7 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlsys.plot import draw_timeline, read_jsonl
+    from rlsys.plot import draw_timeline
 
     names = list(report["results"])
     colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}

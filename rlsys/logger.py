@@ -11,6 +11,11 @@ PROGRESS_KEYS = {"eval/accuracy": "acc", "reward/mean": "reward", "response_leng
                  "rollout/bubble_ratio": "bubble", "timing/step_s": "step_s"}
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl or timeline.jsonl; none if the file is not there (yet)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int):
         self.run_dir = run_dir

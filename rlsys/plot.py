@@ -2,7 +2,6 @@
 chart in which the bubbles (idle slots) are the white gaps."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -10,9 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+from rlsys.logger import read_jsonl  # noqa: E402
 
 
 def plot_progress(rows: list[dict], out: Path, label: str = "") -> Path:

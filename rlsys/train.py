@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import time
 import zlib
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
@@ -16,7 +16,7 @@ from rlsys.cluster import init_ray
 from rlsys.config import Config, save_config
 from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
-from rlsys.data import filter_long_prompts, load_datasets
+from rlsys.data import load_prompts
 from rlsys.data.cursor import PromptCursor
 from rlsys.evaluate import eval_accuracy
 from rlsys.logger import RunLogger
@@ -24,10 +24,22 @@ from rlsys.placement import format_plan, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.plot import plot_run
 from rlsys.reward.pool import RewardPool
-from rlsys.rollout.manager import RolloutManager, engine_kwargs
+from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Prompt, Request, SamplingParams, ScoredSample
+
+
+@dataclass
+class TrainStep:
+    """A train step the trainer is running: its groups, the rollout figures taken at hand-over, its refs."""
+    groups: list
+    rollout_metrics: dict
+    refs: list
+    started: float = field(default_factory=time.time)
+
+    def done(self) -> bool:
+        return not ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[1]
 
 
 class Controller:
@@ -44,9 +56,7 @@ class Controller:
         self.tokenizer = load_tokenizer(self.model_dir)
         train, self.eval_prompts = self._datasets()
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
-        self.rollout = RolloutManager(str(self.model_dir), cfg.rollout.num_workers, cfg.rollout.slots,
-                                      torch_threads=cfg.cluster.torch_threads, engine_kwargs=engine_kwargs(cfg),
-                                      engine=cfg.rollout.engine)
+        self.rollout = RolloutManager.from_config(cfg, self.model_dir)
         self.rewards = RewardPool(cfg.reward)
         self.trainer = TrainerGroup(cfg, str(self.model_dir))
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
@@ -54,7 +64,8 @@ class Controller:
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
         self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
-        self.training: tuple[list, float] | None = None  # the train step running: (its refs, start time)
+        self.training: TrainStep | None = None
+        self.temperature = cfg.rollout.temperature or 1.0  # the trainer scores tokens as sampled (greedy: 1)
         self.streamed_groups = 0  # groups whose gradients the trainer is accumulating (trainer.streamed)
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
@@ -73,7 +84,7 @@ class Controller:
         while not self.done:
             for sample in self.next_samples():
                 self.apply(self.scheduler.on_sample(sample, self.now()))
-            if self.training and not ray.wait(self.training[0], num_returns=len(self.training[0]), timeout=0)[1]:
+            if self.training and self.training.done():
                 self.apply(self.finish_training())
         return self.finish()
 
@@ -92,7 +103,7 @@ class Controller:
         """Wait for completions and rewards; send completions to the reward pool, return scored samples.
         Aborted requests go straight back to the scheduler."""
         rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
-        training = self.training[0] if self.training else []
+        training = self.training.refs if self.training else []
         held = self.rollout.held or self.rewards.held  # results set aside while evaluating
         ready, _ = ray.wait(rollout_refs + reward_refs + training, num_returns=1, timeout=0 if held else 1.0)
         if ready:
@@ -136,7 +147,7 @@ class Controller:
         if not self.cfg.trainer.streamed:
             return
         if not self.streamed_groups:
-            self.trainer.stream_begin(self.cfg.rollout.temperature or 1.0)
+            self.trainer.stream_begin(self.temperature)
         self.trainer.stream_groups(groups)
         self.streamed_groups += len(groups)
 
@@ -146,9 +157,7 @@ class Controller:
             raise RuntimeError(f"scheduler {self.cfg.control.scheduler!r} asked to train before the last "
                                "step's weights were published")
         saturated = sum(s.get("saturated_tokens_per_s") or 0.0 for s in self.rollout.stats())
-        self.rollout_metrics = self.stats.rollout_done(groups, saturated)
-        self.trained_groups = groups
-        temperature = self.cfg.rollout.temperature or 1.0
+        rollout_metrics = self.stats.rollout_done(groups, saturated)
         if self.streamed_groups:  # the scheduler announced every group of this Train with Accumulate
             if self.streamed_groups != len(groups):
                 raise RuntimeError(f"trainer.streamed: {self.streamed_groups} groups were accumulated but the "
@@ -156,21 +165,20 @@ class Controller:
                                    "the Accumulate contract")
             refs, self.streamed_groups = self.trainer.stream_end(), 0
         else:
-            refs = self.trainer.start_train_step(groups, temperature, self.version)
-        self.training = (refs, time.time())
+            refs = self.trainer.start_train_step(groups, self.temperature, self.version)
+        self.training = TrainStep(groups, rollout_metrics, refs)
 
     def finish_training(self) -> list:
-        refs, t = self.training
-        train_metrics = self.trainer.finish_train_step(refs)
-        t_train, self.training = time.time() - t, None
-        groups, rollout_metrics = self.trained_groups, self.rollout_metrics
+        step, self.training = self.training, None
+        train_metrics = self.trainer.finish_train_step(step.refs)
+        t_train = time.time() - step.started
         self.version += 1
         t = time.time()
         self.rollout.update_weights(self.trainer.weights_ref(), self.version)
         t_sync = time.time() - t
         self.step += 1
-        self.scheduler.sizer.observe(groups)
-        metrics = dict(rollout_metrics, **self.stats.step_totals())
+        self.scheduler.sizer.observe(step.groups)
+        metrics = dict(step.rollout_metrics, **self.stats.step_totals())
         self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
                         "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors})
@@ -250,12 +258,10 @@ class Controller:
         return zlib.crc32(f"{self.cfg.seed}:{request_id}".encode())
 
     def _datasets(self):
-        train, evals = load_datasets(self.cfg.data, self.tokenizer)
-        train, dropped = filter_long_prompts(train, self.tokenizer, self.cfg.data.max_prompt_tokens)
+        train, evals, dropped = load_prompts(self.cfg.data, self.tokenizer)
         if dropped:
             print(f"dropped {dropped} training prompts longer than data.max_prompt_tokens="
                   f"{self.cfg.data.max_prompt_tokens}")
-        evals, _ = filter_long_prompts(evals, self.tokenizer, self.cfg.data.max_prompt_tokens)
         return train, evals
 
     def _on_sigterm(self, *_):

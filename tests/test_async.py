@@ -1,5 +1,4 @@
 """The `async` scheduler (bounded staleness), driven by scripted events and a fake engine and trainer."""
-import heapq
 import json
 import random
 import zlib
@@ -13,6 +12,7 @@ from rlsys.control.actions import Submit, Train
 from rlsys.data.cursor import PromptCursor
 from rlsys.sim.run import simulate
 from rlsys.types import Completion, Prompt, ScoredSample
+from test_sorted import FakeTrainer
 
 
 def prompts(n):
@@ -35,27 +35,18 @@ def draw(seed, key):
     return random.Random(zlib.crc32(f"{seed}/{key}".encode()))
 
 
-class FakeCluster:
+class FakeCluster(FakeTrainer):
     """An unbounded engine and a one-actor trainer on a fake clock. A request takes a heavy-tailed
     time; each of its tokens is stamped with the version loaded when it was generated. A Train takes
-    a random time; its weights load at once, then `on_trained` is called, as the controller will."""
+    a random time."""
 
     def __init__(self, sched, seed=0, reward_p=0.5, slow_trainer=3.0):
-        self.sched, self.seed, self.reward_p, self.slow_trainer = sched, seed, reward_p, slow_trainer
-        self.now, self.version, self._seq = 0.0, 0, 0
-        self.weight_times: list[float] = []
-        self.events: list = []
+        super().__init__(sched)
+        self.seed, self.reward_p, self.slow_trainer = seed, reward_p, slow_trainer
         self.live: dict[str, tuple[Prompt, float]] = {}  # request id -> (prompt, start time)
         self.admitted_at: dict[str, int] = {}  # request id -> version when its prompt was admitted
         self.submits: list[Submit] = []
-        self.trains: list[tuple[int, list]] = []  # (version trained at, groups)
-        self.training = False
         self.overlapped = 0  # samples finished while the trainer was busy
-        self.on_update = lambda: None  # e.g. a checkpoint, once the update has landed
-
-    def push(self, dt, kind, payload):
-        self._seq += 1
-        heapq.heappush(self.events, (self.now + dt, self._seq, kind, payload))
 
     def apply(self, actions):
         for a in actions:
@@ -66,37 +57,22 @@ class FakeCluster:
                     self.live[rid], self.admitted_at[rid] = (a.prompt, self.now), self.version
                     self.push(1 + 4 * draw(self.seed, rid).paretovariate(1.3), "done", rid)
             else:
-                assert isinstance(a, Train) and not self.training, "a second Train before on_trained"
-                self.training = True
-                self.trains.append((self.version, a.groups))
-                seconds = draw(self.seed, f"train{len(self.trains)}").uniform(0.1, self.slow_trainer)
-                self.push(seconds, "trained", None)
+                assert isinstance(a, Train)
+                self.train(a.groups, draw(self.seed, f"train{len(self.trains) + 1}").uniform(0.1, self.slow_trainer))
 
     def finish(self, rid):
         prompt, start = self.live.pop(rid)
         tokens = max(1, int(self.now - start))
         step = (self.now - start) / tokens
-        versions = [sum(t <= start + k * step for t in self.weight_times) for k in range(tokens)]
+        versions = [self.version_at(start + k * step) for k in range(tokens)]
         reward = float(draw(self.seed, f"r{rid}").random() < self.reward_p)
         completion = Completion(rid, prompt.uid, [1], [7] * tokens, [-0.5] * tokens, versions, "stop")
         return ScoredSample(completion, reward)
 
-    def run(self, trains):
-        """Until `trains` Trains are applied; an `on_trained` may emit one more, which is applied too."""
-        while len(self.trains) < trains or self.training:
-            assert self.events, f"stuck after {len(self.trains)} Trains with nothing in flight"
-            self.now, _, kind, payload = heapq.heappop(self.events)
-            if kind == "done" and payload in self.live:
-                self.overlapped += self.training
-                self.apply(self.sched.on_sample(self.finish(payload), self.now))
-            elif kind == "trained":
-                self.version += 1
-                self.weight_times.append(self.now)
-                self.training = False
-                self.sched.version = self.version  # as the live controller and the simulator do
-                self.on_update()
-                self.apply(self.sched.on_trained(self.version, self.now))
-            self.sched.ledger.check(self.sched.in_flight_prompts())
+    def event(self, kind, payload):  # "done"
+        if payload in self.live:
+            self.overlapped += self.training
+            self.apply(self.sched.on_sample(self.finish(payload), self.now))
 
 
 def trained_uids(cluster):

@@ -13,12 +13,13 @@ SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_h
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 9, 9, 9], [12, 40, 33, 2, 2, 8, 1, 0, 63, 17, 21]]
 
 
-def build(tmp_path, arch="qwen2", seed=0, name="model"):
+def build(tmp_path, arch="qwen2", seed=0, name="model", sizes=SIZES):
+    """A random-init model saved under tmp_path/name: (model, path)."""
     torch.manual_seed(seed)
     if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**SIZES))
+        model = Qwen2ForCausalLM(Qwen2Config(**sizes))
     else:  # Llama with the options Qwen2 lacks: tied embeddings, o_proj bias, another rope_theta
-        model = LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=True, attention_bias=True,
+        model = LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=True, attention_bias=True,
                                              rope_parameters={"rope_type": "default", "rope_theta": 500000.0}))
     model.eval().save_pretrained(tmp_path / name)
     return model, str(tmp_path / name)

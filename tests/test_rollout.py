@@ -3,29 +3,21 @@ import time
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.types import Request, SamplingParams
+from test_cpu_engine import SIZES, build
 
-SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, max_position_embeddings=512, initializer_range=0.2)
-
-
-def build(path, seed):
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**SIZES)).eval()
-    model.save_pretrained(path)
-    return model
+LONG = dict(SIZES, max_position_embeddings=512)  # room for a 300-token response
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout")
-    build(root / "a", 0)
-    other = build(root / "b", 1)
-    return str(root / "a"), {k: v.clone() for k, v in other.state_dict().items()}
+    _, path = build(root, seed=0, name="a", sizes=LONG)
+    other, _ = build(root, seed=1, name="b", sizes=LONG)
+    return path, {k: v.clone() for k, v in other.state_dict().items()}
 
 
 def req(rid, n, prompt=(1, 2, 3)):

@@ -111,6 +111,18 @@ def test_adaptive_timeout_follows_the_slowest_passing_run():
 
 
 @needs_isolation
+def test_the_interpreter_stays_reachable_whatever_home_is(monkeypatch):
+    # A Python installed under root's home (pyenv) is hidden with the home only when HOME names it;
+    # with HOME elsewhere the code's user must still be able to enter the way to it.
+    home = world_dir(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    try:
+        assert sandbox().run("def f():\n    return 1\n", "f", [([], 1)]).passed
+    finally:
+        home.rmdir()
+
+
+@needs_isolation
 def test_a_sandbox_learns_its_timeout_from_passing_runs():
     box = sandbox(t_min_s=0.2, t_max_s=20.0)
     assert box.timeout.seconds() == 0.2

@@ -76,6 +76,7 @@ def test_cpu_engine_greedy_equals_transformers_generate(smollm2, hf):
 
 @pytest.mark.very_slow  # 70-90 s: Ray, two 135M-parameter actors, eval, checkpoint, export
 def test_one_rl_step_through_the_controller(smollm2, tmp_path, ray_cluster):
+    from rlsys.bench import read_metrics
     from rlsys.train import train
 
     out = tmp_path / "run"
@@ -85,7 +86,7 @@ def test_one_rl_step_through_the_controller(smollm2, tmp_path, ray_cluster):
         "logging.progress=false"])
     final = train(cfg)
     assert final["step"] == 1
-    step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"timing/train_s"' in line]
+    step = [r for r in read_metrics(out) if "timing/train_s" in r]
     assert len(step) == 1 and step[0]["samples"] == 4
     assert math.isfinite(step[0]["train/loss"]) and math.isfinite(step[0]["train/grad_norm"])
     assert (out / "export" / "model.safetensors").exists()

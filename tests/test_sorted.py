@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from rlsys.config import Config, ControlConfig
 from rlsys.control import GROUP_SIZERS, SCHEDULERS, build_scheduler
 from rlsys.control.actions import Abort, Submit, Train
-from rlsys.control.sorted import span, version_counts
+from rlsys.control.scheduler import version_counts
+from rlsys.control.sorted import span
 from rlsys.data.cursor import PromptCursor
 from rlsys.types import Completion, Prompt, Request, ScoredSample
 
@@ -49,43 +50,19 @@ def coin(prompt, lineage):
     return float(random.Random(zlib.crc32(f"r/{lineage}".encode())).random() < 0.5)
 
 
-@dataclass
-class Live:
-    prompt: Prompt
-    lineage: int  # the request that started this sample: resumes continue it
-    start: float
-    resume: Optional[Request]
-    target: int  # full length of the sample, resumed tokens included
+class FakeTrainer:
+    """A fake clock, its event queue and a one-actor trainer. A Train's update lands `seconds` later,
+    or inside the Train at 0, as with the live controller; its weights load at once and the scheduler
+    is told as the live controller tells it. Subclasses play the engine: they `apply` the scheduler's
+    actions and handle the events they push (`event`)."""
 
-
-class FakeEngine:
-    """An unbounded engine on a fake clock: one token per time unit, each stamped with the policy
-    version loaded when it was generated (weights load when the trainer's update lands).
-
-    A sample's length is fixed by its lineage, so a resumed sample ends where it would have. An abort
-    stops a request at once; its partial output comes back `abort_delay` later, or, for a share
-    `late` of them, the full sample does, as when a request finishes while the abort is on its way.
-    The trainer takes `train_s`; at 0, on_trained comes inside the Train, as with the live controller.
-    A share `engine_aborts` of requests is aborted by the engine itself at a random point.
-    """
-
-    def __init__(self, sched, length=heavy_tailed, reward=coin, late=0.0, abort_delay=0.0, train_s=0.0,
-                 engine_aborts=0.0, seed=0):
-        self.sched, self.length, self.reward = sched, length, reward
-        self.late, self.abort_delay, self.train_s, self.engine_aborts = late, abort_delay, train_s, engine_aborts
-        self.rng = random.Random(seed)
-        self.now, self.version, self._seq, self.lineages = 0.0, 0, 0, 0
+    def __init__(self, sched):
+        self.sched = sched
+        self.now, self.version, self._seq = 0.0, 0, 0
         self.weight_times = []  # when versions 1, 2, ... were loaded
         self.events = []
-        self.live: dict[str, Live] = {}
-        self.partials: dict[int, Completion] = {}  # lineage -> last partial reported, until resumed
-        self.seen, self.aborted = set(), set()
-        self.arrived = {}  # request id -> time its sample reached the scheduler
-        self.trains = []  # (version, groups) in order
-        self.submits, self.resumes = [], []
-        self.round_of, self.first_train = {}, {}  # per prompt uid: its round, Trains before its first submit
+        self.trains = []  # (version trained at, groups) in order
         self.training = False
-        self.prompt_of = {}
         self.on_train = lambda version, groups: None  # checks, at each Train
         self.on_update = lambda: None  # e.g. a checkpoint, once the update has landed
 
@@ -95,6 +72,79 @@ class FakeEngine:
 
     def version_at(self, t):
         return bisect_right(self.weight_times, t)
+
+    def train(self, groups, seconds):
+        assert not self.training, "one Train at a time"
+        self.trains.append((self.version, groups))
+        self.on_train(self.version, groups)
+        self.training = True
+        if seconds:
+            self.push(seconds, "trained", None)
+        else:
+            self.trained()
+
+    def trained(self):
+        self.version += 1
+        self.weight_times.append(self.now)
+        self.training = False
+        self.sched.version = self.version  # as the live controller and the simulator do
+        self.on_update()
+        self.apply(self.sched.on_trained(self.version, self.now))
+
+    def run(self, trains):
+        """Deliver events until the scheduler has emitted `trains` Trains and seen them applied (an
+        `on_trained` may emit one more, which is applied too); the ledger must balance after each."""
+        while len(self.trains) < trains or self.training:
+            assert self.events, f"stuck after {len(self.trains)} Trains: nothing in flight"
+            assert self._seq < 200_000, f"no progress after {len(self.trains)} Trains"
+            self.now, _, kind, payload = heapq.heappop(self.events)
+            if kind == "trained":
+                self.trained()
+            else:
+                self.event(kind, payload)
+            self.sched.ledger.check(self.sched.in_flight_prompts())
+
+    def apply(self, actions):
+        raise NotImplementedError
+
+    def event(self, kind, payload):
+        raise NotImplementedError
+
+
+@dataclass
+class Live:
+    prompt: Prompt
+    lineage: int  # the request that started this sample: resumes continue it
+    start: float
+    resume: Optional[Request]
+    target: int  # full length of the sample, resumed tokens included
+
+
+class FakeEngine(FakeTrainer):
+    """An unbounded engine on a fake clock: one token per time unit, each stamped with the policy
+    version loaded when it was generated (weights load when the trainer's update lands).
+
+    A sample's length is fixed by its lineage, so a resumed sample ends where it would have. An abort
+    stops a request at once; its partial output comes back `abort_delay` later, or, for a share
+    `late` of them, the full sample does, as when a request finishes while the abort is on its way.
+    The trainer takes `train_s`. A share `engine_aborts` of requests is aborted by the engine itself
+    at a random point.
+    """
+
+    def __init__(self, sched, length=heavy_tailed, reward=coin, late=0.0, abort_delay=0.0, train_s=0.0,
+                 engine_aborts=0.0, seed=0):
+        super().__init__(sched)
+        self.length, self.reward = length, reward
+        self.late, self.abort_delay, self.train_s, self.engine_aborts = late, abort_delay, train_s, engine_aborts
+        self.rng = random.Random(seed)
+        self.lineages = 0
+        self.live: dict[str, Live] = {}
+        self.partials: dict[int, Completion] = {}  # lineage -> last partial reported, until resumed
+        self.seen, self.aborted = set(), set()
+        self.arrived = {}  # request id -> time its sample reached the scheduler
+        self.submits, self.resumes = [], []
+        self.round_of, self.first_train = {}, {}  # per prompt uid: its round, Trains before its first submit
+        self.prompt_of = {}
 
     def output(self, rid, live, new, reason):
         r = live.resume
@@ -112,14 +162,8 @@ class FakeEngine:
             elif isinstance(a, Abort):
                 self._abort(a.request_ids)
             else:
-                assert isinstance(a, Train) and not self.training, "one Train at a time"
-                self.trains.append((self.version, a.groups))
-                self.on_train(self.version, a.groups)
-                self.training = True
-                if self.train_s:
-                    self.push(self.train_s, "trained", None)
-                else:
-                    self.trained()
+                assert isinstance(a, Train)
+                self.train(a.groups, self.train_s)
 
     def _submit(self, a):
         self.submits.append(a)
@@ -168,35 +212,20 @@ class FakeEngine:
         reward = self.reward(self.prompt_of[c.prompt_uid], c.token_ids[0])
         self.apply(self.sched.on_sample(ScoredSample(c, reward), self.now))
 
-    def trained(self):
-        self.version += 1
-        self.weight_times.append(self.now)
-        self.training = False
-        self.sched.version = self.version  # as the live controller and the simulator do
-        self.on_update()
-        self.apply(self.sched.on_trained(self.version, self.now))
-
-    def run(self, trains):
-        """Deliver events until the scheduler has emitted `trains` Trains and seen them applied."""
-        while len(self.trains) < trains or self.training:
-            assert self.events, f"stuck after {len(self.trains)} Trains: nothing in flight"
-            assert self._seq < 200_000, f"no progress after {len(self.trains)} Trains"
-            self.now, _, kind, payload = heapq.heappop(self.events)
-            if kind == "done" and payload in self.live:
-                live = self.live.pop(payload)
-                left = live.target - (len(live.resume.resume_ids) if live.resume else 0)
-                self.deliver(self.output(payload, live, left, "stop"))
-            elif kind == "engine_abort" and payload in self.live:
-                live = self.live.pop(payload)
-                partial = self.output(payload, live, int(self.now - live.start), "abort")
-                self.partials[live.lineage] = partial
-                self.apply(self.sched.on_abort(partial, self.now))
-            elif kind == "abort_out":
-                self.apply(self.sched.on_abort(payload, self.now))
-            elif kind == "late":
-                self.deliver(payload)
-            elif kind == "trained":
-                self.trained()
+    def event(self, kind, payload):
+        if kind == "done" and payload in self.live:
+            live = self.live.pop(payload)
+            left = live.target - (len(live.resume.resume_ids) if live.resume else 0)
+            self.deliver(self.output(payload, live, left, "stop"))
+        elif kind == "engine_abort" and payload in self.live:
+            live = self.live.pop(payload)
+            partial = self.output(payload, live, int(self.now - live.start), "abort")
+            self.partials[live.lineage] = partial
+            self.apply(self.sched.on_abort(partial, self.now))
+        elif kind == "abort_out":
+            self.apply(self.sched.on_abort(payload, self.now))
+        elif kind == "late":
+            self.deliver(payload)
 
 
 def rids(groups):

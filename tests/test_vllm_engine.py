@@ -5,10 +5,10 @@ import sys
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys.rollout.engine import make_engine
-from rlsys.types import Request, SamplingParams
+from rlsys.types import Request
+from test_cpu_engine import build, greedy, hf_greedy, hf_logprobs
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not (HAVE_VLLM and torch.cuda.is_available()),
@@ -33,10 +33,9 @@ def test_vllm_engine_without_vllm_says_what_to_install(monkeypatch):
 
 
 def test_cpu_engine_is_still_the_default_choice(tmp_path):
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(**dict(SIZES, hidden_size=64, intermediate_size=128))).save_pretrained(tmp_path)
-    engine = make_engine("cpu", str(tmp_path), 2)
-    engine.add(Request("r", "p", [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0.0)))
+    _, path = build(tmp_path)
+    engine = make_engine("cpu", path, 2)
+    engine.add(Request("r", "p", [1, 2, 3], greedy(4)))
     done = []
     while engine.has_work():
         done += engine.step()
@@ -44,17 +43,10 @@ def test_cpu_engine_is_still_the_default_choice(tmp_path):
 
 
 # --- on a GPU with vLLM ---------------------------------------------------------------------------
-def build(path, seed):
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**SIZES)).eval()
-    model.save_pretrained(path)
-    return model
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
-    return (build(root / "a", 0), str(root / "a")), (build(root / "b", 1), str(root / "b"))
+    return build(root, seed=0, name="a", sizes=SIZES), build(root, seed=1, name="b", sizes=SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -63,21 +55,6 @@ def engine(models):
 
     (_, path), _ = models
     return VLLMEngine(path, slots=4, dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True)
-
-
-def greedy(n=16):
-    return SamplingParams(max_new_tokens=n, temperature=0.0)
-
-
-def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
-
-
-def hf_logprobs(model, prompt, tokens):
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
-    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
 def run(engine, requests, steps=None):
@@ -94,7 +71,7 @@ def run(engine, requests, steps=None):
 @needs_vllm
 def test_greedy_matches_transformers(engine, models):
     (model, _), _ = models
-    out = run(engine, [Request(f"g{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS)])
+    out = run(engine, [Request(f"g{i}", "p", p, greedy(16)) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):
         c = out[f"g{i}"]
         expected = hf_greedy(model, prompt, 16)
@@ -132,7 +109,7 @@ def test_load_weights_changes_outputs_and_tags_the_version(engine, models):
     (model_a, path_a), (model_b, _) = models
     engine.load_weights({k: v.clone() for k, v in model_b.state_dict().items()}, version=3)
     try:
-        c = run(engine, [Request("b", "p", PROMPTS[0], greedy())])["b"]
+        c = run(engine, [Request("b", "p", PROMPTS[0], greedy(16))])["b"]
         assert c.token_ids == hf_greedy(model_b, PROMPTS[0], 16) != hf_greedy(model_a, PROMPTS[0], 16)
         assert c.versions == [3] * 16 and engine.stats()["version"] == 3
     finally:

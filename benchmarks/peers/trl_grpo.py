@@ -36,7 +36,6 @@ os.environ.update(SET_HERE)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -52,8 +51,9 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from rlsys import bench  # noqa: E402
 from rlsys.config import load_config  # noqa: E402
-from rlsys.data import filter_long_prompts, load_datasets  # noqa: E402
+from rlsys.data import load_prompts  # noqa: E402
 from rlsys.data.cursor import PromptCursor  # noqa: E402
 from rlsys.models import load_tokenizer, prepare_model  # noqa: E402
 from rlsys.models.warm_start import exact_match_accuracy  # noqa: E402
@@ -86,47 +86,37 @@ def machine() -> dict:
     import transformers
     import trl
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-            "trl": trl.__version__, "load_average_at_start": os.getloadavg()[0]}
+    return bench.machine() | {"torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
+                              "trl": trl.__version__}
 
 
-def mini_batches(cfg) -> int:
-    """Optimizer steps per rollout batch (trainer.mini_batches; 1 where the config has no such field)."""
-    return getattr(cfg.trainer, "mini_batches", 1)
+def check_matchable(cfg, per_device_batch: int) -> None:
+    """Refuse a config whose training TRL cannot reproduce, before any model is built."""
+    ctl, tr = cfg.control, cfg.trainer
+    if (tr.loss not in ("dapo", "grpo") or tr.advantage != "grpo" or (tr.kl.estimator and tr.kl.coef > 0)
+            or tr.dtype != "float32"):
+        raise SystemExit("this peer bench matches only trainer.loss dapo|grpo, advantage grpo, no KL, float32")
+    samples, m = ctl.prompts_per_step * ctl.group_size, tr.mini_batches
+    if samples % m or (samples // m) % per_device_batch:
+        raise SystemExit(f"{samples} samples per step must split into trainer.mini_batches={m} mini-batches, "
+                         f"each a multiple of --per-device-batch {per_device_batch}")
 
 
-def train_prompts_in_rlsys_order(train, n_steps: int, per_step: int, seed: int):
-    """The prompts rlsys's sync scheduler trains on, step by step: its data cursor's draws."""
-    cursor = PromptCursor(train, seed=seed)
-    return cursor.take(n_steps * per_step)
-
-
-def build_trainer(cfg, model_dir: Path, work: Path, steps: int, per_device_batch: int, callback):
+def build_trainer(cfg, model_dir: Path, tokenizer, ordered, work: Path, steps: int, per_device_batch: int,
+                  callback):
+    """A GRPOTrainer fed `ordered` (the prompts in the order rlsys draws them) without shuffling."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig
 
-    tokenizer = load_tokenizer(model_dir)
-    train, _ = load_datasets(cfg.data, tokenizer)
-    train, _ = filter_long_prompts(train, tokenizer, cfg.data.max_prompt_tokens)
     ctl, tr, ro = cfg.control, cfg.trainer, cfg.rollout
-    samples = ctl.prompts_per_step * ctl.group_size
-    ordered = train_prompts_in_rlsys_order(train, steps, ctl.prompts_per_step, cfg.data.seed)
+    samples, m = ctl.prompts_per_step * ctl.group_size, tr.mini_batches
     dataset = Dataset.from_dict({"prompt": [p.text for p in ordered], "answer": [p.answer for p in ordered]})
 
     def exact_match_reward(prompts, completions, answer, **_):
         return [exact_match(c, a) for c, a in zip(completions, answer)]
 
-    if (tr.loss not in ("dapo", "grpo") or tr.advantage != "grpo" or (tr.kl.estimator and tr.kl.coef > 0)
-            or getattr(tr, "dtype", "float32") != "float32"):
-        raise SystemExit("this peer bench matches only trainer.loss dapo|grpo, advantage grpo, no KL, float32")
-    m = mini_batches(cfg)
-    if samples % m or (samples // m) % per_device_batch:
-        raise SystemExit(f"{samples} samples per step must split into trainer.mini_batches={m} mini-batches, "
-                         f"each a multiple of --per-device-batch {per_device_batch}")
     args = GRPOConfig(
         output_dir=str(work / "trl_out"),
         use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
@@ -154,7 +144,7 @@ def build_trainer(cfg, model_dir: Path, work: Path, steps: int, per_device_batch
     trainer = timed_trainer_class()(model=model, reward_funcs=exact_match_reward, args=args,
                                     train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)  # no log dict per step; the callback prints progress
-    return trainer, ordered
+    return trainer
 
 
 def timed_trainer_class():
@@ -297,12 +287,13 @@ def run_trl(cfg, cached: Path, steps: int, every: int, per_device: int, target: 
         tokenizer = load_tokenizer(model_dir)
         if tokenizer.eos_token_id is None:
             raise SystemExit("the model's tokenizer has no eos token: completions could not end")
-        _, eval_prompts = load_datasets(cfg.data, tokenizer)
-        eval_prompts, _ = filter_long_prompts(eval_prompts, tokenizer, cfg.data.max_prompt_tokens)
-        cb = make_callback(eval_prompts, model_dir, work, every, cfg.rollout.max_new_tokens, steps,
-                           mini_batches(cfg))
-        trainer, ordered = build_trainer(cfg, model_dir, work, steps, per_device, cb)
+        train, eval_prompts, _ = load_prompts(cfg.data, tokenizer)
         ctl = cfg.control
+        # The prompts rlsys's sync scheduler trains on, step by step: its data cursor's draws.
+        ordered = PromptCursor(train, seed=cfg.data.seed).take(steps * ctl.prompts_per_step)
+        cb = make_callback(eval_prompts, model_dir, work, every, cfg.rollout.max_new_tokens, steps,
+                           cfg.trainer.mini_batches)
+        trainer = build_trainer(cfg, model_dir, tokenizer, ordered, work, steps, per_device, cb)
         print(f"[trl] trl {trl.__version__}: {steps} steps of {ctl.prompts_per_step} prompts x {ctl.group_size}, "
               f"eval every {every} on {len(eval_prompts)} prompts, eos id {tokenizer.eos_token_id}", flush=True)
         t = time.time()
@@ -348,8 +339,7 @@ def run_rlsys(cfg, config: str, overrides: list[str], steps: int, eval_every: in
         reached = [t for _, t, acc in evals if acc >= target]
         # The exported final model, scored the way TRL's checkpoints are (HF greedy generate, no strip).
         tokenizer = load_tokenizer(out / "export")
-        _, eval_prompts = load_datasets(cfg.data, tokenizer)
-        eval_prompts, _ = filter_long_prompts(eval_prompts, tokenizer, cfg.data.max_prompt_tokens)
+        _, eval_prompts, _ = load_prompts(cfg.data, tokenizer)
         hf_final = exact_match_accuracy(out / "export", eval_prompts, max_new_tokens=cfg.rollout.max_new_tokens)
         torch.set_num_threads(1)
         result = {
@@ -376,13 +366,6 @@ def run_rlsys(cfg, config: str, overrides: list[str], steps: int, eval_every: in
         shutil.rmtree(work, ignore_errors=True)
 
 
-def median_of(runs: list[dict], key: str):
-    values = [r[key] for r in runs if r.get(key) is not None]
-    if key == "time_to_target_s" and len(values) < len(runs):
-        return None  # not every repeat reached the target
-    return statistics.median(values) if values else None
-
-
 def ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -398,7 +381,7 @@ def pair_ratios(trl_runs: list[dict], rlsys_runs: list[dict]) -> list[dict]:
 def differences(cfg, per_device: int) -> list[str]:
     """What differs between the two setups, in plain sentences, for this config."""
     ctl, tr, ro = cfg.control, cfg.trainer, cfg.rollout
-    samples, m = ctl.prompts_per_step * ctl.group_size, mini_batches(cfg)
+    samples, m = ctl.prompts_per_step * ctl.group_size, tr.mini_batches
     out = [
         f"Rollout engine: TRL generates with transformers' model.generate on one static batch of all {samples} "
         "completions (left-padded prompts), so every step decodes all rows until its longest completion ends or "
@@ -466,12 +449,13 @@ def main() -> int:
     import trl
 
     config = str(Path(args.config))
-    cfg = load_config(REPO / config if not Path(config).is_absolute() else config, args.overrides)
+    cfg = load_config(REPO / config, args.overrides)  # an absolute path stays as it is
     steps = args.steps or cfg.trainer.total_steps
     every = cfg.control.eval_every if args.eval_every is None else args.eval_every
     ctl = cfg.control
     samples = ctl.prompts_per_step * ctl.group_size
-    per_device = args.per_device_batch or samples // mini_batches(cfg)
+    per_device = args.per_device_batch or samples // cfg.trainer.mini_batches
+    check_matchable(cfg, per_device)
     load_start = os.getloadavg()[0]
     source = rlsys_source()
     cached = prepare_model(cfg)  # the cache entry is only read; TRL trains a copy
@@ -487,10 +471,10 @@ def main() -> int:
                 rlsys_runs.append(run_rlsys(cfg, config, args.overrides, args.rlsys_steps, every, args.target))
 
     keys = ("step_time_s", "step_time_s_median", "time_to_target_s", "final_accuracy", "best_accuracy")
-    trl_fig = {k: median_of(trl_runs, k) for k in keys}
+    trl_fig = {k: bench.median_of(trl_runs, k) for k in keys}
     rlsys_sync: dict = {}
     if rlsys_runs:
-        fig = {k: median_of(rlsys_runs, k) for k in keys}
+        fig = {k: bench.median_of(rlsys_runs, k) for k in keys}
         rlsys_sync.update(fig, source="fresh runs right beside the TRL runs (same machine, same load)",
                           trl_over_rlsys_step_time=ratio(trl_fig["step_time_s"], fig["step_time_s"]),
                           trl_over_rlsys_step_time_median=ratio(trl_fig["step_time_s_median"],
@@ -523,9 +507,9 @@ def main() -> int:
             "samples_per_step": samples, "steps": steps, "max_new_tokens": cfg.rollout.max_new_tokens,
             "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "lr": cfg.trainer.lr,
             "loss": cfg.trainer.loss, "eps_low": cfg.trainer.eps_low, "eps_high": cfg.trainer.eps_high,
-            "mini_batches": mini_batches(cfg), "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+            "mini_batches": cfg.trainer.mini_batches, "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
             "trl_per_device_batch": per_device,
-            "trl_gradient_accumulation": samples // mini_batches(cfg) // per_device,
+            "trl_gradient_accumulation": samples // cfg.trainer.mini_batches // per_device,
             "eval_every": every, "target_accuracy": args.target, "repeats": args.repeats},
         "machine": dict(machine(), load_average_at_start=load_start, load_average_at_end=os.getloadavg()[0]),
         "rlsys_source": source,
@@ -546,7 +530,7 @@ def main() -> int:
         ],
         "differences": differences(cfg, per_device),
     }
-    out = REPO / args.output if not Path(args.output).is_absolute() else Path(args.output)
+    out = REPO / args.output
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {rel(out)}: TRL {trl_fig['step_time_s']:.3f}s/step"

@@ -39,13 +39,10 @@ class ElasticTP:
         self.calm = 0  # calm rounds in a row
         self.need_calm = cfg.calm_rounds
         self.since_lower: int | None = None  # rounds since the last lowering, while it may be regretted
-        self.last_rate = 0.0
-        self.changes = 0
 
     def observe(self, preemptions: int, requests: int) -> int:
         """A round ended with these counts; returns the TP size for the next round."""
         rate = preemptions / requests if requests else 0.0
-        self.last_rate = rate
         i = self.allowed.index(self.tp)
         if self.since_lower is not None:
             self.since_lower += 1
@@ -54,27 +51,22 @@ class ElasticTP:
             if i + 1 < len(self.allowed):
                 if self.since_lower is not None and self.since_lower <= self.need_calm:
                     self.need_calm = min(2 * self.need_calm, BACKOFF_CAP * self.cfg.calm_rounds)
-                self._set(self.allowed[i + 1])
+                self.tp = self.allowed[i + 1]
                 self.since_lower = None
         elif rate <= self.cfg.lower_at:
             self.calm += 1
             if self.calm >= self.need_calm and i > 0:
-                self._set(self.allowed[i - 1])
+                self.tp = self.allowed[i - 1]
                 self.calm, self.since_lower = 0, 0
         else:
             self.calm = 0
         return self.tp
 
-    def _set(self, tp: int) -> None:
-        self.tp = tp
-        self.changes += 1
-
     def state_dict(self) -> dict:
-        return {"tp": self.tp, "calm": self.calm, "need_calm": self.need_calm, "since_lower": self.since_lower,
-                "last_rate": self.last_rate, "changes": self.changes}
+        return {"tp": self.tp, "calm": self.calm, "need_calm": self.need_calm, "since_lower": self.since_lower}
 
     def load_state_dict(self, state: dict) -> None:
         if state["tp"] not in self.allowed:
             raise ValueError(f"control.elastic_tp: saved TP size {state['tp']} is not one of {self.allowed}")
-        self.tp, self.calm, self.need_calm = state["tp"], state["calm"], state["need_calm"]
-        self.since_lower, self.last_rate, self.changes = state["since_lower"], state["last_rate"], state["changes"]
+        self.tp, self.calm = state["tp"], state["calm"]
+        self.need_calm, self.since_lower = state["need_calm"], state["since_lower"]

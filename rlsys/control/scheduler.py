@@ -1,20 +1,38 @@
 """Schedulers: pure policies that turn events into actions (DESIGN.md principle 1).
 
 Events: a sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the
-trainer published weights version v (`on_trained`). Actions: Submit, Abort, Train. No ray, torch or vllm here, so the live controller,
-the simulator and the tests all drive the very same classes.
+trainer published weights version v (`on_trained`). Actions: Submit, Abort, Accumulate, Train. No ray,
+torch or vllm here, so the live controller, the simulator and the tests all drive the very same classes.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from rlsys.config import ControlConfig
-from rlsys.control.actions import Abort, Submit, Train
+from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.ledger import Ledger
 from rlsys.control.registry import Registry
 from rlsys.control.sizing import GroupSizer
 from rlsys.data.cursor import PromptCursor
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
-Action = Submit | Abort | Train
+Action = Submit | Abort | Accumulate | Train
+
+
+def informative(group: Group) -> bool:
+    """Not every reward of the group is the same: DAPO dynamic sampling keeps only such groups."""
+    return len(set(group.rewards)) > 1
+
+
+def version_counts(versions) -> Counter:
+    """{policy version: tokens}. A run-length sequence (the simulator's `.runs`) is read run by run."""
+    runs = getattr(versions, "runs", None)
+    if runs is None:
+        return Counter(versions)
+    counts: Counter = Counter()
+    for version, n in runs:
+        counts[version] += n
+    return counts
 
 
 class GroupBuilder:
@@ -76,6 +94,19 @@ class Scheduler:
 
     def in_flight_prompts(self) -> int:
         raise NotImplementedError
+
+    # --- DAPO dynamic sampling --------------------------------------------------------------
+    def check_group_size(self, group_size: int) -> None:
+        if self.cfg.dynamic_sampling.enabled and group_size < 2:
+            raise ValueError("control.dynamic_sampling.enabled drops every group of one sample; "
+                             "use a group size of at least 2")
+
+    def drop_uninformative(self, group: Group) -> bool:
+        """Under dynamic sampling, count a group whose rewards are all equal as dropped; True if it is."""
+        if self.cfg.dynamic_sampling.enabled and not informative(group):
+            self.ledger.drop("zero_variance")
+            return True
+        return False
 
     def metrics(self) -> dict[str, float]:
         return self.ledger.metrics()

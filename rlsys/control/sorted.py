@@ -38,22 +38,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from rlsys.control.actions import Abort, Train
-from rlsys.control.scheduler import SCHEDULERS, Action, Scheduler
-from rlsys.control.sync import informative
+from rlsys.control.scheduler import SCHEDULERS, Action, Scheduler, version_counts
 from rlsys.types import Completion, Group, Prompt, Request, ScoredSample
 
 OVERSUBSCRIPTION = 4  # default rollout group size, in update batches
-
-
-def version_counts(versions) -> Counter:
-    """{policy version: tokens}. A run-length sequence (the simulator's `.runs`) is read run by run."""
-    runs = getattr(versions, "runs", None)
-    if runs is None:
-        return Counter(versions)
-    counts: Counter = Counter()
-    for version, n in runs:
-        counts[version] += n
-    return counts
 
 
 def span(counts: Counter, version: int) -> int:
@@ -113,9 +101,8 @@ class SortedScheduler(Scheduler):
             return self._submit_entry(i)
         entry.done.append(Finished(sample, counts))
         if len(entry.done) == self.group_size:
-            if self.cfg.dynamic_sampling.enabled and not informative(self._group(entry)):
+            if self.drop_uninformative(self._group(entry)):
                 self._close(entry)
-                self.ledger.drop("zero_variance")
             else:
                 self.ready.append(i)
         return self._progress()
@@ -153,9 +140,7 @@ class SortedScheduler(Scheduler):
         if n < self.batch:
             raise ValueError(f"control.sorted.rollout_prompts={n} is smaller than the update batch "
                              f"of {self.batch} prompts; raise it or set control.sorted.update_prompts")
-        if self.cfg.dynamic_sampling.enabled and self.group_size < 2:
-            raise ValueError("control.dynamic_sampling.enabled drops every group of one sample; "
-                             "use a group size of at least 2")
+        self.check_group_size(self.group_size)
         self.round += 1
         self.entries = [Entry(p, self.updates, owed=self.group_size) for p in self.draw(n)]
         self.open, self.ready = n, []
@@ -191,8 +176,7 @@ class SortedScheduler(Scheduler):
             if self.resumes:
                 self.aborting[rid] = i  # its tokens come back through on_abort
             else:
-                self.entries[i].owed += 1
-                self.counts["regenerated"] += 1
+                self._discard(self.entries[i], 0)  # its tokens are counted as wasted when they come back
         self.counts["aborted"] += len(ids)
         return [Abort(ids)] if ids else []
 

@@ -29,9 +29,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from rlsys.control.actions import Train
-from rlsys.control.scheduler import SCHEDULERS, Action, Scheduler
-from rlsys.control.sorted import version_counts
-from rlsys.control.sync import informative
+from rlsys.control.scheduler import SCHEDULERS, Action, Scheduler, version_counts
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 
@@ -61,9 +59,7 @@ class AsyncScheduler(Scheduler):
     # --- events ---------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
         self.group_size = self.sizer.next_shape().group_size
-        if self.cfg.dynamic_sampling.enabled and self.group_size < 2:
-            raise ValueError("control.dynamic_sampling.enabled drops every group of one sample; "
-                             "use a group size of at least 2")
+        self.check_group_size(self.group_size)
         restored, self.restored = self.restored, []
         return [self._admit(p) for p in restored] + self._fill()
 
@@ -76,9 +72,8 @@ class AsyncScheduler(Scheduler):
         entry.samples.append(sample)
         if len(entry.samples) < entry.group_size:
             return []
-        if self.cfg.dynamic_sampling.enabled and not informative(Group(entry.prompt, entry.samples)):
+        if self.drop_uninformative(Group(entry.prompt, entry.samples)):
             self.due[entry.deadline] -= 1
-            self.ledger.drop("zero_variance")
             return self._fill()
         self.ready.append(entry)
         return self._train()

@@ -11,10 +11,6 @@ from rlsys.control.scheduler import SCHEDULERS, Action, GroupBuilder, Scheduler
 from rlsys.types import Group, ScoredSample
 
 
-def informative(group: Group) -> bool:
-    return len(set(group.rewards)) > 1
-
-
 @SCHEDULERS.register("sync")
 class SyncScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
@@ -46,9 +42,7 @@ class SyncScheduler(Scheduler):
             return []
         del self.pending[uid]
         group = builder.group()
-        if self.cfg.dynamic_sampling.enabled and not informative(group):
-            self.ledger.drop("zero_variance")
-        else:
+        if not self.drop_uninformative(group):
             self.ready.append(group)
         return self._step_done() if not self.pending else []
 

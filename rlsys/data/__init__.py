@@ -12,7 +12,8 @@ from rlsys.data import word_problems  # noqa: F401  registers the `word_problems
 from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
 from rlsys.types import Prompt
 
-__all__ = ["DataError", "TASKS", "filter_long_prompts", "length_stats", "load_datasets", "read_prompts"]
+__all__ = ["DataError", "TASKS", "filter_long_prompts", "length_stats", "load_datasets", "load_prompts",
+           "read_prompts"]
 
 
 def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[Prompt]]:
@@ -54,6 +55,15 @@ def _hold_out(prompts: list[Prompt], n_eval: int, seed: int, path: str) -> tuple
         return [dataclasses.replace(p, uid=f"{split}-{i}", index=i) for i, p in enumerate(items)]
     return (renumber([p for i, p in enumerate(prompts) if i not in held], "train"),
             renumber([prompts[i] for i in sorted(held)], "eval"))
+
+
+def load_prompts(cfg: DataConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], int]:
+    """(train, eval, training prompts dropped) as a run uses them: both splits without the prompts over
+    `cfg.max_prompt_tokens` tokens."""
+    train, evals = load_datasets(cfg, tokenizer)
+    train, dropped = filter_long_prompts(train, tokenizer, cfg.max_prompt_tokens)
+    evals, _ = filter_long_prompts(evals, tokenizer, cfg.max_prompt_tokens)
+    return train, evals, dropped
 
 
 def filter_long_prompts(prompts: list[Prompt], tokenizer, max_tokens: int) -> tuple[list[Prompt], int]:

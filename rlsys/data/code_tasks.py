@@ -27,16 +27,17 @@ class Problem:
         return json.dumps({"fn": self.fn, "cases": [[a, namespace[self.fn](*a)] for a in self.args]})
 
 
-def _word(rng: random.Random, letters: str = string.ascii_lowercase) -> str:
-    return "".join(rng.choice(letters) for _ in range(rng.randint(0, 8)))
+# Four test cases of one argument each.
+def _ints(rng: random.Random) -> list[list]:
+    return [[rng.randint(-100, 100)] for _ in range(4)]
 
 
-def _ints(rng: random.Random, n: int = 4) -> list[list]:
-    return [[rng.randint(-100, 100)] for _ in range(n)]
+def _lists(rng: random.Random) -> list[list]:
+    return [[[rng.randint(-20, 20) for _ in range(rng.randint(0, 9))]] for _ in range(4)]
 
 
-def _lists(rng: random.Random, n: int = 4) -> list[list]:
-    return [[[rng.randint(-20, 20) for _ in range(rng.randint(0, 9))]] for _ in range(n)]
+def _words(rng: random.Random, letters: str = string.ascii_lowercase) -> list[list]:
+    return [["".join(rng.choice(letters) for _ in range(rng.randint(0, 8)))] for _ in range(4)]
 
 
 def _add(rng):
@@ -59,20 +60,20 @@ def _clip(rng):
 def _repeat(rng):
     k = rng.randint(2, 9)
     return ("repeat", f"`repeat(s)` that returns the string s repeated {k} times",
-            f"def repeat(s):\n    return s * {k}\n", [[_word(rng)] for _ in range(4)])
+            f"def repeat(s):\n    return s * {k}\n", _words(rng))
 
 
 def _count(rng):
     c = rng.choice(string.ascii_lowercase)
     letters = c * 4 + "abcde"  # so the letter occurs often
     return ("count", f"`count(s)` that returns how many times the letter '{c}' occurs in the string s",
-            f"def count(s):\n    return s.count('{c}')\n", [[_word(rng, letters)] for _ in range(4)])
+            f"def count(s):\n    return s.count('{c}')\n", _words(rng, letters))
 
 
 def _rev(rng):
     c = rng.choice(string.ascii_lowercase)
     return ("rev", f"`rev(s)` that returns the string s reversed, followed by '{c}'",
-            f"def rev(s):\n    return s[::-1] + '{c}'\n", [[_word(rng)] for _ in range(4)])
+            f"def rev(s):\n    return s[::-1] + '{c}'\n", _words(rng))
 
 
 def _every(rng):

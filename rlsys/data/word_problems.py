@@ -1,9 +1,9 @@
 """The `word_problems` task family: short grade-school word problems with whole-number answers.
 
-One or two arithmetic steps over small numbers (a third of them one step), phrased from templates with random names, things and
-numbers (seeded, like every family). The prompt asks for the answer in \\boxed{}, which the
-`math_verify` reward reads. Meant for real pretrained models (configs/smollm2_math.yaml), usually with
-data.chat_template on; not in the default mix.
+One or two arithmetic steps over small numbers (a third of them one step), phrased from templates with
+random names, things and numbers (seeded, like every family). The prompt asks for the answer in \\boxed{},
+which the `math_verify` reward reads. Meant for real pretrained models (configs/smollm2_math.yaml), usually
+with data.chat_template on; not in the default mix.
 """
 from __future__ import annotations
 

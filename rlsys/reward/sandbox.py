@@ -8,7 +8,8 @@ new session, through sandbox_child.py, with these layers:
   - mount: fresh size-limited tmpfs over /tmp, /var/tmp, /dev/shm, the trainer's home and working
     directory and `hide_paths`. The code's workdir, HOME and TMPDIR is the new /tmp; whatever it
     writes there or in the other hidden paths vanishes with the run. The Python installation is
-    mounted back read-only where it was hidden.
+    mounted back read-only where it was hidden; a directory on the way to it that others may not
+    enter (root's home holding a pyenv Python, say) is hidden too, so the code's user reaches it.
   - PID: the namespace's init waits for the code's process and then exits, which ends every process
     the code started, even one that left the process group; a fresh /proc shows only these.
 - A user without privileges: when rlsys runs as root the code runs as `uid` (nobody), so it cannot
@@ -34,6 +35,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -81,9 +83,17 @@ class AdaptiveTimeout:
             self.anchor = max(self.anchor, result.seconds)
 
 
-def _hidden_paths(cfg: SandboxConfig) -> list[str]:
-    """Existing directories to hide, outermost first, none inside another and never "/"."""
-    wanted = ["/tmp", "/var/tmp", "/dev/shm", str(Path.home()), os.getcwd(), *cfg.hide_paths]
+def _closed_parent(path: str) -> str | None:
+    """The outermost directory above `path` that users other than its owner may not enter, if any."""
+    return next((str(p) for p in reversed(Path(path).parents) if not p.stat().st_mode & stat.S_IXOTH), None)
+
+
+def _hidden_paths(cfg: SandboxConfig, keep: list[str]) -> list[str]:
+    """Existing directories to hide, outermost first, none inside another and never "/". Besides the
+    temp dirs, home, working directory and `hide_paths`, a directory that would bar the code's user
+    from a `keep` path: hidden, the path is mounted back inside a tmpfs anyone may enter."""
+    wanted = ["/tmp", "/var/tmp", "/dev/shm", str(Path.home()), os.getcwd(), *cfg.hide_paths,
+              *filter(None, map(_closed_parent, keep))]
     real = sorted({os.path.realpath(os.path.expanduser(p)) for p in wanted}, key=len)
     hidden: list[str] = []
     for path in real:
@@ -133,17 +143,16 @@ class Sandbox:
         with tempfile.TemporaryDirectory(prefix="rlsys-sandbox-") as private:
             start = time.monotonic()
             rc, out, err = self._start_and_wait(code, fn, [list(args) for args, _ in cases], private, timeout_s)
-            result = SandboxResult(False, "", time.monotonic() - start)
-        result.reason = _verdict(rc, out, err, expected, timeout_s)
-        result.passed = result.reason == "passed"
-        return result
+            seconds = time.monotonic() - start
+        reason = _verdict(rc, out, err, expected, timeout_s)
+        return SandboxResult(reason == "passed", reason, seconds)
 
     def _start_and_wait(self, code: str, fn: str, args: list, private: str, timeout_s: float):
         """(exit code or None on timeout, stdout, stderr tail) of one child."""
         exe, keep = _python_paths()
         workdir = "/tmp" if self.isolated else private
-        spec = {"isolate": self.isolated, "uid": self.cfg.uid, "workdir": workdir,
-                "hide": _hidden_paths(self.cfg), "keep": keep, "tmpfs_mb": TMPFS_FILES * self.cfg.file_size_mb,
+        spec = {"isolate": self.isolated, "uid": self.cfg.uid, "workdir": workdir, "keep": keep,
+                "hide": _hidden_paths(self.cfg, keep), "tmpfs_mb": TMPFS_FILES * self.cfg.file_size_mb,
                 "limits": {"cpu_s": self.cfg.cpu_s, "memory_mb": self.cfg.memory_mb,
                            "file_size_mb": self.cfg.file_size_mb, "max_processes": self.cfg.max_processes},
                 "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,

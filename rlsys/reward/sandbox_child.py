@@ -111,11 +111,11 @@ def launch(spec: dict) -> None:
             _drop_root(spec["uid"])
         os.chdir(spec["workdir"])
         _set_limits(spec["limits"])
+        command = sys.orig_argv[:sys.orig_argv.index("-c") + 2]  # this interpreter and this file
+        os.execve(command[0], command + ["run"], spec["env"])  # fails if the code's user cannot run it
     except OSError as e:
         print(f"sandbox setup failed: {e}", file=sys.stderr, flush=True)
         os._exit(SETUP_FAILED)
-    command = sys.orig_argv[:sys.orig_argv.index("-c") + 2]  # this interpreter and this file
-    os.execve(command[0], command + ["run"], spec["env"])
 
 
 def run() -> None:

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
-from rlsys.rollout.engine import RolloutEngine, check_request
+from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
+                                  resume_finish_reason)
 from rlsys.types import Completion, Request
 
 
@@ -185,9 +186,9 @@ class CPUEngine(RolloutEngine):
         with torch.inference_mode():
             self.model = DecoderModel(path, slots, max_len, dtype)
         self.slots, self.max_len, self.version = slots, self.model.max_len, 0
-        self.eos_ids = self._eos_ids(path, eos_token_id)
+        self.eos_ids = read_eos_ids(path, eos_token_id)
         self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
-        self.tokenizer = self._tokenizer(path)
+        self.tokenizer = read_tokenizer(path)
         self.waiting: dict[str, _Running] = {}  # insertion order = arrival order
         self.running: dict[str, _Running] = {}
         self.slot_owner: list[_Running | None] = [None] * slots
@@ -205,30 +206,7 @@ class CPUEngine(RolloutEngine):
         self.out_logprobs = torch.zeros(S, L)
         self.out_versions = torch.zeros(S, L, dtype=torch.long)
         self.uniforms = torch.zeros(S, L)  # pre-drawn per request from its own seeded generator
-        self.counters = dict(decode_steps=0, active_slot_steps=0, generated_tokens=0, busy_s=0.0)
-        self.saturated_tokens, self.saturated_s = 0, 0.0
-
-    @staticmethod
-    def _eos_ids(path: Path, eos_token_id: int | None) -> set[int]:
-        if eos_token_id is not None:
-            return {eos_token_id}
-        import json
-
-        for name in ("generation_config.json", "config.json"):  # generation config wins, as in HF
-            f = path / name
-            if f.exists():
-                eos = json.loads(f.read_text()).get("eos_token_id")
-                if eos is not None:
-                    return set(eos) if isinstance(eos, list) else {eos}
-        return set()
-
-    @staticmethod
-    def _tokenizer(path: Path):
-        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
+        self.counters = EngineCounters()
 
     # --- interface --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -236,13 +214,11 @@ class CPUEngine(RolloutEngine):
             raise ValueError(f"request {request.request_id}: request_id already in the engine")
         self.validate(request)
         entry = _Running(request, time.time())
-        r, p = request.resume_ids, request.params
-        if r and (len(r) >= p.max_new_tokens or r[-1] in self.eos_ids
-                  or len(request.prompt_ids) + len(r) >= self.max_len):
-            reason = "stop" if r[-1] in self.eos_ids else "length"
+        reason = resume_finish_reason(request, self.eos_ids, self.max_len)
+        if reason:
             self.finished_early.append(self._waiting_completion(entry, reason))
-            return
-        self.waiting[request.request_id] = entry
+        else:
+            self.waiting[request.request_id] = entry
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
@@ -257,15 +233,8 @@ class CPUEngine(RolloutEngine):
                                         torch.zeros(n, dtype=torch.long))
             self.seq_len[idx] += 1
             self._emit(idx, logits, done)
-            self.counters["decode_steps"] += 1
-            self.counters["active_slot_steps"] += n
             new_tokens += n
-        elapsed = time.perf_counter() - t0
-        self.counters["generated_tokens"] += new_tokens
-        self.counters["busy_s"] += elapsed
-        if len(idx) == self.slots:
-            self.saturated_tokens += new_tokens
-            self.saturated_s += elapsed
+        self.counters.record(len(idx), self.slots, new_tokens, time.perf_counter() - t0)
         return done
 
     def abort(self, request_ids: list[str]) -> list[Completion]:
@@ -289,8 +258,7 @@ class CPUEngine(RolloutEngine):
         self.version = version
 
     def stats(self) -> dict:
-        sat = self.saturated_tokens / self.saturated_s if self.saturated_s > 0 else None
-        return dict(self.counters, saturated_tokens_per_s=sat, version=self.version, **self.load())
+        return dict(self.counters.report(), version=self.version, **self.load())
 
     # --- generation -------------------------------------------------------------------------
     def _admit(self, done: list[Completion]) -> int:

@@ -7,7 +7,10 @@ everything above it only ever see this interface.
 """
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 
 from torch import Tensor
 
@@ -85,6 +88,68 @@ def check_request(req: Request, vocab: int, max_len: int) -> None:
         raise ValueError(f"request {rid}: params.temperature must be >= 0 (got {p.temperature})")
     if not 0 < p.top_p <= 1:
         raise ValueError(f"request {rid}: params.top_p must be in (0, 1] (got {p.top_p})")
+
+
+def resume_finish_reason(req: Request, eos_ids: set[int], max_len: int) -> str | None:
+    """The finish reason of a resumed request with nothing left to generate: "stop" if it ended in EOS,
+    "length" if its token or context budget is spent; None if it goes on."""
+    r = req.resume_ids
+    if not r:
+        return None
+    if r[-1] in eos_ids:
+        return "stop"
+    if len(r) >= req.params.max_new_tokens or len(req.prompt_ids) + len(r) >= max_len:
+        return "length"
+    return None
+
+
+@dataclass
+class EngineCounters:
+    """What every engine's stats() reports; saturated_* count only steps with every slot busy."""
+    decode_steps: int = 0
+    active_slot_steps: int = 0
+    generated_tokens: int = 0
+    busy_s: float = 0.0
+    saturated_tokens: int = 0
+    saturated_s: float = 0.0
+
+    def record(self, active: int, slots: int, new_tokens: int, elapsed: float) -> None:
+        """One step: `active` sequences decoded (0: none), `new_tokens` sampled in all, in `elapsed` seconds."""
+        if active:
+            self.decode_steps += 1
+            self.active_slot_steps += active
+        self.generated_tokens += new_tokens
+        self.busy_s += elapsed
+        if active >= slots:
+            self.saturated_tokens += new_tokens
+            self.saturated_s += elapsed
+
+    def report(self) -> dict:
+        sat = self.saturated_tokens / self.saturated_s if self.saturated_s > 0 else None
+        return dict(decode_steps=self.decode_steps, active_slot_steps=self.active_slot_steps,
+                    generated_tokens=self.generated_tokens, busy_s=self.busy_s, saturated_tokens_per_s=sat)
+
+
+def read_eos_ids(model_dir: Path, eos_token_id: int | None = None) -> set[int]:
+    """`eos_token_id` if given, else the model directory's (generation_config.json wins, as in HF)."""
+    if eos_token_id is not None:
+        return {eos_token_id}
+    for name in ("generation_config.json", "config.json"):
+        f = model_dir / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return set(eos) if isinstance(eos, list) else {eos}
+    return set()
+
+
+def read_tokenizer(model_dir: Path):
+    """The model directory's tokenizer, or None where it has none (the engine then returns no text)."""
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def make_engine(name: str, model_dir: str, slots: int, **kwargs) -> RolloutEngine:

@@ -15,7 +15,7 @@ from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request
 
 
-def engine_kwargs(cfg) -> dict:
+def engine_options(cfg) -> dict:
     """Engine options from a run's Config: the KV cache sized to the longest prompt plus response."""
     kwargs = {"max_len": cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens}
     r = cfg.rollout
@@ -26,6 +26,12 @@ def engine_kwargs(cfg) -> dict:
 
 
 class RolloutManager:
+    @classmethod
+    def from_config(cls, cfg, model_dir) -> "RolloutManager":
+        """The run's engines, as `cfg.rollout` and `cfg.cluster` describe them."""
+        return cls(str(model_dir), cfg.rollout.num_workers, cfg.rollout.slots, torch_threads=cfg.cluster.torch_threads,
+                   engine_kwargs=engine_options(cfg), engine=cfg.rollout.engine)
+
     def __init__(self, model_dir: str, num_workers: int, slots: int, torch_threads: int | None = None,
                  engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0, engine: str = "cpu"):
         if num_workers < 1:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from torch import Tensor
 
-from rlsys.rollout.cpu_engine import CPUEngine
-from rlsys.rollout.engine import RolloutEngine, check_request
+from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
+                                  resume_finish_reason)
 from rlsys.rollout.vllm_extension import EXTENSION
 from rlsys.types import Completion, Request
 from rlsys.weights.buckets import BucketPlan, iter_buckets
@@ -67,12 +67,11 @@ class VLLMEngine(RolloutEngine):
         self.max_len = self.llm.model_config.max_model_len
         self.vocab = self.llm.model_config.get_vocab_size()
         path = Path(model_dir)  # EOS and text: the same rules as the CPU engine
-        self.eos_ids = CPUEngine._eos_ids(path, eos_token_id)
-        self.tokenizer = CPUEngine._tokenizer(path)
+        self.eos_ids = read_eos_ids(path, eos_token_id)
+        self.tokenizer = read_tokenizer(path)
         self.samples: dict[str, _Sample] = {}  # every request vLLM holds, waiting or running
         self.finished_early: list[Completion] = []  # resumed requests with nothing left to generate
-        self.counters = dict(decode_steps=0, active_slot_steps=0, generated_tokens=0, busy_s=0.0)
-        self.saturated_tokens, self.saturated_s = 0, 0.0
+        self.counters = EngineCounters()
 
     # --- interface --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -86,9 +85,9 @@ class VLLMEngine(RolloutEngine):
         self.validate(request)
         sample = _Sample(request, time.time(), list(resumed), list(request.resume_logprobs),
                          list(request.resume_versions))
-        if resumed and (len(resumed) >= p.max_new_tokens or resumed[-1] in self.eos_ids
-                        or len(request.prompt_ids) + len(resumed) >= self.max_len):
-            self.finished_early.append(self._completion(sample, "stop" if resumed[-1] in self.eos_ids else "length"))
+        reason = resume_finish_reason(request, self.eos_ids, self.max_len)
+        if reason:
+            self.finished_early.append(self._completion(sample, reason))
             return
         # vLLM seeds each request's sampler afresh: a resumed seeded sample is reproducible, but not the
         # draw an uninterrupted run would have made.
@@ -124,15 +123,7 @@ class VLLMEngine(RolloutEngine):
                                        f"{seq.finish_reason!r} (expected stop, length or abort)")
                 del self.samples[out.request_id]
                 done.append(self._completion(sample, seq.finish_reason))
-        elapsed = time.perf_counter() - t0
-        if active:
-            self.counters["decode_steps"] += 1
-            self.counters["active_slot_steps"] += active
-        self.counters["generated_tokens"] += new_tokens
-        self.counters["busy_s"] += elapsed
-        if active >= self.slots:
-            self.saturated_tokens += new_tokens
-            self.saturated_s += elapsed
+        self.counters.record(active, self.slots, new_tokens, time.perf_counter() - t0)
         return done
 
     def abort(self, request_ids: list[str]) -> list[Completion]:
@@ -154,8 +145,7 @@ class VLLMEngine(RolloutEngine):
         self._weights_changed(version)
 
     def stats(self) -> dict:
-        sat = self.saturated_tokens / self.saturated_s if self.saturated_s > 0 else None
-        return dict(self.counters, saturated_tokens_per_s=sat, version=self.version, **self.load())
+        return dict(self.counters.report(), version=self.version, **self.load())
 
     def validate(self, request: Request) -> None:
         check_request(request, self.vocab, self.max_len)
@@ -200,4 +190,3 @@ class VLLMEngine(RolloutEngine):
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), sample.tokens, sample.logprobs,
                           sample.versions, reason, text=self._decode(sample.tokens), submit_time=sample.submit_time,
                           start_time=sample.start_time or time.time(), end_time=time.time())
-

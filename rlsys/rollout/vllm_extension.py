@@ -8,12 +8,14 @@ engine). Nothing here imports vLLM, so the module also imports where vLLM is mis
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from torch import Tensor
 
 from rlsys.weights.buckets import BucketPlan, unpack
 from rlsys.weights.group import WeightGroup
-from rlsys.weights.transfer import CudaIpcTransfer, NCCLTransfer
+from rlsys.weights.transfer import CudaIpcTransfer, NCCLTransfer, Weights
 
 EXTENSION = "rlsys.rollout.vllm_extension.WeightUpdateExtension"  # the path vLLM imports in each worker
 
@@ -37,17 +39,18 @@ class WeightUpdateExtension:
         if group is None:
             raise RuntimeError(f"{engine} worker {self.rank}: no weight group (call rlsys_init_weight_group first)")
         transfer = NCCLTransfer(group, f"{engine} worker {self.rank}")
-        loaded = sum(self._rlsys_load(weights) for weights in transfer.receive(plans, device=self.device))
-        torch.cuda.synchronize(self.device)
-        return loaded
+        return self._rlsys_load_all(transfer.receive(plans, device=self.device))
 
     def rlsys_receive_ipc(self, plans: list[BucketPlan], handles: dict, engine: str) -> int:
         """Colocated: open the trainer's CUDA IPC handles for this worker's GPU, copy and load each bucket."""
         transfer = CudaIpcTransfer(f"{engine} worker {self.rank}")
-        loaded = sum(self._rlsys_load(weights) for weights in transfer.receive(plans, handles, self.device))
+        return self._rlsys_load_all(transfer.receive(plans, handles, self.device))
+
+    def _rlsys_load_all(self, buckets: Iterable[Weights]) -> int:
+        loaded = sum(self._rlsys_load(weights) for weights in buckets)
         torch.cuda.synchronize(self.device)
         return loaded
 
-    def _rlsys_load(self, weights: list[tuple[str, Tensor]]) -> int:
+    def _rlsys_load(self, weights: Weights) -> int:
         self.model_runner.model.load_weights(weights=weights)
         return len(weights)

@@ -28,7 +28,7 @@ class ClusterSpec(Section):
 
     @model_validator(mode="after")
     def _engines_fit(self):
-        rollout = self.gpus - (self.trainer_gpus or 0)
+        rollout = self.rollout_gpus
         if rollout < self.tp or rollout % self.tp:
             raise ValueError(f"the {rollout} rollout GPUs must be a positive multiple of tp={self.tp}")
         if self.tp > self.gpus_per_node:
@@ -38,10 +38,6 @@ class ClusterSpec(Section):
     @property
     def rollout_gpus(self) -> int:
         return self.gpus - (self.trainer_gpus or 0)
-
-    @property
-    def engines(self) -> int:
-        return (self.gpus - (self.trainer_gpus or 0)) // self.tp
 
 
 class EngineSpec(Section):

@@ -309,12 +309,12 @@ class Simulation:
     def _end_round(self) -> None:
         """Per-step KV figures; under elastic TP, the planner's choice for the next round. Engines are
         rebuilt only while idle (nothing queued or running, trainer done); until then the change waits."""
-        preempted = sum(e.preemptions for e in self._all_engines())
-        submitted = self.counts["submitted"]
-        self.preemptions_by_step.append(preempted - self._round_start[0])
+        preempted, submitted = sum(e.preemptions for e in self._all_engines()), self.counts["submitted"]
+        round_preempted = preempted - self._round_start[0]
+        self.preemptions_by_step.append(round_preempted)
         self.tp_per_step.append(self.tp)
         if self.elastic is not None:
-            self.next_tp = self.elastic.observe(preempted - self._round_start[0], submitted - self._round_start[1])
+            self.next_tp = self.elastic.observe(round_preempted, submitted - self._round_start[1])
         self._round_start = (preempted, submitted)
         idle = self.training is None and not self.train_queue and not any(e.load for e in self.engines)
         if self.next_tp != self.tp and idle:

@@ -4,7 +4,7 @@ in one process; `DeepSpeedBackend` (deepspeed_backend.py) adds ZeRO and data par
 
 Checkpoint folder written by `save` (safetensors + JSON only, nothing pickled):
   model.safetensors                      full weights, HF names (rank 0)
-  optimizer_rank{r}.safetensors/.json    torch backend: the optimizer's state dict (rank 0)
+  optimizer_rank0.safetensors/.json      torch backend: the optimizer's state dict
   optimizer.json, optimizer_shard{r}.safetensors   DeepSpeed: state per parameter name (universal.py),
                                          so a run resumes on another world size or ZeRO stage
   state_rank{r}.safetensors/.json        RNG states and step counters of each rank
@@ -131,13 +131,21 @@ class TrainerBackend(ABC):
         `grad_norm` and `skipped_steps` are the same on every rank.
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
-            self.skipped_steps += 1
-            return {"grad_norm": 0.0, "skipped_steps": self.skipped_steps, "tokens": 0, "sequences": 0}
+            return self.skip_step()
         stats = self.accumulate_gradients(samples, totals, temperature)
-        grad_norm, applied = self._optimizer_step()
+        return self.close_step(stats, sum(s.response_len for s in samples), len(samples))
+
+    def skip_step(self) -> dict:
+        """A step with no response tokens on any rank: no update, counted as skipped."""
+        self.skipped_steps += 1
+        return {"grad_norm": 0.0, "skipped_steps": self.skipped_steps, "tokens": 0, "sequences": 0}
+
+    def close_step(self, stats: dict, tokens: int, sequences: int, divisor: float | None = None) -> dict:
+        """The one optimizer update on the accumulated gradients (first divided by `divisor`, when given),
+        and `train_step`'s metrics: `stats` plus this rank's `tokens` and `sequences`."""
+        grad_norm, applied = self._optimizer_step() if divisor is None else self._rescaled_optimizer_step(divisor)
         self.skipped_steps += not applied
-        return dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps,
-                    tokens=sum(s.response_len for s in samples), sequences=len(samples))
+        return dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps, tokens=tokens, sequences=sequences)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
                            fresh: bool, proximal_micro_batches: int = 0) -> dict:
@@ -219,15 +227,6 @@ class TrainerBackend(ABC):
     @abstractmethod
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def _optimizer_is_partitioned(self) -> bool:
-        return False
-
-    def _optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def _load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
-
     def _layout(self) -> dict:
         return {"backend": self.name, "world_size": self.world_size}
 
@@ -237,12 +236,11 @@ class TrainerBackend(ABC):
                              "resume with the same trainer.backend, trainer.world_size and trainer.zero_stage")
 
     def _save_optimizer(self, folder: Path) -> None:
-        if self.rank == 0 or self._optimizer_is_partitioned():
-            save_state(self._optimizer_state(), folder, f"optimizer_rank{self.rank}")
+        if self.rank == 0:
+            save_state(self.optimizer.state_dict(), folder, "optimizer_rank0")
 
     def _load_optimizer(self, folder: Path) -> None:
-        rank = self.rank if self._optimizer_is_partitioned() else 0
-        self._load_optimizer_state(load_state(folder, f"optimizer_rank{rank}"))
+        self.optimizer.load_state_dict(load_state(folder, "optimizer_rank0"))
 
     # --- files ----------------------------------------------------------------------------------
     def save(self, folder: str) -> None:

@@ -50,13 +50,8 @@ class StreamedStep:
     def finish(self, tokens: int, sequences: int) -> dict:
         """The one optimizer update; `tokens` and `sequences` are the step's totals over every rank.
         Returns what `TrainerBackend.train_step` returns, this rank's shares of the step's values."""
-        backend = self.backend
         if tokens == 0:  # nothing streamed anywhere, so no rank ran a micro-batch: nothing to step on
-            backend.skipped_steps += 1
-            return {"grad_norm": 0.0, "skipped_steps": backend.skipped_steps, "tokens": 0, "sequences": 0}
+            return self.backend.skip_step()
         divisor = {"tokens": tokens, "sequences": sequences}[self.normaliser]
-        grad_norm, applied = backend._rescaled_optimizer_step(float(divisor))
-        backend.skipped_steps += not applied
         stats = {k: v / (divisor if k in LOSS_STATS else tokens) for k, v in self.stats.items()}
-        return dict(stats, grad_norm=grad_norm, skipped_steps=backend.skipped_steps, tokens=self.tokens,
-                    sequences=self.sequences)
+        return self.backend.close_step(stats, self.tokens, self.sequences, divisor=float(divisor))

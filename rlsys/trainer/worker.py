@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -54,9 +55,6 @@ class TrainerWorker:
         else:
             from rlsys.trainer.deepspeed_backend import DeepSpeedBackend as Backend
         self.backend = Backend(self.cfg, self.model_dir, self.rank, self.world_size)
-
-    def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float) -> dict:
-        return self.backend.train_step(samples, totals, temperature)
 
     def compute_logprobs(self, samples: list[TrainSample], temperature: float, micro_batches: int):
         return self.backend.compute_logprobs(samples, temperature, micro_batches)
@@ -106,6 +104,14 @@ def get_all(refs: list[ray.ObjectRef]) -> list:
     return ray.get(refs)
 
 
+@dataclass
+class OpenStream:
+    """A streamed step between `stream_begin` and `stream_end`, as the driver tracks it."""
+    calls: list[list[ray.ObjectRef]]  # each rank's calls, handed to its finish: an error in any fails the step
+    tokens: int = 0  # response tokens streamed so far, over every rank
+    sequences: int = 0
+
+
 def merge_metrics(per_rank: list[dict]) -> dict:
     keys = {k for m in per_rank for k in m}
     merged = {k: sum(m.get(k, 0.0) for m in per_rank) for k in keys if k not in SAME_ON_ALL_RANKS}
@@ -126,6 +132,7 @@ class TrainerGroup:
         ips = ray.get([w.node_ip.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
         get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
+        self.stream: OpenStream | None = None
 
     # --- training -----------------------------------------------------------------------------
     def train_step(self, groups: list[Group], temperature: float, version: int | None = None) -> dict:
@@ -155,32 +162,29 @@ class TrainerGroup:
     # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
     def stream_begin(self, temperature: float) -> None:
         """Open a streamed step; the weights must not change until it ends."""
-        # Each rank's calls of this step, handed to its finish: an error in any of them fails the step.
-        self._stream_parts = [[w.stream_begin.remote(temperature)] for w in self.workers]
-        self._stream_totals = [0, 0]  # response tokens, sequences
+        self.stream = OpenStream([[w.stream_begin.remote(temperature)] for w in self.workers])
 
     def stream_groups(self, groups: list[Group]) -> list[ray.ObjectRef]:
         """Accumulate the gradients of these completed groups; returns at once (one ref per rank).
         A group's advantages need only its own rewards, so they are final when it completes."""
-        if getattr(self, "_stream_parts", None) is None:
+        if self.stream is None:
             raise RuntimeError("stream_groups: call stream_begin first")
         samples = build_samples(groups, self.cfg.advantage)
         per_rank, part = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
-        self._stream_totals[0] += part.tokens
-        self._stream_totals[1] += part.sequences
+        self.stream.tokens += part.tokens
+        self.stream.sequences += part.sequences
         refs = [w.stream_accumulate.remote(mine, part.micro_batches) for w, mine in zip(self.workers, per_rank)]
-        for pending, ref in zip(self._stream_parts, refs):
-            pending.append(ref)
+        for calls, ref in zip(self.stream.calls, refs):
+            calls.append(ref)
         return refs
 
     def stream_end(self) -> list[ray.ObjectRef]:
         """Launch the step's one optimizer update; pass the refs to `finish_train_step` (or ray.wait on them)."""
-        if getattr(self, "_stream_parts", None) is None:
+        if self.stream is None:
             raise RuntimeError("stream_end: call stream_begin first")
-        tokens, sequences = self._stream_totals
-        refs = [w.stream_finish.remote(tokens, sequences, *parts) for w, parts in zip(self.workers, self._stream_parts)]
-        self._stream_parts = None
-        return refs
+        stream, self.stream = self.stream, None
+        return [w.stream_finish.remote(stream.tokens, stream.sequences, *calls)
+                for w, calls in zip(self.workers, stream.calls)]
 
     def stream_finish(self) -> dict:
         """`stream_end`, waited for: the merged metrics, as `train_step` returns them."""

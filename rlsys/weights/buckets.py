@@ -7,8 +7,9 @@ its buffer before the bytes arrive; `pack` and `unpack` are an exact round trip.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -25,7 +26,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,3 @@ def iter_buckets(weights: Mapping[str, Tensor], budget_bytes: int, dtype: torch.
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -7,7 +7,7 @@ receivers need besides the plans. Engine side: `receive(plans, ticket, device)` 
 the model's `load_weights`. The plans (metadata only, rlsys/weights/buckets.py) reach the receivers by
 Ray, the bytes by the transport:
 
-  ObjectStoreTransfer  Ray's object store: CPU, any placement (what the CPU engine uses today)
+  ObjectStoreTransfer  Ray's object store: CPU, any placement
   NCCLTransfer         a broadcast over a WeightGroup (NCCL between GPUs; gloo on CPU for tests)
   CudaIpcTransfer      colocated trainer and engine on one GPU: CUDA IPC handles, no copy on the wire
 
@@ -73,10 +73,8 @@ class NCCLTransfer(WeightTransfer):
         self.group = group
 
     def send(self, buckets):
-        plans = []
-        for plan, flat in buckets:
-            plans.append(plan)
-            self.group.broadcast(flat, f"trainer sending {plan.describe(len(plans) - 1)}")
+        for i, (plan, flat) in enumerate(buckets):
+            self.group.broadcast(flat, f"trainer sending {plan.describe(i)}")
         return None
 
     def receive(self, plans, ticket=None, device="cpu"):
