@@ -236,6 +236,14 @@ class ControlConfig(Section):
     eval_every: int = Field(10, ge=0)  # 0: only before and after training
     save_every: int = Field(20, ge=0)  # 0: only at the end
 
+    @model_validator(mode="after")
+    def _groups_can_be_informative(self):
+        # sagc's sizes are at least 2 already; a fixed group of one would be dropped forever (a hang)
+        if self.dynamic_sampling.enabled and self.group_sizer == "fixed" and self.group_size < 2:
+            raise ValueError("control.dynamic_sampling.enabled drops every group of one sample; "
+                             "use a group size of at least 2")
+        return self
+
 
 class ClusterConfig(Section):
     address: Optional[str] = None  # None starts a local Ray cluster; "auto" joins a running one

@@ -1,6 +1,6 @@
 import pytest
 
-from rlsys.config import DEFAULT_CONFIG, ConfigError, load_config, parse_overrides
+from rlsys.config import DEFAULT_CONFIG, ConfigError, ControlConfig, load_config, parse_overrides
 
 
 def test_default_config_loads_and_overrides_apply():
@@ -39,3 +39,10 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_dynamic_sampling_refuses_groups_of_one_instead_of_hanging():
+    """Every group of one sample has equal rewards, so dynamic sampling would drop them all, forever."""
+    with pytest.raises(ValueError, match="group size of at least 2"):
+        ControlConfig(group_size=1, dynamic_sampling={"enabled": True})
+    ControlConfig(group_size=1)  # without dynamic sampling a group of one is allowed

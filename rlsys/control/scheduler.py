@@ -96,11 +96,6 @@ class Scheduler:
         raise NotImplementedError
 
     # --- DAPO dynamic sampling --------------------------------------------------------------
-    def check_group_size(self, group_size: int) -> None:
-        if self.cfg.dynamic_sampling.enabled and group_size < 2:
-            raise ValueError("control.dynamic_sampling.enabled drops every group of one sample; "
-                             "use a group size of at least 2")
-
     def drop_uninformative(self, group: Group) -> bool:
         """Under dynamic sampling, count a group whose rewards are all equal as dropped; True if it is."""
         if self.cfg.dynamic_sampling.enabled and not informative(group):

@@ -140,7 +140,6 @@ class SortedScheduler(Scheduler):
         if n < self.batch:
             raise ValueError(f"control.sorted.rollout_prompts={n} is smaller than the update batch "
                              f"of {self.batch} prompts; raise it or set control.sorted.update_prompts")
-        self.check_group_size(self.group_size)
         self.round += 1
         self.entries = [Entry(p, self.updates, owed=self.group_size) for p in self.draw(n)]
         self.open, self.ready = n, []

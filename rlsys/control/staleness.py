@@ -59,7 +59,6 @@ class AsyncScheduler(Scheduler):
     # --- events ---------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
         self.group_size = self.sizer.next_shape().group_size
-        self.check_group_size(self.group_size)
         restored, self.restored = self.restored, []
         return [self._admit(p) for p in restored] + self._fill()
 
