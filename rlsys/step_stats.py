@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
-from rlsys.control.metrics import bubble_ratio, percentile, straggler_rate
+from rlsys.control.metrics import percentile, straggler_rate
 from rlsys.types import Completion, Group
+
+EngineStats = Callable[[tuple[float, float]], list[dict]]  # the engines' stats, occupancy of a window included
 
 
 class StepStats:
-    def __init__(self, kappa: float, capacity: int):
-        self.kappa, self.capacity = kappa, capacity
+    def __init__(self, kappa: float, capacity: int, engine_stats: EngineStats):
+        self.kappa, self.capacity, self.engine_stats = kappa, capacity, engine_stats
         self.completions: list[Completion] = []
         self.finished: list[Completion] = []  # the last handed-over step's, for its totals and timeline
         self.t_step = self.t_handover = time.time()  # the last weights publish; the last handover to training
@@ -36,10 +39,16 @@ class StepStats:
     def add_reward(self, error: str | None) -> None:
         self.reward_errors += error is not None
 
-    def rollout_done(self, groups: list[Group], saturated_tokens_per_s: float) -> dict[str, float]:
-        """Metrics of the rollout phase, called when the scheduler hands over the groups to train."""
+    def rollout_done(self, groups: list[Group]) -> dict[str, float]:
+        """Metrics of the rollout phase, called when the scheduler hands over the groups to train.
+
+        The bubble ratio is read from the engines' own step records over the window, so requests still
+        generating or cut at the handover (sorted, tail, async) count as busy, not only finished ones."""
         now = self.t_handover = time.time()
         end = max([c.end_time for c in self.completions] + [self.t_start])
+        engines = self.engine_stats((self.t_start, end))
+        saturated_tokens_per_s = sum(e.get("saturated_tokens_per_s") or 0.0 for e in engines)
+        occupied = sum(e["occupied_slot_s"] for e in engines)
         rollout_s = self.t_last_completion - self.t_start
         lengths = [n for g in groups for n in g.lengths]
         rewards = [r for g in groups for r in g.rewards]
@@ -56,7 +65,7 @@ class StepStats:
             "response_length/mean": statistics.mean(lengths) if lengths else 0.0,
             "response_length/max": max(lengths, default=0),
             "response_length/p99": percentile(lengths, 99),
-            "rollout/bubble_ratio": bubble_ratio(done, self.capacity, self.t_start, end),
+            "rollout/bubble_ratio": max(0.0, 1.0 - occupied / (self.capacity * engine_window)),
             "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
             "rollout/efficiency": (in_window / (saturated_tokens_per_s * engine_window)
                                    if saturated_tokens_per_s else 0.0),

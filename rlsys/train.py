@@ -72,7 +72,7 @@ class Controller:
         if resume:
             self._restore()
         self.t0 = time.time() - self.elapsed_before
-        self.stats = StepStats(cfg.control.straggler_kappa, self.rollout.capacity)
+        self.stats = StepStats(cfg.control.straggler_kappa, self.rollout.capacity, self.rollout.stats)
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> dict:
@@ -156,8 +156,7 @@ class Controller:
         if self.training:
             raise RuntimeError(f"scheduler {self.cfg.control.scheduler!r} asked to train before the last "
                                "step's weights were published")
-        saturated = sum(s.get("saturated_tokens_per_s") or 0.0 for s in self.rollout.stats())
-        rollout_metrics = self.stats.rollout_done(groups, saturated)
+        rollout_metrics = self.stats.rollout_done(groups)
         if self.streamed_groups:  # the scheduler announced every group of this Train with Accumulate
             if self.streamed_groups != len(groups):
                 raise RuntimeError(f"trainer.streamed: {self.streamed_groups} groups were accumulated but the "

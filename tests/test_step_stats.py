@@ -2,6 +2,7 @@
 import pytest
 
 from rlsys import step_stats
+from rlsys.rollout.engine import EngineCounters
 from rlsys.step_stats import StepStats, tokens_within
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
@@ -31,12 +32,36 @@ def group(*completions):
     return [Group(Prompt("p", "", ""), [ScoredSample(c, 1.0) for c in completions])]
 
 
+class Engine:
+    """One engine's counters, fed decode steps at the fake clock's times."""
+    def __init__(self, clock, tokens_per_s=10.0):
+        self.clock, self.counters, self.tokens_per_s = clock, EngineCounters(), tokens_per_s
+
+    def decode(self, start, end, active, dt=0.5):
+        t = start
+        while t < end - 1e-9:
+            self.clock.t = t + dt
+            self.counters.record(active, slots=2, new_tokens=active, elapsed=dt)
+            t += dt
+
+    def stats(self, window):
+        return [{"saturated_tokens_per_s": self.tokens_per_s, "occupied_slot_s": self.counters.occupied_slot_s(*window)}]
+
+
+def test_occupancy_counts_only_the_part_of_each_step_inside_the_window(clock):
+    engine = Engine(clock)
+    engine.decode(0, 4, active=2, dt=1.0)  # steps ending at 1, 2, 3, 4
+    engine.decode(4, 6, active=1, dt=1.0)
+    assert engine.counters.occupied_slot_s(1.5, 5.0) == pytest.approx(0.5 * 2 + 2 * 2 + 1)
+    assert engine.counters.occupied_slot_s(6.0, 9.0) == 0.0
+
+
 def test_aborted_extras_after_the_handover_do_not_stretch_the_next_window(clock):
-    stats = StepStats(kappa=2.0, capacity=2)
+    stats = StepStats(kappa=2.0, capacity=2, engine_stats=Engine(clock).stats)
     a, b = done("a", 100, 101), done("b", 100, 102)
     stats.add_completion(a), stats.add_completion(b)
     clock.t = 102
-    stats.rollout_done(group(a, b), saturated_tokens_per_s=10.0)
+    stats.rollout_done(group(a, b))
     stats.add_completion(done("x", 100, 102.1, reason="abort"))  # tail's extra, cut at the handover
     clock.t = 105  # training took 3 s
     assert stats.step_totals()["timing/step_s"] == pytest.approx(5.0)
@@ -45,19 +70,21 @@ def test_aborted_extras_after_the_handover_do_not_stretch_the_next_window(clock)
 
 
 def test_overlapped_generation_carries_the_window_and_counts_training_once(clock):
-    stats = StepStats(kappa=2.0, capacity=1)
+    engine = Engine(clock, tokens_per_s=5.0)
+    stats = StepStats(kappa=2.0, capacity=1, engine_stats=engine.stats)
     a = done("a", 100, 102)
+    engine.decode(100, 102, active=1)
     stats.add_completion(a)
-    clock.t = 102
-    stats.rollout_done(group(a), saturated_tokens_per_s=5.0)
+    stats.rollout_done(group(a))
     b = done("b", 102, 104)  # finished while the trainer ran (async, sorted)
+    engine.decode(102, 104, active=1)
     stats.add_completion(b)
     clock.t = 104
     assert stats.step_totals()["timing/step_s"] == pytest.approx(4.0)
     stats.start_step()
     assert stats.t_start == 102
     clock.t = 106
-    metrics = stats.rollout_done(group(b), saturated_tokens_per_s=5.0)
+    metrics = stats.rollout_done(group(b))
     assert metrics["rollout/bubble_ratio"] == pytest.approx(0.0)  # one slot, busy from 102 to 104
     assert metrics["rollout/efficiency"] == pytest.approx(1.0)  # 10 tokens in 2 s at 5 tokens/s
     clock.t = 107
@@ -67,3 +94,13 @@ def test_overlapped_generation_carries_the_window_and_counts_training_once(clock
 def test_tokens_within_counts_only_the_share_inside_the_window():
     runs = [done("a", 0, 10, tokens=10), done("b", 5, 6, tokens=4), done("c", 20, 30, tokens=5)]
     assert tokens_within(runs, 5, 10) == pytest.approx(5 + 4)
+
+
+def test_requests_still_generating_at_the_handover_count_as_busy(clock):
+    """sorted, tail: the handover cuts requests that never finish in this window; the engine was full."""
+    engine = Engine(clock)
+    stats = StepStats(kappa=2.0, capacity=2, engine_stats=engine.stats)
+    engine.decode(100, 104, active=2)  # one request finishes at 104, the other runs on and is aborted
+    a = done("a", 100, 104)
+    stats.add_completion(a)
+    assert stats.rollout_done(group(a))["rollout/bubble_ratio"] == pytest.approx(0.0)

@@ -8,8 +8,11 @@ everything above it only ever see this interface.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch import Tensor
@@ -65,6 +68,8 @@ class RolloutEngine(ABC):
         """Cumulative counters: decode_steps, active_slot_steps, generated_tokens, busy_s,
         saturated_tokens_per_s (None until every slot was busy at least once)."""
 
+    counters: "EngineCounters"  # every engine records its steps here; workers read occupancy from it
+
 
 def check_request(req: Request, vocab: int, max_len: int) -> None:
     """The checks of `validate` that hold for every engine: ValueError naming the request and the field."""
@@ -103,26 +108,49 @@ def resume_finish_reason(req: Request, eos_ids: set[int], max_len: int) -> str |
     return None
 
 
+OCCUPANCY_HISTORY = 200_000  # decode steps kept for occupied_slot_s (minutes of generation)
+
+
 @dataclass
 class EngineCounters:
-    """What every engine's stats() reports; saturated_* count only steps with every slot busy."""
+    """What every engine's stats() reports; saturated_* count only steps with every slot busy.
+
+    Each decode step is also kept as (wall end, duration, active sequences), so the slot occupancy of
+    any recent time window can be read, in-flight requests included: the bubble ratio of a step is
+    measured here, where requests that are aborted or still running are seen as well as finished ones.
+    """
     decode_steps: int = 0
     active_slot_steps: int = 0
     generated_tokens: int = 0
     busy_s: float = 0.0
     saturated_tokens: int = 0
     saturated_s: float = 0.0
+    steps: deque = field(default_factory=lambda: deque(maxlen=OCCUPANCY_HISTORY))
+    lock: threading.Lock = field(default_factory=threading.Lock)  # record (engine thread) vs reads
 
     def record(self, active: int, slots: int, new_tokens: int, elapsed: float) -> None:
         """One step: `active` sequences decoded (0: none), `new_tokens` sampled in all, in `elapsed` seconds."""
         if active:
             self.decode_steps += 1
             self.active_slot_steps += active
+            with self.lock:
+                self.steps.append((time.time(), elapsed, active))
         self.generated_tokens += new_tokens
         self.busy_s += elapsed
         if active >= slots:
             self.saturated_tokens += new_tokens
             self.saturated_s += elapsed
+
+    def occupied_slot_s(self, start: float, end: float) -> float:
+        """Slot-seconds spent decoding within the wall-clock window [start, end]."""
+        with self.lock:
+            steps = list(self.steps)
+        total = 0.0
+        for t_end, elapsed, active in reversed(steps):
+            if t_end <= start:
+                break
+            total += active * max(0.0, min(t_end, end) - max(t_end - elapsed, start))
+        return total
 
     def report(self) -> dict:
         sat = self.saturated_tokens / self.saturated_s if self.saturated_s > 0 else None

@@ -128,8 +128,9 @@ class RolloutManager:
         ref = state_dict if isinstance(state_dict, ObjectRef) else ray.put(state_dict)
         ray.get([w.update_weights.remote(ref, version) for w in self.workers])
 
-    def stats(self) -> list[dict]:
-        return ray.get([w.stats.remote() for w in self.workers])
+    def stats(self, window: tuple[float, float] | None = None) -> list[dict]:
+        """Each worker's engine counters; with a wall-clock window, its occupied slot-seconds in it too."""
+        return ray.get([w.stats.remote(window) for w in self.workers])
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -82,8 +82,11 @@ class RolloutWorker:
             out, self._ready = self._ready, []
         return out
 
-    def stats(self) -> dict:
-        return dict(self._call(self.engine.stats), worker=self.index)
+    def stats(self, window: tuple[float, float] | None = None) -> dict:
+        out = dict(self._call(self.engine.stats), worker=self.index)
+        if window is not None:
+            out["occupied_slot_s"] = self.engine.counters.occupied_slot_s(*window)
+        return out
 
     def stop(self) -> None:
         with self._cond:
