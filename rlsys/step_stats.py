@@ -22,8 +22,10 @@ class StepStats:
     def start_step(self) -> None:
         """A new rollout window opens now, or, when the engines went on generating through the train
         step (sorted, async: samples finished meanwhile), where the last window closed."""
-        carried = self.completions  # finished while the trainer ran: they count in this step
-        kept_generating = any(c.finish_reason != "abort" for c in carried)  # aborted extras do not count
+        carried = self.completions  # collected after the handover: they count in this step
+        # Engines kept generating only if samples finished after the handover; samples that finished
+        # just before it (collected late) and aborted extras do not make training time rollout time.
+        kept_generating = any(c.finish_reason != "abort" and c.end_time > self.t_handover for c in carried)
         self.t_start = self.t_handover if kept_generating else time.time()
         self.t_last_completion = max([self.t_start] + [c.end_time for c in carried])
         self.requests = 0

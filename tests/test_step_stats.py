@@ -104,3 +104,17 @@ def test_requests_still_generating_at_the_handover_count_as_busy(clock):
     a = done("a", 100, 104)
     stats.add_completion(a)
     assert stats.rollout_done(group(a))["rollout/bubble_ratio"] == pytest.approx(0.0)
+
+
+def test_a_sample_collected_after_the_handover_but_finished_before_it_does_not_carry_the_window(clock):
+    """sorted: samples that finished as the Train was decided arrive late; the engine sat idle in training."""
+    engine = Engine(clock)
+    stats = StepStats(kappa=2.0, capacity=2, engine_stats=engine.stats)
+    a = done("a", 100, 101.5)
+    engine.decode(100, 102, active=2)
+    stats.add_completion(a)
+    stats.rollout_done(group(a))
+    stats.add_completion(done("late", 100, 101.9))  # finished before the handover at 102, collected after
+    clock.t = 105
+    stats.start_step()
+    assert stats.t_start == 105
