@@ -19,7 +19,10 @@ PRESETS: dict[str, list[str]] = {
     "sync": [],
     "tail": ["control.scheduler=tail"],
     "sorted": ["control.scheduler=sorted"],
+    "sorted-partial": ["control.scheduler=sorted", "control.sorted.mode=partial", "trainer.loss=decoupled_ppo"],
     "sagc": ["control.group_sizer=sagc"],
+    "G4": ["control.group_size=4", "control.prompts_per_step=32"],  # static groups, 128 samples a step
+    "G16": ["control.group_size=16", "control.prompts_per_step=8"],
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
     "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
     "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc"],
@@ -53,6 +56,7 @@ def summarise_run(rows: list[dict], target: float) -> dict:
     samples = sum(r["samples"] for r in steps)
     mean = lambda key: statistics.mean(r[key] for r in steps) if steps else 0.0  # noqa: E731
     return {
+        "eval_curve": [[r["time_s"], r["eval/accuracy"]] for r in evals],
         "step_time_s": mean("timing/step_s"),
         "time_per_sample_s": steps[-1]["time_s"] / samples if samples else None,
         "bubble_ratio": mean("rollout/bubble_ratio"),
@@ -64,7 +68,25 @@ def summarise_run(rows: list[dict], target: float) -> dict:
         "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
+        "response_length": mean("response_length/mean"),
+        "group_size": mean("group_size"),
     }
+
+
+def accuracy_at(run: dict, t: float) -> float | None:
+    """The run's last eval accuracy at or before training wall time t."""
+    before = [acc for time_s, acc in run["eval_curve"] if time_s <= t]
+    return before[-1] if before else None
+
+
+def add_equal_time(runs: dict[str, list[dict]]) -> float:
+    """Each run's accuracy at the wall time every run reached (the shortest run's end): the comparison
+    at equal wall time, beside the full runs' comparison at equal samples."""
+    t = min(r["wall_s"] for rs in runs.values() for r in rs)
+    for rs in runs.values():
+        for r in rs:
+            r["accuracy_at_equal_time"] = accuracy_at(r, t)
+    return t
 
 
 def median_of(runs: list[dict], key: str):
@@ -78,7 +100,7 @@ def median_of(runs: list[dict], key: str):
 def aggregate(runs: list[dict]) -> dict:
     """Median over repeats, with [min, max] spreads for the figures that vary."""
     out: dict = {"repeats": len(runs)}
-    for key in runs[0]:
+    for key in (k for k in runs[0] if k != "eval_curve"):
         out[key] = median_of(runs, key)
         values = [r[key] for r in runs if r[key] is not None]
         if len(values) > 1:
@@ -126,6 +148,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
             print(f"[bench] {name} repeat {r}: {time.time() - t:.0f}s, "
                   f"final accuracy {runs[name][-1]['final_accuracy']}", flush=True)
     cfg = load_config(config, overrides)
+    equal_time_s = add_equal_time(runs) if runs else None
     results = {n: aggregate(v) for n, v in runs.items()}
     return {
         "workload": {"config": str(config), "overrides": overrides, "target_accuracy": target,
@@ -134,6 +157,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
                      "group_size": cfg.control.group_size, "total_steps": cfg.trainer.total_steps,
                      "max_new_tokens": cfg.rollout.max_new_tokens, "slots": cfg.rollout.slots},
         "machine": machine(),
+        "equal_time_s": equal_time_s,
         "results": results,
         "speedup_vs_sync": speedups(results),
         "runs": runs,
@@ -144,12 +168,16 @@ def print_table(report: dict) -> None:
     cols = [("step_time_s", "step s", "{:.2f}"), ("time_per_sample_s", "s/sample", "{:.4f}"),
             ("bubble_ratio", "bubble", "{:.3f}"), ("straggler_rate", "straggler", "{:.2f}"),
             ("efficiency", "effic.", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.0f}"),
-            ("time_to_target_s", "to target s", "{:.0f}"), ("final_accuracy", "final acc", "{:.3f}")]
+            ("time_to_target_s", "to target s", "{:.0f}"), ("final_accuracy", "final acc", "{:.3f}"),
+            ("accuracy_at_equal_time", "acc @ T", "{:.3f}"), ("response_length", "length", "{:.1f}"),
+            ("group_size", "G", "{:.1f}")]
     print(f"{'preset':<12}" + "".join(f"{h:>12}" for _, h, _ in cols) + f"{'speedup':>10}")
     for name, r in report["results"].items():
         cells = "".join(f"{(f.format(r[k]) if r[k] is not None else '-'):>12}" for k, _, f in cols)
         s = report["speedup_vs_sync"].get(name, {}).get("per_sample")
         print(f"{name:<12}{cells}{(f'{s:.2f}x' if s else '-'):>10}")
+    if report.get("equal_time_s"):
+        print(f"acc @ T: eval accuracy at T = {report['equal_time_s']:.0f} s of training (the shortest run)")
 
 
 def plot_bench(report: dict, out_dir: Path) -> list[Path]:

@@ -1,0 +1,34 @@
+"""`rlsys bench` figures from metrics rows: per-run summaries, equal-time accuracy, medians with spreads."""
+import pytest
+
+from rlsys.bench import add_equal_time, aggregate, summarise_run
+
+
+def rows(step_s, evals, samples=128):
+    """A run's metrics rows: steps of `step_s` seconds, evals as (time, accuracy)."""
+    out = [{"time_s": t, "eval/accuracy": acc} for t, acc in evals]
+    for i in range(1, 5):
+        out.append({"time_s": i * step_s, "timing/step_s": step_s, "samples": samples,
+                    "rollout/bubble_ratio": 0.2, "rollout/straggler_rate": 0.1, "rollout/efficiency": 0.8,
+                    "throughput/tokens_per_s": 100.0, "response_length/mean": 8.0, "group_size": 8})
+    return sorted(out, key=lambda r: r["time_s"])
+
+
+def test_equal_time_takes_each_runs_last_eval_before_the_shortest_run_ends():
+    fast = summarise_run(rows(1.0, [(0, 0.2), (2, 0.3), (4, 0.35)]), target=0.3)
+    slow = summarise_run(rows(2.0, [(0, 0.2), (3, 0.25), (8, 0.4)]), target=0.3)
+    assert fast["time_to_target_s"] == 2 and slow["time_to_target_s"] == 8
+    assert fast["time_per_sample_s"] == pytest.approx(4.0 / 512)
+    t = add_equal_time({"fast": [fast], "slow": [slow]})
+    assert t == 4.0
+    assert fast["accuracy_at_equal_time"] == 0.35 and slow["accuracy_at_equal_time"] == 0.25
+    assert slow["final_accuracy"] == 0.4  # at equal samples the slow run is ahead
+
+
+def test_aggregate_reports_the_median_and_spread_and_no_time_to_target_unless_every_repeat_reached_it():
+    a = summarise_run(rows(1.0, [(0, 0.2), (4, 0.35)]), target=0.3)
+    b = summarise_run(rows(1.5, [(0, 0.2), (6, 0.25)]), target=0.3)
+    out = aggregate([a, b])
+    assert out["step_time_s"] == pytest.approx(1.25) and out["step_time_s_spread"] == [1.0, 1.5]
+    assert out["time_to_target_s"] is None
+    assert "eval_curve" not in out
