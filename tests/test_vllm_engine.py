@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlsys.rollout.engine import make_engine
-from rlsys.types import Request
+from rlsys.types import Request, SamplingParams
 from test_cpu_engine import build, greedy, hf_greedy, hf_logprobs
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -102,6 +102,22 @@ def test_resume_continues_where_the_abort_stopped(engine):
     k = cut.num_tokens  # resumed tokens keep what was recorded for them
     assert c.logprobs[:k] == [-1.0] * k and c.versions[:k] == [-7] * k
     torch.testing.assert_close(torch.tensor(c.logprobs[k:]), torch.tensor(whole.logprobs[k:]), atol=2e-3, rtol=0)
+
+
+@needs_vllm
+def test_our_eos_ids_stop_a_request_and_stay_in_its_tokens(engine, monkeypatch):
+    whole = run(engine, [Request("e0", "p", PROMPTS[1], greedy(16))])["e0"]
+    eos = whole.token_ids[5]
+    k = whole.token_ids.index(eos) + 1
+    monkeypatch.setattr(engine, "eos_ids", {eos})  # read when a request is added
+    c = run(engine, [Request("e1", "p", PROMPTS[1], greedy(16))])["e1"]
+    assert c.finish_reason == "stop" and c.token_ids == whole.token_ids[:k]
+
+
+@needs_vllm
+def test_temperature_vllm_refuses_is_a_value_error_naming_the_field(engine):
+    with pytest.raises(ValueError, match="request t: params.temperature must be <= 2"):
+        engine.validate(Request("t", "p", PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=2.5)))
 
 
 @needs_vllm

@@ -1,18 +1,52 @@
 """The vLLM engine: the RolloutEngine interface on vLLM's v1 `LLMEngine`, one `step()` per worker step.
 
-Written against vLLM 0.33 (vllm/v1/engine/llm_engine.py: add_request, step, abort_request,
-collective_rpc, sleep, wake_up, reset_prefix_cache). vLLM is imported only when an engine is built,
-so this module imports on machines without it. The engine core runs in this process (no extra engine
-process), so a step is one schedule + forward + sample, driven by the rollout worker's thread.
+Checked against the source of vLLM 0.33.0 (release commit 4ba787ec9); the paths below are inside the
+vLLM repository. vLLM is imported only when an engine is built, so this module imports without it.
 
-- Requests go in as token ids: prompt + resumed tokens, with max_tokens cut by the resumed length.
-- Outputs stream as deltas (RequestOutputKind.DELTA): each step's new tokens and their log-probs are
-  appended here, tagged with the current version, so an abort returns the tokens so far.
-- Log-probs: logprobs=0 returns the sampled token's; logprobs_mode "processed_logprobs" takes them
-  after temperature, as the trainer scores them (with top_p < 1, after the nucleus cut as well).
+Why `LLMEngine` stepped by the rollout worker's thread rather than `AsyncLLM`: both drive the same engine
+core and output processor, so requests, DELTA streaming, abort and `collective_rpc` behave the same.
+`AsyncLLM` always runs the engine core in a process of its own with a busy loop
+(vllm/v1/engine/async_llm.py, `make_async_mp_client` in vllm/v1/engine/core_client.py), read through an
+asyncio loop; the core keeps stepping while an update arrives, so generation must be paused around it
+(`pause_generation`) or tokens matched to weight versions afterwards (`CompletionOutput.weight_versions`),
+and every weight bucket crosses the process boundary. In this process (`InprocClient`,
+vllm/v1/engine/core_client.py) a `step()` is one schedule + forward + sample, a weight update falls
+exactly between two steps (the worker thread already orders submits, aborts and updates), the
+single-GPU executor receives RPC arguments without a copy, and each step's occupancy is measured here.
+What in-process stepping gives up, overlapping the host work with the GPU, async scheduling mostly wins
+back; vLLM turns it on by default for this executor (vllm/config/vllm.py).
+
+- Construction: `LLMEngine.from_engine_args` (vllm/v1/engine/llm_engine.py) runs the engine core in
+  another process whenever VLLM_ENABLE_V1_MULTIPROCESSING is set, and it defaults to 1 (vllm/envs.py),
+  so it is set to 0 here. EngineArgs fields: vllm/engine/arg_utils.py, documented in vllm/config/model.py
+  (logprobs_mode, skip_tokenizer_init, enable_sleep_mode, max_model_len, seed) and
+  vllm/config/parallel.py (distributed_executor_backend, worker_extension_cls).
+- Requests go in as token ids (`TokensPrompt`, vllm/inputs/llm.py): prompt + resumed tokens, with
+  max_tokens cut by the resumed length. vLLM refuses a prompt as long as max_model_len and stops a
+  sequence there with "length" (vllm/v1/engine/input_processor.py `_validate_prompt_len`,
+  vllm/v1/core/sched/utils.py `check_stop`): the rules of `check_request` and `resume_finish_reason`.
+  vLLM suffixes request ids internally but aborts by, and reports, the id given
+  (input_processor.py `assign_request_id`, vllm/v1/engine/output_processor.py).
+- Stop rule: our EOS ids alone. vLLM adds the EOS ids of the model's generation_config.json to every
+  request unless ignore_eos is set, whatever EngineArgs.generation_config says
+  (vllm/sampling_params.py `update_from_generation_config`); ignore_eos touches nothing else, and
+  stop_token_ids still stop, so the CPU engine's rule (read_eos_ids) holds here too.
+- Outputs stream as deltas (RequestOutputKind.DELTA, vllm/sampling_params.py; `CompletionOutput` in
+  vllm/outputs.py): each step's new tokens and their log-probs are appended here, tagged with the
+  current version, so an abort returns the tokens so far. finish_reason is "stop", "length" or "abort"
+  (vllm/v1/engine/__init__.py `FinishReason`).
+- Log-probs: logprobs=0 returns the sampled token's, one {token id: Logprob} per token
+  (vllm/logprobs.py); logprobs_mode "processed_logprobs" takes them after temperature and top-p
+  (vllm/v1/sample/sampler.py), as the trainer scores them; a greedy request gets the plain log-softmax.
+  vLLM accepts temperatures up to 2 only (vllm/sampling_params.py `_verify_args`).
 - Weights: `load_weights` sends buckets with the RPC (Ray's object store brought them here); the NCCL
-  and CUDA IPC paths receive inside vLLM's workers (rollout/vllm_extension.py). After any update the
-  prefix cache is dropped and running requests recompute their KV cache under the new weights.
+  and CUDA IPC paths receive inside vLLM's workers (rollout/vllm_extension.py). After any update,
+  `reset_prefix_cache(reset_running_requests=True)` preempts running requests and drops output still
+  in flight under the old weights (vllm/v1/core/sched/scheduler.py `reset_prefix_cache`,
+  `_preempt_request`): they recompute their KV cache, and every later token carries the new version.
+- Sleep (vllm/v1/engine/core.py `sleep`, `wake_up`; tags: vllm/v1/executor/abstract.py SLEEP_TAGS):
+  level 1 moves the weights to CPU memory and drops the KV cache, level 2 drops both. Sleeping pauses
+  the scheduler, which resumes once "weights" and "kv_cache" are both awake again.
 """
 from __future__ import annotations
 
@@ -47,7 +81,8 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float = 0.85, enable_sleep_mode: bool = False, dtype: str = "bfloat16",
                  max_len: int | None = None, seed: int = 0, eos_token_id: int | None = None,
                  name: str = "vllm engine", **engine_args):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core steps in this process
+        # Forced, not defaulted: stepping, abort and weight updates rely on the engine core being in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
             from vllm import EngineArgs, LLMEngine
         except ImportError as e:
@@ -60,7 +95,6 @@ class VLLMEngine(RolloutEngine):
                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
                           dtype=dtype, max_model_len=max_len, max_num_seqs=slots, seed=seed,
                           logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                          generation_config="vllm",  # no sampling defaults from the model: ours, as sent
                           worker_extension_cls=EXTENSION, **engine_args)
         self.llm = LLMEngine.from_engine_args(args)
         self.name, self.slots, self.version = name, slots, 0
@@ -93,6 +127,7 @@ class VLLMEngine(RolloutEngine):
         # draw an uninterrupted run would have made.
         params = SamplingParams(n=1, max_tokens=p.max_new_tokens - len(resumed), temperature=p.temperature,
                                 top_p=p.top_p, seed=p.seed, logprobs=0, stop_token_ids=sorted(self.eos_ids),
+                                ignore_eos=True,  # else the model's generation_config.json EOS ids stop it too
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
         self.llm.add_request(rid, TokensPrompt(prompt_token_ids=request.prompt_ids + resumed), params)
         self.samples[rid] = sample
@@ -149,6 +184,9 @@ class VLLMEngine(RolloutEngine):
 
     def validate(self, request: Request) -> None:
         check_request(request, self.vocab, self.max_len)
+        if request.params.temperature > 2:  # vLLM refuses it with its own error type, not a ValueError
+            raise ValueError(f"request {request.request_id}: params.temperature must be <= 2 on the vLLM engine "
+                             f"(got {request.params.temperature})")
 
     # --- weights by NCCL or CUDA IPC, and sleep mode (colocated placement) --------------------
     def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str = "nccl",
@@ -168,14 +206,16 @@ class VLLMEngine(RolloutEngine):
         self._weights_changed(version)
 
     def sleep(self, level: int = 1) -> None:
-        """Free the GPU for the trainer: level 1 keeps the weights in CPU memory, level 2 drops them too."""
+        """Free the GPU for the trainer: level 1 keeps the weights in CPU memory, level 2 drops them too.
+        Refused while requests are held: vLLM's sleep would abort them behind our back."""
         if self.has_work():
             raise RuntimeError(f"{self.name}: cannot sleep with {len(self.samples)} requests in flight "
                                "(abort or drain them first)")
         self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """tags=["weights"] first to load new weights into a sleeping engine, then ["kv_cache"]; None: both."""
+        """tags=["weights"] first to load new weights into a sleeping engine, then ["kv_cache"]; None: both.
+        Requests added meanwhile wait: scheduling resumes once both are awake."""
         self.llm.wake_up(tags=tags)
 
     # --- helpers ------------------------------------------------------------------------------
