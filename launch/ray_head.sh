@@ -2,6 +2,8 @@
 # Start the Ray head of an rlsys cluster on this node; then run `rlsys train CONFIG cluster.address=auto`
 # here, or submit with launch/submit.py. The dashboard (which can run jobs) listens on 127.0.0.1 unless
 # --dashboard-host says otherwise: reach it through an SSH tunnel rather than opening it to the network.
+# Ray's own ports (--port, which the other nodes join, and the Ray client server on 10001 when ray[client]
+# is installed) listen on the node's address whatever this script says: keep the cluster on a private network.
 #
 #   launch/ray_head.sh [--port 6379] [--dashboard-host 127.0.0.1] [--dashboard-port 8265]
 #                      [--num-gpus N] [--num-cpus N] [--block] [--dry-run] [-- more `ray start` options]

@@ -70,6 +70,7 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)  # vllm: share of each GPU for weights + KV cache
     enable_sleep_mode: bool = False  # vllm: release GPU memory while the trainer runs (colocated layout)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # vllm: weights and activations
+    max_restarts: int = Field(3, ge=0)  # a dead worker is replaced up to this many times in a row (none finished)
 
 
 class OverlongConfig(Section):
@@ -103,9 +104,17 @@ class RewardConfig(Section):
     num_workers: int = Field(1, ge=1)
     timeout_s: float = Field(5.0, gt=0)
     fallback: float = 0.0  # reward given to a sample whose reward function raised, hung or returned junk
+    valid_range: tuple[float, float] = (-1.0, 1.0)  # a function's value outside it is junk (before overlong)
     after_round: bool = False  # score a round's completions only once it has all generated (a baseline)
     overlong: OverlongConfig = OverlongConfig()
     sandbox: SandboxConfig = SandboxConfig()  # code_tests only
+
+    @model_validator(mode="after")
+    def _fallback_in_range(self):
+        low, high = self.valid_range
+        if not low <= self.fallback <= high:
+            raise ValueError(f"reward.fallback={self.fallback} must lie within reward.valid_range [{low}, {high}]")
+        return self
 
 
 class KLConfig(Section):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 
 from rlsys.config import DataConfig
@@ -11,6 +12,8 @@ from rlsys.data import math_tasks  # noqa: F401  registers the `math` family
 from rlsys.data import word_problems  # noqa: F401  registers the `word_problems` family
 from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
 from rlsys.types import Prompt
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DataError", "TASKS", "filter_long_prompts", "length_stats", "load_datasets", "load_prompts",
            "read_prompts"]
@@ -59,11 +62,22 @@ def _hold_out(prompts: list[Prompt], n_eval: int, seed: int, path: str) -> tuple
 
 def load_prompts(cfg: DataConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], int]:
     """(train, eval, training prompts dropped) as a run uses them: both splits without the prompts over
-    `cfg.max_prompt_tokens` tokens."""
+    `cfg.max_prompt_tokens` tokens. Drops are logged per split; a split left empty is refused."""
     train, evals = load_datasets(cfg, tokenizer)
-    train, dropped = filter_long_prompts(train, tokenizer, cfg.max_prompt_tokens)
-    evals, _ = filter_long_prompts(evals, tokenizer, cfg.max_prompt_tokens)
+    train, dropped = _within_limit(train, "training", tokenizer, cfg.max_prompt_tokens)
+    evals, _ = _within_limit(evals, "eval", tokenizer, cfg.max_prompt_tokens)
     return train, evals, dropped
+
+
+def _within_limit(prompts: list[Prompt], split: str, tokenizer, max_tokens: int) -> tuple[list[Prompt], int]:
+    kept, dropped = filter_long_prompts(prompts, tokenizer, max_tokens)
+    if not kept:
+        raise DataError(f"all {len(prompts)} {split} prompts are longer than data.max_prompt_tokens={max_tokens} "
+                        "tokens: raise it, or check data.chat_template and the tokenizer")
+    if dropped:
+        log.warning("dropped %d of %d %s prompts longer than data.max_prompt_tokens=%d tokens",
+                    dropped, len(prompts), split, max_tokens)
+    return kept, dropped
 
 
 def filter_long_prompts(prompts: list[Prompt], tokenizer, max_tokens: int) -> tuple[list[Prompt], int]:

@@ -45,8 +45,12 @@ def read_prompts(path: str | Path, split: str = "train", tokenizer=None, chat_te
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line, so bytes that are not UTF-8 get a line number
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}, line {number}: not UTF-8 text ({e.reason} at byte {e.start + 1})") from None
             if not line.strip():
                 continue  # blank lines (a trailing newline) are not rows
             try:

@@ -3,12 +3,14 @@
 The driver keeps one queue; each idle worker takes the next few items in one call (one call in flight
 per worker, so an idle worker is by definition the least loaded). Faults become the fallback reward
 with an error string, counted in `errors`:
-- the function raises or returns junk (not a finite number): caught in the worker, per item;
+- the function raises or returns junk (not a finite number within `reward.valid_range`): caught in
+  the worker, per item;
 - it runs past `timeout_s`: the worker stops waiting for it, reports the timeout, and is replaced,
   since the thread it ran on may be stuck forever;
 - the worker does not answer by its deadline (e.g. a regex holding the GIL): the driver kills and
   replaces it; a lone item gets the fallback, items of a larger call are retried one by one;
 - the worker dies: it is replaced and its items are retried once, alone.
+Each fault is logged with its sample and reason: the first ten, then the 20th, 30th, ..., 100th, 200th...
 
 The reward function travels to the workers pickled: functions of rlsys by reference (imported there),
 any other (a test module, a user script) by value, so it need not be importable in the workers.
@@ -16,6 +18,7 @@ any other (a test module, a user script) by value, so it need not be importable 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import time
 from collections import deque
@@ -32,6 +35,7 @@ from rlsys.reward.registry import REWARDS, BadReward, RewardFn, score
 GRACE_S = 2.0  # driver deadline slack for Ray's round trip, beyond the workers' own per-item timeouts
 START_TIMEOUT_S = 120.0
 MAX_BATCH = 32
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +59,11 @@ class _Call:
     worker: int
     items: list[_Item] = field(default_factory=list)  # empty: the worker's start-up call
     deadline: float = 0.0
+
+
+def _worth_logging(n: int) -> bool:
+    """The first 10 errors, then 20, 30, ..., 100, 200, ...: a trickle that never floods the log."""
+    return n <= 10 or n % 10 ** (len(str(n)) - 1) == 0
 
 
 def _describe(error: Exception) -> str:
@@ -272,5 +281,11 @@ class RewardPool:
         return failed
 
     def _counted(self, results: list[RewardResult]) -> list[RewardResult]:
-        self.errors += sum(r.error is not None for r in results)
+        for r in results:
+            if r.error is None:
+                continue
+            self.errors += 1
+            if _worth_logging(self.errors):
+                log.warning("reward error %d (sample %s): %s; it gets the fallback reward %g",
+                            self.errors, r.key, r.error, self.cfg.fallback)
         return results

@@ -5,10 +5,12 @@ A reward function has one signature, `fn(response: str, answer: str) -> float`. 
     @register_reward("my_reward")
     def my_reward(response, answer): ...
 
-and select it with `reward.fn=my_reward`. Functions run in a worker thread of a reward actor, so
-they must not rely on signals (signal.alarm); the pool enforces the deadline instead. A function
-with a `setup(cfg: RewardConfig)` attribute gets it called once as each actor starts (code_tests,
-in code.py, builds its sandbox there).
+and select it with `reward.fn=my_reward`. A value that is not a finite number within
+`reward.valid_range` ([-1, 1] unless configured) gets the fallback reward and is counted in
+`reward/errors`. Functions run in a worker thread of a reward actor, so they must not rely on
+signals (signal.alarm); the pool enforces the deadline instead. A function with a
+`setup(cfg: RewardConfig)` attribute gets it called once as each actor starts (code_tests, in
+code.py, builds its sandbox there).
 """
 from __future__ import annotations
 
@@ -69,17 +71,20 @@ def overlong_penalty(num_tokens: int, max_len: int, cache_len: int) -> float:
     return -1.0
 
 
-def as_reward(value) -> float:
-    """The value as a finite float, or BadReward naming what came back."""
+def as_reward(value, valid_range: tuple[float, float] | None = None) -> float:
+    """The value as a finite float within `valid_range` (if given), or BadReward naming what came back."""
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise BadReward(f"returned {value!r}")
+    if valid_range and not valid_range[0] <= value <= valid_range[1]:
+        raise BadReward(f"returned {value!r}, outside reward.valid_range [{valid_range[0]:g}, {valid_range[1]:g}]")
     return float(value)
 
 
 def score(cfg: RewardConfig, response: str, answer: str, num_tokens: int,
           fn: RewardFn | None = None) -> float:
-    """The base reward (cfg.fn, or `fn` when given) plus the overlong penalty when enabled."""
-    reward = as_reward((fn or REWARDS.get(cfg.fn))(response, answer))
+    """The base reward (cfg.fn, or `fn` when given), checked against `cfg.valid_range`, plus the
+    overlong penalty when enabled."""
+    reward = as_reward((fn or REWARDS.get(cfg.fn))(response, answer), cfg.valid_range)
     if cfg.overlong.enabled:
         reward += overlong_penalty(num_tokens, cfg.overlong.max_len, cfg.overlong.cache_len)
     return reward

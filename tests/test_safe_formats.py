@@ -1,0 +1,154 @@
+"""Safe formats and defaults: nothing pickled is ever loaded from disk, checkpoints and exports are
+safetensors and JSON only, and what rlsys starts listens on localhost unless the config says otherwise.
+(launch/ray_head.sh's dashboard default is tested in tests/test_launch.py.)"""
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from rlsys.cli import main
+from rlsys.config import DEFAULT_CONFIG, ClusterConfig, TrainerConfig
+from rlsys.trainer.backend import TorchBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = sorted((ROOT / "rlsys").rglob("*.py")) + sorted((ROOT / "launch").rglob("*.py"))
+
+# Modules whose only way to read data is unpickling it (or running it, for marshal).
+PICKLE_MODULES = {"pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib", "shelve", "marshal", "jsonpickle"}
+# Calls that unpickle what they read, always, or with the keyword given.
+PICKLE_CALLS = {"torch.load", "torch.jit.load", "torch.serialization.load", "yaml.unsafe_load", "yaml.full_load",
+                "yaml.unsafe_load_all", "yaml.full_load_all", "pandas.read_pickle", "numpy.lib.format.read_array"}
+UNSAFE_KEYWORDS = {("allow_pickle", True), ("weights_only", False), ("use_safetensors", False),
+                   ("trust_remote_code", True)}
+SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader"}
+# (file, what) pairs that are allowed, each with the reason.
+ALLOWED = {
+    # The reward function is pickled by the driver and unpickled by its reward actors, in memory through
+    # Ray (which pickles every actor argument anyway); nothing is written to or read from disk.
+    ("rlsys/reward/pool.py", "import ray.cloudpickle"),
+}
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def pickle_loaders(source: str) -> list[str]:
+    """Each import of a pickling module and each call that unpickles, as 'what (line N)'."""
+    tree, aliases, found = ast.parse(source), {}, []
+    for node in ast.walk(tree):  # aliases first: `import numpy as np`, `from torch import load`
+        if isinstance(node, ast.Import):
+            aliases.update((a.asname or a.name.split(".")[0], a.name if a.asname else a.name.split(".")[0])
+                           for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            aliases.update((a.asname or a.name, f"{node.module}.{a.name}") for a in node.names)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                name = f"{node.module}.{a.name}" if isinstance(node, ast.ImportFrom) else a.name
+                if PICKLE_MODULES & set(name.split(".")) or name in PICKLE_CALLS:
+                    found.append(f"import {name} (line {node.lineno})")
+        if not isinstance(node, ast.Call):
+            continue
+        for k in node.keywords:
+            if isinstance(k.value, ast.Constant) and (k.arg, k.value.value) in UNSAFE_KEYWORDS:
+                found.append(f"{k.arg}={k.value.value} (line {node.lineno})")
+        name = _dotted(node.func)
+        if name is None:
+            continue
+        head, _, rest = name.partition(".")
+        name = ".".join(filter(None, [aliases.get(head, head), rest]))
+        loader = next((_dotted(k.value) or "" for k in node.keywords if k.arg == "Loader"), "")
+        if (name in PICKLE_CALLS or name.endswith((".read_pickle", ".load_checkpoint"))
+                or (name in ("yaml.load", "yaml.load_all") and loader.split(".")[-1] not in SAFE_YAML_LOADERS)):
+            found.append(f"{name} (line {node.lineno})")
+    return found
+
+
+def test_no_source_file_loads_pickled_data():
+    found = []
+    for path in SOURCES:
+        rel = path.relative_to(ROOT).as_posix()
+        found += [f"{rel}: {what}" for what in pickle_loaders(path.read_text())
+                  if (rel, what.rsplit(" (line", 1)[0]) not in ALLOWED]
+    assert not found, "pickle loaders (use safetensors or JSON, or justify one in ALLOWED):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("snippet", [
+    "import torch\ntorch.load('x.pt')",
+    "from torch import load\nload('x.pt')",
+    "import pickle",
+    "from pickle import loads",
+    "import numpy as np\nnp.load('x.npy', allow_pickle=True)",
+    "import yaml\nyaml.load(open('c.yaml'))",
+    "import yaml\nyaml.load(open('c.yaml'), Loader=yaml.FullLoader)",
+    "import yaml\nyaml.unsafe_load(open('c.yaml'))",
+    "import pandas as pd\npd.read_pickle('x.pkl')",
+    "engine.load_checkpoint('ckpt')",  # DeepSpeed's own checkpoints are torch.save files
+    "AutoModel.from_pretrained('m', use_safetensors=False)",
+    "AutoModel.from_pretrained('m', trust_remote_code=True)",
+    "torch.load('x.pt', weights_only=False)",
+])
+def test_the_scan_catches_each_way_of_unpickling(snippet):
+    assert pickle_loaders(snippet)
+
+
+def test_the_scan_lets_safe_loaders_through():
+    assert not pickle_loaders("import yaml, json, numpy as np\nyaml.safe_load('a: 1')\n"
+                              "yaml.load('a: 1', Loader=yaml.SafeLoader)\njson.loads('{}')\nnp.load('x.npy')\n"
+                              "from safetensors.torch import load_file\nload_file('m.safetensors')")
+
+
+def assert_safetensors_and_json_only(folder: Path) -> list[str]:
+    """Every file is a readable safetensors or JSON file, and none is a pickle or torch.save archive."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        assert path.suffix in (".safetensors", ".json"), path
+        head = path.read_bytes()[:2]
+        assert head[:1] != b"\x80" and head != b"PK", f"{path} looks like a pickle or a torch.save zip"
+        if path.suffix == ".json":
+            json.loads(path.read_text())
+        else:
+            with safe_open(str(path), "pt") as f:
+                assert list(f.keys()) or path.stat().st_size > 8, path
+    return [p.relative_to(folder).as_posix() for p in files]
+
+
+@pytest.mark.slow
+def test_a_real_run_checkpoints_and_exports_safetensors_and_json_only(tmp_path, ray_cluster):
+    run = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=1", f"output_dir={run}",
+                 "control.prompts_per_step=4", "control.group_size=4", "data.eval_size=8", "rollout.slots=16",
+                 "rollout.max_new_tokens=48", "model.warm_start.steps=30", "control.eval_every=0",
+                 "logging.progress=false"]) == 0
+    checkpoint = assert_safetensors_and_json_only(run / "checkpoints")  # DeepSpeed (ZeRO-2) and the controller
+    assert {"step_000001/controller.json", "step_000001/trainer/model.safetensors",
+            "step_000001/trainer/optimizer_shard0.safetensors"} <= set(checkpoint)
+    assert "model.safetensors" in assert_safetensors_and_json_only(run / "export")
+
+    backend = TorchBackend(TrainerConfig(backend="torch"), str(run / "export"))  # the other backend's files
+    sum(p.sum() for p in backend.model.parameters()).backward()
+    backend.optimizer.step()  # so that the optimizer has state to save
+    backend.save(str(tmp_path / "torch"))
+    assert "optimizer_rank0.safetensors" in assert_safetensors_and_json_only(tmp_path / "torch")
+
+
+def test_ray_is_started_with_its_dashboard_off_and_on_localhost(monkeypatch):
+    import ray
+
+    from rlsys.cluster import init_ray
+
+    assert ClusterConfig().dashboard_host == "127.0.0.1"
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    init_ray()
+    init_ray(ClusterConfig(dashboard_host="0.0.0.0"))  # only when the config asks for it
+    assert [(c["include_dashboard"], c["dashboard_host"]) for c in calls] == [(False, "127.0.0.1"), (False, "0.0.0.0")]
