@@ -152,3 +152,12 @@ def test_ray_is_started_with_its_dashboard_off_and_on_localhost(monkeypatch):
     init_ray()
     init_ray(ClusterConfig(dashboard_host="0.0.0.0"))  # only when the config asks for it
     assert [(c["include_dashboard"], c["dashboard_host"]) for c in calls] == [(False, "127.0.0.1"), (False, "0.0.0.0")]
+
+
+def test_a_model_folder_with_only_pickled_weights_is_refused_by_name(tmp_path):
+    from rlsys.models import ModelDirError, validate_model_dir
+
+    for name in ("config.json", "tokenizer.json", "pytorch_model.bin"):
+        (tmp_path / name).write_text("{}")
+    with pytest.raises(ModelDirError, match="model.path: .*pytorch_model.bin is a pickle"):
+        validate_model_dir(tmp_path)

@@ -12,8 +12,7 @@ from pathlib import Path
 
 from rlsys.config import Config
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # never pickles: see safe formats
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUILD_INFO = "rlsys_build.json"
 # The code that decides what a cached model is: editing it makes a new cache entry, never a stale hit.
@@ -40,7 +39,9 @@ def validate_model_dir(path: str | Path, field: str = "model.path") -> Path:
     if not (model_dir / "config.json").is_file():
         missing.append("config.json")
     if not any((model_dir / name).is_file() for name in WEIGHT_FILES):
-        missing.append("weights (" + " or ".join(WEIGHT_FILES) + ")")
+        pickled = " (pytorch_model.bin is a pickle, which rlsys never loads: convert it with save_pretrained)"
+        missing.append("weights (" + " or ".join(WEIGHT_FILES) + ")"
+                       + (pickled if (model_dir / "pytorch_model.bin").is_file() else ""))
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         missing.append("tokenizer (" + " or ".join(TOKENIZER_FILES) + ")")
     if missing:

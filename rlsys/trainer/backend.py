@@ -32,7 +32,7 @@ LAYOUT_FILE = "trainer.json"
 
 
 def load_model(model_dir: str, device) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     model.eval()  # no dropout, ever: training log-probs must match the engine's
     return model.to(device)
 
