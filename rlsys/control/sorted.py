@@ -84,10 +84,13 @@ class SortedScheduler(Scheduler):
         self.counts = Counter(regenerated=0, resumed=0, aborted=0, engine_aborts=0, wasted_tokens=0)
         self.trained_tokens = self.stale_tokens = 0  # for staleness/mean
         self.max_span = self.max_lag = self.max_delay = 0
+        self.left_out = [0, 0]  # samples and tokens a checkpoint left out, counted when `start` regenerates them
 
     # --- events ---------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
         if self.open:  # restored from a checkpoint mid-round: regenerate its open prompts
+            samples, tokens = self.left_out
+            self.counts.update(regenerated=samples, wasted_tokens=tokens)  # as `_drop_stale` would have
             return self._submit_all()
         return self._start_round()
 
@@ -272,11 +275,17 @@ class SortedScheduler(Scheduler):
         its train step). Whatever is in flight then (requests generating or aborted, finished
         samples, partials, groups waiting for a batch) is left out: after a restore, `start`
         regenerates every open prompt of the round from scratch under the restored weights, and the
-        round goes on with its remaining updates, so each prompt is still trained exactly once.
+        round goes on with its remaining updates, so each prompt is still trained exactly once. The
+        samples left out are counted as regenerated then, so that a resumed run reports the waste an
+        uninterrupted one does.
         """
         state = super().state_dict()
+        open_entries = [e for e in self.entries if not e.closed]
+        left_out = [f.sample.completion.num_tokens for e in open_entries for f in e.done]
+        left_out += [p.num_tokens for e in open_entries for p in e.partials]
         state["sorted"] = {
-            "open": [{"prompt": asdict(e.prompt), "drawn_at": e.drawn_at} for e in self.entries if not e.closed],
+            "open": [{"prompt": asdict(e.prompt), "drawn_at": e.drawn_at} for e in open_entries],
+            "left_out": [len(left_out) + len(self.aborting), sum(left_out)],  # samples, tokens
             "batch": self.batch, "group_size": self.group_size, "round": self.round, "updates": self.updates,
             "counts": dict(self.counts), "tokens": [self.trained_tokens, self.stale_tokens],
             "maxima": [self.max_span, self.max_lag, self.max_delay]}
@@ -286,6 +295,7 @@ class SortedScheduler(Scheduler):
         super().load_state_dict(state)
         s = state["sorted"]
         self.batch, self.group_size, self.round, self.updates = s["batch"], s["group_size"], s["round"], s["updates"]
+        self.left_out = s["left_out"]
         self.entries = [Entry(Prompt(**e["prompt"]), e["drawn_at"], owed=self.group_size) for e in s["open"]]
         self.open, self.ready, self.running, self.aborting, self.training = len(self.entries), [], {}, {}, False
         self.counts = Counter(s["counts"])
