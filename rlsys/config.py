@@ -365,6 +365,7 @@ def read_yaml_mapping(path: Path, what: str = "config file") -> tuple[dict, str]
     """(parsed mapping, raw text) of a YAML file, or a ConfigError naming the file."""
     try:
         text = path.read_text()
+        _refuse_repeated_keys(yaml.compose(text), path)
         raw = yaml.safe_load(text) or {}
     except FileNotFoundError:
         raise ConfigError(f"{what} not found: {path}") from None
@@ -373,6 +374,21 @@ def read_yaml_mapping(path: Path, what: str = "config file") -> tuple[dict, str]
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return raw, text
+
+
+def _refuse_repeated_keys(node, path: Path) -> None:
+    """YAML keeps the last of two equal keys without a word; a config must not change silently."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict = {}
+        for key, value in node.value:
+            if key.value in seen:
+                raise ConfigError(f"{path}: line {key.start_mark.line + 1}: key {key.value!r} repeats the one "
+                                  f"on line {seen[key.value] + 1}")
+            seen[key.value] = key.start_mark.line
+            _refuse_repeated_keys(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_repeated_keys(item, path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -93,3 +93,12 @@ def test_reward_errors_are_logged_as_a_trickle_not_a_flood():
     logged = [n for n in range(1, 2001) if _worth_logging(n)]
     assert logged[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 30] and logged[-3:] == [900, 1000, 2000]
     assert len(logged) == 29
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_with_both_lines(tmp_path):
+    from rlsys.config import ConfigError, load_config
+
+    path = tmp_path / "twice.yaml"
+    path.write_text("trainer:\n  lr: 1.0e-4\n  total_steps: 3\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: line 4: key 'lr' repeats the one on line 2"):
+        load_config(path)
