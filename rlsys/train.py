@@ -3,6 +3,7 @@ into the scheduler (DESIGN.md "Shape"). Everything it calls has one job; the pol
 """
 from __future__ import annotations
 
+import json
 import signal
 import time
 import zlib
@@ -26,7 +27,7 @@ from rlsys.plot import plot_run
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats
-from rlsys.trainer.worker import TrainerGroup
+from rlsys.trainer.worker import TrainerDied, TrainerGroup, finished
 from rlsys.types import Completion, Prompt, Request, SamplingParams, ScoredSample
 
 
@@ -39,7 +40,7 @@ class TrainStep:
     started: float = field(default_factory=time.time)
 
     def done(self) -> bool:
-        return not ray.wait(self.refs, num_returns=len(self.refs), timeout=0)[1]
+        return finished(self.refs)
 
 
 class Controller:
@@ -180,7 +181,8 @@ class Controller:
         metrics = dict(step.rollout_metrics, **self.stats.step_totals())
         self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
-                        "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors})
+                        "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors,
+                        "rollout/restarts": self.rollout.restarts})
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self.scheduler.metrics())
         metrics.update(self.scheduler.sizer.metrics())
@@ -219,8 +221,6 @@ class Controller:
         return path
 
     def _restore(self) -> None:
-        import json
-
         latest = self.checkpoints.latest()
         if latest is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.checkpoints.root}")
@@ -267,10 +267,20 @@ class Controller:
         print("SIGTERM: finishing the current step, saving a checkpoint, then exiting")
         self.stop_requested = True
 
+    def stopped_by(self, death: TrainerDied) -> str:
+        """Where a dead trainer rank stopped the run, and how to go on from there."""
+        latest = self.checkpoints.latest()
+        how = (f"`rlsys train` with the same config and --resume continues from the last checkpoint, step "
+               f"{json.loads((latest / STATE_FILE).read_text())['step']}" if latest
+               else "no checkpoint was written yet: start it again")
+        return f"trainer rank {death.rank} died in step {self.step + 1} ({death.why}). The run stopped; {how}."
+
 
 def train(cfg: Config, resume: bool = False) -> dict:
     controller = Controller(cfg, resume=resume)
     try:
         return controller.run()
+    except TrainerDied as death:
+        raise RuntimeError(controller.stopped_by(death)) from None
     finally:
         controller.shutdown()

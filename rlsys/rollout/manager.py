@@ -3,13 +3,21 @@
 Each worker always has exactly one `drain` call in flight; `refs()` hands those to the controller,
 which waits on them together with other components' refs and passes the ready ones to `collect()`.
 Requests go to the worker with the fewest outstanding requests (submitted, not yet collected).
+
+A worker that dies (killed, OOM, node lost) is replaced under the same index: the new one loads the
+last weights passed to `update_weights`, then gets the dead one's requests again (same ids and seeds,
+so the same samples); requests the caller aborted come back cut instead. Each prompt's samples thus
+arrive exactly once. `rollout.max_restarts` deaths of a worker in a row, with no request finished in
+between, stop the run.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import ray
 from ray import ObjectRef
+from ray.exceptions import RayActorError, RayTaskError
 
 from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request
@@ -30,22 +38,29 @@ class RolloutManager:
     def from_config(cls, cfg, model_dir) -> "RolloutManager":
         """The run's engines, as `cfg.rollout` and `cfg.cluster` describe them."""
         return cls(str(model_dir), cfg.rollout.num_workers, cfg.rollout.slots, torch_threads=cfg.cluster.torch_threads,
-                   engine_kwargs=engine_options(cfg), engine=cfg.rollout.engine)
+                   engine_kwargs=engine_options(cfg), engine=cfg.rollout.engine, max_restarts=cfg.rollout.max_restarts)
 
     def __init__(self, model_dir: str, num_workers: int, slots: int, torch_threads: int | None = None,
-                 engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0, engine: str = "cpu"):
+                 engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0, engine: str = "cpu",
+                 max_restarts: int = 3):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
-        self.slots, self.drain_timeout_s = slots, drain_timeout_s
+        self.slots, self.drain_timeout_s, self.max_restarts = slots, drain_timeout_s, max_restarts
         gpus = (engine_kwargs or {}).get("tensor_parallel_size", 1) if engine == "vllm" else 0
-        self.workers = [RemoteRolloutWorker.options(num_gpus=gpus).remote(model_dir, slots, i, torch_threads,
-                                                                          engine_kwargs, engine)
-                        for i in range(num_workers)]
+        self._actor = RemoteRolloutWorker.options(num_gpus=gpus)
+        self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine)
+        self.workers = [self._new_worker(i) for i in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])  # surface load errors here, not later
         self.outstanding = [0] * num_workers
         self.owner: dict[str, int] = {}  # request id -> worker, until its completion is collected
+        self.requests: dict[str, Request] = {}  # the same span: what a replacement worker is given again
+        self.aborted: set[str] = set()  # asked to abort: never given to a replacement
+        # The last update_weights, for a replacement worker (this keeps one copy alive in the object store).
+        self.weights: tuple[ObjectRef, int] | None = None
+        self.restarts = 0
+        self.deaths = [0] * num_workers  # per worker, in a row: reset when it finishes a request
         self._drains: dict[ObjectRef, int] = {self._arm(i): i for i in range(num_workers)}
-        self.held: list[Completion] = []  # collected by generate() for other callers
+        self.held: list[Completion] = []  # for the next collect(): kept by generate(), cut by a death
 
     @property
     def capacity(self) -> int:
@@ -64,17 +79,19 @@ class RolloutManager:
             i = min(range(len(self.workers)), key=self.outstanding.__getitem__)
             self.outstanding[i] += 1
             self.owner[r.request_id] = i
+            self.requests[r.request_id] = r
             batches[i].append(r)
         calls = [(i, batch, self.workers[i].submit.remote(batch)) for i, batch in batches.items()]
         errors = []
         for i, batch, ref in calls:
             try:
                 ray.get(ref)
-            except ray.exceptions.RayTaskError as e:  # the worker refused the batch: forget it
+            except RayActorError as e:  # the worker is dead: its replacement gets this batch too
+                self.held += self._replace(i, e)
+            except RayTaskError as e:  # the worker refused the batch: forget it
                 errors.append(e.as_instanceof_cause())  # still a ValueError for the caller
                 for r in batch:
-                    del self.owner[r.request_id]
-                self.outstanding[i] -= len(batch)
+                    self._forget(r.request_id)
         if errors:
             raise errors[0]
 
@@ -85,8 +102,17 @@ class RolloutManager:
         for rid in request_ids:
             if rid in self.owner:
                 by_worker[self.owner[rid]].append(rid)
-        cut = ray.get([self.workers[i].abort.remote(ids) for i, ids in by_worker.items()])
-        return [rid for ids in cut for rid in ids]
+                self.aborted.add(rid)
+        calls = [(i, ids, self.workers[i].abort.remote(ids)) for i, ids in by_worker.items()]
+        cut = []
+        for i, ids, ref in calls:
+            try:
+                cut += ray.get(ref)
+            except RayActorError as e:  # the worker is dead: these come back cut from _replace
+                lost = self._replace(i, e)
+                self.held += lost
+                cut += [c.request_id for c in lost if c.request_id in ids]
+        return cut
 
     def refs(self) -> list[ObjectRef]:
         return list(self._drains)
@@ -99,11 +125,16 @@ class RolloutManager:
                 raise KeyError(f"{ref} is not one of this manager's drain calls (take them from refs())")
             i = self._drains.pop(ref)
             self._drains[self._arm(i)] = i  # re-armed first, so a raised error leaves the manager usable
-            completions = ray.get(ref)
+            try:
+                completions = ray.get(ref)
+            except RayActorError as e:
+                out += self._replace(i, e)
+                continue
             for c in completions:
                 c.worker = i
-                if self.owner.pop(c.request_id, None) is not None:
-                    self.outstanding[i] -= 1
+                self._forget(c.request_id)
+            if completions:
+                self.deaths[i] = 0
             out.extend(completions)
         return out
 
@@ -126,11 +157,13 @@ class RolloutManager:
     def update_weights(self, state_dict, version: int) -> None:
         """Blocking: every worker uses `version` for its next decode step. Takes a dict or an ObjectRef."""
         ref = state_dict if isinstance(state_dict, ObjectRef) else ray.put(state_dict)
-        ray.get([w.update_weights.remote(ref, version) for w in self.workers])
+        self.weights = (ref, version)  # first, so a worker replaced during the update starts from them
+        self._on_every_worker(lambda w: w.update_weights.remote(ref, version))
 
     def stats(self, window: tuple[float, float] | None = None) -> list[dict]:
-        """Each worker's engine counters; with a wall-clock window, its occupied slot-seconds in it too."""
-        return ray.get([w.stats.remote(window) for w in self.workers])
+        """Each worker's engine counters; with a wall-clock window, its occupied slot-seconds in it too
+        (a replaced worker's counters start at its start)."""
+        return self._on_every_worker(lambda w: w.stats.remote(window))
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -143,3 +176,78 @@ class RolloutManager:
 
     def _arm(self, i: int) -> ObjectRef:
         return self.workers[i].drain.remote(self.drain_timeout_s)
+
+    def _new_worker(self, i: int):
+        model_dir, slots, torch_threads, engine_kwargs, engine = self._worker_args
+        return self._actor.remote(model_dir, slots, i, torch_threads, engine_kwargs, engine)
+
+    def _forget(self, request_id: str) -> None:
+        i = self.owner.pop(request_id, None)
+        if i is not None:
+            self.outstanding[i] -= 1
+            del self.requests[request_id]
+            self.aborted.discard(request_id)
+
+    def _on_every_worker(self, call) -> list:
+        """`call(worker)` on every worker, results in order; a dead worker is replaced and asked again."""
+        refs = [call(w) for w in self.workers]
+        out = []
+        for i, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+            except RayActorError as e:
+                self.held += self._replace(i, e)
+                out.append(ray.get(call(self.workers[i])))
+        return out
+
+    def _replace(self, i: int, error: RayActorError) -> list[Completion]:
+        """Worker i died: start another with the last weights and give it i's requests again. Returns
+        the completions of the requests the caller aborted: cut, with no new tokens, never run again."""
+        self._check_died(i, error)
+        lost = [self.requests[rid] for rid, j in self.owner.items() if j == i]
+        again = [r for r in lost if r.request_id not in self.aborted]
+        cut = [self._cut(r, i) for r in lost if r.request_id in self.aborted]
+        for c in cut:
+            self._forget(c.request_id)
+        self._drains = {ref: j for ref, j in self._drains.items() if j != i}
+        while True:
+            self.deaths[i] += 1
+            why = str(error).splitlines()[-1].rstrip(".")
+            if self.deaths[i] > self.max_restarts:
+                raise RuntimeError(f"rollout worker {i} died {self.deaths[i]} times in a row without finishing "
+                                   f"a request (rollout.max_restarts={self.max_restarts}); the last time: {why}"
+                                   ) from error
+            print(f"rollout worker {i} died ({why}); restarting it with its {len(again)} requests", flush=True)
+            self.restarts += 1
+            ray.kill(self.workers[i])  # unreachable is not always dead: make sure it is
+            self.workers[i] = self._new_worker(i)
+            try:
+                self._prepare(self.workers[i], again)
+                break
+            except RayActorError as e:
+                self._check_died(i, e)
+                error = e
+        self._drains[self._arm(i)] = i
+        return cut
+
+    def _check_died(self, i: int, error: RayActorError) -> None:
+        """Raise `error` unless it is worker i's death: it may be another actor's, e.g. the trainer
+        that was to make the weights passed to update_weights."""
+        if error.actor_id != self.workers[i]._actor_id.hex():
+            raise error
+
+    def _prepare(self, worker, requests: list[Request]) -> None:
+        """In order (a worker runs calls concurrently): the model, the last weights, then the requests."""
+        ray.get(worker.ready.remote())
+        if self.weights is not None:
+            ray.get(worker.update_weights.remote(*self.weights))
+        if requests:
+            ray.get(worker.submit.remote(requests))
+
+    @staticmethod
+    def _cut(r: Request, worker: int) -> Completion:
+        """What aborting a request before its first new token gives: only the tokens it resumed from."""
+        now = time.time()
+        return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), list(r.resume_ids),
+                          list(r.resume_logprobs), list(r.resume_versions), "abort", worker=worker,
+                          submit_time=now, start_time=now, end_time=now)

@@ -3,7 +3,9 @@
 The group turns scored groups into samples with advantages, plans the step (each rank's samples,
 the step totals, the micro-batch count every rank runs) and merges the ranks' statistics. Files
 (checkpoints, exports) are written by the workers, so on several nodes the run folder must be on a
-shared filesystem.
+shared filesystem. A rank that dies cannot be replaced mid-run (its optimizer state and its place in
+the collectives are gone): the group raises `TrainerDied`, naming it, and the run resumes from its
+last checkpoint.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError, RayError
 
 from rlsys.config import Config, TrainerConfig
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
@@ -24,6 +27,15 @@ from rlsys.types import Group
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
 SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps")  # everything else a rank reports is its share of a sum
+DEATH_GRACE_S = 5.0  # a dead rank's peers may report the broken connection before Ray reports the death
+
+
+class TrainerDied(RuntimeError):
+    """A trainer rank's actor died (killed, out of memory, node lost)."""
+
+    def __init__(self, rank: int, why: str):
+        super().__init__(f"trainer rank {rank} died ({why})")
+        self.rank, self.why = rank, why
 
 
 @ray.remote
@@ -94,14 +106,14 @@ class TrainerWorker:
         self.backend.export_hf(folder)
 
 
-def get_all(refs: list[ray.ObjectRef]) -> list:
-    """Like ray.get, but a rank's error is raised as soon as it happens, not after the ranks still
-    blocked in a collective with it time out."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
-    return ray.get(refs)
+def finished(refs: list[ray.ObjectRef]) -> bool:
+    """Every rank is done, or one failed: the others may wait for it in a collective until they time out."""
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+    try:
+        ray.get(ready)
+    except RayError:
+        return True
+    return not pending
 
 
 @dataclass
@@ -131,7 +143,7 @@ class TrainerGroup:
         self.workers = [actor.remote(self.cfg, model_dir, rank, world) for rank in range(world)]
         ips = ray.get([w.node_ip.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
-        get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
+        self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
         self.stream: OpenStream | None = None
 
     # --- training -----------------------------------------------------------------------------
@@ -157,7 +169,7 @@ class TrainerGroup:
 
     def finish_train_step(self, refs: list[ray.ObjectRef]) -> dict:
         """Merged metrics: sums of the ranks' shares, and grad_norm / skipped_steps from rank 0."""
-        return merge_metrics(get_all(refs))
+        return merge_metrics(self._get_all(refs))
 
     # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
     def stream_begin(self, temperature: float) -> None:
@@ -193,8 +205,8 @@ class TrainerGroup:
     def compute_logprobs(self, samples: list[TrainSample], temperature: float) -> list[list[float]]:
         """Current-policy log-probs of each sample's response tokens, in input order."""
         per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
-        results = get_all([w.compute_logprobs.remote(s, temperature, totals.micro_batches)
-                           for w, s in zip(self.workers, per_rank)])
+        results = self._get_all([w.compute_logprobs.remote(s, temperature, totals.micro_batches)
+                                 for w, s in zip(self.workers, per_rank)])
         found = {id(s): lp for part, part_lps in zip(per_rank, results) for s, lp in zip(part, part_lps)}
         return [found[id(s)] for s in samples]
 
@@ -203,18 +215,20 @@ class TrainerGroup:
         """Rank 0's full weights (HF names, CPU float32) in the object store, for the rollout workers."""
         gather_on_all = self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3
         refs = [w.rollout_weights.remote() for w in (self.workers if gather_on_all else self.workers[:1])]
-        get_all(refs[1:])  # the other ranks only take part in the gather; rank 0's stays in the store
+        # The other ranks only take part in the gather; rank 0's weights stay in the store. Rank 0 answers
+        # once they are there, so its death shows here, not later as a rollout worker's error.
+        self._get_all(refs[1:] + [self.workers[0].node_ip.remote()])
         return refs[0]
 
     def save(self, folder: str) -> None:
-        get_all([w.save.remote(folder) for w in self.workers])
+        self._get_all([w.save.remote(folder) for w in self.workers])
 
     def load(self, folder: str) -> None:
-        get_all([w.load.remote(folder) for w in self.workers])
+        self._get_all([w.load.remote(folder) for w in self.workers])
 
     def export_hf(self, folder: str, tokenizer_dir: str) -> None:
         """A standard HF folder (config, safetensors weights, tokenizer files) loadable by from_pretrained."""
-        get_all([w.export_hf.remote(folder) for w in self.workers])
+        self._get_all([w.export_hf.remote(folder) for w in self.workers])
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy2(Path(tokenizer_dir) / name, Path(folder) / name)
@@ -223,3 +237,32 @@ class TrainerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+    def _get_all(self, refs: list[ray.ObjectRef]) -> list:
+        """Like ray.get, but a rank's error is raised as soon as it happens, not after the ranks still
+        blocked in a collective with it time out; a dead rank as TrainerDied."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done)
+            except RayError as e:
+                self._raise_if_a_rank_died(e, pending)
+                raise
+        return ray.get(refs)
+
+    def _raise_if_a_rank_died(self, error: RayError, others: list[ray.ObjectRef]) -> None:
+        """TrainerDied if `error`, or one of `others` failing soon after it, is a rank's death."""
+        if not isinstance(error, RayActorError):  # e.g. a peer's broken connection: look for the cause
+            ready, _ = ray.wait(others, num_returns=len(others), timeout=DEATH_GRACE_S)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except RayActorError as e:
+                    error = e
+                    break
+                except RayError:
+                    pass
+        ranks = {w._actor_id.hex(): rank for rank, w in enumerate(self.workers)}
+        if isinstance(error, RayActorError) and error.actor_id in ranks:
+            raise TrainerDied(ranks[error.actor_id], str(error).splitlines()[-1].rstrip(".")) from None
