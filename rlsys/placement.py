@@ -103,7 +103,8 @@ def group_specs(plan: Plan, cpus_per_gpu: float = 1.0) -> tuple[list[GroupSpec],
     """The placement groups a plan needs, and where each slot lives: (role, index) -> (group, bundles).
 
     colocated: one STRICT_PACK group per node, one bundle per GPU, shared by that node's engines and ranks;
-    separate:  one STRICT_PACK group per engine (its TP GPUs on one node), one PACK group for the trainer.
+    separate:  one group per engine holding one bundle of its TP GPUs (a Ray actor lives in one bundle, and
+               the engine's TP workers are its child processes), one PACK group for the trainer.
     """
     bundle = {"GPU": 1, "CPU": cpus_per_gpu}
     where = {}
@@ -115,22 +116,33 @@ def group_specs(plan: Plan, cpus_per_gpu: float = 1.0) -> tuple[list[GroupSpec],
         for s in plan.engines + plan.trainer:
             where[s.role, s.index] = (f"rlsys-node{s.node}", s.gpus)
         return specs, where
-    specs = [GroupSpec(f"rlsys-rollout{s.index}", (bundle,) * len(s.gpus), "STRICT_PACK") for s in plan.engines]
+    specs = [GroupSpec(f"rlsys-rollout{s.index}", ({"GPU": len(s.gpus), "CPU": cpus_per_gpu * len(s.gpus)},),
+                       "STRICT_PACK") for s in plan.engines]
     specs.append(GroupSpec("rlsys-trainer", (bundle,) * len(plan.trainer), "PACK"))
     for s in plan.engines:
-        where[s.role, s.index] = (f"rlsys-rollout{s.index}", tuple(range(len(s.gpus))))
+        where[s.role, s.index] = (f"rlsys-rollout{s.index}", (0,))
     for s in plan.trainer:
         where[s.role, s.index] = ("rlsys-trainer", (s.index,))
     return specs, where
 
 
+COLOCATED_SHARE = 0.5  # of a GPU, for the engine and for the trainer rank that take turns on it
+
+
 class Placement:
-    """Live placement groups for a plan: `strategy(role, index)` schedules an actor on its first bundle."""
+    """Live placement groups for a plan; `actor_options(role, index)` puts an actor in its bundle.
+
+    colocated: an engine and a trainer rank each take half of their shared GPU's bundle, so Ray gives both
+    the same device; separate: an engine takes its whole TP bundle, a trainer rank one GPU."""
 
     def __init__(self, plan: Plan, cpus_per_gpu: float = 1.0, timeout_s: float = 120.0):
         import ray
         from ray.util.placement_group import placement_group
 
+        if plan.layout == "colocated" and plan.tp > 1:
+            raise PlacementError(f"cluster.layout=colocated with rollout.tensor_parallel_size={plan.tp}: an engine's "
+                                 "TP workers cannot share GPUs with trainer ranks yet; use cluster.layout=separate")
+        self.plan = plan
         specs, self.where = group_specs(plan, cpus_per_gpu)
         self.groups = {s.name: placement_group(list(s.bundles), strategy=s.strategy, name=s.name) for s in specs}
         for spec in specs:
@@ -140,6 +152,12 @@ class Placement:
                 raise PlacementError(f"placement group {spec.name} ({len(spec.bundles)} GPUs, {spec.strategy}) not "
                                      f"ready after {timeout_s:.0f} s; the Ray cluster has {have:g} GPUs: check "
                                      "cluster.nodes and cluster.gpus_per_node against `ray status`")
+
+    def actor_options(self, role: str, index: int) -> dict:
+        """Ray `.options()` for the engine or trainer rank `index`: its bundle and its share of the GPUs."""
+        whole = self.plan.tp if role == ROLLOUT else 1
+        gpus = COLOCATED_SHARE if self.plan.layout == "colocated" else whole
+        return {"scheduling_strategy": self.strategy(role, index), "num_gpus": gpus, "num_cpus": 0}
 
     def strategy(self, role: str, index: int, bundle: int = 0):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

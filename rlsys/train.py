@@ -21,7 +21,7 @@ from rlsys.data import load_prompts
 from rlsys.data.cursor import PromptCursor
 from rlsys.evaluate import eval_accuracy
 from rlsys.logger import RunLogger
-from rlsys.placement import format_plan, plan_from_config
+from rlsys.placement import Placement, format_plan, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.plot import plot_run
 from rlsys.reward.pool import RewardPool
@@ -51,15 +51,17 @@ class Controller:
         save_config(cfg, self.run_dir / "config.yaml")
         init_ray(cfg.cluster)
         plan = plan_from_config(cfg)
-        if plan:  # where each engine and trainer rank goes (GPU clusters only)
+        self.placement = None
+        if plan:  # where each engine and trainer rank goes (GPU clusters only), reserved before any actor starts
             print(format_plan(plan), flush=True)
+            self.placement = Placement(plan)
         self.model_dir = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
         train, self.eval_prompts = self._datasets()
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
-        self.rollout = RolloutManager.from_config(cfg, self.model_dir)
+        self.rollout = RolloutManager.from_config(cfg, self.model_dir, self.placement)
         self.rewards = RewardPool(cfg.reward)
-        self.trainer = TrainerGroup(cfg, str(self.model_dir))
+        self.trainer = TrainerGroup(cfg, str(self.model_dir), self.placement)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
         self.log = RunLogger(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps)
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
@@ -247,6 +249,8 @@ class Controller:
     def shutdown(self) -> None:
         for part in (self.rollout, self.rewards, self.trainer):
             part.shutdown()
+        if self.placement:
+            self.placement.remove()
 
     # --- small helpers ----------------------------------------------------------------------
     def now(self) -> float:

@@ -40,8 +40,9 @@ def test_two_nodes_separate_with_tp2_engines():
     assert [(s.node, s.gpus) for s in plan.engines] == [(0, (0, 1)), (0, (2, 3)), (0, (4, 5)), (0, (6, 7))]
     assert {s.node for s in plan.trainer} == {1}
     specs, where = group_specs(plan)
-    assert [(len(s.bundles), s.strategy) for s in specs] == [(2, "STRICT_PACK")] * 4 + [(8, "PACK")]
-    assert where["rollout", 2] == ("rlsys-rollout2", (0, 1)) and where["trainer", 5] == ("rlsys-trainer", (5,))
+    assert [(len(s.bundles), s.strategy) for s in specs] == [(1, "STRICT_PACK")] * 4 + [(8, "PACK")]
+    assert specs[0].bundles[0]["GPU"] == 2  # the engine actor holds both TP GPUs
+    assert where["rollout", 2] == ("rlsys-rollout2", (0,)) and where["trainer", 5] == ("rlsys-trainer", (5,))
     text = format_plan(plan)
     assert "node 0: engines 0-3 on GPUs 0-7" in text and "node 1: trainer ranks 0-7 on GPUs 0-7" in text
 
@@ -66,7 +67,8 @@ def test_separate_layout_shares_a_node_at_gpu_granularity():
     plan = plan_placement(1, 8, engines=2, tp=2, trainer_world=4, layout="separate")
     assert gpus_of(plan.trainer) == [(0, g) for g in range(4, 8)]
     specs, _ = group_specs(plan)
-    assert sum(len(s.bundles) for s in specs) == 8
+    assert sum(b["GPU"] for s in specs for b in s.bundles) == 8
+    assert [len(s.bundles) for s in specs] == [1, 1, 4]  # an engine's TP GPUs in one bundle: one actor holds them
 
 
 @pytest.mark.parametrize("args, message", [
@@ -91,6 +93,13 @@ def test_config_checks_the_plan_when_it_loads():
     assert plan_from_config(cfg) == plan_placement(2, 8, 4, 2, 8, "separate")
 
 
+def test_colocated_tp_engines_are_refused_before_any_group_is_made():
+    from rlsys.placement import Placement
+
+    with pytest.raises(PlacementError, match="use cluster.layout=separate"):
+        Placement(plan_placement(1, 8, engines=4, tp=2, trainer_world=8, layout="colocated"))
+
+
 @pytest.mark.slow
 def test_placement_groups_schedule_actors_on_their_gpus():
     """Real Ray placement groups on a one-node Ray with 16 logical GPUs (in a child process)."""
@@ -99,18 +108,44 @@ def test_placement_groups_schedule_actors_on_their_gpus():
         from rlsys.placement import Placement, plan_placement
         ray.init(num_cpus=16, num_gpus=16, include_dashboard=False, logging_level="ERROR")
 
-        @ray.remote(num_gpus=1, num_cpus=1)
+        @ray.remote
         class Probe:
             def gpus(self):
                 return ray.get_gpu_ids()
 
         placement = Placement(plan_placement(2, 8, 4, 2, 8, "separate"), timeout_s=30)
-        probes = [Probe.options(scheduling_strategy=placement.strategy("rollout", i, b)).remote()
-                  for i in range(4) for b in range(2)]
-        probes += [Probe.options(scheduling_strategy=placement.strategy("trainer", r)).remote() for r in range(8)]
-        ids = [g for p in probes for g in ray.get(p.gpus.remote())]
-        print("GPUS", len(set(ids)))
+        probes = [Probe.options(**placement.actor_options(role, i)).remote()
+                  for role, n in (("rollout", 4), ("trainer", 8)) for i in range(n)]
+        ids = [ray.get(p.gpus.remote()) for p in probes]
+        print("ENGINE_GPUS", [len(g) for g in ids[:4]], "DISTINCT", len({g for gs in ids for g in gs}))
         placement.remove()
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
-    assert "GPUS 16" in out.stdout, out.stdout + out.stderr
+    assert "ENGINE_GPUS [2, 2, 2, 2] DISTINCT 16" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_gives_them():
+    """The live actors (rollout workers, trainer ranks) in their placement groups, on logical GPUs."""
+    script = textwrap.dedent("""
+        import ray
+        from rlsys.config import load_config
+        from rlsys.models import prepare_model
+        from rlsys.placement import Placement, plan_from_config
+        from rlsys.rollout.manager import RolloutManager
+        from rlsys.trainer.worker import TrainerGroup
+        ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
+        cfg = load_config(None, ["cluster.gpus_per_node=2", "rollout.num_workers=2", "trainer.world_size=1",
+                                 "trainer.backend=torch", "model.warm_start.steps=30"])
+        placement = Placement(plan_from_config(cfg), timeout_s=60)
+        model = prepare_model(cfg)
+        rollout = RolloutManager.from_config(cfg, model, placement)
+        trainer = TrainerGroup(cfg, str(model), placement)
+        print("ROLLOUT", ray.get([w.gpu_ids.remote() for w in rollout.workers]))
+        print("TRAINER", ray.get([w.gpu_ids.remote() for w in trainer.workers]))
+        print("FREE_GPUS", ray.available_resources().get("GPU", 0))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    # engine 0 and trainer rank 0 share GPU 0 (half each); engine 1 has GPU 1; nothing outside the groups
+    assert "ROLLOUT [[0], [1]]" in out.stdout and "TRAINER [[0]]" in out.stdout, out.stdout + out.stderr
+    assert "FREE_GPUS 0" in out.stdout

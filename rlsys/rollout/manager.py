@@ -19,6 +19,7 @@ import ray
 from ray import ObjectRef
 from ray.exceptions import RayActorError, RayTaskError
 
+from rlsys.placement import ROLLOUT
 from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request
 
@@ -35,19 +36,21 @@ def engine_options(cfg) -> dict:
 
 class RolloutManager:
     @classmethod
-    def from_config(cls, cfg, model_dir) -> "RolloutManager":
-        """The run's engines, as `cfg.rollout` and `cfg.cluster` describe them."""
+    def from_config(cls, cfg, model_dir, placement=None) -> "RolloutManager":
+        """The run's engines, as `cfg.rollout` and `cfg.cluster` describe them (in `placement`'s groups)."""
         return cls(str(model_dir), cfg.rollout.num_workers, cfg.rollout.slots, torch_threads=cfg.cluster.torch_threads,
-                   engine_kwargs=engine_options(cfg), engine=cfg.rollout.engine, max_restarts=cfg.rollout.max_restarts)
+                   engine_kwargs=engine_options(cfg), engine=cfg.rollout.engine, max_restarts=cfg.rollout.max_restarts,
+                   placement=placement)
 
     def __init__(self, model_dir: str, num_workers: int, slots: int, torch_threads: int | None = None,
                  engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0, engine: str = "cpu",
-                 max_restarts: int = 3):
+                 max_restarts: int = 3, placement=None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         self.slots, self.drain_timeout_s, self.max_restarts = slots, drain_timeout_s, max_restarts
         gpus = (engine_kwargs or {}).get("tensor_parallel_size", 1) if engine == "vllm" else 0
-        self._actor = RemoteRolloutWorker.options(num_gpus=gpus)
+        self._options = ((lambda i: placement.actor_options(ROLLOUT, i)) if placement
+                         else (lambda i: {"num_gpus": gpus}))
         self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine)
         self.workers = [self._new_worker(i) for i in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])  # surface load errors here, not later
@@ -179,7 +182,8 @@ class RolloutManager:
 
     def _new_worker(self, i: int):
         model_dir, slots, torch_threads, engine_kwargs, engine = self._worker_args
-        return self._actor.remote(model_dir, slots, i, torch_threads, engine_kwargs, engine)
+        return RemoteRolloutWorker.options(**self._options(i)).remote(model_dir, slots, i, torch_threads,
+                                                                      engine_kwargs, engine)
 
     def _forget(self, request_id: str) -> None:
         i = self.owner.pop(request_id, None)

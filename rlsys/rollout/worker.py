@@ -45,6 +45,10 @@ class RolloutWorker:
     def ready(self) -> dict:
         return self.engine.load()
 
+    def gpu_ids(self) -> list:
+        """The GPUs Ray gave this actor (its placement bundle's)."""
+        return ray.get_gpu_ids()
+
     def submit(self, requests: list[Request]) -> None:
         """Check and queue requests, then return at once (the generation thread adds them between steps).
         A bad request refuses the whole batch here; a later failure is raised from the next drain()."""

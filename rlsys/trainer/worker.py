@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from rlsys.config import Config, TrainerConfig
+from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
 from rlsys.trainer.streamed import StreamedStep
@@ -44,6 +45,10 @@ class TrainerWorker:
         self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
         self.backend = None
         self.stream: StreamedStep | None = None
+
+    def gpu_ids(self) -> list:
+        """The GPUs Ray gave this actor (its placement bundle's)."""
+        return ray.get_gpu_ids()
 
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
@@ -132,15 +137,17 @@ def merge_metrics(per_rank: list[dict]) -> dict:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, model_dir: str):
+    def __init__(self, cfg: Config, model_dir: str, placement=None):
         self.cfg = cfg.trainer
         world = self.cfg.world_size
         if self.cfg.backend == "torch" and world > 1:  # refused before any actor starts
             raise ValueError(f"trainer.backend=torch runs on one rank, got trainer.world_size={world}; "
                              "use trainer.backend=deepspeed for data parallelism")
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-        actor = TrainerWorker.options(num_cpus=1, num_gpus=gpus)
-        self.workers = [actor.remote(self.cfg, model_dir, rank, world) for rank in range(world)]
+        options = ((lambda rank: placement.actor_options(TRAINER, rank)) if placement
+                   else (lambda rank: {"num_cpus": 1, "num_gpus": gpus}))
+        self.workers = [TrainerWorker.options(**options(rank)).remote(self.cfg, model_dir, rank, world)
+                        for rank in range(world)]
         ips = ray.get([w.node_ip.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
         self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
