@@ -26,12 +26,19 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
 
 def cmd_train(args) -> int:
     from rlsys.config import load_config
-    from rlsys.train import train
+    from rlsys.train import RunStopped, train
 
     path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)
-    final = train(cfg, resume=args.resume)
-    print(f"done: step {final['step']}, eval accuracy {final.get('eval/accuracy', float('nan')):.3f}; "
+    try:
+        final = train(cfg, resume=args.resume)
+    except RunStopped as e:  # a clear message, not a traceback
+        print(f"rlsys: {e}", file=sys.stderr)
+        return 1
+    if "eval/accuracy" not in final:  # stopped by SIGTERM: no final eval
+        print(f"stopped at step {final['step']}; --resume continues (run folder {cfg.output_dir})")
+        return 0
+    print(f"done: step {final['step']}, eval accuracy {final['eval/accuracy']:.3f}; "
           f"run folder {cfg.output_dir} (rlsys plot {cfg.output_dir})")
     return 0
 

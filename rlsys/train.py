@@ -280,11 +280,15 @@ class Controller:
         return f"trainer rank {death.rank} died in step {self.step + 1} ({death.why}). The run stopped; {how}."
 
 
+class RunStopped(RuntimeError):
+    """A fault the run cannot survive; the message says where it stopped and how to go on."""
+
+
 def train(cfg: Config, resume: bool = False) -> dict:
     controller = Controller(cfg, resume=resume)
     try:
         return controller.run()
     except TrainerDied as death:
-        raise RuntimeError(controller.stopped_by(death)) from None
+        raise RunStopped(controller.stopped_by(death)) from None
     finally:
         controller.shutdown()
