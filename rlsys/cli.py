@@ -26,7 +26,8 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
 
 def cmd_train(args) -> int:
     from rlsys.config import load_config
-    from rlsys.train import RunStopped, train
+    from rlsys.train import train
+    from rlsys.types import RunStopped
 
     path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)

@@ -267,6 +267,16 @@ class ClusterConfig(Section):
     torch_threads: int = Field(1, ge=1)
 
 
+class WeightsConfig(Section):
+    """How each new version of the weights travels from the trainer to the rollout engines (rlsys/weights/)."""
+    # object_store: Ray's object store, any placement. broadcast: trainer rank 0 to every engine at once over a
+    # process group of their own (NCCL between GPUs, gloo on CPU). cuda_ipc: each trainer rank shares its GPU
+    # buffers with the engine on the same GPU (cluster.layout=colocated).
+    transfer: Literal["object_store", "broadcast", "cuda_ipc"] = "object_store"
+    bucket_mb: float = Field(256, gt=0)  # one message per bucket: the extra memory a transfer holds at a time
+    timeout_s: float = Field(600, gt=0)  # joining the weight group, or one update, not done by then fails naming who
+
+
 class LoggingConfig(Section):
     progress: bool = True
     tensorboard: bool = False
@@ -282,6 +292,7 @@ class Config(Section):
     trainer: TrainerConfig = TrainerConfig()
     control: ControlConfig = ControlConfig()
     cluster: ClusterConfig = ClusterConfig()
+    weights: WeightsConfig = WeightsConfig()
     logging: LoggingConfig = LoggingConfig()
     output_dir: str = "runs/tiny"
     seed: int = 0
@@ -291,6 +302,23 @@ class Config(Section):
         from rlsys.placement import plan_from_config  # pure; imported here as it reads this Config
 
         plan_from_config(self)  # raises PlacementError (a ValueError) naming the fields
+        return self
+
+    @model_validator(mode="after")
+    def _cuda_ipc_colocated(self):
+        if self.weights.transfer != "cuda_ipc":
+            return self
+        c, r = self.cluster, self.rollout
+        if not c.gpus_per_node or c.layout != "colocated" or r.engine != "vllm":
+            raise ValueError(f"weights.transfer=cuda_ipc shares GPU memory between a trainer rank and the engine on "
+                             f"its GPU: it needs cluster.gpus_per_node >= 1, cluster.layout=colocated and "
+                             f"rollout.engine=vllm (got cluster.gpus_per_node={c.gpus_per_node}, cluster.layout="
+                             f"{c.layout}, rollout.engine={r.engine}); weights.transfer=object_store or broadcast "
+                             "run without GPUs")
+        if self.trainer.world_size < r.num_workers * r.tensor_parallel_size:
+            raise ValueError(f"weights.transfer=cuda_ipc needs a trainer rank on every engine GPU: trainer.world_size="
+                             f"{self.trainer.world_size} is less than rollout.num_workers x "
+                             f"rollout.tensor_parallel_size = {r.num_workers * r.tensor_parallel_size}")
         return self
 
 

@@ -28,7 +28,8 @@ from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, finished
-from rlsys.types import Completion, Prompt, Request, SamplingParams, ScoredSample
+from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample
+from rlsys.weights.sync import WeightSync
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Controller:
         self.rollout = RolloutManager.from_config(cfg, self.model_dir, self.placement)
         self.rewards = RewardPool(cfg.reward)
         self.trainer = TrainerGroup(cfg, str(self.model_dir), self.placement)
+        self.weights = WeightSync(cfg, self.trainer, self.rollout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
         self.log = RunLogger(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps)
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
@@ -176,7 +178,7 @@ class Controller:
         t_train = time.time() - step.started
         self.version += 1
         t = time.time()
-        self.rollout.update_weights(self.trainer.weights_ref(), self.version)
+        self.weights.publish(self.version)
         t_sync = time.time() - t
         self.step += 1
         self.scheduler.sizer.observe(step.groups)
@@ -231,7 +233,7 @@ class Controller:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.version, self.elapsed_before = state["step"], state["version"], state["elapsed_s"]
         self.rewards.errors = state.get("reward_errors", 0)
-        self.rollout.update_weights(self.trainer.weights_ref(), self.version)
+        self.weights.publish(self.version)
         self.log.truncate_after(self.step)
         print(f"resumed from {latest} at step {self.step}")
 
@@ -278,10 +280,6 @@ class Controller:
                f"{json.loads((latest / STATE_FILE).read_text())['step']}" if latest
                else "no checkpoint was written yet: start it again")
         return f"trainer rank {death.rank} died in step {self.step + 1} ({death.why}). The run stopped; {how}."
-
-
-class RunStopped(RuntimeError):
-    """A fault the run cannot survive; the message says where it stopped and how to go on."""
 
 
 def train(cfg: Config, resume: bool = False) -> dict:

@@ -79,3 +79,7 @@ class Group:
     @property
     def lengths(self) -> list[int]:
         return [s.completion.num_tokens for s in self.samples]
+
+
+class RunStopped(RuntimeError):
+    """A fault the run cannot survive; the message says where it stopped and how to go on."""

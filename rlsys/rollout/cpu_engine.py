@@ -4,7 +4,7 @@ Written from scratch: transformers' generate runs a fixed batch to its longest m
 3x more CPU per token on the tiny model (benchmarks/engine_throughput.py). Here one decode step runs
 every active slot in one batched forward, and a waiting request takes a slot the moment one frees up.
 Weights come from the model directory's Hugging Face safetensors and can be swapped between steps
-(`load_weights`), tagging later tokens with a new version.
+(`load_weights`, or `receive_weights` bucket by bucket), tagging later tokens with a new version.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from torch import Tensor
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
                                   resume_finish_reason)
 from rlsys.types import Completion, Request
+from rlsys.weights import WeightGroup, WeightUpdate, make_transfer
 
 
 def _read_config(model_dir: Path):
@@ -179,13 +180,14 @@ class _Running:
 
 class CPUEngine(RolloutEngine):
     def __init__(self, model_dir: str, slots: int, eos_token_id: int | None = None,
-                 max_len: int | None = None, dtype: torch.dtype = torch.float32):
+                 max_len: int | None = None, dtype: torch.dtype = torch.float32, name: str = "cpu engine"):
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
         path = Path(model_dir)
         with torch.inference_mode():
             self.model = DecoderModel(path, slots, max_len, dtype)
-        self.slots, self.max_len, self.version = slots, self.model.max_len, 0
+        self.name, self.slots, self.max_len, self.version = name, slots, self.model.max_len, 0
+        self.weight_group: WeightGroup | None = None  # weights.transfer=broadcast
         self.eos_ids = read_eos_ids(path, eos_token_id)
         self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.tokenizer = read_tokenizer(path)
@@ -255,6 +257,18 @@ class CPUEngine(RolloutEngine):
     @torch.inference_mode()
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False, source=f"weights version {version}")
+        self.version = version
+
+    def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str = "gloo",
+                          timeout_s: float = 600.0) -> None:
+        self.weight_group = WeightGroup(host, port, rank_offset, world_size, backend, timeout_s)
+
+    @torch.inference_mode()
+    def receive_weights(self, update: WeightUpdate, version: int) -> None:
+        # Each bucket is a partial state dict (loaded with strict=False); the version changes after the last.
+        transfer = make_transfer(update.transfer, self.name, update.timeout_s, self.weight_group)
+        for weights in transfer.receive(update.plans, update.ticket):
+            self.model.load_state_dict(dict(weights), strict=False, source=f"{self.name}: weights version {version}")
         self.version = version
 
     def stats(self) -> dict:

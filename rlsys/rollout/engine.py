@@ -18,6 +18,7 @@ from pathlib import Path
 from torch import Tensor
 
 from rlsys.types import Completion, Request
+from rlsys.weights.transfer import WeightUpdate
 
 
 class RolloutEngine(ABC):
@@ -62,6 +63,17 @@ class RolloutEngine(ABC):
     @abstractmethod
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         """Swap in weights (Hugging Face names) between steps; later tokens are tagged `version`."""
+
+    @abstractmethod
+    def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                          timeout_s: float) -> None:
+        """Join trainer rank 0's weight group (rlsys/weights/group.py) as ranks rank_offset.., one per process
+        that holds weights. Blocks until every member has joined."""
+
+    @abstractmethod
+    def receive_weights(self, update: WeightUpdate, version: int) -> None:
+        """Load a version bucket by bucket as it arrives (rlsys/weights/transfer.py), between steps; later
+        tokens are tagged `version`. With broadcast, trainer rank 0 sends meanwhile."""
 
     @abstractmethod
     def stats(self) -> dict:
@@ -180,12 +192,12 @@ def read_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def make_engine(name: str, model_dir: str, slots: int, **kwargs) -> RolloutEngine:
+def make_engine(kind: str, model_dir: str, slots: int, **kwargs) -> RolloutEngine:
     """The engine named by `rollout.engine`; each is imported only when chosen (vLLM needs a GPU)."""
-    if name == "cpu":
+    if kind == "cpu":
         from rlsys.rollout.cpu_engine import CPUEngine
         return CPUEngine(model_dir, slots, **kwargs)
-    if name == "vllm":
+    if kind == "vllm":
         from rlsys.rollout.vllm_engine import VLLMEngine
         return VLLMEngine(model_dir, slots, **kwargs)
-    raise ValueError(f"rollout.engine: unknown engine {name!r} (cpu or vllm)")
+    raise ValueError(f"rollout.engine: unknown engine {kind!r} (cpu or vllm)")

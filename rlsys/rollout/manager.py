@@ -8,7 +8,8 @@ A worker that dies (killed, OOM, node lost) is replaced under the same index: th
 last weights passed to `update_weights`, then gets the dead one's requests again (same ids and seeds,
 so the same samples); requests the caller aborted come back cut instead. Each prompt's samples thus
 arrive exactly once. `rollout.max_restarts` deaths of a worker in a row, with no request finished in
-between, stop the run.
+between, stop the run. So does any death when the weights come by a transfer a new worker cannot join
+(weights.transfer=broadcast or cuda_ipc: `restarts_refused`, see rlsys/weights/sync.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rlsys.placement import ROLLOUT
 from rlsys.rollout.worker import RemoteRolloutWorker
-from rlsys.types import Completion, Request
+from rlsys.types import Completion, Request, RunStopped
+from rlsys.weights import WeightUpdate
 
 
 def engine_options(cfg) -> dict:
@@ -35,6 +37,8 @@ def engine_options(cfg) -> dict:
 
 
 class RolloutManager:
+    restarts_refused: str | None = None  # why a dead worker cannot be replaced, e.g. "weights.transfer=broadcast"
+
     @classmethod
     def from_config(cls, cfg, model_dir, placement=None) -> "RolloutManager":
         """The run's engines, as `cfg.rollout` and `cfg.cluster` describe them (in `placement`'s groups)."""
@@ -58,8 +62,9 @@ class RolloutManager:
         self.owner: dict[str, int] = {}  # request id -> worker, until its completion is collected
         self.requests: dict[str, Request] = {}  # the same span: what a replacement worker is given again
         self.aborted: set[str] = set()  # asked to abort: never given to a replacement
-        # The last update_weights, for a replacement worker (this keeps one copy alive in the object store).
-        self.weights: tuple[ObjectRef, int] | None = None
+        # The last update_weights (a dict's ref or a bucketed update) and its version, for a replacement
+        # worker: this keeps one copy alive in the object store.
+        self.weights: tuple | None = None
         self.restarts = 0
         self.deaths = [0] * num_workers  # per worker, in a row: reset when it finishes a request
         self._drains: dict[ObjectRef, int] = {self._arm(i): i for i in range(num_workers)}
@@ -157,11 +162,31 @@ class RolloutManager:
         self.held = others + self.held
         return [got[r.request_id] for r in requests]
 
-    def update_weights(self, state_dict, version: int) -> None:
-        """Blocking: every worker uses `version` for its next decode step. Takes a dict or an ObjectRef."""
-        ref = state_dict if isinstance(state_dict, ObjectRef) else ray.put(state_dict)
+    def update_weights(self, weights, version: int) -> None:
+        """Blocking: every worker uses `version` for its next decode step. Takes a dict, an ObjectRef of one,
+        or a WeightUpdate whose buckets the sender has already put out (object store, CUDA IPC)."""
+        ref = weights if isinstance(weights, (ObjectRef, WeightUpdate)) else ray.put(weights)
         self.weights = (ref, version)  # first, so a worker replaced during the update starts from them
         self._on_every_worker(lambda w: w.update_weights.remote(ref, version))
+
+    def receive_broadcast(self, update: WeightUpdate, version: int) -> dict[str, ObjectRef]:
+        """Start every worker's receive of trainer rank 0's broadcast and return at once: their calls by
+        name, to wait on together with the sender's (a death seen there goes to `worker_died`)."""
+        return {f"rollout worker {i}": w.update_weights.remote(update, version) for i, w in enumerate(self.workers)}
+
+    def join_weight_group(self, host: str, port: int, world_size: int, ranks_per_worker: int, backend: str,
+                          timeout_s: float) -> dict[str, ObjectRef]:
+        """Start every worker's join of trainer rank 0's weight group, as ranks 1.. in worker order; their calls
+        by name (each returns once every member has joined)."""
+        return {f"rollout worker {i}": w.init_weight_group.remote(host, port, world_size, 1 + i * ranks_per_worker,
+                                                                  backend, timeout_s)
+                for i, w in enumerate(self.workers)}
+
+    def worker_died(self, error: RayActorError) -> None:
+        """A death the caller saw on a call it made itself: handled as any other (replaced, or refused)."""
+        ids = {w._actor_id.hex(): i for i, w in enumerate(self.workers)}
+        if error.actor_id in ids:
+            self.held += self._replace(ids[error.actor_id], error)
 
     def stats(self, window: tuple[float, float] | None = None) -> list[dict]:
         """Each worker's engine counters; with a wall-clock window, its occupied slot-seconds in it too
@@ -208,6 +233,11 @@ class RolloutManager:
         """Worker i died: start another with the last weights and give it i's requests again. Returns
         the completions of the requests the caller aborted: cut, with no new tokens, never run again."""
         self._check_died(i, error)
+        if self.restarts_refused:
+            raise RunStopped(f"rollout worker {i} died ({_why(error)}); {self.restarts_refused} cannot replace a "
+                               "rollout worker yet (a new one would not get the weights). The run stopped; "
+                               "`rlsys train` with the same config and --resume continues from the last "
+                               "checkpoint") from error
         lost = [self.requests[rid] for rid, j in self.owner.items() if j == i]
         again = [r for r in lost if r.request_id not in self.aborted]
         cut = [self._cut(r, i) for r in lost if r.request_id in self.aborted]
@@ -216,11 +246,11 @@ class RolloutManager:
         self._drains = {ref: j for ref, j in self._drains.items() if j != i}
         while True:
             self.deaths[i] += 1
-            why = str(error).splitlines()[-1].rstrip(".")
+            why = _why(error)
             if self.deaths[i] > self.max_restarts:
-                raise RuntimeError(f"rollout worker {i} died {self.deaths[i]} times in a row without finishing "
-                                   f"a request (rollout.max_restarts={self.max_restarts}); the last time: {why}"
-                                   ) from error
+                raise RunStopped(f"rollout worker {i} died {self.deaths[i]} times in a row without finishing "
+                                 f"a request (rollout.max_restarts={self.max_restarts}); the last time: {why}"
+                                 ) from error
             print(f"rollout worker {i} died ({why}); restarting it with its {len(again)} requests", flush=True)
             self.restarts += 1
             ray.kill(self.workers[i])  # unreachable is not always dead: make sure it is
@@ -255,3 +285,8 @@ class RolloutManager:
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), list(r.resume_ids),
                           list(r.resume_logprobs), list(r.resume_versions), "abort", worker=worker,
                           submit_time=now, start_time=now, end_time=now)
+
+
+def _why(error: RayActorError) -> str:
+    """The last line of Ray's death report: what killed the worker."""
+    return str(error).splitlines()[-1].rstrip(".")

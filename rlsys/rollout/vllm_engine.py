@@ -39,8 +39,9 @@ back; vLLM turns it on by default for this executor (vllm/config/vllm.py).
   (vllm/logprobs.py); logprobs_mode "processed_logprobs" takes them after temperature and top-p
   (vllm/v1/sample/sampler.py), as the trainer scores them; a greedy request gets the plain log-softmax.
   vLLM accepts temperatures up to 2 only (vllm/sampling_params.py `_verify_args`).
-- Weights: `load_weights` sends buckets with the RPC (Ray's object store brought them here); the NCCL
-  and CUDA IPC paths receive inside vLLM's workers (rollout/vllm_extension.py). After any update,
+- Weights: `load_weights`, and `receive_weights` for weights.transfer=object_store, send buckets with the
+  RPC (Ray's object store brought them here); broadcast and cuda_ipc receive inside vLLM's workers
+  (rollout/vllm_extension.py). After any update,
   `reset_prefix_cache(reset_running_requests=True)` preempts running requests and drops output still
   in flight under the old weights (vllm/v1/core/sched/scheduler.py `reset_prefix_cache`,
   `_preempt_request`): they recompute their KV cache, and every later token carries the new version.
@@ -61,7 +62,8 @@ from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, 
                                   resume_finish_reason)
 from rlsys.rollout.vllm_extension import EXTENSION
 from rlsys.types import Completion, Request
-from rlsys.weights.buckets import BucketPlan, iter_buckets
+from rlsys.weights.buckets import iter_buckets
+from rlsys.weights.transfer import ObjectStoreTransfer, WeightUpdate
 
 RPC_BUCKET_BYTES = 256 << 20  # object-store path: one RPC per bucket keeps each message bounded
 
@@ -188,21 +190,23 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"request {request.request_id}: params.temperature must be <= 2 on the vLLM engine "
                              f"(got {request.params.temperature})")
 
-    # --- weights by NCCL or CUDA IPC, and sleep mode (colocated placement) --------------------
+    # --- weights by bucket, and sleep mode (colocated placement) ------------------------------
     def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str = "nccl",
-                          timeout_s: float = 600.0) -> list[int]:
+                          timeout_s: float = 600.0) -> None:
         """Join trainer rank 0's weight group as ranks rank_offset .. rank_offset + TP - 1."""
-        return self.llm.collective_rpc("rlsys_init_weight_group",
-                                       args=(host, port, world_size, rank_offset, backend, timeout_s))
+        self.llm.collective_rpc("rlsys_init_weight_group",
+                                args=(host, port, world_size, rank_offset, backend, timeout_s))
 
-    def receive_weights(self, plans: list[BucketPlan], version: int) -> None:
-        """Blocking: every worker receives trainer rank 0's broadcast of these buckets and loads them."""
-        self.llm.collective_rpc("rlsys_receive_broadcast", args=(plans, self.name))
-        self._weights_changed(version)
-
-    def receive_ipc(self, plans: list[BucketPlan], handles: dict, version: int) -> None:
-        """Colocated: load the buckets the trainer shares on each worker's GPU (CudaIpcTransfer.send)."""
-        self.llm.collective_rpc("rlsys_receive_ipc", args=(plans, handles, self.name))
+    def receive_weights(self, update: WeightUpdate, version: int) -> None:
+        """Blocking: every worker loads the buckets. object_store: fetched here, one RPC each; broadcast: every
+        worker receives trainer rank 0's broadcast; cuda_ipc: every worker opens the handles for its GPU."""
+        if update.transfer == "object_store":
+            for plan, flat in ObjectStoreTransfer(self.name, update.timeout_s).fetch(update.plans, update.ticket):
+                self.llm.collective_rpc("rlsys_load_bucket", args=(plan, flat))
+        elif update.transfer == "broadcast":
+            self.llm.collective_rpc("rlsys_receive_broadcast", args=(update.plans, self.name))
+        else:
+            self.llm.collective_rpc("rlsys_receive_ipc", args=(update.plans, update.ticket, self.name))
         self._weights_changed(version)
 
     def sleep(self, level: int = 1) -> None:

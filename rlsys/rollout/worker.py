@@ -17,6 +17,7 @@ import torch
 
 from rlsys.rollout.engine import RolloutEngine, make_engine
 from rlsys.types import Completion, Request
+from rlsys.weights import WeightUpdate
 
 MAX_CONCURRENCY = 8  # a pending drain, plus submit/abort/update/stats calls beside it
 
@@ -31,7 +32,8 @@ class RolloutWorker:
         self.index, self.torch_threads = index, torch_threads
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        self.engine: RolloutEngine = make_engine(engine, model_dir, slots, **(engine_kwargs or {}))
+        self.engine: RolloutEngine = make_engine(engine, model_dir, slots, name=f"rollout worker {index}",
+                                                 **(engine_kwargs or {}))
         self._cond = threading.Condition()
         self._ops: list[tuple[Callable[[], Any], Future | None]] = []
         self._ready: list[Completion] = []
@@ -68,8 +70,15 @@ class RolloutWorker:
             return [c.request_id for c in done]
         return self._call(cut)
 
-    def update_weights(self, state_dict: dict, version: int) -> None:
-        self._call(lambda: self.engine.load_weights(state_dict, version))
+    def update_weights(self, weights: dict | WeightUpdate, version: int) -> None:
+        """A whole state dict, or a WeightUpdate whose buckets are loaded as they arrive: either way in one
+        go between two decode steps, so no step sees half the new weights."""
+        load = self.engine.receive_weights if isinstance(weights, WeightUpdate) else self.engine.load_weights
+        self._call(lambda: load(weights, version))
+
+    def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
+                          timeout_s: float) -> None:
+        self._call(lambda: self.engine.init_weight_group(host, port, world_size, rank_offset, backend, timeout_s))
 
     def drain(self, timeout_s: float = 1.0) -> list[Completion]:
         """Block until a completion is ready (or timeout), then return every ready one."""

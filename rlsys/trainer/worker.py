@@ -24,6 +24,7 @@ from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack
                                    split_mini_batches)
 from rlsys.trainer.streamed import StreamedStep
 from rlsys.types import Group
+from rlsys.weights import BucketPlan, CudaIpcTransfer, WeightGroup, make_transfer, pack, plan_buckets
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
@@ -45,6 +46,9 @@ class TrainerWorker:
         self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
         self.backend = None
         self.stream: StreamedStep | None = None
+        self.weight_group: WeightGroup | None = None  # weights.transfer=broadcast, on rank 0
+        self.staged = None  # (weights, their bucket plans), from stage_weights to send_weights
+        self.shared: CudaIpcTransfer | None = None  # cuda_ipc: buffers the engines read, until release_weights
 
     def gpu_ids(self) -> list:
         """The GPUs Ray gave this actor (its placement bundle's)."""
@@ -100,6 +104,32 @@ class TrainerWorker:
     def rollout_weights(self):
         weights = self.backend.state_dict_for_rollout()
         return weights if self.rank == 0 else None
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+                          names: list[str]) -> None:
+        self.weight_group = WeightGroup(host, port, 0, world_size, backend, timeout_s, names)
+
+    def stage_weights(self, budget_bytes: int, dtype, keep: bool) -> list[BucketPlan] | None:
+        """Gather the rollout weights (under ZeRO-3 every rank must call this); if `keep`, hold them for
+        send_weights and return their bucket plans."""
+        weights = self.backend.state_dict_for_rollout()
+        if not keep:
+            return None
+        self.staged = (weights, plan_buckets(weights, budget_bytes, dtype))
+        return self.staged[1]
+
+    def send_weights(self, transfer: str, device: str, timeout_s: float):
+        """Send the staged weights bucket by bucket (one packed bucket in memory at a time); returns the
+        receivers' ticket (rlsys/weights/transfer.py)."""
+        (weights, plans), self.staged = self.staged, None
+        sender = make_transfer(transfer, f"trainer rank {self.rank}", timeout_s, self.weight_group)
+        if isinstance(sender, CudaIpcTransfer):
+            self.shared = sender
+        return sender.send((plan, pack(plan, weights, device)) for plan in plans)
+
+    def release_weights(self) -> None:
+        self.shared.release()
+        self.shared = None
 
     def save(self, folder: str) -> None:
         self.backend.save(folder)
@@ -219,13 +249,44 @@ class TrainerGroup:
 
     # --- weights and files ------------------------------------------------------------------------
     def weights_ref(self) -> ray.ObjectRef:
-        """Rank 0's full weights (HF names, CPU float32) in the object store, for the rollout workers."""
-        gather_on_all = self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3
-        refs = [w.rollout_weights.remote() for w in (self.workers if gather_on_all else self.workers[:1])]
+        """Rank 0's full weights (HF names, CPU float32) in the object store, whole (rlsys/weights/sync.py
+        sends a run's weights in buckets)."""
+        refs = [w.rollout_weights.remote() for w in self._gathering(senders=1)]
         # The other ranks only take part in the gather; rank 0's weights stay in the store. Rank 0 answers
         # once they are there, so its death shows here, not later as a rollout worker's error.
         self._get_all(refs[1:] + [self.workers[0].node_ip.remote()])
         return refs[0]
+
+    def stage_weights(self, transfer: str, budget_bytes: int, dtype) -> list[BucketPlan]:
+        """Blocking: the ranks that send by `transfer` hold their rollout weights for `send_weights`;
+        returns rank 0's bucket plans."""
+        senders = self._senders(transfer)
+        return self._get_all([w.stage_weights.remote(budget_bytes, dtype, rank < senders)
+                              for rank, w in enumerate(self._gathering(senders))])[0]
+
+    def send_weights(self, transfer: str, device: str, timeout_s: float) -> dict[str, ray.ObjectRef]:
+        """Start sending the staged weights; the senders' calls by name (each returns its ticket)."""
+        return {f"trainer rank {rank}": w.send_weights.remote(transfer, device, timeout_s)
+                for rank, w in enumerate(self.workers[:self._senders(transfer)])}
+
+    def release_weights(self) -> None:
+        """cuda_ipc: every engine has copied the shared buckets; free them."""
+        self._get_all([w.release_weights.remote() for w in self.workers])
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
+                          names: list[str]) -> dict[str, ray.ObjectRef]:
+        """Start rank 0's join of the weight group it hosts at host:port (rank 0 of it); its call by name."""
+        return {"trainer rank 0": self.workers[0].join_weight_group.remote(host, port, world_size, backend,
+                                                                           timeout_s, names)}
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """Where rank 0 can host the weight group: its node's address and a free port there."""
+        rank0 = self.workers[0]
+        return tuple(self._get_all([rank0.node_ip.remote(), rank0.free_port.remote()]))
+
+    def raise_if_rank_died(self, error: RayActorError) -> None:
+        """TrainerDied if `error` is a rank's death (seen on a call the caller waited on itself)."""
+        self._raise_if_a_rank_died(error, [])
 
     def save(self, folder: str) -> None:
         self._get_all([w.save.remote(folder) for w in self.workers])
@@ -244,6 +305,15 @@ class TrainerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+    def _senders(self, transfer: str) -> int:
+        """How many ranks, from rank 0, send a version: with cuda_ipc each shares its own GPU's buffers."""
+        return len(self.workers) if transfer == "cuda_ipc" else 1
+
+    def _gathering(self, senders: int) -> list:
+        """The ranks that take part when the first `senders` ranks read the rollout weights: all under ZeRO-3."""
+        gather_on_all = self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3
+        return self.workers if gather_on_all else self.workers[:senders]
 
     def _get_all(self, refs: list[ray.ObjectRef]) -> list:
         """Like ray.get, but a rank's error is raised as soon as it happens, not after the ranks still

@@ -21,7 +21,8 @@ class WeightTransferTimeout(TimeoutError):
 
 class WeightGroup:
     def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str = "nccl",
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, names: list[str] | None = None):
+        """`names[r]` says who rank r is (rank 0 names the ranks that did not join)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"weight group rank {rank} is outside world_size {world_size}")
         if backend not in ("nccl", "gloo"):
@@ -30,8 +31,13 @@ class WeightGroup:
         where = f"weight group {host}:{port} (rank {rank} of {world_size}, {backend})"
         timeout = timedelta(seconds=timeout_s)
         try:
-            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout,
+                                  wait_for_workers=False)
             store = dist.PrefixStore("rlsys-weights", store)
+            store.set(f"joined/{rank}", "1")
+            if rank == 0:
+                _wait_for_members(store, world_size, timeout, names or [f"rank {r}" for r in range(world_size)],
+                                  where)
             if backend == "gloo":
                 self.pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
             else:
@@ -58,3 +64,14 @@ class WeightGroup:
             work.wait()
         except RuntimeError as e:  # the backend's own timeout or a peer's failure
             raise WeightTransferTimeout(f"{what}: failed on rank {self.rank} of {self.world_size}: {e}") from e
+
+
+def _wait_for_members(store, world_size: int, timeout: timedelta, names: list[str], where: str) -> None:
+    """Rank 0: every rank has reached the store, or WeightTransferTimeout naming those that have not."""
+    keys = [f"joined/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as e:
+        missing = [names[r] for r, key in enumerate(keys) if not store.check([key])]
+        raise WeightTransferTimeout(f"{where}: not every rank joined within {timeout.total_seconds():g} s: "
+                                    f"{', '.join(missing)} did not") from e

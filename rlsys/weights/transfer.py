@@ -12,10 +12,13 @@ Ray, the bytes by the transport:
   CudaIpcTransfer      colocated trainer and engine on one GPU: CUDA IPC handles, no copy on the wire
 
 Every wait has a deadline and fails with WeightTransferTimeout naming the engine and the bucket.
+In a run, rlsys/weights/sync.py picks the transport (`weights.transfer`) and drives both sides.
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -27,9 +30,20 @@ from rlsys.weights.group import WeightGroup, WeightTransferTimeout
 Weights = list[tuple[str, Tensor]]
 
 
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What an engine needs to receive one version of the weights: how it travels, its buckets' plans,
+    and the sender's ticket (object refs for object_store, CUDA IPC handles by GPU for cuda_ipc, None for
+    broadcast, whose bytes come in the collective)."""
+    transfer: str  # weights.transfer
+    plans: list[BucketPlan]
+    ticket: Any
+    timeout_s: float
+
+
 class WeightTransfer(ABC):
     def __init__(self, engine: str, timeout_s: float = 600.0):
-        self.engine, self.timeout_s = engine, timeout_s  # `engine` names the receiving side in errors
+        self.engine, self.timeout_s = engine, timeout_s  # `engine` names this side (or the sending rank) in errors
 
     @abstractmethod
     def send(self, buckets: Iterable[tuple[BucketPlan, Tensor]]) -> Any:
@@ -52,6 +66,11 @@ class ObjectStoreTransfer(WeightTransfer):
         return [ray.put(flat.cpu()) for _, flat in buckets]
 
     def receive(self, plans, ticket, device="cpu"):
+        for plan, flat in self.fetch(plans, ticket):
+            yield unpack(plan, flat.to(device))
+
+    def fetch(self, plans: list[BucketPlan], ticket: list) -> Iterator[tuple[BucketPlan, Tensor]]:
+        """Each bucket still packed (what vLLM's RPC carries), one at a time."""
         import ray
 
         if len(ticket) != len(plans):
@@ -62,7 +81,7 @@ class ObjectStoreTransfer(WeightTransfer):
             except ray.exceptions.GetTimeoutError as e:
                 raise WeightTransferTimeout(f"{self._what(plans, i)}: not in the object store after "
                                             f"{self.timeout_s:g} s") from e
-            yield unpack(plan, flat.to(device))
+            yield plan, flat
 
 
 class NCCLTransfer(WeightTransfer):
@@ -129,12 +148,30 @@ def gpu_uuid(device: torch.device | str) -> str:
     return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
+def make_transfer(kind: str, who: str, timeout_s: float, group: WeightGroup | None = None) -> WeightTransfer:
+    """The transport `weights.transfer` names, for the sender or a receiver `who`."""
+    if kind == "object_store":
+        return ObjectStoreTransfer(who, timeout_s)
+    if kind == "cuda_ipc":
+        return CudaIpcTransfer(who, timeout_s)
+    if kind != "broadcast":
+        raise ValueError(f"weights.transfer: unknown transfer {kind!r} (object_store, broadcast or cuda_ipc)")
+    if group is None:
+        raise RuntimeError(f"{who}: weights.transfer=broadcast, but it has not joined the weight group")
+    return NCCLTransfer(group, who)
+
+
 def wait_for_engines(refs: dict[str, Any], timeout_s: float) -> list:
-    """ray.get on each engine's receive call, failing after `timeout_s` with the engines that did not finish."""
+    """ray.get on each party's call (engines' receives, the trainer's send), in order. The first failure is
+    raised as soon as it happens (the others may wait for the failed party until their own deadlines); after
+    `timeout_s`, WeightTransferTimeout names the parties that did not finish."""
     import ray
 
-    ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        late = [name for name, ref in refs.items() if ref in pending]
-        raise WeightTransferTimeout(f"weight update: {', '.join(late)} did not finish within {timeout_s:g} s")
+    deadline, pending = time.monotonic() + timeout_s, list(refs.values())
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = [name for name, ref in refs.items() if ref in pending]
+            raise WeightTransferTimeout(f"weight update: {', '.join(late)} did not finish within {timeout_s:g} s")
+        ray.get(ready)
     return ray.get(list(refs.values()))
