@@ -151,7 +151,8 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     equal_time_s = add_equal_time(runs) if runs else None
     results = {n: aggregate(v) for n, v in runs.items()}
     return {
-        "workload": {"config": str(config), "overrides": overrides, "target_accuracy": target,
+        "workload": {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides,
+                     "target_accuracy": target,
                      "model": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers", "path"}),
                      "task": cfg.data.task, "seed": cfg.seed, "prompts_per_step": cfg.control.prompts_per_step,
                      "group_size": cfg.control.group_size, "total_steps": cfg.trainer.total_steps,
