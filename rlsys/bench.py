@@ -21,6 +21,7 @@ PRESETS: dict[str, list[str]] = {
     "sorted": ["control.scheduler=sorted"],
     "sorted-partial": ["control.scheduler=sorted", "control.sorted.mode=partial", "trainer.loss=decoupled_ppo"],
     "sagc": ["control.group_sizer=sagc"],
+    "sagc-tight": ["control.group_sizer=sagc", "control.sagc.delta=0.03"],  # a budget that binds on this task
     "G4": ["control.group_size=4", "control.prompts_per_step=32"],  # static groups, 128 samples a step
     "G16": ["control.group_size=16", "control.prompts_per_step=8"],
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],

@@ -180,7 +180,7 @@ class SAGCConfig(Section):
     """Straggler-aware group control: G_t = argmax V*U(G) - Q_t*p(G) over `sizes` (DESIGN.md "SAGC")."""
     sizes: list[int] = [4, 8, 16]  # allowed group sizes
     delta: float = Field(0.1, ge=0, le=1)  # budget on the long-run straggler rate
-    v: float = Field(1.0, gt=0)  # V, the weight of utility against the straggler queue
+    v: float = Field(0.1, gt=0)  # V, the weight of utility against the straggler queue (see README: SAGC)
     utility: Literal["informative", "log"] = "informative"
     prompt_rule: Literal["constant_samples", "constant_prompts"] = "constant_samples"
     prior_tail_share: float = Field(0.02, ge=0, le=1)  # prior share of samples over kappa x median
