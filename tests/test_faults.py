@@ -15,19 +15,10 @@ from rlsys.rollout.manager import RolloutManager
 from rlsys.train import Controller
 from rlsys.trainer.worker import finished
 from rlsys.types import Request, SamplingParams
-from test_cpu_engine import SIZES, build
 from test_end_to_end import SMALL, rows
+from test_rollout import models  # noqa: F401 - the fixture: 300-token responses, so a kill lands mid-generation
 
 QUICK_EVAL = ["rollout.eval_samples=1", "rollout.eval_greedy=false"]
-LONG = dict(SIZES, max_position_embeddings=512)  # room for 300-token responses: the kill lands mid-generation
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    _, path = build(root, seed=0, name="a", sizes=LONG)
-    other, _ = build(root, seed=1, name="b", sizes=LONG)
-    return path, {k: v.clone() for k, v in other.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
