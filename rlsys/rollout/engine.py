@@ -8,7 +8,6 @@ everything above it only ever see this interface.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
@@ -138,15 +137,13 @@ class EngineCounters:
     saturated_tokens: int = 0
     saturated_s: float = 0.0
     steps: deque = field(default_factory=lambda: deque(maxlen=OCCUPANCY_HISTORY))
-    lock: threading.Lock = field(default_factory=threading.Lock)  # record (engine thread) vs reads
 
     def record(self, active: int, slots: int, new_tokens: int, elapsed: float) -> None:
         """One step: `active` sequences decoded (0: none), `new_tokens` sampled in all, in `elapsed` seconds."""
         if active:
             self.decode_steps += 1
             self.active_slot_steps += active
-            with self.lock:
-                self.steps.append((time.time(), elapsed, active))
+            self.steps.append((time.time(), elapsed, active))
         self.generated_tokens += new_tokens
         self.busy_s += elapsed
         if active >= slots:
@@ -154,11 +151,9 @@ class EngineCounters:
             self.saturated_s += elapsed
 
     def occupied_slot_s(self, start: float, end: float) -> float:
-        """Slot-seconds spent decoding within the wall-clock window [start, end]."""
-        with self.lock:
-            steps = list(self.steps)
+        """Slot-seconds spent decoding within the wall-clock window [start, end] (call it where `record` runs)."""
         total = 0.0
-        for t_end, elapsed, active in reversed(steps):
+        for t_end, elapsed, active in reversed(self.steps):  # newest first: only the window's steps are read
             if t_end <= start:
                 break
             total += active * max(0.0, min(t_end, end) - max(t_end - elapsed, start))

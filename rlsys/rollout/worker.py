@@ -96,10 +96,14 @@ class RolloutWorker:
         return out
 
     def stats(self, window: tuple[float, float] | None = None) -> dict:
-        out = dict(self._call(self.engine.stats), worker=self.index)
-        if window is not None:
-            out["occupied_slot_s"] = self.engine.counters.occupied_slot_s(*window)
-        return out
+        """The engine's counters; with a wall-clock window, its occupied slot-seconds in it too (read on the
+        generation thread, like everything of the engine's)."""
+        def read():
+            out = dict(self.engine.stats(), worker=self.index)
+            if window is not None:
+                out["occupied_slot_s"] = self.engine.counters.occupied_slot_s(*window)
+            return out
+        return self._call(read)
 
     def stop(self) -> None:
         with self._cond:
