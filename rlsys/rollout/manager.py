@@ -167,7 +167,7 @@ class RolloutManager:
         or a WeightUpdate whose buckets the sender has already put out (object store, CUDA IPC)."""
         ref = weights if isinstance(weights, (ObjectRef, WeightUpdate)) else ray.put(weights)
         self.weights = (ref, version)  # first, so a worker replaced during the update starts from them
-        self._on_every_worker(lambda w: w.update_weights.remote(ref, version))
+        self._on_every_worker(lambda w: w.update_weights.remote(ref, version), ask_again=False)
 
     def receive_broadcast(self, update: WeightUpdate, version: int) -> dict[str, ObjectRef]:
         """Start every worker's receive of trainer rank 0's broadcast and return at once: their calls by
@@ -217,8 +217,9 @@ class RolloutManager:
             del self.requests[request_id]
             self.aborted.discard(request_id)
 
-    def _on_every_worker(self, call) -> list:
-        """`call(worker)` on every worker, results in order; a dead worker is replaced and asked again."""
+    def _on_every_worker(self, call, ask_again: bool = True) -> list:
+        """`call(worker)` on every worker, results in order; a dead worker is replaced and, if `ask_again`,
+        asked again (a replacement already has the last weights: an update need not reach it twice)."""
         refs = [call(w) for w in self.workers]
         out = []
         for i, ref in enumerate(refs):
@@ -226,7 +227,7 @@ class RolloutManager:
                 out.append(ray.get(ref))
             except RayActorError as e:
                 self.held += self._replace(i, e)
-                out.append(ray.get(call(self.workers[i])))
+                out.append(ray.get(call(self.workers[i])) if ask_again else None)
         return out
 
     def _replace(self, i: int, error: RayActorError) -> list[Completion]:
