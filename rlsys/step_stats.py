@@ -5,7 +5,7 @@ import statistics
 import time
 from typing import Callable
 
-from rlsys.control.metrics import percentile, straggler_rate
+from rlsys.control.metrics import idle_share, percentile, straggler_rate
 from rlsys.types import Completion, Group
 
 EngineStats = Callable[[tuple[float, float]], list[dict]]  # the engines' stats, occupancy of a window included
@@ -67,7 +67,7 @@ class StepStats:
             "response_length/mean": statistics.mean(lengths) if lengths else 0.0,
             "response_length/max": max(lengths, default=0),
             "response_length/p99": percentile(lengths, 99),
-            "rollout/bubble_ratio": max(0.0, 1.0 - occupied / (self.capacity * engine_window)),
+            "rollout/bubble_ratio": idle_share(occupied, self.capacity * engine_window),
             "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
             "rollout/efficiency": (in_window / (saturated_tokens_per_s * engine_window)
                                    if saturated_tokens_per_s else 0.0),

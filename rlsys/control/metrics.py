@@ -1,4 +1,5 @@
-"""Rollout metrics as defined in DESIGN.md ("Metrics"), computed from completions alone."""
+"""Rollout metrics as defined in DESIGN.md ("Metrics"): straggler events from lengths, the bubble ratio from
+slot occupancy (the live engines and the simulator record it; completions give it where all are known)."""
 from __future__ import annotations
 
 import statistics
@@ -23,17 +24,17 @@ def straggler_rate(groups_lengths: Iterable[Sequence[int]], kappa: float) -> flo
     return sum(flags) / len(flags) if flags else 0.0
 
 
-def bubble_ratio(completions: Sequence[Completion], capacity: int, start: float, end: float) -> float:
-    """1 - occupied slot-seconds / available slot-seconds over the rollout window [start, end].
+def idle_share(occupied_slot_s: float, available_slot_s: float) -> float:
+    """The bubble ratio: 1 - occupied slot-seconds / available slot-seconds (DESIGN.md's decode-step
+    definition measured in time, so idle engines waiting for others count as bubble too)."""
+    return max(0.0, 1.0 - occupied_slot_s / available_slot_s) if available_slot_s > 0 else 0.0
 
-    `capacity` is the total number of slots over all engines. This is DESIGN.md's decode-step
-    definition measured in time, so idle engines waiting for others count as bubble too.
-    """
-    window = end - start
-    if window <= 0 or capacity <= 0:
-        return 0.0
+
+def bubble_ratio(completions: Sequence[Completion], capacity: int, start: float, end: float) -> float:
+    """The bubble ratio over [start, end] of engines with `capacity` slots in all, from the completions
+    that ran in it (exact only when every request of the window has completed)."""
     busy = sum(max(0.0, min(c.end_time, end) - max(c.start_time, start)) for c in completions)
-    return max(0.0, 1.0 - busy / (capacity * window))
+    return idle_share(busy, capacity * (end - start)) if capacity > 0 else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:

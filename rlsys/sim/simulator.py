@@ -19,7 +19,7 @@ from typing import Optional
 from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.elastic_tp import ElasticTP
-from rlsys.control.metrics import percentile, straggler_rate
+from rlsys.control.metrics import idle_share, percentile, straggler_rate
 from rlsys.data.cursor import PromptCursor
 from rlsys.sim.cluster import GPUS, sync_seconds, train_seconds
 from rlsys.sim.config import SchedulerRun, SimConfig
@@ -358,7 +358,7 @@ class Simulation:
             "rollout_time_s": mean(self.rollout_s),
             "train_time_s": mean(self.train_s),
             "weight_sync_s": self.sync_s,
-            "bubble_ratio": max(0.0, 1 - busy / alloc) if alloc else 0.0,
+            "bubble_ratio": idle_share(busy, alloc),
             "kv_utilization": kv,
             "straggler_rate": straggler_rate(self.group_lengths, self.kappa),
             "tokens_per_s": self.trained_tokens / sim_s,
