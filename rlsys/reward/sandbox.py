@@ -116,6 +116,8 @@ class Sandbox:
     def __init__(self, cfg: SandboxConfig, isolation: bool | None = None):
         self.cfg = cfg
         self.timeout = AdaptiveTimeout(cfg.t_min_s, cfg.t_max_s)
+        self.exe, self.keep = _python_paths()  # fixed for the worker's life: not looked up on every run
+        self.hide = _hidden_paths(cfg, self.keep)
         self.isolated = True
         why = "isolation turned off by the caller"
         if isolation is None:
@@ -149,10 +151,9 @@ class Sandbox:
 
     def _start_and_wait(self, code: str, fn: str, args: list, private: str, timeout_s: float):
         """(exit code or None on timeout, stdout, stderr tail) of one child."""
-        exe, keep = _python_paths()
         workdir = "/tmp" if self.isolated else private
-        spec = {"isolate": self.isolated, "uid": self.cfg.uid, "workdir": workdir, "keep": keep,
-                "hide": _hidden_paths(self.cfg, keep), "tmpfs_mb": TMPFS_FILES * self.cfg.file_size_mb,
+        spec = {"isolate": self.isolated, "uid": self.cfg.uid, "workdir": workdir, "keep": self.keep,
+                "hide": self.hide, "tmpfs_mb": TMPFS_FILES * self.cfg.file_size_mb,
                 "limits": {"cpu_s": self.cfg.cpu_s, "memory_mb": self.cfg.memory_mb,
                            "file_size_mb": self.cfg.file_size_mb, "max_processes": self.cfg.max_processes},
                 "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
@@ -160,7 +161,7 @@ class Sandbox:
         paths = {name: os.path.join(private, name) for name in ("in", "out", "err")}
         Path(paths["in"]).write_text(json.dumps({"code": code, "fn": fn, "args": args}))
         with open(paths["in"]) as stdin, open(paths["out"], "w") as stdout, open(paths["err"], "w") as stderr:
-            proc = subprocess.Popen([exe, "-I", "-S", "-c", CHILD_SOURCE, "launch", json.dumps(spec)],
+            proc = subprocess.Popen([self.exe, "-I", "-S", "-c", CHILD_SOURCE, "launch", json.dumps(spec)],
                                     stdin=stdin, stdout=stdout, stderr=stderr, cwd=private, env=spec["env"],
                                     start_new_session=True)
             try:
