@@ -271,9 +271,6 @@ class CPUEngine(RolloutEngine):
             self.model.load_state_dict(dict(weights), strict=False, source=f"{self.name}: weights version {version}")
         self.version = version
 
-    def stats(self) -> dict:
-        return dict(self.counters.report(), version=self.version, **self.load())
-
     # --- generation -------------------------------------------------------------------------
     def _admit(self, done: list[Completion]) -> int:
         """Move waiting requests into free slots with one batched prefill; returns tokens sampled."""

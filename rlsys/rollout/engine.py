@@ -74,12 +74,13 @@ class RolloutEngine(ABC):
         """Load a version bucket by bucket as it arrives (rlsys/weights/transfer.py), between steps; later
         tokens are tagged `version`. With broadcast, trainer rank 0 sends meanwhile."""
 
-    @abstractmethod
+    counters: "EngineCounters"  # every engine records its steps here; workers read occupancy from it
+    version: int = 0  # the weights' version, tagged on every new token
+
     def stats(self) -> dict:
         """Cumulative counters: decode_steps, active_slot_steps, generated_tokens, busy_s,
-        saturated_tokens_per_s (None until every slot was busy at least once)."""
-
-    counters: "EngineCounters"  # every engine records its steps here; workers read occupancy from it
+        saturated_tokens_per_s (None until every slot was busy at least once), with the version and load."""
+        return dict(self.counters.report(), version=self.version, **self.load())
 
 
 def check_request(req: Request, vocab: int, max_len: int) -> None:

@@ -181,9 +181,6 @@ class VLLMEngine(RolloutEngine):
             self.llm.collective_rpc("rlsys_load_bucket", args=(plan, flat))
         self._weights_changed(version)
 
-    def stats(self) -> dict:
-        return dict(self.counters.report(), version=self.version, **self.load())
-
     def validate(self, request: Request) -> None:
         check_request(request, self.vocab, self.max_len)
         if request.params.temperature > 2:  # vLLM refuses it with its own error type, not a ValueError
