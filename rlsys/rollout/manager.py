@@ -20,6 +20,7 @@ import ray
 from ray import ObjectRef
 from ray.exceptions import RayActorError, RayTaskError
 
+from rlsys.cluster import death_reason
 from rlsys.placement import ROLLOUT
 from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request, RunStopped
@@ -235,7 +236,7 @@ class RolloutManager:
         the completions of the requests the caller aborted: cut, with no new tokens, never run again."""
         self._check_died(i, error)
         if self.restarts_refused:
-            raise RunStopped(f"rollout worker {i} died ({_why(error)}); {self.restarts_refused} cannot replace a "
+            raise RunStopped(f"rollout worker {i} died ({death_reason(error)}); {self.restarts_refused} cannot replace a "
                                "rollout worker yet (a new one would not get the weights). The run stopped; "
                                "`rlsys train` with the same config and --resume continues from the last "
                                "checkpoint") from error
@@ -247,7 +248,7 @@ class RolloutManager:
         self._drains = {ref: j for ref, j in self._drains.items() if j != i}
         while True:
             self.deaths[i] += 1
-            why = _why(error)
+            why = death_reason(error)
             if self.deaths[i] > self.max_restarts:
                 raise RunStopped(f"rollout worker {i} died {self.deaths[i]} times in a row without finishing "
                                  f"a request (rollout.max_restarts={self.max_restarts}); the last time: {why}"
@@ -287,7 +288,3 @@ class RolloutManager:
                           list(r.resume_logprobs), list(r.resume_versions), "abort", worker=worker,
                           submit_time=now, start_time=now, end_time=now)
 
-
-def _why(error: RayActorError) -> str:
-    """The last line of Ray's death report: what killed the worker."""
-    return str(error).splitlines()[-1].rstrip(".")

@@ -18,6 +18,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from rlsys.cluster import death_reason
 from rlsys.config import Config, TrainerConfig
 from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
@@ -342,4 +343,4 @@ class TrainerGroup:
                     pass
         ranks = {w._actor_id.hex(): rank for rank, w in enumerate(self.workers)}
         if isinstance(error, RayActorError) and error.actor_id in ranks:
-            raise TrainerDied(ranks[error.actor_id], str(error).splitlines()[-1].rstrip(".")) from None
+            raise TrainerDied(ranks[error.actor_id], death_reason(error)) from None
