@@ -166,10 +166,11 @@ class DeepSpeedBackend(TrainerBackend):
             self._reset_optimizer_state(saved.step, zero=not saved.keys)
             for name, param in params.items():
                 for key in saved.keys:
+                    if key == MASTER and self.cfg.dtype != "bf16":  # fp32 weights were loaded as they are
+                        continue
                     value = saved.get(name, key)
-                    if key == MASTER:
-                        if self.cfg.dtype == "bf16":  # the bf16 weights just loaded are these, rounded
-                            safe_set_full_fp32_param(param, value)
+                    if key == MASTER:  # the bf16 weights just loaded are these, rounded
+                        safe_set_full_fp32_param(param, value)
                     elif self.stage == 0:
                         self.optimizer.state[param][key].copy_(value)
                     else:
