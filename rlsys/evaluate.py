@@ -13,7 +13,7 @@ from rlsys.types import Request, SamplingParams
 
 def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> dict[str, float]:
     temperature = rollout_cfg.temperature if rollout_cfg.eval_temperature is None else rollout_cfg.eval_temperature
-    runs = {"eval/accuracy": (temperature, rollout_cfg.eval_samples)}
+    runs = {"eval/accuracy": (temperature, rollout_cfg.eval_samples if temperature > 0 else 1)}  # greedy: k alike
     if rollout_cfg.eval_greedy and temperature > 0:
         runs["eval/greedy_accuracy"] = (0.0, 1)
     prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
