@@ -60,6 +60,11 @@ class CheckpointManager:
         done = self.completed()
         return done[-1] if done else None
 
+    @staticmethod
+    def read_state(folder: Path) -> dict:
+        """The controller's state saved in a checkpoint folder."""
+        return json.loads((folder / STATE_FILE).read_text())
+
     def _prune(self) -> None:
         for old in self.completed()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)

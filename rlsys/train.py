@@ -3,7 +3,6 @@ into the scheduler (DESIGN.md "Shape"). Everything it calls has one job; the pol
 """
 from __future__ import annotations
 
-import json
 import signal
 import time
 import zlib
@@ -228,7 +227,7 @@ class Controller:
         latest = self.checkpoints.latest()
         if latest is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.checkpoints.root}")
-        state = json.loads((latest / STATE_FILE).read_text())
+        state = self.checkpoints.read_state(latest)
         self.trainer.load(str(latest / "trainer"))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.version, self.elapsed_before = state["step"], state["version"], state["elapsed_s"]
@@ -277,7 +276,7 @@ class Controller:
         """Where a dead trainer rank stopped the run, and how to go on from there."""
         latest = self.checkpoints.latest()
         how = (f"`rlsys train` with the same config and --resume continues from the last checkpoint, step "
-               f"{json.loads((latest / STATE_FILE).read_text())['step']}" if latest
+               f"{self.checkpoints.read_state(latest)['step']}" if latest
                else "no checkpoint was written yet: start it again")
         return f"trainer rank {death.rank} died in step {self.step + 1} ({death.why}). The run stopped; {how}."
 
