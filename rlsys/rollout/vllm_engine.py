@@ -195,15 +195,14 @@ class VLLMEngine(RolloutEngine):
                                 args=(host, port, world_size, rank_offset, backend, timeout_s))
 
     def receive_weights(self, update: WeightUpdate, version: int) -> None:
-        """Blocking: every worker loads the buckets. object_store: fetched here, one RPC each; broadcast: every
-        worker receives trainer rank 0's broadcast; cuda_ipc: every worker opens the handles for its GPU."""
+        """Blocking: every worker loads the buckets. object_store: fetched here (vLLM's worker processes are not
+        Ray workers), one RPC each; broadcast and cuda_ipc: each worker receives them itself."""
         if update.transfer == "object_store":
             for plan, flat in ObjectStoreTransfer(self.name, update.timeout_s).fetch(update.plans, update.ticket):
                 self.llm.collective_rpc("rlsys_load_bucket", args=(plan, flat))
-        elif update.transfer == "broadcast":
-            self.llm.collective_rpc("rlsys_receive_broadcast", args=(update.plans, self.name))
         else:
-            self.llm.collective_rpc("rlsys_receive_ipc", args=(update.plans, update.ticket, self.name))
+            self.llm.collective_rpc("rlsys_receive", args=(update.transfer, update.plans, update.ticket, self.name,
+                                                           update.timeout_s))
         self._weights_changed(version)
 
     def sleep(self, level: int = 1) -> None:

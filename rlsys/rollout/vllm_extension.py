@@ -33,7 +33,7 @@ from torch import Tensor
 
 from rlsys.weights.buckets import BucketPlan, unpack
 from rlsys.weights.group import WeightGroup
-from rlsys.weights.transfer import CudaIpcTransfer, NCCLTransfer, Weights
+from rlsys.weights.transfer import Weights, make_transfer
 
 EXTENSION = "rlsys.rollout.vllm_extension.WeightUpdateExtension"  # the path vLLM imports in each worker
 
@@ -51,18 +51,12 @@ class WeightUpdateExtension:
         self._rlsys_group = WeightGroup(host, port, rank_offset + self.rank, world_size, backend, timeout_s)
         return self._rlsys_group.rank
 
-    def rlsys_receive_broadcast(self, plans: list[BucketPlan], engine: str) -> int:
-        """Receive every bucket from trainer rank 0's broadcast and load it, one bucket at a time."""
-        group = getattr(self, "_rlsys_group", None)
-        if group is None:
-            raise RuntimeError(f"{engine} worker {self.rank}: no weight group (call rlsys_init_weight_group first)")
-        transfer = NCCLTransfer(group, f"{engine} worker {self.rank}")
-        return self._rlsys_load_all(transfer.receive(plans, device=self.device))
-
-    def rlsys_receive_ipc(self, plans: list[BucketPlan], handles: dict, engine: str) -> int:
-        """Colocated: open the trainer's CUDA IPC handles for this worker's GPU, copy and load each bucket."""
-        transfer = CudaIpcTransfer(f"{engine} worker {self.rank}")
-        return self._rlsys_load_all(transfer.receive(plans, handles, self.device))
+    def rlsys_receive(self, transfer: str, plans: list[BucketPlan], ticket, engine: str, timeout_s: float) -> int:
+        """Receive every bucket by `transfer` (broadcast: from trainer rank 0 over the weight group; cuda_ipc:
+        the handles for this worker's GPU) and load it, one bucket at a time."""
+        who = f"{engine} worker {self.rank}"
+        receiver = make_transfer(transfer, who, timeout_s, getattr(self, "_rlsys_group", None))
+        return self._rlsys_load_all(receiver.receive(plans, ticket, self.device))
 
     def _rlsys_load_all(self, buckets: Iterable[Weights]) -> int:
         loaded = sum(self._rlsys_load(weights) for weights in buckets)
