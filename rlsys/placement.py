@@ -155,16 +155,14 @@ class Placement:
 
     def actor_options(self, role: str, index: int) -> dict:
         """Ray `.options()` for the engine or trainer rank `index`: its bundle and its share of the GPUs."""
-        whole = self.plan.tp if role == ROLLOUT else 1
-        gpus = COLOCATED_SHARE if self.plan.layout == "colocated" else whole
-        return {"scheduling_strategy": self.strategy(role, index), "num_gpus": gpus, "num_cpus": 0}
-
-    def strategy(self, role: str, index: int, bundle: int = 0):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        name, bundles = self.where[role, index]
-        return PlacementGroupSchedulingStrategy(self.groups[name], placement_group_bundle_index=bundles[bundle],
-                                                placement_group_capture_child_tasks=True)
+        name, bundles = self.where[role, index]  # one bundle: colocated TP engines are refused above
+        where = PlacementGroupSchedulingStrategy(self.groups[name], placement_group_bundle_index=bundles[0],
+                                                 placement_group_capture_child_tasks=True)
+        whole = self.plan.tp if role == ROLLOUT else 1
+        gpus = COLOCATED_SHARE if self.plan.layout == "colocated" else whole
+        return {"scheduling_strategy": where, "num_gpus": gpus, "num_cpus": 0}
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
