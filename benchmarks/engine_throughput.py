@@ -6,11 +6,14 @@ Three figures, in generated tokens per second:
   cpu_engine_wave    the same B requests through a CPUEngine with B slots
   cpu_engine_saturated  the engine's own saturated figure (steps with every slot busy) over a
                      continuous-batching run of 4B requests
+And the time of one decode step against the batch (`--sweep`): on a CPU it grows with the batch, so a
+half-empty engine costs about half as much per step; on a GPU's memory-bound decode it hardly grows,
+so idle slots are time lost. That is why bubbles and stragglers cost little here (README: Performance).
 Wall time is what matters; CPU time (process_time) is reported too because a shared machine's
 wall time is noisy. The two contenders run alternately (--repeats times each); the speedup is the
 median over those paired runs.
 
-    python benchmarks/engine_throughput.py [--batch 32] [--new-tokens 96] [--threads 1]
+    python benchmarks/engine_throughput.py [--batch 32] [--new-tokens 96] [--threads 1] [--sweep 1,8,32,128,256]
 """
 from __future__ import annotations
 
@@ -69,6 +72,24 @@ def interleaved(fns: dict, repeats: int, tokens: int) -> tuple[dict, dict]:
     return results, speedup
 
 
+def decode_step_ms(model_dir: str, prompts: torch.Tensor, batch: int, new_tokens: int, temperature: float,
+                   repeats: int) -> float:
+    """Best wall time of one decode step with `batch` sequences running, prefill excluded."""
+    engine = CPUEngine(model_dir, slots=batch)
+    best = float("inf")
+    for wave in range(repeats + 1):  # the first wave warms up
+        for i in range(batch):
+            params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i)
+            engine.add(Request(f"{wave}-{i}", "sweep", prompts[i % len(prompts)].tolist(), params))
+        engine.step()  # admits every request: the prefill
+        t = time.perf_counter()
+        while engine.has_work():
+            engine.step()
+        if wave:
+            best = min(best, (time.perf_counter() - t) / (new_tokens - 1))
+    return round(best * 1000, 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -78,6 +99,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep", default="1,8,32,128,256", help="batch sizes for the decode step time")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     load_before = os.getloadavg()[0]  # other processes' load skews wall times: recorded with the results
@@ -89,6 +111,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab)
         engine = CPUEngine(tmp, slots=B)
+        sweep = {b: decode_step_ms(tmp, prompts, b, N, args.temperature, args.repeats)
+                 for b in map(int, args.sweep.split(","))}
 
     sample = args.temperature > 0
     hf_kwargs = dict(max_new_tokens=N, min_new_tokens=N, do_sample=sample, pad_token_id=0)
@@ -131,6 +155,7 @@ def main() -> None:
                                                                 "num_kv_heads", "intermediate_size"})},
         "results": results,
         "engine_speedup_over_hf_generate": speedup,
+        "decode_step_ms_by_batch": sweep,
     }
     print(f"{'':24s}{'tokens/s':>12s}{'tokens/cpu-s':>14s}")
     for name, r in results.items():
@@ -139,6 +164,7 @@ def main() -> None:
         print(f"{name:24s}{wall_rate:12.0f}{cpu_rate:14.0f}")
     print(f"engine speedup over generate (median of paired runs): {speedup['wall']}x wall, {speedup['cpu']}x cpu "
           f"(batch {B}, {N} new tokens, {args.threads} thread(s), load average {load_before:.1f})")
+    print("decode step (ms) by batch: " + ", ".join(f"{b}: {ms}" for b, ms in sweep.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -18,6 +18,7 @@ from rlsys.logger import read_jsonl
 PRESETS: dict[str, list[str]] = {
     "sync": [],
     "tail": ["control.scheduler=tail"],
+    "tail-streamed": ["control.scheduler=tail", "trainer.streamed=true", "trainer.mini_batches=1"],
     "sorted": ["control.scheduler=sorted"],
     "sorted-partial": ["control.scheduler=sorted", "control.sorted.mode=partial", "trainer.loss=decoupled_ppo"],
     "sagc": ["control.group_sizer=sagc"],

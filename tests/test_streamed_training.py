@@ -181,7 +181,8 @@ def test_trainer_group_streams_across_two_ranks(ray_cluster, model_dir):  # noqa
         for groups in steps:
             trainer.stream_begin(TEMPERATURE)
             refs = [trainer.stream_groups([groups[i] for i in chunk]) for chunk in ARRIVALS]
-            assert all(isinstance(r, ray.ObjectRef) for part in refs for r in part)  # nothing waited for
+            # Nothing is waited for; groups arriving while the ranks are busy go with the next part.
+            assert all(isinstance(r, ray.ObjectRef) for part in refs for r in part) and refs[0]
             metrics.append(trainer.stream_finish())
             weights.append(ray.get(trainer.weights_ref()))
         with pytest.raises(RuntimeError, match="stream_begin first"):

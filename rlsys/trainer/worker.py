@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -158,6 +158,7 @@ class OpenStream:
     calls: list[list[ray.ObjectRef]]  # each rank's calls, handed to its finish: an error in any fails the step
     tokens: int = 0  # response tokens streamed so far, over every rank
     sequences: int = 0
+    waiting: list = field(default_factory=list)  # completed groups held while the ranks are busy
 
 
 def merge_metrics(per_rank: list[dict]) -> dict:
@@ -215,10 +216,20 @@ class TrainerGroup:
         self.stream = OpenStream([[w.stream_begin.remote(temperature)] for w in self.workers])
 
     def stream_groups(self, groups: list[Group]) -> list[ray.ObjectRef]:
-        """Accumulate the gradients of these completed groups; returns at once (one ref per rank).
-        A group's advantages need only its own rewards, so they are final when it completes."""
+        """Accumulate the gradients of these completed groups; returns at once: one ref per rank, or none
+        while the ranks are busy with the last part. A group's advantages need only its own rewards."""
         if self.stream is None:
             raise RuntimeError("stream_groups: call stream_begin first")
+        self.stream.waiting += groups
+        calls = self.stream.calls  # each rank's stream_begin, then its parts
+        if len(calls[0]) > 1 and not finished([mine[-1] for mine in calls]):
+            return []  # sent with the next part: one part of many groups costs less than many parts of one
+        return self._send_waiting()
+
+    def _send_waiting(self) -> list[ray.ObjectRef]:
+        groups, self.stream.waiting = self.stream.waiting, []
+        if not groups:
+            return []
         samples = build_samples(groups, self.cfg.advantage)
         per_rank, part = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
         self.stream.tokens += part.tokens
@@ -232,6 +243,7 @@ class TrainerGroup:
         """Launch the step's one optimizer update; pass the refs to `finish_train_step` (or ray.wait on them)."""
         if self.stream is None:
             raise RuntimeError("stream_end: call stream_begin first")
+        self._send_waiting()
         stream, self.stream = self.stream, None
         return [w.stream_finish.remote(stream.tokens, stream.sequences, *calls)
                 for w, calls in zip(self.workers, stream.calls)]
