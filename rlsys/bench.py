@@ -27,7 +27,8 @@ PRESETS: dict[str, list[str]] = {
     "G16": ["control.group_size=16", "control.prompts_per_step=8"],
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
     "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
-    "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc"],
+    "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc",
+                   "control.sagc.prompt_rule=constant_prompts"],  # async keeps B prompts per update
 }
 QUICK = ["trainer.total_steps=30", "control.eval_every=5", "data.eval_size=100", "control.save_every=0"]
 

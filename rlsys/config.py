@@ -253,6 +253,15 @@ class ControlConfig(Section):
                              "use a group size of at least 2")
         return self
 
+    @model_validator(mode="after")
+    def _async_keeps_its_batch(self):
+        # async bounds staleness in batches of prompts_per_step prompts, so it cannot follow a sizer that
+        # changes the prompt count: it would silently train G x B samples per update instead
+        if self.scheduler == "async" and self.group_sizer == "sagc" and self.sagc.prompt_rule != "constant_prompts":
+            raise ValueError("control.sagc.prompt_rule: control.scheduler=async trains control.prompts_per_step "
+                             "prompts per update whatever G is; set control.sagc.prompt_rule=constant_prompts")
+        return self
+
 
 class ClusterConfig(Section):
     address: Optional[str] = None  # None starts a local Ray cluster; "auto" joins a running one

@@ -92,6 +92,10 @@ def test_constant_prompts_rule_and_config_checks():
     for bad in ([], [1, 4], [4, 4]):
         with pytest.raises(ValueError, match="sagc.sizes"):
             ControlConfig(sagc={"sizes": bad})
+    # async trains B prompts per update whatever G is, so constant_samples would be silently broken
+    with pytest.raises(ValueError, match="sagc.prompt_rule"):
+        ControlConfig(scheduler="async", group_sizer="sagc")
+    ControlConfig(scheduler="async", group_sizer="sagc", sagc={"prompt_rule": "constant_prompts"})
 
 
 def test_deterministic_for_a_given_history_and_decided_only_at_step_boundaries():

@@ -21,7 +21,8 @@ versions old. With eta = 0 it is the `sync` schedule, Train for Train, except un
 sampling: a dropped group frees its place at once (no rounds, no cap), so every Train holds B groups.
 
 The group size G comes from the group sizer at each update and applies to prompts admitted after
-it; the sizer's prompt count is not used, as the bound is counted in batches of a fixed B.
+it. B stays fixed, as the bound is counted in batches of it: the config refuses a sizer rule that
+would change the prompt count (sagc's constant_samples).
 """
 from __future__ import annotations
 
