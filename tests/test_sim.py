@@ -257,8 +257,20 @@ def test_tail_batching_runs_unchanged_and_beats_sync():
     assert r["tail"]["requests"]["aborted"] > 0 and r["tail"]["trained_prompts"] == 5 * 128
 
 
+def test_group_size_costs_time_only_where_a_group_gates_its_training():
+    """README "Where group size costs wall time": a sync step of fixed samples waits for the slowest of all
+    of them whatever G is; sorted trains a group when its slowest sample ends."""
+    cfg = load_sim_config(CONFIGS / "sagc_7b_8k.yaml")
+    runs = [r for r in cfg.runs() if r.label in ("sync-G4", "sync-G16", "sorted-G4", "sorted-G16")]
+    r = simulate(cfg.model_copy(update={"steps": 5, "schedulers": runs}), quiet=True)["results"]
+    step = {label: figures["step_time_s"] for label, figures in r.items()}
+    assert r["sync-G16"]["straggler_rate"] > 2 * r["sync-G4"]["straggler_rate"]
+    assert abs(step["sync-G16"] / step["sync-G4"] - 1) < 0.05
+    assert step["sorted-G16"] > 1.1 * step["sorted-G4"]
+
+
 # --- configs and CLI -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen7b_8k", "qwen32b_32k", "scale_128gpu"])
+@pytest.mark.parametrize("name", ["qwen7b_8k", "qwen32b_32k", "scale_128gpu", "sagc_7b_8k"])
 def test_shipped_configs_load(name):
     cfg = load_sim_config(CONFIGS / f"{name}.yaml")
     assert "sync" in [r.name for r in cfg.runs()]

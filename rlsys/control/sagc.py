@@ -18,6 +18,10 @@ Utility: `informative`, the expected share of groups whose rewards are not all e
 1 - p_s^G - (1 - p_s)^G with p_s the running share of rewards > 0.5; or `log`, log G.
 Ties go to the larger size, so with no straggler risk the largest size is always chosen.
 
+Where it pays: the budget buys wall time only where a group's slowest sample holds back its training
+(sorted, tail) or where the sample count follows G (constant_prompts). A sync step of constant samples
+waits for the slowest of all its samples whatever G is (README "Where group size costs wall time").
+
 Known limit: when even the smallest size overspends the budget, Q grows without bound, and once
 the lengths calm down the smallest size is kept until Q drains (measured: 200 such steps at
 delta 0.05 left Q at 6 and took 117 calm steps to return to the largest size).
