@@ -121,8 +121,10 @@ def run(sched, engine, steps, check=lambda step, groups: None):
 def test_short_round_over_draws_and_keeps_the_first_complete_prompts():
     sched = build(prompts_per_step=4, group_size=4)  # eta 1.25: 5 prompts x 5 samples
     subs = sched.start(0.0)
-    assert [len(s.request_ids) for s in subs] == [5] * 5 and sched.long_round is False
-    a, b, c, d, e = subs
+    assert [len(s.request_ids) for s in subs] == [4] * 5 + [1] * 5 and sched.long_round is False
+    first, extras = subs[:5], subs[5:]  # every prompt's first R samples queue ahead of all the extras
+    assert [s.prompt for s in first] == [s.prompt for s in extras]
+    a, b, c, d, e = (Submit(f.prompt, f.request_ids + x.request_ids) for f, x in zip(first, extras))
     out = [sched.on_sample(sample(rid, a.prompt.uid), 0) for rid in a.request_ids[:4]]
     announce, abort = out[3]  # a complete prompt is announced for streamed training, its extras aborted
     assert out[:3] == [[], [], []] and abort == Abort([a.request_ids[4]])

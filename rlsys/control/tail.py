@@ -58,7 +58,10 @@ class TailScheduler(Scheduler):
             prompts, samples = self.draw(scaled(self.cfg.tail.eta_p, p)), scaled(self.cfg.tail.eta_r, r)
         self.builders = [GroupBuilder(prompt, r) for prompt in prompts]
         self.running = [set() for _ in prompts]
-        return [self._submit(i, samples) for i in range(len(prompts))]
+        # Every prompt's first R samples queue ahead of all the extras: an engine with fewer slots than the
+        # round starts extras only as slots free up, and aborts most of them before they start.
+        first = [self._submit(i, r) for i in range(len(prompts))]
+        return first + [self._submit(i, samples - r) for i in range(len(prompts)) if samples > r]
 
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         request_id = sample.completion.request_id
