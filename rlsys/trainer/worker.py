@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from rlsys.cluster import death_reason
+from rlsys.cluster import death_reason, get_each
 from rlsys.config import Config, TrainerConfig
 from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
@@ -331,15 +331,11 @@ class TrainerGroup:
     def _get_all(self, refs: list[ray.ObjectRef]) -> list:
         """Like ray.get, but a rank's error is raised as soon as it happens, not after the ranks still
         blocked in a collective with it time out; a dead rank as TrainerDied."""
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            try:
-                ray.get(done)
-            except RayError as e:
-                self._raise_if_a_rank_died(e, pending)
-                raise
-        return ray.get(refs)
+        try:
+            return get_each(refs)
+        except RayError as e:
+            self._raise_if_a_rank_died(e, refs)
+            raise
 
     def _raise_if_a_rank_died(self, error: RayError, others: list[ray.ObjectRef]) -> None:
         """TrainerDied if `error`, or one of `others` failing soon after it, is a rank's death."""

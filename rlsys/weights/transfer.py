@@ -16,7 +16,6 @@ In a run, rlsys/weights/sync.py picks the transport (`weights.transfer`) and dri
 """
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -24,6 +23,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from rlsys.cluster import NotDone, get_each
 from rlsys.weights.buckets import BucketPlan, unpack
 from rlsys.weights.group import WeightGroup, WeightTransferTimeout
 
@@ -162,16 +162,11 @@ def make_transfer(kind: str, who: str, timeout_s: float, group: WeightGroup | No
 
 
 def wait_for_engines(refs: dict[str, Any], timeout_s: float) -> list:
-    """ray.get on each party's call (engines' receives, the trainer's send), in order. The first failure is
-    raised as soon as it happens (the others may wait for the failed party until their own deadlines); after
-    `timeout_s`, WeightTransferTimeout names the parties that did not finish."""
-    import ray
-
-    deadline, pending = time.monotonic() + timeout_s, list(refs.values())
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        if not ready:
-            late = [name for name, ref in refs.items() if ref in pending]
-            raise WeightTransferTimeout(f"weight update: {', '.join(late)} did not finish within {timeout_s:g} s")
-        ray.get(ready)
-    return ray.get(list(refs.values()))
+    """ray.get on each party's call (engines' receives, the trainer's send), in order, the first failure
+    raised as soon as it happens (cluster.get_each); after `timeout_s`, WeightTransferTimeout names the
+    parties that did not finish."""
+    try:
+        return get_each(list(refs.values()), timeout_s)
+    except NotDone as e:
+        late = [name for name, ref in refs.items() if ref in e.pending]
+        raise WeightTransferTimeout(f"weight update: {', '.join(late)} did not finish within {timeout_s:g} s") from None
