@@ -27,6 +27,11 @@ def death_reason(error) -> str:
     return str(error).splitlines()[-1].rstrip(".")
 
 
+def actor_id(handle) -> str:
+    """An actor handle's id, as a RayActorError reports the actor that died (`error.actor_id`)."""
+    return handle._actor_id.hex()
+
+
 class NotDone(TimeoutError):
     """`get_each` ran out of time; `pending` holds the refs that had not finished."""
 

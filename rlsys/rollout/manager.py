@@ -20,7 +20,7 @@ import ray
 from ray import ObjectRef
 from ray.exceptions import RayActorError, RayTaskError
 
-from rlsys.cluster import death_reason
+from rlsys.cluster import actor_id, death_reason
 from rlsys.placement import ROLLOUT
 from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request, RunStopped
@@ -185,7 +185,7 @@ class RolloutManager:
 
     def worker_died(self, error: RayActorError) -> None:
         """A death the caller saw on a call it made itself: handled as any other (replaced, or refused)."""
-        ids = {w._actor_id.hex(): i for i, w in enumerate(self.workers)}
+        ids = {actor_id(w): i for i, w in enumerate(self.workers)}
         if error.actor_id in ids:
             self.held += self._replace(ids[error.actor_id], error)
 
@@ -269,7 +269,7 @@ class RolloutManager:
     def _check_died(self, i: int, error: RayActorError) -> None:
         """Raise `error` unless it is worker i's death: it may be another actor's, e.g. the trainer
         that was to make the weights passed to update_weights."""
-        if error.actor_id != self.workers[i]._actor_id.hex():
+        if error.actor_id != actor_id(self.workers[i]):
             raise error
 
     def _prepare(self, worker, requests: list[Request]) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from rlsys.cluster import death_reason, get_each
+from rlsys.cluster import actor_id, death_reason, get_each
 from rlsys.config import Config, TrainerConfig
 from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
@@ -349,6 +349,6 @@ class TrainerGroup:
                     break
                 except RayError:
                     pass
-        ranks = {w._actor_id.hex(): rank for rank, w in enumerate(self.workers)}
+        ranks = {actor_id(w): rank for rank, w in enumerate(self.workers)}
         if isinstance(error, RayActorError) and error.actor_id in ranks:
             raise TrainerDied(ranks[error.actor_id], death_reason(error)) from None
