@@ -57,7 +57,7 @@ class Controller:
             self.placement = Placement(plan)
         self.model_dir = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
-        train, self.eval_prompts = self._datasets()
+        train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer)  # it logs the prompts it drops
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
         self.rollout = RolloutManager.from_config(cfg, self.model_dir, self.placement)
         self.rewards = RewardPool(cfg.reward)
@@ -260,13 +260,6 @@ class Controller:
 
     def _seed(self, request_id: str) -> int:
         return zlib.crc32(f"{self.cfg.seed}:{request_id}".encode())
-
-    def _datasets(self):
-        train, evals, dropped = load_prompts(self.cfg.data, self.tokenizer)
-        if dropped:
-            print(f"dropped {dropped} training prompts longer than data.max_prompt_tokens="
-                  f"{self.cfg.data.max_prompt_tokens}")
-        return train, evals
 
     def _on_sigterm(self, *_):
         print("SIGTERM: finishing the current step, saving a checkpoint, then exiting")
