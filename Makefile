@@ -1,17 +1,41 @@
-# Two entry points for a fresh machine: `make train` and `make test` (each sets up first).
+# Two entry points for a fresh machine: `make train` and `make test`. Each first sets up the project-local
+# virtual environment .venv/ from the lock (requirements/lock-cpu.txt), once, and again only when
+# pyproject.toml or the lock changes. Nothing is installed into the system Python.
 PYTHON ?= python3
+VENV ?= .venv
+LOCK ?= requirements/lock-cpu.txt
+EXTRAS ?= dev
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?=   # e.g. --index-url https://download.pytorch.org/whl/cpu where the registry has only CUDA builds
+PY := $(VENV)/bin/python
 
-.PHONY: setup train test bench
+.PHONY: setup train test lock
 
-# Without a GPU, install the CPU build of torch first so no CUDA packages are pulled in.
-setup:
-	@command -v nvidia-smi >/dev/null 2>&1 || $(PYTHON) -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_CPU_INDEX)
-	$(PYTHON) -m pip install -q -e ".[dev]"
+setup: $(VENV)/.installed
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# Without a GPU, the CPU build of torch goes in first, so no CUDA packages are pulled in.
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(PY)
+	@command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_CPU_INDEX)
+	$(PY) -m pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
+	touch $@
 
 train: setup
-	rlsys train configs/tiny.yaml
+	$(VENV)/bin/rlsys train configs/tiny.yaml
 
 test: setup
-	$(PYTHON) -m pytest tests -q
+	$(PY) -m pytest tests -q
+
+# Refresh the lock: resolve the newest versions the ranges in pyproject.toml admit, in a scratch
+# environment, and write them to $(LOCK). Run `make test` afterwards before committing it.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q --upgrade pip
+	.venv-lock/bin/python -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_CPU_INDEX)
+	.venv-lock/bin/python -m pip install -q -e ".[dev,real,bench]"
+	.venv-lock/bin/python requirements/write_lock.py .venv-lock/bin/python $(LOCK)
+	rm -rf .venv-lock

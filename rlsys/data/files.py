@@ -10,10 +10,11 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from rlsys.errors import UserError
 from rlsys.types import Prompt
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     pass
 
 

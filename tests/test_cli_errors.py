@@ -1,0 +1,67 @@
+"""A user's own mistake (config, data, model files) reads as one message and a non-zero exit, not a
+traceback; `--traceback` shows it when wanted. Faults of rlsys itself keep their traceback."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rlsys.cli import main, user_error
+from rlsys.config import ConfigError
+from rlsys.data import DataError
+
+
+def test_a_missing_config_file_is_one_message_and_exit_status_2(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert f"rlsys: config file not found: {tmp_path / 'nope.yaml'}" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 2  # the message and the hint
+
+
+@pytest.mark.parametrize("argv", [["--traceback", "train"], ["train", "--traceback"]])
+def test_traceback_flag_before_or_after_the_command_raises_the_error(tmp_path, argv):
+    with pytest.raises(ConfigError, match="config file not found"):
+        main(argv + [str(tmp_path / "nope.yaml")])
+
+
+def test_a_bad_override_is_one_message(capsys):
+    assert main(["train", "trainer.total_steps=-3"]) == 2
+    assert "trainer.total_steps: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+def test_a_fault_of_rlsys_itself_keeps_its_traceback(monkeypatch):
+    import rlsys.cli
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(rlsys.cli, "cmd_plot", broken)
+    with pytest.raises(KeyError):
+        main(["plot", "runs/none"])
+
+
+def test_a_user_error_raised_inside_an_actor_is_recognised(ray_cluster):
+    @ray_cluster.remote
+    def read_rows():
+        raise DataError("rows.jsonl, line 3: not valid JSON")
+
+    with pytest.raises(Exception) as raised:
+        ray_cluster.get(read_rows.remote())
+    assert str(user_error(raised.value)) == "rows.jsonl, line 3: not valid JSON"
+    assert user_error(RuntimeError("not the user's")) is None
+
+
+@pytest.mark.slow
+def test_training_on_prompts_longer_than_max_prompt_tokens_prints_the_reason_alone(tmp_path):
+    """The newcomer's case: a veRL jsonl whose prompts all exceed the default data.max_prompt_tokens."""
+    row = {"prompt": [{"role": "user", "content": "What is the sum of all positive integers n such that n^2 "
+                                                   "+ 12n - 2007 is a perfect square? Box the answer."}],
+           "reward_model": {"ground_truth": "3"}}
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(row) for _ in range(6)) + "\n")
+    done = subprocess.run([sys.executable, "-m", "rlsys.cli", "train", "data.task=files", f"data.train_path={data}",
+                           "data.eval_size=2", f"output_dir={tmp_path / 'run'}", "cluster.num_cpus=2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "rlsys: all 4 training prompts are longer than data.max_prompt_tokens=64 tokens" in done.stderr
+    assert "Traceback" not in done.stderr
