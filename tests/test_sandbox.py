@@ -1,7 +1,9 @@
 """The code-reward sandbox: right code passes, wrong code fails, and every escape is contained.
 
 Each escape test names the protection it covers; each would pass its escape (score 1.0) if that
-protection were removed, because the escape's expected value is what the escape would return.
+protection were removed, because the escape's expected value is what the escape would return (the fork
+bomb, whose escape never returns, instead reports the limit that stopped it). Tests that need namespaces
+skip only where `unshare` finds none; a sandbox that fails where they exist fails them.
 """
 import os
 import random
