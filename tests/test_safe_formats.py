@@ -2,9 +2,13 @@
 safetensors and JSON only, and what rlsys starts listens on localhost unless the config says otherwise.
 (launch/ray_head.sh's dashboard default is tested in tests/test_launch.py.)"""
 import ast
+import contextlib
+import http.client
 import json
+import urllib.request
 from pathlib import Path
 
+import psutil  # DeepSpeed's dependency
 import pytest
 from safetensors import safe_open
 
@@ -23,6 +27,7 @@ PICKLE_CALLS = {"torch.load", "torch.jit.load", "torch.serialization.load", "yam
 UNSAFE_KEYWORDS = {("allow_pickle", True), ("weights_only", False), ("use_safetensors", False),
                    ("trust_remote_code", True)}
 SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader"}
+WILDCARD = {"0.0.0.0": "127.0.0.1", "::": "127.0.0.1"}  # a socket on every address answers on loopback
 # (file, what) pairs that are allowed, each with the reason.
 ALLOWED = {
     # The reward function is pickled by the driver and unpickled by its reward actors, in memory through
@@ -140,18 +145,27 @@ def test_a_real_run_checkpoints_and_exports_safetensors_and_json_only(tmp_path, 
     assert "optimizer_rank0.safetensors" in assert_safetensors_and_json_only(tmp_path / "torch")
 
 
-def test_ray_is_started_with_its_dashboard_off_and_on_localhost(monkeypatch):
-    import ray
+def serves_ray_dashboard(host: str, port: int) -> bool:
+    """Whether the port answers the dashboard's health check (open without Ray's auth token; the job API
+    behind it needs the token, which every process of the cluster's user can read)."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/api/gcs_healthz", timeout=2) as reply:
+            return reply.read() == b"success"
+    except (OSError, http.client.HTTPException):  # not HTTP, or not the dashboard
+        return False
 
-    from rlsys.cluster import init_ray
 
-    assert ClusterConfig().dashboard_host == "127.0.0.1"
-    calls = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
-    init_ray()
-    init_ray(ClusterConfig(dashboard_host="0.0.0.0"))  # only when the config asks for it
-    assert [(c["include_dashboard"], c["dashboard_host"]) for c in calls] == [(False, "127.0.0.1"), (False, "0.0.0.0")]
+def test_ray_is_started_without_its_dashboard(ray_cluster):
+    # The dashboard serves Ray's job API (run any command on the cluster) to whoever reaches its port:
+    # no port that the Ray started by rlsys (init_ray, through the fixture) listens on may serve it.
+    assert ClusterConfig().dashboard_host == "127.0.0.1"  # where it would listen if a config turned it on
+    listening = set()
+    for process in psutil.Process().children(recursive=True):  # the local Ray's processes
+        with contextlib.suppress(psutil.Error):  # a worker that exits meanwhile
+            listening |= {(WILDCARD.get(c.laddr.ip, c.laddr.ip), c.laddr.port)
+                          for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    assert listening, "found no Ray process listening"
+    assert not [address for address in listening if serves_ray_dashboard(*address)]
 
 
 def test_a_model_folder_with_only_pickled_weights_is_refused_by_name(tmp_path):

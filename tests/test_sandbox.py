@@ -1,11 +1,16 @@
 """The code-reward sandbox: right code passes, wrong code fails, and every escape is contained.
 
 Each escape test names the protection it covers; each would pass its escape (score 1.0) if that
-protection were removed, because the escape's expected value is what the escape would return.
+protection were removed, because the escape's expected value is what the escape would return (the fork
+bomb, whose escape never returns, instead reports the limit that stopped it). Tests that need namespaces
+skip only where `unshare` finds none; a sandbox that fails where they exist fails them.
 """
 import os
 import random
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +27,24 @@ from rlsys.reward.sandbox import AdaptiveTimeout, Sandbox, SandboxResult, Sandbo
 
 FAST = {"t_min_s": 2.0, "t_max_s": 2.0}
 
-try:
-    Sandbox(SandboxConfig())  # probes namespaces once
-    ISOLATED = True
-except SandboxUnavailable:
-    ISOLATED = False
-needs_isolation = pytest.mark.skipif(not ISOLATED, reason="no Linux namespaces on this machine")
+
+def isolation_expected() -> tuple[bool, str]:
+    """Whether this machine offers the namespaces the sandbox needs, asked of util-linux's `unshare`, never
+    of the code under test: a broken sandbox must fail these tests, not skip them. CI that must run them
+    sets RLSYS_REQUIRE_SANDBOX=1."""
+    if os.environ.get("RLSYS_REQUIRE_SANDBOX") == "1":
+        return True, ""
+    unshare = shutil.which("unshare")
+    if sys.platform != "linux" or unshare is None:
+        return False, "no Linux `unshare` to probe namespaces with (RLSYS_REQUIRE_SANDBOX=1 runs them anyway)"
+    user = [] if os.getuid() == 0 else ["--user"]  # as the sandbox does: a user namespace when not root
+    probe = subprocess.run([unshare, *user, "--mount", "--net", "--pid", "--fork", "true"],
+                           capture_output=True, text=True, timeout=30)
+    return probe.returncode == 0, f"no Linux namespaces here: unshare said {probe.stderr.strip()!r}"
+
+
+ISOLATED, WHY_NOT = isolation_expected()
+needs_isolation = pytest.mark.skipif(not ISOLATED, reason=WHY_NOT)
 
 
 def sandbox(**limits) -> Sandbox:
@@ -82,7 +99,7 @@ for o in gc.get_objects():
         if isinstance(item, str) and re.fullmatch('tok-[0-9a-f]{32}', item):
             return item
 """, token)
-    assert not result.passed
+    assert result.reason == "wrong answer on case 0", result  # the hunt ran and came back empty-handed
 
 
 def test_code_family_answers_are_tests_and_parse_errors_name_the_problem():
@@ -129,6 +146,11 @@ def test_a_sandbox_learns_its_timeout_from_passing_runs():
     slow = "def f():\n    import time\n    time.sleep(0.3)\n    return 1\n"
     result = box.run(slow, "f", [([], 1)], timeout_s=10)  # the first run gets more than t_min
     assert result.passed and box.timeout.seconds() == 1.5 * result.seconds
+
+
+@needs_isolation
+def test_the_sandbox_finds_the_isolation_this_machine_has():
+    assert Sandbox(SandboxConfig(**FAST)).isolated  # its own probe, as reward workers build it
 
 
 # --- refusing to run without isolation ------------------------------------------------------------
@@ -192,21 +214,28 @@ time.sleep(30)
             pass
     for pid in survivors:
         os.kill(pid, 9)
-    assert not result.passed and not survivors
+    assert result.reason == "timed out after 1.0s" and not survivors, result  # the escapee ran
 
 
 @needs_isolation
 def test_fork_bomb_is_contained():
-    # Protections: RLIMIT_NPROC caps the bomb, the timeout and the PID namespace end it.
+    # Protection: RLIMIT_NPROC. The bomb's first process reports how its forks ended: EAGAIN before its
+    # 8th child, as only the limit makes them fail so soon; without it they go on until the timeout.
+    # The PID namespace then ends the children still forking.
     result = escape("""
-import os
-while True:
+import errno, os
+for started in range(10**6):
     try:
-        os.fork()
-    except OSError:
-        pass
-""", 1, t_min_s=1.0, t_max_s=1.0, max_processes=8)
-    assert not result.passed and result.seconds < 10, result
+        pid = os.fork()
+    except OSError as e:
+        return [errno.errorcode[e.errno], started < 8]
+    while pid == 0:
+        try:
+            os.fork()
+        except OSError:
+            pass
+""", ["EAGAIN", True], t_min_s=5.0, t_max_s=5.0, max_processes=8)
+    assert result.passed, result
 
 
 @needs_isolation
@@ -253,7 +282,7 @@ def test_writes_outside_the_private_dir_do_not_reach_the_host():
     target = target_dir / "escaped.txt"
     try:
         result = escape(f"open({str(target)!r}, 'w').write('out')\nreturn True", True)
-        assert not result.passed and not target.exists(), result
+        assert "FileNotFoundError" in result.reason and not target.exists(), result
     finally:
         target.unlink(missing_ok=True)
         target_dir.rmdir()

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 from rlsys.config import Config, TrainerConfig
-from rlsys.trainer.backend import TorchBackend, token_logprobs
+from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step, split_mini_batches
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Group, Prompt, ScoredSample
@@ -89,9 +89,11 @@ def test_logprobs_match_a_plain_forward_at_the_temperature(model_dir):
     got = backend.compute_logprobs(samples, TEMPERATURE)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     for sample, logprobs in zip(samples, got):
-        ids = torch.tensor([sample.input_ids])
-        want = token_logprobs(model(input_ids=ids).logits, ids, TEMPERATURE)[0, sample.prompt_len - 1:]
-        assert logprobs == pytest.approx(want.tolist(), abs=1e-5)
+        with torch.no_grad():  # one sequence alone, no padding: position t scores token t + 1
+            logits = model(input_ids=torch.tensor([sample.input_ids])).logits[0].double() / TEMPERATURE
+        want = [(logits[t, sample.input_ids[t + 1]] - logits[t].exp().sum().log()).item()
+                for t in range(sample.prompt_len - 1, len(sample.input_ids) - 1)]
+        assert logprobs == pytest.approx(want, abs=1e-5)
 
 
 def test_nan_loss_skips_the_step_and_leaves_weights_and_optimizer_untouched(model_dir):
