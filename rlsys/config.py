@@ -59,7 +59,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["cpu", "vllm"] = "cpu"
+    engine: str = "cpu"  # cpu, vllm, or an engine added with rlsys.rollout.engine.register_engine
     num_workers: int = Field(1, ge=1)
     slots: int = Field(32, ge=1)  # concurrent sequences per engine (continuous batching capacity)
     max_new_tokens: int = Field(96, ge=1)
@@ -70,7 +70,9 @@ class RolloutConfig(Section):
     eval_greedy: bool = True  # also eval/greedy_accuracy, one greedy sample per prompt
     tensor_parallel_size: int = Field(1, ge=1)  # GPUs per engine (vllm); kept within one node
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)  # vllm: share of each GPU for weights + KV cache
-    enable_sleep_mode: bool = False  # vllm: release GPU memory while the trainer runs (colocated layout)
+    # Engines give their GPU memory back while the trainer trains (rlsys/train.py). None: on where they share GPUs
+    # with it (cluster.layout=colocated, cluster.gpus_per_node >= 1), off elsewhere.
+    enable_sleep_mode: Optional[bool] = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # vllm: weights and activations
     max_restarts: int = Field(3, ge=0)  # a dead worker is replaced up to this many times in a row (none finished)
 
@@ -316,6 +318,24 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _engine_known(self):
+        from rlsys.rollout.engine import engine_factory  # the registry (here: it imports this module's users)
+
+        engine_factory(self.rollout.engine)  # a ValueError naming rollout.engine and the known ones
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_engines_sleep(self):
+        """Engines sharing GPUs with the trainer sleep while it trains (rlsys/train.py); None picks that."""
+        r, c = self.rollout, self.cluster
+        if r.enable_sleep_mode is None:
+            r.enable_sleep_mode = bool(c.gpus_per_node) and c.layout == "colocated"
+        problem = colocated_sleep_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
     def _cuda_ipc_colocated(self):
         if self.weights.transfer != "cuda_ipc":
             return self
@@ -331,6 +351,34 @@ class Config(Section):
                              f"{self.trainer.world_size} is less than rollout.num_workers x "
                              f"rollout.tensor_parallel_size = {r.num_workers * r.tensor_parallel_size}")
         return self
+
+
+COLOCATED_MAX_GPU_SHARE = 0.9  # of a GPU, for a colocated vLLM engine: see Config._colocated_engines_sleep
+
+
+def colocated_sleep_problem(cfg: "Config") -> str | None:
+    """Why the engines of this config cannot share GPUs with the trainer by sleeping, or None if they can."""
+    c, r, sched = cfg.cluster, cfg.rollout, cfg.control
+    colocated = bool(c.gpus_per_node) and c.layout == "colocated"
+    where = f"cluster.layout=colocated on GPUs (cluster.gpus_per_node={c.gpus_per_node})"
+    if colocated and r.engine == "vllm" and not r.enable_sleep_mode:
+        return (f"rollout.enable_sleep_mode=false with rollout.engine=vllm and {where}: vLLM would keep "
+                f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} of every GPU while the trainer trains "
+                "there; set rollout.enable_sleep_mode=true or cluster.layout=separate")
+    if colocated and r.engine == "vllm" and r.gpu_memory_utilization > COLOCATED_MAX_GPU_SHARE:
+        return (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization} with {where}: while an engine "
+                "generates, the trainer rank on its GPU keeps its CUDA context and ZeRO shards there; leave it "
+                f"room with at most {COLOCATED_MAX_GPU_SHARE}")
+    if not r.enable_sleep_mode:
+        return None
+    if sched.scheduler == "async" and sched.staleness.eta > 0:
+        return (f"rollout.enable_sleep_mode: control.scheduler=async with control.staleness.eta={sched.staleness.eta} "
+                "keeps requests generating while the trainer trains, and a sleeping engine cannot generate; use "
+                "cluster.layout=separate (rollout.enable_sleep_mode=false) for it")
+    if cfg.trainer.streamed:
+        return ("rollout.enable_sleep_mode: trainer.streamed computes gradients while the engines generate, so "
+                "both need the GPU at once; use cluster.layout=separate (rollout.enable_sleep_mode=false) for it")
+    return None
 
 
 class ConfigError(UserError, ValueError):

@@ -1,11 +1,15 @@
 """The controller: one loop that turns scheduler actions into work on the Ray actors and events back
 into the scheduler (DESIGN.md "Shape"). Everything it calls has one job; the policy lives in control/.
+
+With `rollout.enable_sleep_mode` (on by default where engines share GPUs with the trainer) the engines
+sleep as soon as they are built, so the trainer starts on free GPUs, and again before every train step;
+after it they wake in vLLM's order: "weights", the new weights, "kv_cache", then the next requests.
+The config refuses schedules that keep requests generating while the trainer trains.
 """
 from __future__ import annotations
 
 import signal
 import time
-import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +33,10 @@ from rlsys.step_stats import StepStats
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, finished
 from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample
 from rlsys.weights.sync import WeightSync
+
+# Level 2 drops the engines' weights instead of copying them to host memory (a pinned copy per engine, 15 GB
+# for a 7B model): every wake loads the trainer's weights anyway (`publish`).
+SLEEP_LEVEL = 2
 
 
 @dataclass
@@ -60,6 +68,9 @@ class Controller:
         train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer)  # it logs the prompts it drops
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
         self.rollout = RolloutManager.from_config(cfg, self.model_dir, self.placement)
+        self.sleeps = cfg.rollout.enable_sleep_mode
+        if self.sleeps:  # before the trainer is built: it starts on the memory the engines give back
+            self.rollout.sleep(SLEEP_LEVEL)
         self.rewards = RewardPool(cfg.reward)
         self.trainer = TrainerGroup(cfg, str(self.model_dir), self.placement)
         self.weights = WeightSync(cfg, self.trainer, self.rollout)
@@ -81,6 +92,8 @@ class Controller:
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> dict:
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self.rollout.asleep:  # slept at start: the first wake brings the trainer's weights
+            self.publish()
         if self.step == 0:
             self.log.write(0, self.now(), {**self.evaluate(), "policy_version": 0})
         self.stats.start_step()
@@ -138,8 +151,9 @@ class Controller:
         requests = []
         for rid in action.request_ids:
             self.prompts[rid] = action.prompt
+            # No seed: vLLM samples seeded rows one by one (the built-in engine seeds from the run seed and id)
             params = SamplingParams(self.cfg.rollout.max_new_tokens, self.cfg.rollout.temperature,
-                                    self.cfg.rollout.top_p, seed=self._seed(rid))
+                                    self.cfg.rollout.top_p)
             resume = action.resume.get(rid)  # a partial rollout continues with this run's sampling params
             requests.append(replace(resume, params=params) if resume
                             else Request(rid, action.prompt.uid, prompt_ids, params))
@@ -161,6 +175,8 @@ class Controller:
             raise RuntimeError(f"scheduler {self.cfg.control.scheduler!r} asked to train before the last "
                                "step's weights were published")
         rollout_metrics = self.stats.rollout_done(groups)
+        if self.sleeps:  # the scheduler has aborted or collected every request: engines hold none
+            self.rollout.sleep(SLEEP_LEVEL)
         if self.streamed_groups:  # the scheduler announced every group of this Train with Accumulate
             if self.streamed_groups != len(groups):
                 raise RuntimeError(f"trainer.streamed: {self.streamed_groups} groups were accumulated but the "
@@ -177,7 +193,7 @@ class Controller:
         t_train = time.time() - step.started
         self.version += 1
         t = time.time()
-        self.weights.publish(self.version)
+        self.publish()
         t_sync = time.time() - t
         self.step += 1
         self.scheduler.sizer.observe(step.groups)
@@ -232,7 +248,7 @@ class Controller:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.version, self.elapsed_before = state["step"], state["version"], state["elapsed_s"]
         self.rewards.errors = state.get("reward_errors", 0)
-        self.weights.publish(self.version)
+        self.publish()
         self.log.truncate_after(self.step)
         print(f"resumed from {latest} at step {self.step}")
 
@@ -258,8 +274,15 @@ class Controller:
         """The training clock: wall time since the start, less evaluation and checkpoint time."""
         return time.time() - self.t0 - self.paused_s
 
-    def _seed(self, request_id: str) -> int:
-        return zlib.crc32(f"{self.cfg.seed}:{request_id}".encode())
+    def publish(self) -> None:
+        """The trainer's weights, as `self.version`, to every engine. Sleeping engines wake in vLLM's order: the
+        weights, then the new ones load, then the KV cache, which is thus never held beside two weight copies."""
+        asleep = self.rollout.asleep
+        if asleep:
+            self.rollout.wake_up(["weights"])
+        self.weights.publish(self.version)
+        if asleep:
+            self.rollout.wake_up(["kv_cache"])
 
     def _on_sigterm(self, *_):
         print("SIGTERM: finishing the current step, saving a checkpoint, then exiting")

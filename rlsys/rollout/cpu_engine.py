@@ -8,8 +8,8 @@ Weights come from the model directory's Hugging Face safetensors and can be swap
 """
 from __future__ import annotations
 
-import random
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,13 +180,15 @@ class _Running:
 
 class CPUEngine(RolloutEngine):
     def __init__(self, model_dir: str, slots: int, eos_token_id: int | None = None,
-                 max_len: int | None = None, dtype: torch.dtype = torch.float32, name: str = "cpu engine"):
+                 max_len: int | None = None, dtype: torch.dtype = torch.float32, name: str = "cpu engine",
+                 seed: int = 0):
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
         path = Path(model_dir)
         with torch.inference_mode():
             self.model = DecoderModel(path, slots, max_len, dtype)
         self.name, self.slots, self.max_len, self.version = name, slots, self.model.max_len, 0
+        self.seed = seed  # the run's: a request without a seed draws from (seed, request id), whatever engine runs it
         self.weight_group: WeightGroup | None = None  # weights.transfer=broadcast
         self.eos_ids = read_eos_ids(path, eos_token_id)
         self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
@@ -271,6 +273,18 @@ class CPUEngine(RolloutEngine):
             self.model.load_state_dict(dict(weights), strict=False, source=f"{self.name}: weights version {version}")
         self.version = version
 
+    def _release(self, level: int) -> None:
+        """Sleep frees the KV cache; the weights stay, as host memory is where a level-1 sleep would keep them
+        and level 2's caller loads new ones anyway."""
+        m = self.model
+        self._kv_layout = (m.k_cache.shape, m.k_cache.dtype)
+        m.k_cache = m.v_cache = None
+
+    def _reclaim(self, tags: list[str]) -> None:
+        if "kv_cache" in tags:
+            shape, dtype = self._kv_layout
+            self.model.k_cache, self.model.v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
     # --- generation -------------------------------------------------------------------------
     def _admit(self, done: list[Completion]) -> int:
         """Move waiting requests into free slots with one batched prefill; returns tokens sampled."""
@@ -309,7 +323,7 @@ class CPUEngine(RolloutEngine):
             self.out_logprobs[slot, :r] = torch.tensor(req.resume_logprobs)
             self.out_versions[slot, :r] = torch.tensor(req.resume_versions)
         if p.temperature > 0:  # token i always uses uniform i: a resumed seeded sample stays reproducible
-            seed = p.seed if p.seed is not None else random.getrandbits(63)
+            seed = p.seed if p.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
             n = min(p.max_new_tokens, self.max_len)
             gen = torch.Generator().manual_seed(seed)
             self.uniforms[slot, :n] = torch.rand(n, generator=gen)

@@ -4,6 +4,10 @@ An engine holds a fixed number of slots (concurrent sequences). Requests wait un
 are generated token by token, and come back as Completions with per-token behaviour log-probs and
 policy versions. The built-in CPU engine and the vLLM engine both implement this; the worker and
 everything above it only ever see this interface.
+
+Sleep (colocated layout): an engine gives its accelerator memory back while the trainer on the same GPU
+trains, and wakes in vLLM's order: "weights", then the new weights are loaded, then "kv_cache".
+Engines are found by name in ENGINES (`rollout.engine`); `register_engine` adds one.
 """
 from __future__ import annotations
 
@@ -14,15 +18,22 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import Callable
+
 from torch import Tensor
 
+from rlsys.control.registry import Registry
 from rlsys.types import Completion, Request
 from rlsys.weights.transfer import WeightUpdate
 
+SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's tags, in the order an engine wakes (new weights load in between)
+
 
 class RolloutEngine(ABC):
+    name = "engine"
     tokenizer = None  # set by engines that return text
     eos_ids: set[int] = set()
+    asleep: tuple[str, ...] = ()  # what sleep() gave back and wake_up() has not restored: no step runs meanwhile
 
     def _decode(self, tokens: list[int]) -> str:
         """The completion's text: what reward functions read."""
@@ -81,6 +92,36 @@ class RolloutEngine(ABC):
         """Cumulative counters: decode_steps, active_slot_steps, generated_tokens, busy_s,
         saturated_tokens_per_s (None until every slot was busy at least once), with the version and load."""
         return dict(self.counters.report(), version=self.version, **self.load())
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the accelerator memory back to a colocated trainer: the KV cache, and the weights (level 1 keeps
+        them in host memory, level 2 drops them: load new ones before waking "kv_cache"). Refused while the
+        engine holds requests: their KV cache would go (vLLM would abort them)."""
+        if level not in (1, 2):
+            raise ValueError(f"{self.name}: sleep level must be 1 or 2 (got {level})")
+        if self.has_work():
+            raise RuntimeError(f"{self.name}: cannot sleep while it holds requests ({self.load()}); abort them or "
+                               "let them finish first")
+        if not self.asleep:
+            self._release(level)
+        self.asleep = SLEEP_TAGS
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back `tags` (None: all). Generation resumes once nothing is asleep."""
+        tags = list(SLEEP_TAGS) if tags is None else tags
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise ValueError(f"{self.name}: unknown wake_up tags {sorted(unknown)} (expected {list(SLEEP_TAGS)})")
+        waking = [t for t in self.asleep if t in tags]
+        if waking:
+            self._reclaim(waking)
+        self.asleep = tuple(t for t in self.asleep if t not in tags)
+
+    def _release(self, level: int) -> None:
+        """Free what sleep(level) gives back; engines that hold accelerator memory override this and _reclaim."""
+
+    def _reclaim(self, tags: list[str]) -> None:
+        """Allocate `tags` again (weights dropped at level 2 hold garbage until new ones are loaded)."""
 
 
 def check_request(req: Request, vocab: int, max_len: int) -> None:
@@ -188,12 +229,34 @@ def read_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def make_engine(kind: str, model_dir: str, slots: int, **kwargs) -> RolloutEngine:
-    """The engine named by `rollout.engine`; each is imported only when chosen (vLLM needs a GPU)."""
-    if kind == "cpu":
-        from rlsys.rollout.cpu_engine import CPUEngine
-        return CPUEngine(model_dir, slots, **kwargs)
-    if kind == "vllm":
-        from rlsys.rollout.vllm_engine import VLLMEngine
-        return VLLMEngine(model_dir, slots, **kwargs)
-    raise ValueError(f"rollout.engine: unknown engine {kind!r} (cpu or vllm)")
+ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
+
+
+def register_engine(name: str):
+    """`@register_engine("mine")` on an engine class (or factory) makes `rollout.engine=mine` build it."""
+    return ENGINES.register(name)
+
+
+@register_engine("cpu")
+def _cpu_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
+    from rlsys.rollout.cpu_engine import CPUEngine
+    return CPUEngine(model_dir, slots, **kwargs)
+
+
+@register_engine("vllm")
+def _vllm_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
+    from rlsys.rollout.vllm_engine import VLLMEngine  # imported only when chosen: vLLM needs a GPU
+    return VLLMEngine(model_dir, slots, **kwargs)
+
+
+def engine_factory(kind: str) -> Callable[..., RolloutEngine]:
+    if kind not in ENGINES:
+        raise ValueError(f"rollout.engine: unknown engine {kind!r} ({' or '.join(ENGINES.names())})")
+    return ENGINES.get(kind)
+
+
+def make_engine(kind: str | Callable[..., RolloutEngine], model_dir: str, slots: int, **kwargs) -> RolloutEngine:
+    """The engine named by `rollout.engine`, or built by `kind` itself: the rollout manager resolves the name on the
+    driver and sends the factory, so an engine registered there (by a plugin or a test) reaches Ray workers."""
+    factory = engine_factory(kind) if isinstance(kind, str) else kind
+    return factory(model_dir, slots, **kwargs)

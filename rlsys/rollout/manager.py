@@ -5,8 +5,10 @@ which waits on them together with other components' refs and passes the ready on
 Requests go to the worker with the fewest outstanding requests (submitted, not yet collected).
 
 A worker that dies (killed, OOM, node lost) is replaced under the same index: the new one loads the
-last weights passed to `update_weights`, then gets the dead one's requests again (same ids and seeds,
-so the same samples); requests the caller aborted come back cut instead. Each prompt's samples thus
+last weights passed to `update_weights`, sleeps if the others do, then gets the dead one's requests
+again (same ids and seeds: a seeded request, as eval's, gives the same sample; an unseeded one, as
+training's, the same on the built-in engine, which draws it from the run seed and its id, and a fresh
+draw on vLLM); requests the caller aborted come back cut instead. Each prompt's samples thus
 arrive exactly once. `rollout.max_restarts` deaths of a worker in a row, with no request finished in
 between, stop the run. So does any death when the weights come by a transfer a new worker cannot join
 (weights.transfer=broadcast or cuda_ipc: `restarts_refused`, see rlsys/weights/sync.py).
@@ -22,6 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from rlsys.cluster import actor_id, death_reason
 from rlsys.placement import ROLLOUT
+from rlsys.rollout.engine import SLEEP_TAGS, engine_factory
 from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request, RunStopped
 from rlsys.weights import WeightUpdate
@@ -29,7 +32,7 @@ from rlsys.weights import WeightUpdate
 
 def engine_options(cfg) -> dict:
     """Engine options from a run's Config: the KV cache sized to the longest prompt plus response."""
-    kwargs = {"max_len": cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens}
+    kwargs = {"max_len": cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, "seed": cfg.seed}
     r = cfg.rollout
     if r.engine == "vllm":
         kwargs.update(tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -56,7 +59,9 @@ class RolloutManager:
         gpus = (engine_kwargs or {}).get("tensor_parallel_size", 1) if engine == "vllm" else 0
         self._options = ((lambda i: placement.actor_options(ROLLOUT, i)) if placement
                          else (lambda i: {"num_gpus": gpus}))
-        self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine)
+        self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine_factory(engine))
+        self.asleep: tuple[str, ...] = ()  # what every engine has given back (sleep) and not yet taken back
+        self.sleep_level = 0
         self.workers = [self._new_worker(i) for i in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])  # surface load errors here, not later
         self.outstanding = [0] * num_workers
@@ -170,6 +175,17 @@ class RolloutManager:
         self.weights = (ref, version)  # first, so a worker replaced during the update starts from them
         self._on_every_worker(lambda w: w.update_weights.remote(ref, version), ask_again=False)
 
+    def sleep(self, level: int) -> None:
+        """Every engine gives its accelerator memory back to the trainer (RolloutEngine.sleep); a worker whose
+        engine still holds requests refuses, and its error is raised here."""
+        self.asleep, self.sleep_level = SLEEP_TAGS, level  # first, so a worker replaced meanwhile starts asleep
+        self._on_every_worker(lambda w: w.sleep.remote(level), ask_again=False)
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Every engine takes back `tags`: "weights" before new weights are loaded, "kv_cache" after."""
+        self.asleep = tuple(t for t in self.asleep if t not in tags)
+        self._on_every_worker(lambda w: w.wake_up.remote(tags), ask_again=False)
+
     def receive_broadcast(self, update: WeightUpdate, version: int) -> dict[str, ObjectRef]:
         """Start every worker's receive of trainer rank 0's broadcast and return at once: their calls by
         name, to wait on together with the sender's (a death seen there goes to `worker_died`)."""
@@ -273,10 +289,14 @@ class RolloutManager:
             raise error
 
     def _prepare(self, worker, requests: list[Request]) -> None:
-        """In order (a worker runs calls concurrently): the model, the last weights, then the requests."""
+        """In order (a worker runs calls concurrently): the model, the last weights, the others' sleep, then the
+        requests."""
         ray.get(worker.ready.remote())
         if self.weights is not None:
             ray.get(worker.update_weights.remote(*self.weights))
+        if self.asleep:
+            ray.get(worker.sleep.remote(self.sleep_level))
+            ray.get(worker.wake_up.remote([t for t in SLEEP_TAGS if t not in self.asleep]))
         if requests:
             ray.get(worker.submit.remote(requests))
 

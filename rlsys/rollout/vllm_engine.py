@@ -46,13 +46,20 @@ back; vLLM turns it on by default for this executor (vllm/config/vllm.py).
   in flight under the old weights (vllm/v1/core/sched/scheduler.py `reset_prefix_cache`,
   `_preempt_request`): they recompute their KV cache, and every later token carries the new version.
 - Sleep (vllm/v1/engine/core.py `sleep`, `wake_up`; tags: vllm/v1/executor/abstract.py SLEEP_TAGS):
-  level 1 moves the weights to CPU memory and drops the KV cache, level 2 drops both. Sleeping pauses
-  the scheduler, which resumes once "weights" and "kv_cache" are both awake again.
+  level 1 moves the weights to CPU memory and drops the KV cache, level 2 drops both (the model's buffers,
+  such as RoPE tables, are kept on the host and restored: vllm/v1/worker/gpu_worker.py `sleep`). Sleep
+  pauses the scheduler in "abort" mode, aborting whatever it holds (the interface refuses to sleep with
+  requests held), and resets the prefix cache; scheduling resumes once "weights" and "kv_cache" are both
+  awake. Requests added meanwhile are queued.
+- Seeds (vllm/v1/sample/ops/topk_topp_sampler.py `random_sample`): a batch's unseeded rows share one draw
+  from the engine's generator (seeded by EngineArgs.seed), while each seeded row runs its own generator, a
+  kernel per row per step: training requests carry no seed, eval requests do (reproducible eval).
 """
 from __future__ import annotations
 
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,10 +99,13 @@ class VLLMEngine(RolloutEngine):
                               "rollout.engine=cpu runs anywhere") from e
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
+        # Unseeded requests draw from the engine's generator: one seed per engine (its name holds the worker
+        # index), or engines with equal batches would draw equal noise for samples of one prompt.
         args = EngineArgs(model=model_dir, tensor_parallel_size=tensor_parallel_size,
                           distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",
                           gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                          dtype=dtype, max_model_len=max_len, max_num_seqs=slots, seed=seed,
+                          dtype=dtype, max_model_len=max_len, max_num_seqs=slots,
+                          seed=zlib.crc32(f"{seed}:{name}".encode()),
                           logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
                           worker_extension_cls=EXTENSION, **engine_args)
         self.llm = LLMEngine.from_engine_args(args)
@@ -187,7 +197,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"request {request.request_id}: params.temperature must be <= 2 on the vLLM engine "
                              f"(got {request.params.temperature})")
 
-    # --- weights by bucket, and sleep mode (colocated placement) ------------------------------
+    # --- weights by bucket, and sleep (colocated placement: see RolloutEngine.sleep) ----------
     def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str = "nccl",
                           timeout_s: float = 600.0) -> None:
         """Join trainer rank 0's weight group as ranks rank_offset .. rank_offset + TP - 1."""
@@ -205,17 +215,10 @@ class VLLMEngine(RolloutEngine):
                                                            update.timeout_s))
         self._weights_changed(version)
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the GPU for the trainer: level 1 keeps the weights in CPU memory, level 2 drops them too.
-        Refused while requests are held: vLLM's sleep would abort them behind our back."""
-        if self.has_work():
-            raise RuntimeError(f"{self.name}: cannot sleep with {len(self.samples)} requests in flight "
-                               "(abort or drain them first)")
+    def _release(self, level: int) -> None:
         self.llm.sleep(level=level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """tags=["weights"] first to load new weights into a sleeping engine, then ["kv_cache"]; None: both.
-        Requests added meanwhile wait: scheduling resumes once both are awake."""
+    def _reclaim(self, tags: list[str]) -> None:
         self.llm.wake_up(tags=tags)
 
     # --- helpers ------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Only the generation thread touches the engine. Calls from the driver (submit, ab
 are queued and applied by that thread between two steps, in the order they arrived, so a weight
 update lands between decode steps and in-flight requests simply continue under the new weights.
 Finished completions pile up until `drain` takes them. An error on the generation thread stops
-the worker and is raised from the next call, never swallowed.
+the worker and is raised from the next call, never swallowed. While its engine sleeps (colocated
+layout) no step runs: requests submitted meanwhile wait for it to wake.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class WorkerStopped(RuntimeError):
 
 class RolloutWorker:
     def __init__(self, model_dir: str, slots: int, index: int = 0, torch_threads: int | None = None,
-                 engine_kwargs: dict | None = None, engine: str = "cpu"):
+                 engine_kwargs: dict | None = None, engine: str | Callable[..., RolloutEngine] = "cpu"):
         self.index, self.torch_threads = index, torch_threads
         if torch_threads:
             torch.set_num_threads(torch_threads)
@@ -74,7 +75,20 @@ class RolloutWorker:
         """A whole state dict, or a WeightUpdate whose buckets are loaded as they arrive: either way in one
         go between two decode steps, so no step sees half the new weights."""
         load = self.engine.receive_weights if isinstance(weights, WeightUpdate) else self.engine.load_weights
-        self._call(lambda: load(weights, version))
+
+        def update():
+            if "weights" in self.engine.asleep:  # vLLM's would land in unmapped memory
+                raise RuntimeError(f"rollout worker {self.index}: weights version {version} sent while its engine's "
+                                   "weights sleep; wake_up(['weights']) comes first")
+            load(weights, version)
+        self._call(update)
+
+    def sleep(self, level: int) -> None:
+        """Give the engine's accelerator memory back to the trainer (between two steps); see RolloutEngine.sleep."""
+        self._call(lambda: self.engine.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._call(lambda: self.engine.wake_up(tags))
 
     def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
                           timeout_s: float) -> None:
@@ -118,13 +132,13 @@ class RolloutWorker:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._ops or self._stopped or self.engine.has_work())
+                    self._cond.wait_for(lambda: self._ops or self._stopped or self._can_step())
                     if self._stopped:
                         break
                     ops, self._ops = self._ops, []
                 for fn, future in ops:
                     self._run_op(fn, future)
-                if self.engine.has_work():
+                if self._can_step():
                     self._publish(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
             with self._cond:
@@ -135,6 +149,9 @@ class RolloutWorker:
                 if future is not None:
                     future.set_exception(self._error or WorkerStopped(f"rollout worker {self.index} stopped"))
             self._ops = []
+
+    def _can_step(self) -> bool:
+        return self.engine.has_work() and not self.engine.asleep
 
     def _run_op(self, fn: Callable[[], Any], future: Future | None) -> None:
         try:
