@@ -211,11 +211,14 @@ def test_a_step_with_a_large_mismatch_logs_a_warning(model_dir, ray_cluster, cap
     for group in groups:  # behaviour log-probs far above the trainer's (about -log 64 for this model)
         for s in group.samples:
             s.completion.logprobs = [-0.5] * len(s.completion.token_ids)
-    trainer = TrainerGroup(Config(trainer=trainer_config(backend="torch", mismatch={"warn_kl": 0.5})), model_dir)
+    # Fresh samples (version 0) over two mini-batches: the trainer must still recompute pi_old, not reuse
+    # the engine's log-probs (then the weight would be 1 and the KL 0 by construction).
+    cfg = trainer_config(backend="torch", mini_batches=2, mismatch={"mode": "tis", "warn_kl": 0.5})
+    trainer = TrainerGroup(Config(trainer=cfg), model_dir)
     try:
         with caplog.at_level(logging.WARNING, logger="rlsys.trainer.worker"):
-            metrics = trainer.train_step(groups, TEMPERATURE)
-        assert metrics["mismatch_kl"] > 0.5
+            metrics = trainer.train_step(groups, TEMPERATURE, version=0)
+        assert metrics["mismatch_kl"] > 0.5 and metrics["mismatch_corrected_fraction"] == 0.0  # rho < 1
         assert any("trainer.mismatch.warn_kl=0.5" in r.getMessage() for r in caplog.records)
     finally:
         trainer.shutdown()

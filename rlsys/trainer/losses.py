@@ -27,6 +27,9 @@ Conventions (where they differ from, or are not written down by, veRL):
   staleness weight *is* this weight (bounded by its `is_cap` when trainer.mismatch.mode is none),
   never a second factor. ppo_naive compares to the behaviour policy itself, so it refuses a
   correction.
+- pi_old is always the trainer's own when a correction is on: with fresh samples and several
+  mini-batches rlsys otherwise reuses the engine's log-probs as pi_old (no extra forward), and
+  then rho = 1 and `mismatch_kl` reads 0 by construction.
 - Dual-clip (trainer.clip_ratio_c) bounds the loss of a token with A < 0 at -A * c, for every
   clipped loss; off by default (veRL's default is on, c = 3).
 - seq_mean_token_sum_norm divides the step's token sum by (sequences x trainer.loss_scale_tokens),
