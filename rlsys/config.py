@@ -83,6 +83,13 @@ class OverlongConfig(Section):
     max_len: int = Field(96, ge=1)
     cache_len: int = Field(16, ge=1)
 
+    @model_validator(mode="after")
+    def _cache_within_max(self):
+        if self.cache_len > self.max_len:  # the penalty would start before token 0
+            raise ValueError(f"reward.overlong.cache_len ({self.cache_len}) must be at most reward.overlong.max_len "
+                             f"({self.max_len})")
+        return self
+
 
 class SandboxConfig(Section):
     """Limits of code_tests' sandbox; rlsys/reward/sandbox.py says what each one stops and what it does not."""
@@ -126,6 +133,25 @@ class KLConfig(Section):
     coef: float = Field(0.0, ge=0)
 
 
+class MismatchConfig(Section):
+    """Rollout-trainer mismatch correction by rho = pi_old / pi_behav (rlsys/trainer/losses.py)."""
+    mode: Literal["none", "tis", "mis"] = "none"  # tis: weight min(rho, threshold); mis: rho, 0 outside the bounds
+    level: Literal["token", "sequence"] = "token"  # sequence: rho is the product of the sequence's token ratios
+    threshold: float = Field(2.0, ge=1)
+    threshold_low: float = Field(0.0, ge=0)  # mis: tokens (sequences) with rho below this are masked too
+    warn_kl: Optional[float] = Field(0.01, gt=0)  # warn when a step's k3 KL(pi_behav || pi_old) is above; None: never
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        if self.threshold_low >= self.threshold:
+            raise ValueError(f"trainer.mismatch.threshold_low ({self.threshold_low}) must be below "
+                             f"trainer.mismatch.threshold ({self.threshold})")
+        if self.threshold_low > 0 and self.mode != "mis":
+            raise ValueError("trainer.mismatch.threshold_low needs trainer.mismatch.mode=mis: "
+                             "tis truncates from above only")
+        return self
+
+
 class TrainerConfig(Section):
     backend: Literal["deepspeed", "torch"] = "deepspeed"
     world_size: int = Field(1, ge=1)
@@ -147,6 +173,12 @@ class TrainerConfig(Section):
     eps_high: float = Field(0.28, ge=0)
     is_cap: float = Field(5.0, ge=1)  # decoupled_ppo: tokens with pi_prox / pi_behav above this are dropped
     dg_eta: float = Field(1.0, gt=0)  # dg, dg_clipped: temperature of the delight gate
+    clip_ratio_c: Optional[float] = Field(None, gt=1)  # dual-clip: A < 0 loses at most -A * c (veRL: 3); None: off
+    # None: the loss's own. token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                                       "seq_mean_token_sum_norm"]] = None
+    loss_scale_tokens: Optional[int] = Field(None, ge=1)  # seq_mean_token_sum_norm's divisor; None: max_new_tokens
+    mismatch: MismatchConfig = MismatchConfig()
     kl: KLConfig = KLConfig()
     seed: int = 0
 
@@ -333,6 +365,13 @@ class Config(Section):
         problem = colocated_sleep_problem(self)
         if problem:
             raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _dr_grpo_constant(self):
+        # Dr.GRPO divides every sequence's token sum by one constant, the longest response the engine writes
+        if self.trainer.loss_scale_tokens is None:
+            self.trainer.loss_scale_tokens = self.rollout.max_new_tokens
         return self
 
     @model_validator(mode="after")

@@ -223,7 +223,7 @@ def test_decoupled_ppo_is_dapo_when_behaviour_is_proximal():
     dapo = _loss_and_grad(_stale(logprobs, old, old, adv), loss="dapo")
     dppo = _loss_and_grad(_stale(logprobs, old, old, adv), loss="decoupled_ppo")
     assert dppo[0] == dapo[0] and torch.equal(dppo[1], dapo[1])
-    assert dppo[2]["is_capped_fraction"] == 0.0 and dppo[2]["is_weight"] == pytest.approx(1.0)
+    assert dppo[2]["mismatch_corrected_fraction"] == 0.0 and dppo[2]["mismatch_weight"] == pytest.approx(1.0)
 
 
 def test_decoupled_ppo_weights_by_proximal_over_behaviour_and_drops_capped_tokens():
@@ -233,7 +233,8 @@ def test_decoupled_ppo_weights_by_proximal_over_behaviour_and_drops_capped_token
     loss, grad, stats = _loss_and_grad(inp, loss="decoupled_ppo", is_cap=5.0)
     assert loss == pytest.approx(-2 / 3)  # the dropped tokens still count in the step's 3 tokens
     assert grad.flatten().tolist() == pytest.approx([-2 / 3, 0.0, 0.0])
-    assert stats["is_capped_fraction"] == pytest.approx(2 / 3) and stats["is_weight"] == pytest.approx(2 / 3)
+    assert stats["mismatch_corrected_fraction"] == pytest.approx(2 / 3)
+    assert stats["mismatch_weight"] == pytest.approx(2 / 3)
 
 
 def test_ppo_naive_takes_the_behaviour_policy_as_old():

@@ -87,6 +87,7 @@ def assert_equivalent(sync, streamed, initial, rel=1e-6):
     {"loss": "dapo"},  # token mean: the normaliser is the step's token count
     {"loss": "grpo", "kl": {"estimator": "k3", "coef": 0.1}},  # sequence mean, and a KL term
     {"loss": "dapo", "grad_clip": 0.05},  # clipping bites, so the division must come before it
+    {"loss": "drgrpo", "loss_scale_tokens": 20},  # Dr.GRPO: a sequence mean of token sums / a constant
 ])
 def test_two_streamed_steps_equal_two_synchronous_steps(model_dir, overrides):  # noqa: F811
     cfg = trainer_config(**overrides)

@@ -1,8 +1,9 @@
 """Policy losses, one per-token function each, registered by name and selected by `trainer.loss`.
 
 A loss sees one micro-batch as `LossInputs` ([B, T] tensors over predicted positions, with a mask
-for response tokens) and returns a per-token loss plus per-token statistics. `compute_loss` adds the
-optional KL term and aggregates with the loss's own mode. Aggregation divides by the token or
+for response tokens) and returns a per-token loss plus per-token statistics. `compute_loss` weights
+it by the rollout-trainer mismatch correction, adds the optional KL term and aggregates with
+`trainer.loss_aggregation` (default: the loss's own mode). Aggregation divides by the token or
 sequence count of the whole step (all micro-batches, all ranks), so summing the returned losses
 over micro-batches and ranks gives exactly the loss of the step taken as one batch; every returned
 statistic is a share of the step's value in the same way.
@@ -10,6 +11,29 @@ statistic is a share of the step's value in the same way.
 To add a loss: write `fn(inp, cfg) -> (per_token_loss, {stat_name: per_token_tensor})` and decorate
 it with `@register_policy_loss(name, aggregation)`. Behaviour log-probs, proximal log-probs and
 per-token versions are all in `inp`.
+
+Conventions (where they differ from, or are not written down by, veRL):
+- Log-ratios log(pi / pi_old) and the mismatch log-weight log(pi_old / pi_behav) are clamped to
+  +-20 before exp, as veRL does: a token beyond that adds a bounded loss and no gradient, where an
+  inf would have made the step's gradient non-finite and the whole step skipped.
+- KL to the reference: k1 and k2 are not clamped (they are polynomials, finite, and keep their
+  gradient); k3 clamps its log-ratio to +-20 and its value to [-10, 10], as veRL's low_var_kl.
+- Mismatch correction: rho = pi_old / pi_behav, per token or (level=sequence) the product over
+  the sequence. tis weights by min(rho, threshold); mis by rho, or 0 outside [threshold_low,
+  threshold]. The weight is detached. A masked token keeps its place in the step's token and
+  sequence counts (as AReaL's cap does), so masking never inflates the other tokens' weight and
+  aggregation stays exact across micro-batches. The behaviour log-probs hold both the engine's
+  numerics and staleness (the version that sampled), so one weight corrects both: decoupled_ppo's
+  staleness weight *is* this weight (bounded by its `is_cap` when trainer.mismatch.mode is none),
+  never a second factor. ppo_naive compares to the behaviour policy itself, so it refuses a
+  correction.
+- pi_old is always the trainer's own when a correction is on: with fresh samples and several
+  mini-batches rlsys otherwise reuses the engine's log-probs as pi_old (no extra forward), and
+  then rho = 1 and `mismatch_kl` reads 0 by construction.
+- Dual-clip (trainer.clip_ratio_c) bounds the loss of a token with A < 0 at -A * c, for every
+  clipped loss; off by default (veRL's default is on, c = 3).
+- seq_mean_token_sum_norm divides the step's token sum by (sequences x trainer.loss_scale_tokens),
+  a constant (rollout.max_new_tokens unless set), as Dr.GRPO and TRL's dr_grpo do.
 """
 from __future__ import annotations
 
@@ -19,8 +43,10 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from rlsys.config import TrainerConfig
+from rlsys.config import MismatchConfig, TrainerConfig
 from rlsys.control.registry import Registry
+
+LOG_RATIO_BOUND = 20.0  # |log ratio| beyond this is clamped before exp (veRL's bound)
 
 
 @dataclass
@@ -42,81 +68,143 @@ PerTokenLoss = Callable[[LossInputs, TrainerConfig], tuple[Tensor, dict[str, Ten
 @dataclass(frozen=True)
 class PolicyLoss:
     per_token: PerTokenLoss
-    aggregation: str  # a key of AGGREGATIONS
+    aggregation: str  # a key of AGGREGATIONS, used unless trainer.loss_aggregation names another
+    # The correction it always takes when trainer.mismatch.mode is none (decoupled_ppo's capped weight).
+    default_correction: Optional[Callable[[TrainerConfig], MismatchConfig]] = None
+    ratio_to_behaviour: bool = False  # pi_old is the behaviour policy itself: nothing left to correct
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
-def register_policy_loss(name: str, aggregation: str):
+def register_policy_loss(name: str, aggregation: str, **options):
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; choose one of: {', '.join(AGGREGATIONS)}")
 
     def add(fn: PerTokenLoss) -> PerTokenLoss:
-        POLICY_LOSSES.register(name)(PolicyLoss(fn, aggregation))
+        POLICY_LOSSES.register(name)(PolicyLoss(fn, aggregation, **options))
         return fn
     return add
 
 
 # --- aggregation: always over the whole step, never per micro-batch ---------------------------
-def token_mean(x: Tensor, inp: LossInputs) -> Tensor:
+def token_mean(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
     """Sum over every response token of the step / the step's token count (DAPO)."""
     return (x * inp.mask).sum() / max(inp.step_tokens, 1.0)
 
 
-def seq_mean_token_mean(x: Tensor, inp: LossInputs) -> Tensor:
+def seq_mean_token_mean(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
     """Mean over each sequence's tokens, then mean over the step's sequences (GRPO)."""
     per_sequence = (x * inp.mask).sum(-1) / inp.mask.sum(-1).clamp(min=1.0)
     return per_sequence.sum() / max(inp.step_sequences, 1.0)
 
 
-AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean}
+def seq_mean_token_sum(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
+    """Sum over each sequence's tokens, then mean over the step's sequences: long sequences weigh more."""
+    return (x * inp.mask).sum() / max(inp.step_sequences, 1.0)
+
+
+def seq_mean_token_sum_norm(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
+    """Dr.GRPO: each sequence's token sum / a constant length, then mean over the step's sequences."""
+    if cfg is None or cfg.loss_scale_tokens is None:
+        raise ValueError("trainer.loss_aggregation=seq_mean_token_sum_norm needs trainer.loss_scale_tokens "
+                         "(Dr.GRPO's constant, e.g. rollout.max_new_tokens)")
+    return seq_mean_token_sum(x, inp) / cfg.loss_scale_tokens
+
+
+AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
+                "seq_mean_token_sum": seq_mean_token_sum, "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
+# What each divides by, of the step's totals (a streamed step divides by it once the round has ended).
+STEP_NORMALISER = {"token_mean": "tokens", "seq_mean_token_mean": "sequences", "seq_mean_token_sum": "sequences",
+                   "seq_mean_token_sum_norm": "sequences"}
+
+
+def aggregation_of(cfg: TrainerConfig) -> str:
+    return cfg.loss_aggregation or POLICY_LOSSES.get(cfg.loss).aggregation
 
 
 # --- losses -------------------------------------------------------------------------------------
-def clipped_surrogate(inp: LossInputs, eps_low: float, eps_high: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """-min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A), rho = pi / pi_old per token."""
-    ratio = torch.exp(inp.logprobs - inp.old_logprobs)
-    adv = inp.advantages
+def bounded_exp(log_ratio: Tensor) -> Tensor:
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+
+
+def clipped_objective(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
+                      clip_ratio_c: float | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """-min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A); with dual-clip, at most -A * c when A < 0."""
     loss = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
     # Tokens whose gradient the clip removed, split by side (clip-higher only moves the upper one).
     clipped_low = (ratio < 1 - eps_low) & (adv < 0)
     clipped_high = (ratio > 1 + eps_high) & (adv > 0)
-    return loss, {"clip_fraction": (clipped_low | clipped_high).float(), "clip_fraction_low": clipped_low.float(),
-                  "clip_fraction_high": clipped_high.float()}
+    clipped_dual = torch.zeros_like(clipped_low)
+    if clip_ratio_c is not None:
+        clipped_dual = (ratio > clip_ratio_c) & (adv < 0)
+        loss = torch.where(clipped_dual, -adv * clip_ratio_c, loss)
+    return loss, {"clip_fraction": (clipped_low | clipped_high | clipped_dual).float(),
+                  "clip_fraction_low": clipped_low.float(), "clip_fraction_high": clipped_high.float(),
+                  "clip_fraction_dual": clipped_dual.float()}
+
+
+def clipped_surrogate(inp: LossInputs, eps_low: float, eps_high: float,
+                      clip_ratio_c: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The PPO objective with rho = pi / pi_old per token."""
+    ratio = bounded_exp(inp.logprobs - inp.old_logprobs)
+    return clipped_objective(ratio, inp.advantages, eps_low, eps_high, clip_ratio_c)
 
 
 @register_policy_loss("grpo", aggregation="seq_mean_token_mean")
 def grpo_loss(inp: LossInputs, cfg: TrainerConfig):
-    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_low)
+    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_low, cfg.clip_ratio_c)
 
 
 @register_policy_loss("dapo", aggregation="token_mean")
 def dapo_loss(inp: LossInputs, cfg: TrainerConfig):
-    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_high)
+    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
+
+
+@register_policy_loss("drgrpo", aggregation="seq_mean_token_sum_norm")
+def drgrpo_loss(inp: LossInputs, cfg: TrainerConfig):
+    """Dr.GRPO: GRPO's symmetric clip, aggregated without the 1 / |y| that favours long wrong answers
+    (pair it with trainer.advantage=drgrpo, which drops the std division)."""
+    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_low, cfg.clip_ratio_c)
+
+
+@register_policy_loss("gspo", aggregation="seq_mean_token_mean")
+def gspo_loss(inp: LossInputs, cfg: TrainerConfig):
+    """GSPO: one ratio per sequence, s = (prod_t pi / pi_old)^(1 / |y|), clipped as a whole.
+
+    Every token of a sequence carries the sequence's loss, so d loss / d log pi_t = s A / |y| under
+    seq_mean_token_mean (GSPO's gradient). Its clip range is far narrower than PPO's: the paper
+    uses eps_low 3e-4, eps_high 4e-4.
+    """
+    token_log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * inp.mask
+    seq_log_ratio = token_log_ratio.sum(-1, keepdim=True) / inp.mask.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = seq_log_ratio.exp().expand_as(inp.logprobs)
+    return clipped_objective(ratio, inp.advantages, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
 
 
 # --- staleness-robust losses (DESIGN.md "Decoupled PPO", "Delightful Policy Gradient") -------------
-@register_policy_loss("decoupled_ppo", aggregation="token_mean")
+def areal_cap(cfg: TrainerConfig) -> MismatchConfig:
+    """AReaL's weight: rho per token, tokens with rho > `is_cap` dropped (token-level mis)."""
+    return MismatchConfig(mode="mis", level="token", threshold=cfg.is_cap, warn_kl=None)
+
+
+@register_policy_loss("decoupled_ppo", aggregation="token_mean", default_correction=areal_cap)
 def decoupled_ppo_loss(inp: LossInputs, cfg: TrainerConfig):
-    """w * clipped_surrogate(pi / pi_prox, A), w = pi_prox / pi_behav; tokens with w > `is_cap` dropped.
+    """w * clipped_surrogate(pi / pi_prox, A), w = pi_prox / pi_behav: DAPO's surrogate that always takes
+    the mismatch weight, capped at `is_cap` unless trainer.mismatch bounds it otherwise.
 
     A dropped token adds zero but stays in the step's token count (as AReaL does), so dropping does
     not inflate the weight of the others. With behaviour == proximal, w = 1 and this is `dapo`.
     """
-    weight = torch.exp(inp.old_logprobs - inp.behaviour_logprobs).detach()
-    capped = weight > cfg.is_cap
-    weight = torch.where(capped, torch.zeros_like(weight), weight)  # also zeroes an overflowed inf
-    loss, stats = clipped_surrogate(inp, cfg.eps_low, cfg.eps_high)
-    stats.update(is_capped_fraction=capped.float(), is_weight=weight)  # is_weight: as used, 0 if dropped
-    return weight * loss, stats
+    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
 
 
-@register_policy_loss("ppo_naive", aggregation="token_mean")
+@register_policy_loss("ppo_naive", aggregation="token_mean", ratio_to_behaviour=True)
 def ppo_naive_loss(inp: LossInputs, cfg: TrainerConfig):
     """Standard PPO that ignores staleness: the behaviour policy plays pi_old, there is no proximal
     policy and no importance weight (the "naive PPO" of AReaL's ablation). DAPO's clip-higher eps."""
-    return clipped_surrogate(replace(inp, old_logprobs=inp.behaviour_logprobs), cfg.eps_low, cfg.eps_high)
+    return clipped_surrogate(replace(inp, old_logprobs=inp.behaviour_logprobs), cfg.eps_low, cfg.eps_high,
+                             cfg.clip_ratio_c)
 
 
 def delight_gate(inp: LossInputs, eta: float) -> Tensor:
@@ -146,21 +234,57 @@ def dg_clipped_loss(inp: LossInputs, cfg: TrainerConfig):
     gradient is exactly `dg`'s; the clip only bites when a batch takes several steps.
     """
     gate = delight_gate(inp, cfg.dg_eta)
-    loss, stats = clipped_surrogate(inp, cfg.eps_low, cfg.eps_high)
+    loss, stats = clipped_surrogate(inp, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
     stats.update(gate_stats(gate))
     return gate * loss, stats
+
+
+# --- rollout-trainer mismatch ---------------------------------------------------------------------
+def mismatch_weight(inp: LossInputs, m: MismatchConfig) -> tuple[Tensor, Tensor]:
+    """The detached weight per token from rho = pi_old / pi_behav, and which tokens it truncated or masked."""
+    log_rho = (inp.old_logprobs - inp.behaviour_logprobs).detach() * inp.mask
+    if m.level == "sequence":  # the product of the sequence's token ratios, on each of its tokens
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    rho = bounded_exp(log_rho)
+    if m.mode == "tis":
+        bounded = rho > m.threshold
+        return rho.clamp(max=m.threshold), bounded
+    bounded = (rho > m.threshold) | (rho < m.threshold_low)
+    return torch.where(bounded, torch.zeros_like(rho), rho), bounded  # also zeroes an overflowed weight
+
+
+def correction_for(policy: PolicyLoss, cfg: TrainerConfig) -> MismatchConfig | None:
+    """The mismatch correction this loss takes under `cfg`, or None."""
+    if cfg.mismatch.mode == "none":
+        return policy.default_correction(cfg) if policy.default_correction else None
+    if policy.ratio_to_behaviour:
+        raise ValueError(f"trainer.mismatch.mode={cfg.mismatch.mode}: trainer.loss={cfg.loss} already takes the "
+                         "behaviour policy as pi_old, so a mismatch weight would count the mismatch twice; "
+                         "use trainer.loss=decoupled_ppo or dapo")
+    return cfg.mismatch
+
+
+def mismatch_warning(metrics: dict, cfg: TrainerConfig) -> str | None:
+    """A line to log when a step's (merged) mismatch KL is above trainer.mismatch.warn_kl."""
+    kl, limit = metrics.get("mismatch_kl"), cfg.mismatch.warn_kl
+    if kl is None or limit is None or kl <= limit:
+        return None
+    return (f"rollout-trainer mismatch: k3 KL(pi_behav || pi_old) = {kl:.3g} per token is above "
+            f"trainer.mismatch.warn_kl={limit:g} (stale samples or engine numerics: bf16, kernels); "
+            f"trainer.mismatch.mode={cfg.mismatch.mode}")
 
 
 # --- KL to the reference policy -------------------------------------------------------------------
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
     """Per-token estimates of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
-    log_ratio = (ref_logprobs - logprobs).clamp(-20.0, 20.0)  # log(pi_ref / pi); clamped so exp stays finite
+    log_ratio = ref_logprobs - logprobs  # log(pi_ref / pi)
     if estimator == "k1":
         return -log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
-    if estimator == "k3":
-        return log_ratio.exp() - 1.0 - log_ratio
+    if estimator == "k3":  # exp needs the clamp; the value bound keeps one far token from dominating (veRL)
+        log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        return (log_ratio.exp() - 1.0 - log_ratio).clamp(-10.0, 10.0)
     raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
 
 
@@ -168,8 +292,13 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
     """This micro-batch's share of the step loss, and its share of each statistic."""
     policy = POLICY_LOSSES.get(cfg.loss)
     per_token, token_stats = policy.per_token(inp, cfg)
-    aggregate = AGGREGATIONS[policy.aggregation]
-    stats = {"pg_loss": aggregate(per_token.detach(), inp).item()}
+    correction = correction_for(policy, cfg)
+    if correction is not None:
+        weight, bounded = mismatch_weight(inp, correction)
+        per_token = weight * per_token
+        token_stats.update(mismatch_weight=weight, mismatch_corrected_fraction=bounded.float())
+    aggregation = AGGREGATIONS[aggregation_of(cfg)]
+    stats = {"pg_loss": aggregation(per_token.detach(), inp, cfg).item()}
     if cfg.kl.estimator and cfg.kl.coef > 0:
         if inp.ref_logprobs is None:
             raise ValueError("trainer.kl is on but the backend gave no reference log-probs")
@@ -177,7 +306,8 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         per_token = per_token + cfg.kl.coef * kl
         token_stats["kl"] = kl
     token_stats["behaviour_logprob_diff"] = (inp.logprobs - inp.behaviour_logprobs).abs()
-    loss = aggregate(per_token, inp)
+    token_stats["mismatch_kl"] = kl_penalty(inp.behaviour_logprobs, inp.old_logprobs.detach(), "k3")
+    loss = aggregation(per_token, inp, cfg)
     stats["loss"] = loss.item()
     stats.update({k: token_mean(v.detach(), inp).item() for k, v in token_stats.items()})
     return loss, stats

@@ -13,10 +13,9 @@ from collections import defaultdict
 
 from rlsys.trainer.backend import TrainerBackend
 from rlsys.trainer.batching import StepTotals, TrainSample
-from rlsys.trainer.losses import POLICY_LOSSES
+from rlsys.trainer.losses import STEP_NORMALISER, aggregation_of
 
 LOSS_STATS = ("loss", "pg_loss")  # aggregated by the loss's own mode; every other statistic is a token mean
-NORMALISER = {"token_mean": "tokens", "seq_mean_token_mean": "sequences"}  # aggregation -> what it divides by
 
 
 class StreamedStep:
@@ -27,12 +26,8 @@ class StreamedStep:
         if cfg.mini_batches != 1:
             raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {cfg.mini_batches}): "
                              "a streamed step ends in exactly one optimizer update")
-        aggregation = POLICY_LOSSES.get(cfg.loss).aggregation
-        if aggregation not in NORMALISER:
-            raise ValueError(f"trainer.streamed: trainer.loss={cfg.loss!r} aggregates by {aggregation!r}, "
-                             f"which a streamed step cannot normalise afterwards; use trainer.streamed=false")
         self.backend, self.temperature = backend, temperature
-        self.normaliser = NORMALISER[aggregation]
+        self.normaliser = STEP_NORMALISER[aggregation_of(cfg)]
         self.stats: dict[str, float] = defaultdict(float)
         self.tokens = self.sequences = 0  # this rank's share
 

@@ -9,6 +9,7 @@ last checkpoint.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -23,6 +24,7 @@ from rlsys.config import Config, TrainerConfig
 from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
+from rlsys.trainer.losses import mismatch_warning
 from rlsys.trainer.streamed import StreamedStep
 from rlsys.types import Group
 from rlsys.weights import BucketPlan, CudaIpcTransfer, WeightGroup, make_transfer, pack, plan_buckets
@@ -31,6 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
 SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps")  # everything else a rank reports is its share of a sum
 DEATH_GRACE_S = 5.0  # a dead rank's peers may report the broken connection before Ray reports the death
+log = logging.getLogger(__name__)
 
 
 class TrainerDied(RuntimeError):
@@ -199,6 +202,7 @@ class TrainerGroup:
         world, budget = self.cfg.world_size, self.cfg.micro_batch_tokens
         plans = [plan_step(part, world, budget) for part in split_mini_batches(samples, self.cfg.mini_batches)]
         fresh = version is not None and all(v == version for s in samples for v in s.versions)
+        fresh &= self.cfg.mismatch.mode == "none"  # a correction needs the trainer's own pi_old, not the engine's
         parts = [[(per_rank[rank], totals) for per_rank, totals in plans] for rank in range(world)]
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine for s in part], budget))
@@ -207,8 +211,13 @@ class TrainerGroup:
                 for w, mine in zip(self.workers, parts)]
 
     def finish_train_step(self, refs: list[ray.ObjectRef]) -> dict:
-        """Merged metrics: sums of the ranks' shares, and grad_norm / skipped_steps from rank 0."""
-        return merge_metrics(self._get_all(refs))
+        """Merged metrics: sums of the ranks' shares, and grad_norm / skipped_steps from rank 0. The mismatch
+        warning is raised here, where the step's KL is first whole (each rank holds a share)."""
+        metrics = merge_metrics(self._get_all(refs))
+        warning = mismatch_warning(metrics, self.cfg)
+        if warning:
+            log.warning(warning)
+        return metrics
 
     # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
     def stream_begin(self, temperature: float) -> None:
