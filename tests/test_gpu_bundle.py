@@ -145,10 +145,25 @@ def test_run_sh_is_valid_bash():
     subprocess.run(["bash", "-n", str(GPU / "run.sh")], check=True)
 
 
+def run_sh(bundle: Path, scratch: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU / "run.sh"), str(bundle)], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "SCRATCH": str(scratch)})
+
+
 def test_run_sh_refuses_a_folder_without_wheels(tmp_path):
-    out = subprocess.run(["bash", str(GPU / "run.sh"), str(tmp_path)], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "SCRATCH": str(tmp_path / "scratch")})
+    out = run_sh(tmp_path, tmp_path / "scratch")
     assert out.returncode == 2 and f"no wheels in {tmp_path}" in out.stderr
+
+
+def test_run_sh_refuses_wheels_that_do_not_match_their_checksums(tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "a-1.0-py3-none-any.whl").write_bytes(b"as built")
+    build_bundle.describe(bundle, limit_mib=1)  # writes SHA256SUMS
+    (bundle / "a-1.0-py3-none-any.whl").write_bytes(b"cut short")
+    out = run_sh(bundle, tmp_path / "scratch")
+    assert out.returncode == 2 and "do not match their SHA256SUMS" in out.stderr
+    assert not (tmp_path / "scratch" / "site").exists()  # refused before pip ran
 
 
 def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):

@@ -123,16 +123,16 @@ def strip_wheel(wheel: Path, prefixes: tuple[str, ...]) -> int:
 
 
 def describe(dest: Path, limit_mib: float) -> float:
-    """Print each wheel's size and the total; write bundle.txt (name, bytes, sha256) beside them."""
+    """Print each wheel's size and the total; write SHA256SUMS, which run.sh checks the copy against."""
     wheels = sorted(dest.glob("*.whl"), key=lambda p: -p.stat().st_size)
     lines = []
     for path in wheels:
         data = path.read_bytes()
-        lines.append(f"{path.name} {len(data)} {hashlib.sha256(data).hexdigest()}")
+        lines.append(f"{hashlib.sha256(data).hexdigest()}  {path.name}")
         print(f"{len(data) / 2**20:8.2f} MiB  {path.name}")
     total = sum(p.stat().st_size for p in wheels) / 2**20
     print(f"{total:8.2f} MiB  in {len(wheels)} wheels ({dest})")
-    (dest / "bundle.txt").write_text("\n".join(lines) + "\n")
+    (dest / "SHA256SUMS").write_text("\n".join(lines) + "\n")
     if total > limit_mib:
         sys.exit(f"build_bundle: the bundle is {total:.1f} MiB, over --max-mib {limit_mib}")
     return total

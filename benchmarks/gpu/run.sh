@@ -30,10 +30,14 @@ done
 shopt -s nullglob
 wheels=("$bundle"/*.whl)
 [ ${#wheels[@]} -gt 0 ] || { echo "run.sh: no wheels in $bundle (build them with build_bundle.py)" >&2; exit 2; }
+[ -f "$bundle/SHA256SUMS" ] || { echo "run.sh: $bundle/SHA256SUMS is missing (build_bundle.py writes it)" >&2; exit 2; }
+(cd "$bundle" && sha256sum --check --quiet SHA256SUMS) \
+  || { echo "run.sh: wheels in $bundle do not match their SHA256SUMS (a broken copy?)" >&2; exit 2; }
 echo "installing ${#wheels[@]} wheels into $scratch/site"
 "$python" -m pip install --quiet --no-index --no-deps --target "$scratch/site" "${wheels[@]}"
 # The bundle first: its pydantic must win over any older one on the host. Ray's workers inherit it.
 export PYTHONPATH=$scratch/site${PYTHONPATH:+:$PYTHONPATH}
+export PATH=$scratch/site/bin:$PATH  # ray's and ninja's commands
 cd "$scratch"  # not the checkout: rlsys is imported from its wheel, here and in every actor
 
 "$python" - <<'EOF'
