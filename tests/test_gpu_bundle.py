@@ -175,5 +175,6 @@ def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):
     (tmp_path / "memory.csv").write_text("812\n20480\n1500\n")
     summary = load_module("summarize").summarize(tmp_path, tmp_path / "memory.csv")
     assert (summary["steps"], summary["step_s"], summary["median_step_s"]) == (2, [2.0, 4.0], 3.0)
-    assert (summary["peak_gpu_memory_mib"], summary["final_eval_accuracy"], summary["wall_s"]) == (20480, 0.3, 8.0)
+    assert (summary["peak_gpu_memory_mib"], summary["final_eval_accuracy"], summary["training_clock_s"]) == (
+        20480, 0.3, 8.0)
     assert load_module("summarize").summarize(tmp_path)["peak_gpu_memory_mib"] is None  # no GPU, no log

@@ -57,9 +57,11 @@ if command -v nvidia-smi > /dev/null; then  # the whole GPU: engine and trainer 
   sampler=$!
 fi
 status=0
+start=$SECONDS
 "$python" -m rlsys.cli train "$config" "${overrides[@]}" || status=$?
 [ -z "$sampler" ] || kill "$sampler"
-"$python" "$repo/benchmarks/gpu/summarize.py" "$run_dir" "$memory_log" > "$scratch/summary.json" || true
+"$python" "$repo/benchmarks/gpu/summarize.py" "$run_dir" --gpu-memory-log "$memory_log" \
+  --wall-s $((SECONDS - start)) > "$scratch/summary.json" || true
 cat "$scratch/summary.json"
 echo "run folder: $run_dir"
 echo "summary:    $scratch/summary.json (bring it back; the run folder has metrics.jsonl and timeline.jsonl)"

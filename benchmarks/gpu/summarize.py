@@ -1,11 +1,12 @@
 """A small JSON summary of a GPU run, to bring back from the host: steps, step times, peak GPU memory.
 
-    python benchmarks/gpu/summarize.py RUN_DIR [GPU_MEMORY_LOG] > summary.json
-GPU_MEMORY_LOG holds nvidia-smi's memory.used samples in MiB, one a line (run.sh records them): the whole
-GPU's peak, as the engine and trainer run in their own processes.
+    python benchmarks/gpu/summarize.py RUN_DIR [--gpu-memory-log FILE] [--wall-s SECONDS] > summary.json
+The log holds nvidia-smi's memory.used samples in MiB, one a line (run.sh records them): the whole GPU's
+peak, as the engine and trainer run in their own processes.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -36,7 +37,7 @@ def versions() -> dict:
     return info
 
 
-def summarize(run_dir: Path, memory_log: Path | None = None) -> dict:
+def summarize(run_dir: Path, memory_log: Path | None = None, wall_s: float | None = None) -> dict:
     rows = read_rows(run_dir)
     steps = [r for r in rows if "timing/step_s" in r]
     final = next((r for r in reversed(rows) if r.get("final")), {})
@@ -47,7 +48,8 @@ def summarize(run_dir: Path, memory_log: Path | None = None) -> dict:
         "train_s": [round(r["timing/train_s"], 3) for r in steps if "timing/train_s" in r],
         "weight_sync_s": [round(r["timing/weight_sync_s"], 3) for r in steps if "timing/weight_sync_s" in r],
         "tokens_per_s": [round(r["throughput/tokens_per_s"], 1) for r in steps if "throughput/tokens_per_s" in r],
-        "wall_s": rows[-1]["time_s"] if rows else None,
+        "training_clock_s": rows[-1]["time_s"] if rows else None,  # rlsys's clock: eval and saving left out
+        "wall_s": wall_s,  # the whole `rlsys train`: model build, Ray start, evals, export
         "final_eval_accuracy": final.get("eval/accuracy"),
         "peak_gpu_memory_mib": peak_mib(memory_log),
         **versions(),
@@ -55,7 +57,9 @@ def summarize(run_dir: Path, memory_log: Path | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    if not 2 <= len(sys.argv) <= 3:
-        sys.exit(__doc__)
-    memory = Path(sys.argv[2]) if len(sys.argv) == 3 else None
-    print(json.dumps(summarize(Path(sys.argv[1]), memory), indent=1))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--gpu-memory-log", type=Path)
+    parser.add_argument("--wall-s", type=float)
+    args = parser.parse_args()
+    print(json.dumps(summarize(args.run_dir, args.gpu_memory_log, args.wall_s), indent=1))
