@@ -2,7 +2,7 @@
 transformers but no internet and no Ray, DeepSpeed, pydantic or math-verify.
 
 Run it where the package index is reachable, with a Python that has torch (DeepSpeed's build imports it):
-    python benchmarks/gpu/build_bundle.py --out dist/gpu_bundle [--python-version 3.12]
+    python benchmarks/gpu/build_bundle.py [--out build/gpu_bundle] [--python-version 3.12]
 then copy the folder and a checkout of rlsys to the host and run benchmarks/gpu/run.sh there.
 
 The bundle fits one 64 MiB transfer: Ray without the parts rlsys never loads, DeepSpeed without compiled
@@ -32,8 +32,8 @@ RAY_UNUSED = ("ray/jars/", "ray/dashboard/client/build/", "ray/rllib/", "ray/ser
 
 # What rlsys needs beyond torch and transformers, pinned to the versions its tests run with. torch and
 # transformers bring numpy, packaging, pyyaml, filelock, tqdm, safetensors, tokenizers, sympy,
-# typing-extensions, idna and certifi. Left out: matplotlib (run plots, ~25 MiB with pillow and fonttools;
-# `rlsys plot RUN_DIR` draws them anywhere later) and pyarrow (parquet data, ~40 MiB; jsonl needs none).
+# typing-extensions, idna and certifi. Left out: matplotlib (run plots, 23 MiB with pillow and fonttools;
+# `rlsys plot RUN_DIR` draws them anywhere later) and pyarrow (parquet data, 52 MiB; jsonl needs none).
 WHEELS = {
     # Ray core
     "ray": "2.60.0", "click": "8.5.1", "jsonschema": "4.26.0", "jsonschema-specifications": "2025.9.1",
@@ -140,7 +140,8 @@ def describe(dest: Path, limit_mib: float) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "dist" / "gpu_bundle", help="folder for the wheels")
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu_bundle",
+                        help="folder for the wheels (default build/gpu_bundle, which git ignores)")
     parser.add_argument("--python-version", default="3.12", help="the GPU host's Python (default 3.12)")
     parser.add_argument("--platform", action="append", dest="platforms",
                         help="a wheel platform tag the host takes, repeatable (default: manylinux 2.28 and "
