@@ -4,8 +4,8 @@
 # configs/gpu/smoke.yaml (overrides pass through) and writes summary.json beside the run.
 #
 #   benchmarks/gpu/run.sh BUNDLE_DIR [key=value ...]
-#   benchmarks/gpu/run.sh dist/gpu_bundle trainer.total_steps=10
-#   CONFIG=configs/gpu/bench_0.5b.yaml benchmarks/gpu/run.sh dist/gpu_bundle
+#   benchmarks/gpu/run.sh build/gpu_bundle trainer.total_steps=10
+#   CONFIG=configs/gpu/bench_0.5b.yaml benchmarks/gpu/run.sh build/gpu_bundle
 #
 # Environment: PYTHON (default python3), SCRATCH (default a new temporary folder: the installed wheels,
 # the run folder unless output_dir= is given, the GPU memory log and summary.json), CONFIG.
@@ -34,7 +34,7 @@ wheels=("$bundle"/*.whl)
 (cd "$bundle" && sha256sum --check --quiet SHA256SUMS) \
   || { echo "run.sh: wheels in $bundle do not match their SHA256SUMS (a broken copy?)" >&2; exit 2; }
 echo "installing ${#wheels[@]} wheels into $scratch/site"
-"$python" -m pip install --quiet --no-index --no-deps --target "$scratch/site" "${wheels[@]}"
+"$python" -m pip install --quiet --no-index --no-deps --upgrade --target "$scratch/site" "${wheels[@]}"
 # The bundle first: its pydantic must win over any older one on the host. Ray's workers inherit it.
 export PYTHONPATH=$scratch/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=$scratch/site/bin:$PATH  # ray's and ninja's commands
