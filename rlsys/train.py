@@ -26,7 +26,6 @@ from rlsys.evaluate import eval_accuracy
 from rlsys.logger import RunLogger
 from rlsys.placement import Placement, format_plan, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
-from rlsys.plot import plot_run
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats
@@ -260,7 +259,12 @@ class Controller:
             self.log.write(self.step, self.now(), final, final=True)
             self.trainer.export_hf(str(self.run_dir / "export"), str(self.model_dir))
         self.log.close()
-        plot_run(self.run_dir)
+        try:  # matplotlib is optional: offline GPU hosts go without it (benchmarks/gpu/build_bundle.py)
+            from rlsys.plot import plot_run
+        except ModuleNotFoundError as e:
+            print(f"no plots: {e.name} is not installed (`rlsys plot {self.run_dir}` draws them where it is)")
+        else:
+            plot_run(self.run_dir)
         return final
 
     def shutdown(self) -> None:

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU smoke test in one command, on a host with Python, PyTorch and transformers but no internet:
+# installs the wheels of build_bundle.py into a scratch folder, checks the imports, trains
+# configs/gpu/smoke.yaml (overrides pass through) and writes summary.json beside the run.
+#
+#   benchmarks/gpu/run.sh BUNDLE_DIR [key=value ...]
+#   benchmarks/gpu/run.sh build/gpu_bundle trainer.total_steps=10
+#   CONFIG=configs/gpu/bench_0.5b.yaml benchmarks/gpu/run.sh build/gpu_bundle
+#
+# Environment: PYTHON (default python3), SCRATCH (default a new temporary folder: the installed wheels,
+# the run folder unless output_dir= is given, the GPU memory log and summary.json), CONFIG.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+bundle=${1:?usage: benchmarks/gpu/run.sh BUNDLE_DIR [key=value ...]}
+shift
+bundle=$(cd "$bundle" && pwd)
+python=${PYTHON:-python3}
+config=$(realpath "${CONFIG:-$repo/configs/gpu/smoke.yaml}")
+scratch=${SCRATCH:-$(mktemp -d -t rlsys-gpu-XXXXXX)}
+mkdir -p "$scratch"
+scratch=$(cd "$scratch" && pwd)
+run_dir=$scratch/run
+overrides=("output_dir=$run_dir")
+for item in "$@"; do  # a later output_dir= wins, as in rlsys; made absolute, as rlsys runs in $scratch
+  case $item in output_dir=*) run_dir=$(realpath -m "${item#output_dir=}"); item=output_dir=$run_dir ;; esac
+  overrides+=("$item")
+done
+
+shopt -s nullglob
+wheels=("$bundle"/*.whl)
+[ ${#wheels[@]} -gt 0 ] || { echo "run.sh: no wheels in $bundle (build them with build_bundle.py)" >&2; exit 2; }
+[ -f "$bundle/SHA256SUMS" ] || { echo "run.sh: $bundle/SHA256SUMS is missing (build_bundle.py writes it)" >&2; exit 2; }
+(cd "$bundle" && sha256sum --check --quiet SHA256SUMS) \
+  || { echo "run.sh: wheels in $bundle do not match their SHA256SUMS (a broken copy?)" >&2; exit 2; }
+echo "installing ${#wheels[@]} wheels into $scratch/site"
+"$python" -m pip install --quiet --no-index --no-deps --upgrade --target "$scratch/site" "${wheels[@]}"
+# The bundle first: its pydantic must win over any older one on the host. Ray's workers inherit it.
+export PYTHONPATH=$scratch/site${PYTHONPATH:+:$PYTHONPATH}
+export PATH=$scratch/site/bin:$PATH  # ray's and ninja's commands
+cd "$scratch"  # not the checkout: rlsys is imported from its wheel, here and in every actor
+
+"$python" - <<'EOF'
+import importlib
+for name in ("torch", "transformers", "ray", "deepspeed", "pydantic", "math_verify", "rlsys.train"):
+    module = importlib.import_module(name)
+    top = importlib.import_module(name.split(".")[0])
+    print(f"  {name:12} {getattr(top, '__version__', ''):14} {module.__file__}")
+import torch
+print(f"  CUDA: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'not available'}")
+EOF
+
+memory_log=$scratch/gpu_memory_mib.csv
+sampler=
+if command -v nvidia-smi > /dev/null; then  # the whole GPU: engine and trainer are other processes
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$memory_log" &
+  sampler=$!
+fi
+status=0
+start=$SECONDS
+"$python" -m rlsys.cli train "$config" "${overrides[@]}" || status=$?
+[ -z "$sampler" ] || kill "$sampler"
+"$python" "$repo/benchmarks/gpu/summarize.py" "$run_dir" --gpu-memory-log "$memory_log" \
+  --wall-s $((SECONDS - start)) > "$scratch/summary.json" || true
+cat "$scratch/summary.json"
+echo "run folder: $run_dir"
+echo "summary:    $scratch/summary.json (bring it back; the run folder has metrics.jsonl and timeline.jsonl)"
+exit $status

@@ -1,0 +1,180 @@
+"""The offline GPU bundle (benchmarks/gpu/): cheap checks that need neither the network nor a GPU. The bundle
+itself is built and run by hand (benchmarks/gpu/build_bundle.py, then run.sh)."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.util
+import json
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlsys.config import ModelConfig, RolloutConfig, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = ROOT / "benchmarks" / "gpu"
+CONFIGS = ROOT / "configs" / "gpu"
+CPU_OVERRIDES = ["rollout.device=cpu", "trainer.dtype=float32", "weights.transfer=object_store",
+                 "cluster.gpus_per_node=0"]
+
+# configs/gpu/ is written for the merged state: rollout.device comes with the built-in engine on CUDA.
+needs_rollout_device = pytest.mark.skipif(
+    "device" not in RolloutConfig.model_fields,
+    reason="MERGE: rollout.device (the built-in engine on CUDA) is not on this branch yet")
+
+
+def load_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, GPU / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_bundle = load_module("build_bundle")
+
+
+# --- configs -------------------------------------------------------------------------------------
+@needs_rollout_device
+@pytest.mark.parametrize("name", ["smoke.yaml", "bench_0.5b.yaml"])
+def test_gpu_configs_validate_as_one_gpu_colocated_cuda_runs(name):
+    cfg = load_config(CONFIGS / name)
+    assert (cfg.rollout.engine, cfg.rollout.device, cfg.trainer.dtype, cfg.trainer.zero_stage) == (
+        "cpu", "cuda", "bf16", 2)
+    assert (cfg.weights.transfer, cfg.cluster.layout, cfg.cluster.gpus_per_node) == ("cuda_ipc", "colocated", 1)
+
+
+@needs_rollout_device
+def test_smoke_config_runs_on_cpu_with_the_documented_overrides():
+    cfg = load_config(CONFIGS / "smoke.yaml", CPU_OVERRIDES)
+    assert (cfg.rollout.device, cfg.weights.transfer, cfg.cluster.gpus_per_node) == ("cpu", "object_store", 0)
+
+
+def test_bench_model_is_a_half_billion_parameter_qwen2():
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    m = ModelConfig.model_validate(yaml.safe_load((CONFIGS / "bench_0.5b.yaml").read_text())["model"])
+    config = Qwen2Config(vocab_size=259, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
+                         num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                         intermediate_size=m.intermediate_size, tie_word_embeddings=True)
+    with torch.device("meta"):  # shapes only: no memory, no init
+        params = sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
+    assert m.arch == "qwen2" and 0.4e9 < params < 0.6e9
+
+
+# --- stripping Ray's wheel -----------------------------------------------------------------------
+def record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+FILES = {
+    "ray/__init__.py": b"__version__ = '9.9.9'\n",
+    "ray/core/src/ray/raylet/raylet": b"\x7fELF raylet",  # executable: must stay so
+    "ray/jars/ray_dist.jar": b"jar" * 100,
+    "ray/rllib/__init__.py": b"rllib",
+    "ray/data/__init__.py": b"data",
+    "ray/data_utils.py": b"kept: ray/data/ is a folder, not a prefix of every name",
+    "ray/dashboard/head.py": b"kept: only the web UI's build goes",
+    "ray/dashboard/client/build/index.html": b"<html>",
+    "ray-9.9.9.dist-info/METADATA": b"Metadata-Version: 2.1\nName: ray\nVersion: 9.9.9\n",
+    "ray-9.9.9.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: py3-none-any\n",
+}
+EXECUTABLE = "ray/core/src/ray/raylet/raylet"
+
+
+def make_wheel(path: Path) -> Path:
+    record = "ray-9.9.9.dist-info/RECORD"
+    lines = [record_line(name, data) for name, data in FILES.items()] + [f"{record},,"]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, data in FILES.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFREG | (0o755 if name == EXECUTABLE else 0o644)) << 16
+            zf.writestr(info, data, zipfile.ZIP_DEFLATED)
+        zf.writestr(record, "\n".join(lines) + "\n")
+    return path
+
+
+def test_strip_wheel_removes_the_folders_and_their_record_lines(tmp_path):
+    wheel = make_wheel(tmp_path / "ray-9.9.9-py3-none-any.whl")
+    removed = build_bundle.strip_wheel(wheel, build_bundle.RAY_UNUSED)
+    gone = {"ray/jars/ray_dist.jar", "ray/rllib/__init__.py", "ray/data/__init__.py",
+            "ray/dashboard/client/build/index.html"}
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        record = zf.read("ray-9.9.9.dist-info/RECORD").decode().splitlines()
+        kept = {name: zf.read(name) for name in names}
+        mode = zf.getinfo(EXECUTABLE).external_attr >> 16
+    assert removed == len(gone) and names == set(FILES) - gone | {"ray-9.9.9.dist-info/RECORD"}
+    assert {name: FILES[name] for name in set(FILES) - gone} == {k: v for k, v in kept.items() if k in FILES}
+    # RECORD lists every file left, each with its hash and size, and nothing else
+    assert sorted(record) == sorted([record_line(n, FILES[n]) for n in set(FILES) - gone]
+                                    + ["ray-9.9.9.dist-info/RECORD,,"])
+    assert mode & stat.S_IXUSR
+
+
+def test_stripped_wheel_installs_with_pip(tmp_path):
+    wheel = make_wheel(tmp_path / "ray-9.9.9-py3-none-any.whl")
+    build_bundle.strip_wheel(wheel, build_bundle.RAY_UNUSED)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target",
+                    str(target), str(wheel)], check=True)
+    assert (target / "ray" / "data_utils.py").is_file() and not (target / "ray" / "jars").exists()
+    assert (target / EXECUTABLE).stat().st_mode & stat.S_IXUSR
+
+
+# --- pins ----------------------------------------------------------------------------------------
+def test_lock_file_pins_win_over_the_builders_own(tmp_path):
+    (tmp_path / "requirements").mkdir()
+    (tmp_path / "requirements" / "lock-cpu.txt").write_text(
+        "# a lock file\nray==2.61.1 ; python_version >= '3.10' \\\n    --hash=sha256:abc\n"
+        "Pydantic_Core==2.51.0\ndeepspeed==0.19.9  # built without ops\nunrelated==1.0\n")
+    wheels, deepspeed = build_bundle.pinned(tmp_path)
+    assert (wheels["ray"], wheels["pydantic-core"], deepspeed) == ("2.61.1", "2.51.0", "0.19.9")
+    assert wheels["click"] == build_bundle.WHEELS["click"] and "unrelated" not in wheels
+
+
+# --- run.sh and its summary ----------------------------------------------------------------------
+def test_run_sh_is_valid_bash():
+    subprocess.run(["bash", "-n", str(GPU / "run.sh")], check=True)
+
+
+def run_sh(bundle: Path, scratch: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU / "run.sh"), str(bundle)], capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "SCRATCH": str(scratch)})
+
+
+def test_run_sh_refuses_a_folder_without_wheels(tmp_path):
+    out = run_sh(tmp_path, tmp_path / "scratch")
+    assert out.returncode == 2 and f"no wheels in {tmp_path}" in out.stderr
+
+
+def test_run_sh_refuses_wheels_that_do_not_match_their_checksums(tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "a-1.0-py3-none-any.whl").write_bytes(b"as built")
+    build_bundle.describe(bundle, limit_mib=1)  # writes SHA256SUMS
+    (bundle / "a-1.0-py3-none-any.whl").write_bytes(b"cut short")
+    out = run_sh(bundle, tmp_path / "scratch")
+    assert out.returncode == 2 and "do not match their SHA256SUMS" in out.stderr
+    assert not (tmp_path / "scratch" / "site").exists()  # refused before pip ran
+
+
+def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):
+    rows = [{"step": 0, "time_s": 1.0, "eval/accuracy": 0.1},
+            {"step": 1, "time_s": 3.0, "timing/step_s": 2.0, "timing/train_s": 0.5},
+            {"step": 2, "time_s": 7.0, "timing/step_s": 4.0, "timing/train_s": 0.7},
+            {"step": 2, "time_s": 8.0, "eval/accuracy": 0.3, "final": True}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "memory.csv").write_text("812\n20480\n1500\n")
+    summary = load_module("summarize").summarize(tmp_path, tmp_path / "memory.csv")
+    assert (summary["steps"], summary["step_s"], summary["median_step_s"]) == (2, [2.0, 4.0], 3.0)
+    assert (summary["peak_gpu_memory_mib"], summary["final_eval_accuracy"], summary["training_clock_s"]) == (
+        20480, 0.3, 8.0)
+    assert load_module("summarize").summarize(tmp_path)["peak_gpu_memory_mib"] is None  # no GPU, no log
