@@ -98,9 +98,9 @@ def test_an_engine_that_never_joins_or_receives_fails_within_the_deadline(broadc
     ray.get(stuck.stats.remote())  # free again (its own join has failed too)
 
     sync = WeightSync(cfg, controller.trainer, controller.rollout)  # a new group, every engine in it
-    block(stuck, 2 + GRACE_S + 3)  # the trainer's sends may all fit in the sockets' buffers: stuck past the wait
+    block(stuck, 2 + GRACE_S + 3)  # past every deadline: the sends may fit in the sockets' buffers
     t0 = time.monotonic()
-    with pytest.raises(WeightTransferTimeout, match="rollout worker 1 did not finish within"):
+    with pytest.raises(WeightTransferTimeout):  # the trainer's own broadcast deadline, or the wait's
         sync.publish(controller.version + 1)
     assert time.monotonic() - t0 < 2 + GRACE_S + 1
 
@@ -154,8 +154,8 @@ GPU_CONFIG = ["weights.transfer=cuda_ipc", "rollout.engine=vllm", "cluster.gpus_
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["weights.transfer=cuda_ipc"], r"weights.transfer=cuda_ipc .* needs cluster.gpus_per_node >= 1, "
-                                    r"cluster.layout=colocated and the engine on the GPU .*\(got cluster.gpus_per_node=0"),
+    (["weights.transfer=cuda_ipc"], r"weights.transfer=cuda_ipc .* needs cluster.gpus_per_node >= 1, cluster.layout="
+                                    r"colocated and the engine on the GPU .*\(got cluster.gpus_per_node=0"),
     (GPU_CONFIG + ["cluster.layout=separate"], "weights.transfer=cuda_ipc .* cluster.layout=separate"),
     (GPU_CONFIG + ["rollout.engine=cpu"], r"weights.transfer=cuda_ipc .* rollout.engine=cpu, rollout.device=cpu\)"),
     (GPU_CONFIG + ["trainer.world_size=1"], "weights.transfer=cuda_ipc needs a trainer rank on every engine GPU"),
