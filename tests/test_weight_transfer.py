@@ -237,3 +237,69 @@ def test_publishing_by_broadcast_never_holds_more_than_two_buckets_or_a_full_cop
     got = broadcast_to_a_child(plans, send)
     assert peaks[0] <= two_buckets_and_a_tensor(plans), (peaks, sum(p.nbytes for p in plans))
     assert got == [fingerprint(name, t.bfloat16()) for name, t in trainer.rollout_weights()]
+
+
+# --- cuda_ipc's double buffering, on the CPU -----------------------------------------------------------
+# No GPU here: the two buffers are shared as files mapped by both processes instead of CUDA IPC handles, and
+# the GPU's name and synchronisation are stubbed. Everything else is cuda_ipc's own code: the TCP store the
+# trainer hosts, the "ready"/"done" handshake per bucket, and the reuse of two buffers for every bucket.
+def share_by_file(monkeypatch, folder) -> None:
+    from rlsys.weights import transfer
+
+    paths: dict[int, tuple[str, int]] = {}
+
+    def file_buffers(plans, count, device, have):
+        if have:
+            return have
+        size = max(p.nbytes for p in plans)
+        out = [torch.from_file(f"{folder}/buffer{i}", shared=True, size=size, dtype=torch.uint8) for i in range(count)]
+        paths.update({id(b): (f"{folder}/buffer{i}", size) for i, b in enumerate(out)})
+        return out
+    monkeypatch.setattr(transfer, "_buffers", file_buffers)
+    monkeypatch.setattr("torch.multiprocessing.reductions.reduce_tensor", lambda b: paths[id(b)])
+    monkeypatch.setattr(transfer, "open_shared", lambda handle, device: torch.from_file(
+        handle[0], shared=True, size=handle[1], dtype=torch.uint8))
+    monkeypatch.setattr(transfer, "gpu_uuid", lambda device: "GPU-0")
+    monkeypatch.setattr(transfer.CudaIpcSender, "device", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def receive_by_ipc_in_child(folder, update, out: mp.Queue) -> None:
+    """The engine on the trainer's GPU: loads each bucket slowly, so a trainer that overwrote a buffer
+    before "done" would be caught with the wrong bytes."""
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        share_by_file(monkeypatch, folder)
+        got = []
+        for pairs in update.buckets("engine 0", "cpu"):
+            time.sleep(0.05)
+            got += [fingerprint(name, t) for name, t in pairs]
+    out.put(got)
+
+
+def test_cuda_ipc_reuses_two_buffers_and_waits_for_the_engine_before_overwriting_one(tmp_path, monkeypatch):
+    from rlsys.weights.transfer import CudaIpcTransport
+
+    share_by_file(monkeypatch, tmp_path)
+    weights = state_dict()
+    plans = plan_buckets(weights, 512)
+    assert len(plans) >= 4  # each buffer is reused
+    transport = CudaIpcTransport(30)
+    sender = transport.sender("trainer rank 0", host="127.0.0.1")
+    receiver = transport.receiver([sender.address()])
+    ctx = mp.get_context("spawn")
+    for version in (1, 2):  # the buffers and the store serve every version
+        out = ctx.Queue()
+        update = WeightUpdate(version, plans, receiver)
+        child = ctx.Process(target=receive_by_ipc_in_child, args=(tmp_path, update, out))
+        child.start()
+        try:
+            sender.send(plans, weights.items(), version)
+            got = out.get(timeout=60)
+        finally:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+        assert got == [fingerprint(name, t) for name, t in weights.items()]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["buffer0", "buffer1"]
