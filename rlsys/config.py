@@ -320,6 +320,9 @@ class WeightsConfig(Section):
     transfer: Literal["object_store", "broadcast", "cuda_ipc"] = "object_store"
     bucket_mb: float = Field(256, gt=0)  # one message per bucket: the extra memory a transfer holds at a time
     timeout_s: float = Field(600, gt=0)  # joining the weight group, or one update, not done by then fails naming who
+    # At each new version, requests still generating either recompute their KV cache under the new weights
+    # (a prefill each) or keep the cache the old weights wrote (Completion.stale_kv_tokens counts what follows).
+    running_requests: Literal["recompute", "keep"] = "recompute"
 
 
 class LoggingConfig(Section):
@@ -375,16 +378,22 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _cuda_ipc_colocated(self):
-        if self.weights.transfer != "cuda_ipc":
+    def _transfer_fits_placement(self):
+        w, c, r = self.weights, self.cluster, self.rollout
+        on_gpu = r.engine == "vllm" or getattr(r, "device", "cpu") == "cuda"  # rollout.device may not exist yet
+        if w.transfer == "broadcast" and on_gpu and c.gpus_per_node and c.layout == "colocated":
+            raise ValueError("weights.transfer=broadcast with cluster.layout=colocated puts a trainer rank and an "
+                             "engine on one GPU, and NCCL refuses two ranks of a group on one GPU: use "
+                             "weights.transfer=cuda_ipc (colocated) or cluster.layout=separate")
+        if w.transfer != "cuda_ipc":
             return self
-        c, r = self.cluster, self.rollout
-        if not c.gpus_per_node or c.layout != "colocated" or r.engine != "vllm":
+        if not c.gpus_per_node or c.layout != "colocated" or not on_gpu:
             raise ValueError(f"weights.transfer=cuda_ipc shares GPU memory between a trainer rank and the engine on "
-                             f"its GPU: it needs cluster.gpus_per_node >= 1, cluster.layout=colocated and "
-                             f"rollout.engine=vllm (got cluster.gpus_per_node={c.gpus_per_node}, cluster.layout="
-                             f"{c.layout}, rollout.engine={r.engine}); weights.transfer=object_store or broadcast "
-                             "run without GPUs")
+                             f"its GPU: it needs cluster.gpus_per_node >= 1, cluster.layout=colocated and the engine "
+                             f"on the GPU (rollout.engine=vllm, or rollout.engine=cpu with rollout.device=cuda) (got "
+                             f"cluster.gpus_per_node={c.gpus_per_node}, cluster.layout={c.layout}, rollout.engine="
+                             f"{r.engine}, rollout.device={getattr(r, 'device', 'cpu')}); weights.transfer="
+                             "object_store or broadcast run without GPUs")
         if self.trainer.world_size < r.num_workers * r.tensor_parallel_size:
             raise ValueError(f"weights.transfer=cuda_ipc needs a trainer rank on every engine GPU: trainer.world_size="
                              f"{self.trainer.world_size} is less than rollout.num_workers x "

@@ -53,6 +53,7 @@ class Completion:
     submit_time: float = 0.0
     start_time: float = 0.0  # when it took a slot
     end_time: float = 0.0
+    stale_kv_tokens: int = 0  # tokens sampled over KV cache from older weights (weights.running_requests=keep)
 
     @property
     def num_tokens(self) -> int:

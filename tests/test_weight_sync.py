@@ -1,6 +1,7 @@
 """Weight publishing in live runs (rlsys/weights/sync.py): after every step each engine holds exactly the
 trainer's weights, by gloo broadcast or by object-store buckets; a stuck engine fails within the deadline;
-a dead rollout worker stops a broadcast run; cuda_ipc is refused without GPUs."""
+a dead rollout worker stops a broadcast run; transports that cannot work where the config puts the engines
+are refused."""
 import time
 
 import pytest
@@ -11,7 +12,8 @@ from safetensors.torch import load_file
 from rlsys.config import DEFAULT_CONFIG, ConfigError, load_config
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.train import Controller
-from rlsys.weights import ObjectStoreTransfer, WeightTransferTimeout, WeightUpdate, iter_buckets
+from rlsys.weights import WeightTransferTimeout, WeightUpdate, plan_buckets
+from rlsys.weights.transfer import ObjectStoreReceiver, ObjectStoreSender
 from rlsys.weights.sync import GRACE_S, WeightSync
 from test_cpu_engine import build
 from test_end_to_end import SMALL, rows
@@ -96,9 +98,9 @@ def test_an_engine_that_never_joins_or_receives_fails_within_the_deadline(broadc
     ray.get(stuck.stats.remote())  # free again (its own join has failed too)
 
     sync = WeightSync(cfg, controller.trainer, controller.rollout)  # a new group, every engine in it
-    block(stuck, 4)
+    block(stuck, 2 + GRACE_S + 3)  # past every deadline: the sends may fit in the sockets' buffers
     t0 = time.monotonic()
-    with pytest.raises(WeightTransferTimeout):
+    with pytest.raises(WeightTransferTimeout):  # the trainer's own broadcast deadline, or the wait's
         sync.publish(controller.version + 1)
     assert time.monotonic() - t0 < 2 + GRACE_S + 1
 
@@ -123,8 +125,9 @@ def test_an_object_store_run_sends_buckets_and_engines_match_the_trainer(tmp_pat
     controller, checks, steps = checked_run(tmp_path / "run", "weights.bucket_mb=0.1")  # 1.6 MB of weights
     controller.shutdown()
     assert_engines_followed_the_trainer(checks, steps)
-    assert len(sent) == 2 and all(isinstance(u, WeightUpdate) and u.transfer == "object_store" for u in sent)
-    assert all(len(u.plans) > 10 and len(u.ticket) == len(u.plans) for u in sent)  # one object per bucket
+    assert len(sent) == 2 and all(isinstance(u.receiver, ObjectStoreReceiver) for u in sent)
+    assert [u.version for u in sent] == [1, 2]
+    assert all(len(u.plans) > 10 and len(u.receiver.refs) == len(u.plans) for u in sent)  # one object per bucket
 
 
 def test_the_cpu_engine_switches_version_only_after_the_last_bucket(tmp_path, ray_cluster):
@@ -132,16 +135,18 @@ def test_the_cpu_engine_switches_version_only_after_the_last_bucket(tmp_path, ra
     engine = CPUEngine(path, slots=1)
     weights = {k: v.clone() for k, v in other.state_dict().items()}
     weights["model.unknown.weight"] = torch.zeros(1)  # the last bucket's: refused after the others are loaded
-    buckets = list(iter_buckets(weights, 4096))
-    update = WeightUpdate("object_store", [p for p, _ in buckets], ObjectStoreTransfer("trainer").send(buckets), 60)
+    update = published(weights, version=1)
     with pytest.raises(KeyError, match="model.unknown.weight"):
-        engine.receive_weights(update, version=1)
+        engine.receive_weights(update)
     assert engine.version == 0
     del weights["model.unknown.weight"]
-    buckets = list(iter_buckets(weights, 4096))
-    update = WeightUpdate("object_store", [p for p, _ in buckets], ObjectStoreTransfer("trainer").send(buckets), 60)
-    engine.receive_weights(update, version=1)
+    engine.receive_weights(published(weights, version=1))
     assert engine.version == 1 and max_diff(weights, engine.model.params) == 0.0
+
+
+def published(weights: dict, version: int) -> WeightUpdate:
+    plans = plan_buckets(weights, 4096)
+    return WeightUpdate(version, plans, ObjectStoreSender("trainer", 60).send(plans, weights.items(), version))
 
 
 GPU_CONFIG = ["weights.transfer=cuda_ipc", "rollout.engine=vllm", "cluster.gpus_per_node=4", "rollout.num_workers=2",
@@ -149,10 +154,13 @@ GPU_CONFIG = ["weights.transfer=cuda_ipc", "rollout.engine=vllm", "cluster.gpus_
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["weights.transfer=cuda_ipc"], r"weights.transfer=cuda_ipc .* needs cluster.gpus_per_node >= 1, "
-                                    r"cluster.layout=colocated and rollout.engine=vllm \(got cluster.gpus_per_node=0"),
+    (["weights.transfer=cuda_ipc"], r"weights.transfer=cuda_ipc .* needs cluster.gpus_per_node >= 1, cluster.layout="
+                                    r"colocated and the engine on the GPU .*\(got cluster.gpus_per_node=0"),
     (GPU_CONFIG + ["cluster.layout=separate"], "weights.transfer=cuda_ipc .* cluster.layout=separate"),
+    (GPU_CONFIG + ["rollout.engine=cpu"], r"weights.transfer=cuda_ipc .* rollout.engine=cpu, rollout.device=cpu\)"),
     (GPU_CONFIG + ["trainer.world_size=1"], "weights.transfer=cuda_ipc needs a trainer rank on every engine GPU"),
+    (GPU_CONFIG + ["weights.transfer=broadcast"], "weights.transfer=broadcast with cluster.layout=colocated puts a "
+                                                  "trainer rank and an engine on one GPU"),
     (["weights.transfer=nccl"], "weights.transfer: Input should be 'object_store', 'broadcast' or 'cuda_ipc'"),
     (["weights.bucket_mb=0"], "weights.bucket_mb: Input should be greater than 0"),
     (["weights.timeout_s=0"], "weights.timeout_s: Input should be greater than 0"),
@@ -168,3 +176,8 @@ def test_cuda_ipc_is_refused_on_a_cluster_without_gpus(ray_cluster):
     cfg = load_config(DEFAULT_CONFIG, GPU_CONFIG)  # a valid GPU config, on a machine without GPUs
     with pytest.raises(ValueError, match="weights.transfer=cuda_ipc needs GPUs and this Ray cluster has none"):
         WeightSync(cfg, trainer=None, rollout=None)
+
+
+def test_broadcast_to_engines_on_their_own_gpus_and_cuda_ipc_colocated_are_accepted():
+    load_config(DEFAULT_CONFIG, GPU_CONFIG + ["weights.transfer=broadcast", "cluster.layout=separate"])
+    load_config(DEFAULT_CONFIG, GPU_CONFIG)

@@ -21,7 +21,7 @@ from torch import Tensor
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
                                   resume_finish_reason)
 from rlsys.types import Completion, Request
-from rlsys.weights import WeightGroup, WeightUpdate, make_transfer
+from rlsys.weights import WeightGroup, WeightUpdate
 
 
 def _read_config(model_dir: Path):
@@ -181,7 +181,7 @@ class _Running:
 class CPUEngine(RolloutEngine):
     def __init__(self, model_dir: str, slots: int, eos_token_id: int | None = None,
                  max_len: int | None = None, dtype: torch.dtype = torch.float32, name: str = "cpu engine",
-                 seed: int = 0):
+                 seed: int = 0, running_requests: str = "recompute"):
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
         path = Path(model_dir)
@@ -189,7 +189,8 @@ class CPUEngine(RolloutEngine):
             self.model = DecoderModel(path, slots, max_len, dtype)
         self.name, self.slots, self.max_len, self.version = name, slots, self.model.max_len, 0
         self.seed = seed  # the run's: a request without a seed draws from (seed, request id), whatever engine runs it
-        self.weight_group: WeightGroup | None = None  # weights.transfer=broadcast
+        self.weight_group: WeightGroup | None = None  # joined for a transport that needs one (broadcast)
+        self.running_requests = running_requests  # weights.running_requests: "recompute" or "keep"
         self.eos_ids = read_eos_ids(path, eos_token_id)
         self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.tokenizer = read_tokenizer(path)
@@ -210,6 +211,8 @@ class CPUEngine(RolloutEngine):
         self.out_logprobs = torch.zeros(S, L)
         self.out_versions = torch.zeros(S, L, dtype=torch.long)
         self.uniforms = torch.zeros(S, L)  # pre-drawn per request from its own seeded generator
+        self.kv_version = torch.zeros(S, dtype=torch.long)  # the oldest weights in the slot's KV cache
+        self.stale_kv = torch.zeros(S, dtype=torch.long)  # tokens sampled over KV from older weights
         self.counters = EngineCounters()
 
     # --- interface --------------------------------------------------------------------------
@@ -259,19 +262,41 @@ class CPUEngine(RolloutEngine):
     @torch.inference_mode()
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
         self.model.load_state_dict(state_dict, strict=False, source=f"weights version {version}")
-        self.version = version
+        self._weights_changed(version)
 
     def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str = "gloo",
                           timeout_s: float = 600.0) -> None:
         self.weight_group = WeightGroup(host, port, rank_offset, world_size, backend, timeout_s)
 
     @torch.inference_mode()
-    def receive_weights(self, update: WeightUpdate, version: int) -> None:
+    def receive_weights(self, update: WeightUpdate) -> None:
         # Each bucket is a partial state dict (loaded with strict=False); the version changes after the last.
-        transfer = make_transfer(update.transfer, self.name, update.timeout_s, self.weight_group)
-        for weights in transfer.receive(update.plans, update.ticket):
-            self.model.load_state_dict(dict(weights), strict=False, source=f"{self.name}: weights version {version}")
+        source = f"{self.name}: weights version {update.version}"
+        for weights in update.buckets(self.name, getattr(self, "device", "cpu"), self.weight_group):
+            self.model.load_state_dict(dict(weights), strict=False, source=source)
+        self._weights_changed(update.version)
+
+    def _weights_changed(self, version: int) -> None:
+        """weights.running_requests: recompute the running requests' KV cache under the new weights, or keep
+        it (their later tokens are counted in Completion.stale_kv_tokens)."""
         self.version = version
+        if self.running_requests == "recompute" and self.running:
+            self._prefill_running()
+
+    def _prefill_running(self) -> None:
+        """Write every running slot's cache again from its tokens: the prompt, and all sampled but the last
+        (which the next step feeds), in one batched forward."""
+        entries = list(self.running.values())
+        slots = torch.tensor(sorted(e.slot for e in entries))
+        seqs = [self.slot_owner[s].request.prompt_ids + self.out_tokens[s, :int(self.n_out[s]) - 1].tolist()
+                for s in slots.tolist()]
+        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, :len(seq)] = torch.tensor(seq)
+        lens = torch.tensor([len(seq) for seq in seqs])
+        pos = torch.arange(ids.shape[1]).expand(len(seqs), -1)
+        self.model.forward(ids, pos, slots, ids.shape[1], lens - 1)
+        self.kv_version[slots] = self.version
 
     def _release(self, level: int) -> None:
         """Sleep frees the KV cache; the weights stay, as host memory is where a level-1 sleep would keep them
@@ -311,6 +336,7 @@ class CPUEngine(RolloutEngine):
     def _occupy(self, entry: _Running, slot: int, now: float) -> None:
         req, p = entry.request, entry.request.params
         entry.slot, entry.start_time = slot, now
+        self.kv_version[slot], self.stale_kv[slot] = self.version, 0
         self.running[req.request_id] = entry
         self.slot_owner[slot] = entry
         r = len(req.resume_ids)
@@ -335,6 +361,7 @@ class CPUEngine(RolloutEngine):
         self.out_tokens[idx, n] = tokens
         self.out_logprobs[idx, n] = logprobs
         self.out_versions[idx, n] = self.version
+        self.stale_kv[idx] += (self.kv_version[idx] < self.version).long()
         self.n_out[idx] = n + 1
         self.last_token[idx] = tokens
         stop = torch.isin(tokens, self.eos)
@@ -378,18 +405,19 @@ class CPUEngine(RolloutEngine):
         self.slot_owner[slot] = None
         del self.running[entry.request.request_id]
         return self._completion(entry, self.out_tokens[slot, :n].tolist(), self.out_logprobs[slot, :n].tolist(),
-                                self.out_versions[slot, :n].tolist(), reason, slot)
+                                self.out_versions[slot, :n].tolist(), reason, slot, int(self.stale_kv[slot]))
 
     def _waiting_completion(self, entry: _Running, reason: str) -> Completion:
         r = entry.request
         return self._completion(entry, list(r.resume_ids), list(r.resume_logprobs), list(r.resume_versions),
                                 reason, -1)
 
-    def _completion(self, entry, tokens, logprobs, versions, reason, slot) -> Completion:
+    def _completion(self, entry, tokens, logprobs, versions, reason, slot, stale_kv_tokens=0) -> Completion:
         r = entry.request
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), tokens, logprobs, versions, reason,
                           text=self._decode(tokens), slot=slot, submit_time=entry.submit_time,
-                          start_time=entry.start_time or time.time(), end_time=time.time())
+                          start_time=entry.start_time or time.time(), end_time=time.time(),
+                          stale_kv_tokens=stale_kv_tokens)
 
     def validate(self, req: Request) -> None:
         check_request(req, self.model.vocab, self.max_len)

@@ -81,9 +81,9 @@ class RolloutEngine(ABC):
         that holds weights. Blocks until every member has joined."""
 
     @abstractmethod
-    def receive_weights(self, update: WeightUpdate, version: int) -> None:
-        """Load a version bucket by bucket as it arrives (rlsys/weights/transfer.py), between steps; later
-        tokens are tagged `version`. With broadcast, trainer rank 0 sends meanwhile."""
+    def receive_weights(self, update: WeightUpdate) -> None:
+        """Load a version bucket by bucket as it arrives (`update.buckets`, rlsys/weights/transfer.py), between
+        steps; later tokens are tagged `update.version`. The trainer may be sending meanwhile."""
 
     counters: "EngineCounters"  # every engine records its steps here; workers read occupancy from it
     version: int = 0  # the weights' version, tagged on every new token

@@ -32,7 +32,8 @@ from rlsys.weights import WeightUpdate
 
 def engine_options(cfg) -> dict:
     """Engine options from a run's Config: the KV cache sized to the longest prompt plus response."""
-    kwargs = {"max_len": cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, "seed": cfg.seed}
+    kwargs = {"max_len": cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, "seed": cfg.seed,
+              "running_requests": cfg.weights.running_requests}
     r = cfg.rollout
     if r.engine == "vllm":
         kwargs.update(tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -170,7 +171,7 @@ class RolloutManager:
 
     def update_weights(self, weights, version: int) -> None:
         """Blocking: every worker uses `version` for its next decode step. Takes a dict, an ObjectRef of one,
-        or a WeightUpdate whose buckets the sender has already put out (object store, CUDA IPC)."""
+        or a WeightUpdate whose buckets the sender has already put out (object store)."""
         ref = weights if isinstance(weights, (ObjectRef, WeightUpdate)) else ray.put(weights)
         self.weights = (ref, version)  # first, so a worker replaced during the update starts from them
         self._on_every_worker(lambda w: w.update_weights.remote(ref, version), ask_again=False)
@@ -186,10 +187,15 @@ class RolloutManager:
         self.asleep = tuple(t for t in self.asleep if t not in tags)
         self._on_every_worker(lambda w: w.wake_up.remote(tags), ask_again=False)
 
-    def receive_broadcast(self, update: WeightUpdate, version: int) -> dict[str, ObjectRef]:
-        """Start every worker's receive of trainer rank 0's broadcast and return at once: their calls by
-        name, to wait on together with the sender's (a death seen there goes to `worker_died`)."""
-        return {f"rollout worker {i}": w.update_weights.remote(update, version) for i, w in enumerate(self.workers)}
+    def receive_weights(self, update: WeightUpdate) -> dict[str, ObjectRef]:
+        """Start every worker's receive of a version the trainer is sending now and return at once: their
+        calls by name, to wait on together with the senders' (a death seen there goes to `worker_died`)."""
+        return {f"rollout worker {i}": w.update_weights.remote(update, update.version)
+                for i, w in enumerate(self.workers)}
+
+    def gpus(self) -> list[tuple[str, list]]:
+        """Each worker's node and Ray GPU ids."""
+        return self._on_every_worker(lambda w: w.gpus.remote())
 
     def join_weight_group(self, host: str, port: int, world_size: int, ranks_per_worker: int, backend: str,
                           timeout_s: float) -> dict[str, ObjectRef]:

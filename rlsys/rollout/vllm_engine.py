@@ -39,12 +39,15 @@ back; vLLM turns it on by default for this executor (vllm/config/vllm.py).
   (vllm/logprobs.py); logprobs_mode "processed_logprobs" takes them after temperature and top-p
   (vllm/v1/sample/sampler.py), as the trainer scores them; a greedy request gets the plain log-softmax.
   vLLM accepts temperatures up to 2 only (vllm/sampling_params.py `_verify_args`).
-- Weights: `load_weights`, and `receive_weights` for weights.transfer=object_store, send buckets with the
-  RPC (Ray's object store brought them here); broadcast and cuda_ipc receive inside vLLM's workers
-  (rollout/vllm_extension.py). After any update,
-  `reset_prefix_cache(reset_running_requests=True)` preempts running requests and drops output still
+- Weights: `load_weights`, and `receive_weights`: a transport whose receiver is not per worker (the object
+  store) is received here and each bucket sent with the RPC; the others receive inside vLLM's workers
+  (rollout/vllm_extension.py). After any update, weights.running_requests=recompute calls
+  `reset_prefix_cache(reset_running_requests=True)`, which preempts running requests and drops output still
   in flight under the old weights (vllm/v1/core/sched/scheduler.py `reset_prefix_cache`,
   `_preempt_request`): they recompute their KV cache, and every later token carries the new version.
+  `keep` calls it without: running requests go on over their old KV cache (their later tokens are counted
+  in Completion.stale_kv_tokens), and vLLM resets the prefix cache only if no block is in use (the block
+  pool's `reset_prefix_cache`), so a new request may still reuse a cached prefix of the old weights.
 - Sleep (vllm/v1/engine/core.py `sleep`, `wake_up`; tags: vllm/v1/executor/abstract.py SLEEP_TAGS):
   level 1 moves the weights to CPU memory and drops the KV cache, level 2 drops both (the model's buffers,
   such as RoPE tables, are kept on the host and restored: vllm/v1/worker/gpu_worker.py `sleep`). Sleep
@@ -70,7 +73,7 @@ from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, 
 from rlsys.rollout.vllm_extension import EXTENSION
 from rlsys.types import Completion, Request
 from rlsys.weights.buckets import iter_buckets
-from rlsys.weights.transfer import ObjectStoreTransfer, WeightUpdate
+from rlsys.weights.transfer import WeightUpdate
 
 RPC_BUCKET_BYTES = 256 << 20  # object-store path: one RPC per bucket keeps each message bounded
 
@@ -83,13 +86,15 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     start_time: float = 0.0  # when its first new token came out
+    kv_version: int = 0  # the oldest weights in its KV cache
+    stale_kv_tokens: int = 0  # tokens sampled over KV from older weights
 
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_dir: str, slots: int, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.85, enable_sleep_mode: bool = False, dtype: str = "bfloat16",
                  max_len: int | None = None, seed: int = 0, eos_token_id: int | None = None,
-                 name: str = "vllm engine", **engine_args):
+                 name: str = "vllm engine", running_requests: str = "recompute", **engine_args):
         # Forced, not defaulted: stepping, abort and weight updates rely on the engine core being in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         try:
@@ -110,6 +115,7 @@ class VLLMEngine(RolloutEngine):
                           worker_extension_cls=EXTENSION, **engine_args)
         self.llm = LLMEngine.from_engine_args(args)
         self.name, self.slots, self.version = name, slots, 0
+        self.running_requests = running_requests  # weights.running_requests: "recompute" or "keep"
         self.max_len = self.llm.model_config.max_model_len
         self.vocab = self.llm.model_config.get_vocab_size()
         path = Path(model_dir)  # EOS and text: the same rules as the CPU engine
@@ -130,7 +136,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"request {rid}: request_id already in the engine")
         self.validate(request)
         sample = _Sample(request, time.time(), list(resumed), list(request.resume_logprobs),
-                         list(request.resume_versions))
+                         list(request.resume_versions), kv_version=self.version)
         reason = resume_finish_reason(request, self.eos_ids, self.max_len)
         if reason:
             self.finished_early.append(self._completion(sample, reason))
@@ -162,6 +168,7 @@ class VLLMEngine(RolloutEngine):
                 sample.tokens += tokens
                 sample.logprobs += [seq.logprobs[i][t].logprob for i, t in enumerate(tokens)]
                 sample.versions += [self.version] * len(tokens)
+                sample.stale_kv_tokens += len(tokens) if sample.kv_version < self.version else 0
                 sample.start_time = sample.start_time or now
                 active, new_tokens = active + 1, new_tokens + len(tokens)
             if out.finished:
@@ -204,16 +211,15 @@ class VLLMEngine(RolloutEngine):
         self.llm.collective_rpc("rlsys_init_weight_group",
                                 args=(host, port, world_size, rank_offset, backend, timeout_s))
 
-    def receive_weights(self, update: WeightUpdate, version: int) -> None:
-        """Blocking: every worker loads the buckets. object_store: fetched here (vLLM's worker processes are not
-        Ray workers), one RPC each; broadcast and cuda_ipc: each worker receives them itself."""
-        if update.transfer == "object_store":
-            for plan, flat in ObjectStoreTransfer(self.name, update.timeout_s).fetch(update.plans, update.ticket):
-                self.llm.collective_rpc("rlsys_load_bucket", args=(plan, flat))
+    def receive_weights(self, update: WeightUpdate) -> None:
+        """Blocking: every worker loads the buckets, received here and sent with the RPC one at a time, or
+        received by each worker itself (update.receiver.per_worker)."""
+        if update.receiver.per_worker:
+            self.llm.collective_rpc("rlsys_receive", args=(update, self.name))
         else:
-            self.llm.collective_rpc("rlsys_receive", args=(update.transfer, update.plans, update.ticket, self.name,
-                                                           update.timeout_s))
-        self._weights_changed(version)
+            for plan, flat in update.packed(self.name):
+                self.llm.collective_rpc("rlsys_load_bucket", args=(plan, flat))
+        self._weights_changed(update.version)
 
     def _release(self, level: int) -> None:
         self.llm.sleep(level=level)
@@ -223,13 +229,18 @@ class VLLMEngine(RolloutEngine):
 
     # --- helpers ------------------------------------------------------------------------------
     def _weights_changed(self, version: int) -> None:
-        # Cached prefixes hold old-weight keys and values: drop them, and have running requests
-        # recompute theirs (vLLM preempts them and keeps their tokens).
-        self.llm.reset_prefix_cache(reset_running_requests=True)
+        # Cached prefixes hold old-weight keys and values: drop them; with "recompute", running requests
+        # recompute theirs too (vLLM preempts them and keeps their tokens).
+        recompute = self.running_requests == "recompute"
+        self.llm.reset_prefix_cache(reset_running_requests=recompute)
         self.version = version
+        if recompute:
+            for sample in self.samples.values():
+                sample.kv_version = version
 
     def _completion(self, sample: _Sample, reason: str) -> Completion:
         r = sample.request
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), sample.tokens, sample.logprobs,
                           sample.versions, reason, text=self._decode(sample.tokens), submit_time=sample.submit_time,
-                          start_time=sample.start_time or time.time(), end_time=time.time())
+                          start_time=sample.start_time or time.time(), end_time=time.time(),
+                          stale_kv_tokens=sample.stale_kv_tokens)

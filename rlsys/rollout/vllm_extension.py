@@ -33,7 +33,7 @@ from torch import Tensor
 
 from rlsys.weights.buckets import BucketPlan, unpack
 from rlsys.weights.group import WeightGroup
-from rlsys.weights.transfer import Weights, make_transfer
+from rlsys.weights.transfer import Weights, WeightUpdate
 
 EXTENSION = "rlsys.rollout.vllm_extension.WeightUpdateExtension"  # the path vLLM imports in each worker
 
@@ -51,12 +51,11 @@ class WeightUpdateExtension:
         self._rlsys_group = WeightGroup(host, port, rank_offset + self.rank, world_size, backend, timeout_s)
         return self._rlsys_group.rank
 
-    def rlsys_receive(self, transfer: str, plans: list[BucketPlan], ticket, engine: str, timeout_s: float) -> int:
-        """Receive every bucket by `transfer` (broadcast: from trainer rank 0 over the weight group; cuda_ipc:
-        the handles for this worker's GPU) and load it, one bucket at a time."""
+    def rlsys_receive(self, update: WeightUpdate, engine: str) -> int:
+        """Receive every bucket of `update` by its own receiver (broadcast: from trainer rank 0 over the
+        weight group; cuda_ipc: from the trainer rank on this worker's GPU) and load it, one at a time."""
         who = f"{engine} worker {self.rank}"
-        receiver = make_transfer(transfer, who, timeout_s, getattr(self, "_rlsys_group", None))
-        return self._rlsys_load_all(receiver.receive(plans, ticket, self.device))
+        return self._rlsys_load_all(update.buckets(who, self.device, getattr(self, "_rlsys_group", None)))
 
     def _rlsys_load_all(self, buckets: Iterable[Weights]) -> int:
         loaded = sum(self._rlsys_load(weights) for weights in buckets)

@@ -52,6 +52,10 @@ class RolloutWorker:
         """The GPUs Ray gave this actor (its placement bundle's)."""
         return ray.get_gpu_ids()
 
+    def gpus(self) -> tuple[str, list]:
+        """Its node and the GPUs Ray gave it: where a cuda_ipc sender must be."""
+        return ray.util.get_node_ip_address(), ray.get_gpu_ids()
+
     def submit(self, requests: list[Request]) -> None:
         """Check and queue requests, then return at once (the generation thread adds them between steps).
         A bad request refuses the whole batch here; a later failure is raised from the next drain()."""
@@ -74,13 +78,14 @@ class RolloutWorker:
     def update_weights(self, weights: dict | WeightUpdate, version: int) -> None:
         """A whole state dict, or a WeightUpdate whose buckets are loaded as they arrive: either way in one
         go between two decode steps, so no step sees half the new weights."""
-        load = self.engine.receive_weights if isinstance(weights, WeightUpdate) else self.engine.load_weights
-
         def update():
             if "weights" in self.engine.asleep:  # vLLM's would land in unmapped memory
                 raise RuntimeError(f"rollout worker {self.index}: weights version {version} sent while its engine's "
                                    "weights sleep; wake_up(['weights']) comes first")
-            load(weights, version)
+            if isinstance(weights, WeightUpdate):
+                self.engine.receive_weights(weights)
+            else:
+                self.engine.load_weights(weights, version)
         self._call(update)
 
     def sleep(self, level: int) -> None:

@@ -17,6 +17,7 @@ import random
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -46,6 +47,18 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             module.training = True
+
+
+def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What model.state_dict() holds, in its order (tied weights under each name), read one at a time."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is not None:
+                yield dot + name, p
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                yield dot + name, b
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
@@ -221,8 +234,19 @@ class TrainerBackend(ABC):
         return self._optimizer_step()
 
     @abstractmethod
-    def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
-        """Full weights, HF names, CPU float32 (a collective under ZeRO-3: every rank must call it)."""
+    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor where it lives), one at a time, in state_dict order: use each before asking for
+        the next (under ZeRO-3 a parameter is gathered only meanwhile, a collective: every rank reads all)."""
+
+    def rollout_shapes(self) -> dict[str, torch.Tensor]:
+        """The rollout weights' names, shapes and dtypes as "meta" tensors (no memory, no collective)."""
+        return {name: torch.empty(getattr(t, "ds_shape", t.shape), dtype=t.dtype, device="meta")
+                for name, t in named_tensors(self._hf_model())}
+
+    def state_dict_for_rollout(self, keep: bool = True) -> dict[str, torch.Tensor]:
+        """Full weights, HF names, CPU float32, read one parameter at a time; only with `keep` does this rank
+        hold the copy (checkpoints, exports: rank 0). Publishing streams instead (rlsys/weights/transfer.py)."""
+        return {name: t.to("cpu", torch.float32, copy=True) for name, t in self.rollout_weights() if keep}
 
     @abstractmethod
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
@@ -246,7 +270,7 @@ class TrainerBackend(ABC):
     def save(self, folder: str) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        weights = self.state_dict_for_rollout()
+        weights = self.state_dict_for_rollout(keep=self.rank == 0)
         if self.rank == 0:
             save_tensors(weights, folder / "model.safetensors")
             (folder / LAYOUT_FILE).write_text(json.dumps(self._layout()))
@@ -267,7 +291,7 @@ class TrainerBackend(ABC):
 
     def export_hf(self, folder: str) -> None:
         """A standard HF model folder with the current weights (no tokenizer: the caller adds it)."""
-        weights = self.state_dict_for_rollout()
+        weights = self.state_dict_for_rollout(keep=self.rank == 0)
         if self.rank == 0:
             write_hf_model(weights, self.model_dir, folder)
 
@@ -298,8 +322,12 @@ class TorchBackend(TrainerBackend):
         self.optimizer.zero_grad(set_to_none=True)
         return norm, applied
 
-    def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to("cpu", torch.float32).clone() for k, v in self.model.state_dict().items()}
+    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors(self.model):
+            yield name, t.detach()
+
+    def _hf_model(self) -> torch.nn.Module:
+        return self.model
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(weights)

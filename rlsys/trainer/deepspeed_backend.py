@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import deepspeed
 import numpy as np
@@ -20,7 +21,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 
 from rlsys.config import TrainerConfig
-from rlsys.trainer.backend import TrainerBackend, enable_gradient_checkpointing, load_model
+from rlsys.trainer.backend import TrainerBackend, enable_gradient_checkpointing, load_model, named_tensors
 from rlsys.trainer.batching import StepTotals
 from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_parameter
@@ -98,10 +99,14 @@ class DeepSpeedBackend(TrainerBackend):
         enabled = self.stage == 3
         return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank, enabled=enabled)
 
-    def state_dict_for_rollout(self) -> dict[str, torch.Tensor]:
-        with self._parameters_gathered():
-            return {k: v.detach().to("cpu", torch.float32).clone()
-                    for k, v in self.engine.module.state_dict().items()}
+    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors(self.engine.module):
+            gather = self.stage == 3 and isinstance(t, torch.nn.Parameter)  # buffers are never partitioned
+            with deepspeed.zero.GatheredParameters([t], enabled=gather):  # this parameter alone, while read
+                yield name, t.detach()
+
+    def _hf_model(self) -> torch.nn.Module:
+        return self.engine.module
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         with self._parameters_gathered(modifier_rank=0):

@@ -27,7 +27,7 @@ from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack
 from rlsys.trainer.losses import mismatch_warning
 from rlsys.trainer.streamed import StreamedStep
 from rlsys.types import Group
-from rlsys.weights import BucketPlan, CudaIpcTransfer, WeightGroup, make_transfer, pack, plan_buckets
+from rlsys.weights import BucketPlan, Receiver, Sender, Transport, WeightGroup, plan_buckets
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
@@ -50,9 +50,8 @@ class TrainerWorker:
         self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
         self.backend = None
         self.stream: StreamedStep | None = None
-        self.weight_group: WeightGroup | None = None  # weights.transfer=broadcast, on rank 0
-        self.staged = None  # (weights, their bucket plans), from stage_weights to send_weights
-        self.shared: CudaIpcTransfer | None = None  # cuda_ipc: buffers the engines read, until release_weights
+        self.weight_group: WeightGroup | None = None  # a transport's own group (broadcast), on rank 0
+        self.sender: Sender | None = None  # on the ranks that send the weights to the engines
 
     def gpu_ids(self) -> list:
         """The GPUs Ray gave this actor (its placement bundle's)."""
@@ -106,34 +105,31 @@ class TrainerWorker:
         return self.backend.train_mini_batches(parts, temperature, fresh, proximal_micro_batches)
 
     def rollout_weights(self):
-        weights = self.backend.state_dict_for_rollout()
+        weights = self.backend.state_dict_for_rollout(keep=self.rank == 0)
         return weights if self.rank == 0 else None
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> None:
         self.weight_group = WeightGroup(host, port, 0, world_size, backend, timeout_s, names)
 
-    def stage_weights(self, budget_bytes: int, dtype, keep: bool) -> list[BucketPlan] | None:
-        """Gather the rollout weights (under ZeRO-3 every rank must call this); if `keep`, hold them for
-        send_weights and return their bucket plans."""
-        weights = self.backend.state_dict_for_rollout()
-        if not keep:
+    def open_sender(self, transport: Transport):
+        """This rank sends every version from now on; returns what its receivers need to find it."""
+        self.sender = transport.sender(f"trainer rank {self.rank}", self.weight_group, self.node_ip())
+        return self.sender.address()
+
+    def weight_plans(self, budget_bytes: int, dtype) -> list[BucketPlan]:
+        """The rollout weights' bucket plans, from their shapes alone."""
+        return plan_buckets(self.backend.rollout_shapes(), budget_bytes, dtype)
+
+    def send_weights(self, plans: list[BucketPlan], version: int) -> Receiver | None:
+        """Read the weights one parameter at a time (under ZeRO-3 every rank must, to gather them); a
+        sending rank packs and ships them as they come. Returns the sender's receiver description, if any."""
+        weights = self.backend.rollout_weights()
+        if self.sender is None:
+            for _ in weights:
+                pass
             return None
-        self.staged = (weights, plan_buckets(weights, budget_bytes, dtype))
-        return self.staged[1]
-
-    def send_weights(self, transfer: str, device: str, timeout_s: float):
-        """Send the staged weights bucket by bucket (one packed bucket in memory at a time); returns the
-        receivers' ticket (rlsys/weights/transfer.py)."""
-        (weights, plans), self.staged = self.staged, None
-        sender = make_transfer(transfer, f"trainer rank {self.rank}", timeout_s, self.weight_group)
-        if isinstance(sender, CudaIpcTransfer):
-            self.shared = sender
-        return sender.send((plan, pack(plan, weights, device)) for plan in plans)
-
-    def release_weights(self) -> None:
-        self.shared.release()
-        self.shared = None
+        return self.sender.send(plans, weights, version)
 
     def save(self, folder: str) -> None:
         self.backend.save(folder)
@@ -273,27 +269,28 @@ class TrainerGroup:
     def weights_ref(self) -> ray.ObjectRef:
         """Rank 0's full weights (HF names, CPU float32) in the object store, whole (rlsys/weights/sync.py
         sends a run's weights in buckets)."""
-        refs = [w.rollout_weights.remote() for w in self._gathering(senders=1)]
+        refs = [w.rollout_weights.remote() for w in (self.workers if self._gathers_on_all() else self.workers[:1])]
         # The other ranks only take part in the gather; rank 0's weights stay in the store. Rank 0 answers
         # once they are there, so its death shows here, not later as a rollout worker's error.
         self._get_all(refs[1:] + [self.workers[0].node_ip.remote()])
         return refs[0]
 
-    def stage_weights(self, transfer: str, budget_bytes: int, dtype) -> list[BucketPlan]:
-        """Blocking: the ranks that send by `transfer` hold their rollout weights for `send_weights`;
-        returns rank 0's bucket plans."""
-        senders = self._senders(transfer)
-        return self._get_all([w.stage_weights.remote(budget_bytes, dtype, rank < senders)
-                              for rank, w in enumerate(self._gathering(senders))])[0]
+    def open_senders(self, transport: Transport, ranks: list[int]) -> list:
+        """These ranks send every version from now on; their addresses, for the receivers."""
+        return self._get_all([self.workers[r].open_sender.remote(transport) for r in ranks])
 
-    def send_weights(self, transfer: str, device: str, timeout_s: float) -> dict[str, ray.ObjectRef]:
-        """Start sending the staged weights; the senders' calls by name (each returns its ticket)."""
-        return {f"trainer rank {rank}": w.send_weights.remote(transfer, device, timeout_s)
-                for rank, w in enumerate(self.workers[:self._senders(transfer)])}
+    def weight_plans(self, budget_bytes: int, dtype) -> list[BucketPlan]:
+        return self._get_all([self.workers[0].weight_plans.remote(budget_bytes, dtype)])[0]
 
-    def release_weights(self) -> None:
-        """cuda_ipc: every engine has copied the shared buckets; free them."""
-        self._get_all([w.release_weights.remote() for w in self.workers])
+    def send_weights(self, plans: list[BucketPlan], version: int, senders: list[int]) -> dict[str, ray.ObjectRef]:
+        """Start sending: the senders' calls by name (rank 0's first; each returns its receiver description
+        or None), with those of the ranks that only take part in ZeRO-3's gathers."""
+        ranks = range(len(self.workers)) if self._gathers_on_all() else senders
+        return {f"trainer rank {rank}": self.workers[rank].send_weights.remote(plans, version) for rank in ranks}
+
+    def gpus(self) -> list[tuple[str, list]]:
+        """Each rank's node and Ray GPU ids."""
+        return self._get_all([w.__ray_call__.remote(lambda w: (w.node_ip(), w.gpu_ids())) for w in self.workers])
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> dict[str, ray.ObjectRef]:
@@ -328,14 +325,9 @@ class TrainerGroup:
             ray.kill(w)
         self.workers = []
 
-    def _senders(self, transfer: str) -> int:
-        """How many ranks, from rank 0, send a version: with cuda_ipc each shares its own GPU's buffers."""
-        return len(self.workers) if transfer == "cuda_ipc" else 1
-
-    def _gathering(self, senders: int) -> list:
-        """The ranks that take part when the first `senders` ranks read the rollout weights: all under ZeRO-3."""
-        gather_on_all = self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3
-        return self.workers if gather_on_all else self.workers[:senders]
+    def _gathers_on_all(self) -> bool:
+        """Reading the weights is a collective (ZeRO-3): every rank takes part, whichever sends."""
+        return self.cfg.backend == "deepspeed" and self.cfg.zero_stage == 3
 
     def _get_all(self, refs: list[ray.ObjectRef]) -> list:
         """Like ray.get, but a rank's error is raised as soon as it happens, not after the ranks still

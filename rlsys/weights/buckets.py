@@ -3,13 +3,15 @@
 One bucket is one message on the wire (an object in Ray's store, one broadcast, one CUDA IPC handle):
 fewer, larger messages than one per tensor, and a bounded buffer instead of a second copy of the model.
 A `BucketPlan` is the metadata alone (names, shapes, dtypes, byte offsets), so a receiver can allocate
-its buffer before the bytes arrive; `pack` and `unpack` are an exact round trip.
+its buffer before the bytes arrive (planned from shapes alone: tensors on the "meta" device will do);
+`pack` and `unpack` are an exact round trip. A publishing trainer never holds its weights whole:
+`fill_buckets` packs parameters as they are read, one at a time, into a few reusable buffers.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -67,12 +69,35 @@ def pack(plan: BucketPlan, weights: Mapping[str, Tensor], device: torch.device |
     first = weights[plan.tensors[0].name]
     flat = torch.zeros(plan.nbytes, dtype=torch.uint8, device=device if device is not None else first.device)
     for meta in plan.tensors:
-        t = weights[meta.name].detach()
-        if tuple(t.shape) != meta.shape:
-            raise ValueError(f"{meta.name}: shape {tuple(t.shape)} does not match the plan's {meta.shape}")
-        src = t.to(device=flat.device, dtype=meta.dtype).contiguous().reshape(-1)
-        flat[meta.offset:meta.offset + meta.nbytes].copy_(src.view(torch.uint8))
+        write(flat, meta, weights[meta.name])
     return flat
+
+
+def write(flat: Tensor, meta: TensorMeta, tensor: Tensor) -> None:
+    """Copy `tensor` into its place in a bucket buffer, cast on the way: no copy of it besides."""
+    if tuple(tensor.shape) != meta.shape:
+        raise ValueError(f"{meta.name}: shape {tuple(tensor.shape)} does not match the plan's {meta.shape}")
+    flat[meta.offset:meta.offset + meta.nbytes].view(meta.dtype).view(meta.shape).copy_(tensor.detach())
+
+
+def fill_buckets(plans: list[BucketPlan], weights: Iterable[tuple[str, Tensor]], buffers: list[Tensor],
+                 reuse: Callable[[int], None]) -> Iterator[tuple[int, BucketPlan, Tensor]]:
+    """Pack (name, tensor) pairs as they come, in the plans' order, into `buffers` in turn: bucket i goes to
+    buffers[i % len(buffers)]. `reuse(i)` runs before bucket i overwrites a buffer, so the caller can first
+    wait until the receivers are done with the bucket it held. Yields (i, plan, bucket as a view)."""
+    pairs = iter(weights)
+    for i, plan in enumerate(plans):
+        reuse(i)
+        flat = buffers[i % len(buffers)][:plan.nbytes]
+        for meta in plan.tensors:
+            name, tensor = next(pairs, (None, None))
+            if name != meta.name:
+                raise ValueError(f"{plan.describe(i)}: expected {meta.name} next, the weights gave {name}")
+            write(flat, meta, tensor)
+        yield i, plan, flat
+    extra = next(pairs, None)
+    if extra is not None:
+        raise ValueError(f"{extra[0]}: not in the bucket plans (the weights have more tensors than planned)")
 
 
 def unpack(plan: BucketPlan, flat: Tensor) -> list[tuple[str, Tensor]]:

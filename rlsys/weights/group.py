@@ -51,10 +51,16 @@ class WeightGroup:
 
     def broadcast(self, tensor: Tensor, what: str) -> None:
         """Broadcast `tensor` from rank 0 (in place on the others); `what` names it in errors."""
+        self.wait(self.start_broadcast(tensor), what)
+
+    def start_broadcast(self, tensor: Tensor):
+        """Start a broadcast from rank 0 and return at once; `wait` on what it returns before touching `tensor`."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        work = self.pg.broadcast([tensor], options)
-        deadline = time.monotonic() + self.timeout_s
+        return self.pg.broadcast([tensor], options), time.monotonic() + self.timeout_s
+
+    def wait(self, started, what: str) -> None:
+        work, deadline = started
         while not work.is_completed():  # polled, so a missing peer is an error here, not a hang
             if time.monotonic() > deadline:
                 raise WeightTransferTimeout(f"{what}: not complete after {self.timeout_s:g} s (rank {self.rank} "

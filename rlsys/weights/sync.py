@@ -1,17 +1,15 @@
 """A run's weight publishing: after each train step the trainer's weights reach every rollout engine, in
-buckets of `weights.bucket_mb`, by the transport `weights.transfer` names (rlsys/weights/transfer.py):
+buckets of `weights.bucket_mb`, by the transport `weights.transfer` names (rlsys/weights/transfer.py).
 
-  object_store  trainer rank 0 puts one object per bucket; each engine loads them one at a time. A replaced
-                rollout worker loads the same objects (the manager keeps them until the next version).
-  broadcast     a weight group of trainer rank 0 (which hosts its store) and every engine process, ranks 1..,
-                built here at start; rank 0 broadcasts each bucket while the engines receive it. NCCL for
-                vLLM engines, gloo for the CPU engine.
-  cuda_ipc      colocated on GPUs: every trainer rank shares its buckets with the engine on its GPU by CUDA
-                IPC handle, and frees them once every engine has copied them.
+At start the transport is chosen and set up once: its weight group built (broadcast: trainer rank 0, which
+hosts its store, and every engine process, ranks 1..), and its senders opened (trainer rank 0, or with
+cuda_ipc every trainer rank on an engine's GPU). Each version then streams from the trainer's parameters
+into at most two bucket buffers per sender; the engines receive as it is sent (broadcast, cuda_ipc) or
+once it is in the object store (object_store, whose buckets a replaced rollout worker loads too).
 
-A new rollout worker could not get the weights by broadcast (it is not in the group) or CUDA IPC (the
-buffers are freed), so with those a rollout worker's death stops the run (RunStopped) and --resume
-goes on from the last checkpoint; rebuilding the group around a replacement is not done yet.
+A new rollout worker could not get the weights by broadcast (it is not in the group) or CUDA IPC (its GPU's
+trainer rank shares with the old one), so with those a rollout worker's death stops the run (RunStopped)
+and --resume goes on from the last checkpoint; rebuilding the group around a replacement is not done yet.
 Every wait has a deadline: a party that does not join or finish fails with WeightTransferTimeout naming
 it, and a party's failure is raised as soon as it happens.
 """
@@ -21,44 +19,53 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from rlsys.weights.transfer import WeightUpdate, wait_for_engines
+from rlsys.weights.transfer import WeightUpdate, make_transport, wait_for_engines
 
 GRACE_S = 5.0  # past weights.timeout_s: the parties' own deadlines, whose errors say what they waited for, come first
 
 
+def engine_on_gpu(cfg) -> bool:
+    return cfg.rollout.engine == "vllm" or getattr(cfg.rollout, "device", "cpu") == "cuda"
+
+
 class WeightSync:
     def __init__(self, cfg, trainer, rollout):
-        """`trainer`: the run's TrainerGroup, `rollout`: its RolloutManager. With broadcast, builds the group."""
-        self.trainer, self.rollout = trainer, rollout
-        self.transfer, self.timeout_s = cfg.weights.transfer, cfg.weights.timeout_s
-        self.bucket_bytes = int(cfg.weights.bucket_mb * 2**20)
-        vllm = cfg.rollout.engine == "vllm"
-        self.wire_dtype = getattr(torch, cfg.rollout.dtype) if vllm else None  # None: as the trainer has them
-        on_gpus = self.transfer == "cuda_ipc" or (self.transfer == "broadcast" and vllm)
-        self.device = "cuda" if on_gpus else "cpu"  # where the trainer packs each bucket
-        if self.transfer == "cuda_ipc" and not ray.cluster_resources().get("GPU"):
-            raise ValueError("weights.transfer=cuda_ipc needs GPUs and this Ray cluster has none; "
+        """`trainer`: the run's TrainerGroup, `rollout`: its RolloutManager. Sets the transport up."""
+        self.trainer, self.rollout, self.timeout_s = trainer, rollout, cfg.weights.timeout_s
+        self.transport = make_transport(cfg.weights, engine_on_gpu(cfg))
+        what = f"weights.transfer={self.transport.name}"
+        if self.transport.on_gpus and not ray.cluster_resources().get("GPU"):
+            raise ValueError(f"{what} needs GPUs and this Ray cluster has none; "
                              "weights.transfer=object_store or broadcast run without them")
-        if self.transfer != "object_store":
-            rollout.restarts_refused = f"weights.transfer={self.transfer}"
-        if self.transfer == "broadcast":
-            self._join(cfg.rollout.tensor_parallel_size if vllm else 1, "nccl" if vllm else "gloo")
+        if not self.transport.restartable:
+            rollout.restarts_refused = what
+        if self.transport.group_backend:
+            self._join(cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1,
+                       self.transport.group_backend)
+        vllm = cfg.rollout.engine == "vllm"
+        wire = getattr(torch, cfg.rollout.dtype) if vllm else None  # None: as the trainer has them
+        self.plans = trainer.weight_plans(int(cfg.weights.bucket_mb * 2**20), wire)
+        self.senders = self._sending_ranks() if self.transport.from_every_gpu else [0]
+        self.receiver = self.transport.receiver(trainer.open_senders(self.transport, self.senders))
 
     def publish(self, version: int) -> None:
         """Blocking: every engine's next decode step uses the trainer's current weights, tagged `version`."""
-        plans = self.trainer.stage_weights(self.transfer, self.bucket_bytes, self.wire_dtype)
-        sending = self.trainer.send_weights(self.transfer, self.device, self.timeout_s)
-        if self.transfer == "broadcast":  # the engines receive while trainer rank 0 sends
-            update = WeightUpdate(self.transfer, plans, None, self.timeout_s)
-            self._wait({**sending, **self.rollout.receive_broadcast(update, version)})
+        sending = self.trainer.send_weights(self.plans, version, self.senders)
+        if self.transport.streams:  # the engines receive while the trainer sends
+            update = WeightUpdate(version, self.plans, self.receiver)
+            self._wait({**sending, **self.rollout.receive_weights(update)})
             return
-        tickets = self._wait(sending)  # rank 0's object refs, or every rank's CUDA IPC handles by GPU
-        ticket = tickets[0] if self.transfer == "object_store" else {gpu: h for t in tickets for gpu, h in t.items()}
-        try:
-            self.rollout.update_weights(WeightUpdate(self.transfer, plans, ticket, self.timeout_s), version)
-        finally:
-            if self.transfer == "cuda_ipc":
-                self.trainer.release_weights()
+        receiver = self._wait(sending)[0]  # rank 0's: this version's own
+        self.rollout.update_weights(WeightUpdate(version, self.plans, receiver), version)
+
+    def _sending_ranks(self) -> list[int]:
+        """The trainer ranks whose GPU an engine uses: each shares its buffers with that engine."""
+        engine_gpus = {(node, g) for node, ids in self.rollout.gpus() for g in ids}
+        ranks = [r for r, (node, ids) in enumerate(self.trainer.gpus()) if any((node, g) in engine_gpus for g in ids)]
+        if not ranks:
+            raise ValueError(f"weights.transfer={self.transport.name}: no trainer rank shares a GPU with an engine "
+                             "(cluster.layout=colocated places them together)")
+        return ranks
 
     def _join(self, ranks_per_engine: int, backend: str) -> None:
         host, port = self.trainer.weight_group_address()
