@@ -1,5 +1,6 @@
 """The CPU engine against transformers' own forward and generate, on tiny random-init models."""
 import json
+import math
 
 import pytest
 import torch
@@ -188,7 +189,25 @@ def test_eos_from_model_config_and_full_cache(tmp_path):
         engine.add(Request("long", "p", PROMPTS[4], greedy()))
 
 
-def test_seeded_sampling_is_reproducible_and_logprobs_are_untruncated(qwen):
+def hf_nucleus_logprobs(model, prompt, tokens, temperature, top_p):
+    """Each token's log-prob under the smallest set of most likely tokens holding top_p, renormalised."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].double()
+    out = []
+    for row, token in zip(logits, tokens):
+        probs = (row / temperature).softmax(-1)
+        nucleus, mass = [], 0.0
+        for t in probs.argsort(descending=True).tolist():
+            if mass >= top_p:
+                break
+            nucleus.append(t)
+            mass += probs[t].item()
+        assert token in nucleus
+        out.append(math.log(probs[token].item() / mass))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_the_sampled_distributions(qwen):
     model, path = qwen
     engine = CPUEngine(path, slots=4)
 
@@ -200,12 +219,18 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_untruncated(qwen):
     noisy = [Request(f"c{i}", "p", p, SamplingParams(30, 1.0, 0.9, seed=i)) for i, p in enumerate(PROMPTS[:3])]
     assert sample(3, companions=noisy).token_ids == first.token_ids  # independent of batch companions
     assert sample(4).token_ids != first.token_ids
+    # top_p = 1: the log-prob at temperature T, untruncated
     torch.testing.assert_close(torch.tensor(first.logprobs), hf_logprobs(model, PROMPTS[1], first.token_ids, 0.7),
                                atol=1e-4, rtol=0)
-    nucleus_of_one = sample(5, top_p=1e-6)  # top-p keeps only the most likely token
+    # top_p < 1: under the nucleus at temperature T, renormalised (what the token was drawn from)
+    nucleus = sample(6, top_p=0.8, companions=noisy)
+    reference = hf_nucleus_logprobs(model, PROMPTS[1], nucleus.token_ids, 0.7, 0.8)
+    torch.testing.assert_close(torch.tensor(nucleus.logprobs), reference, atol=1e-4, rtol=0)
+    untruncated = hf_logprobs(model, PROMPTS[1], nucleus.token_ids, 0.7)
+    assert (reference - untruncated).abs().max() > 0.05  # the two differ on this sample
+    nucleus_of_one = sample(5, top_p=1e-6)  # top-p keeps only the most likely token: probability 1
     assert nucleus_of_one.token_ids == hf_greedy(model, PROMPTS[1], 25)
-    torch.testing.assert_close(torch.tensor(nucleus_of_one.logprobs),
-                               hf_logprobs(model, PROMPTS[1], nucleus_of_one.token_ids, 0.7), atol=1e-4, rtol=0)
+    assert nucleus_of_one.logprobs == [0.0] * 25
 
 
 def test_stats_count_steps_tokens_and_saturation(qwen):

@@ -33,7 +33,7 @@ class WeightSync:
         self.transfer, self.timeout_s = cfg.weights.transfer, cfg.weights.timeout_s
         self.bucket_bytes = int(cfg.weights.bucket_mb * 2**20)
         vllm = cfg.rollout.engine == "vllm"
-        self.wire_dtype = getattr(torch, cfg.rollout.dtype) if vllm else None  # None: as the trainer has them
+        self.wire_dtype = getattr(torch, cfg.rollout.engine_dtype) if vllm else None  # None: as the trainer has them
         on_gpus = self.transfer == "cuda_ipc" or (self.transfer == "broadcast" and vllm)
         self.device = "cuda" if on_gpus else "cpu"  # where the trainer packs each bucket
         if self.transfer == "cuda_ipc" and not ray.cluster_resources().get("GPU"):
