@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from rlsys.rollout import cpu_engine
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
@@ -261,3 +262,137 @@ def test_bad_requests_and_models_are_refused_with_the_field(tmp_path, qwen):
     (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported"):
         CPUEngine(str(bad), slots=1)
+
+
+LONG = [(7 * i) % 64 for i in range(150)]
+
+
+def counting_attention(engine) -> list:
+    """Record the key positions each attention call of the engine's model reads (sequences x keys)."""
+    calls, attend = [], engine.model.attend
+
+    def counted(q, keys, values, mask):
+        calls.append(keys.shape[0] * keys.shape[2])
+        return attend(q, keys, values, mask)
+    engine.model.attend = counted
+    return calls
+
+
+def test_attention_work_follows_each_slots_own_length(qwen, monkeypatch):
+    model, path = qwen
+    layers = model.config.num_hidden_layers
+    prompts = [LONG] + [PROMPTS[i % len(PROMPTS)] for i in range(7)]
+
+    def generate():
+        engine = CPUEngine(path, slots=8)
+        calls = counting_attention(engine)
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", "p", p, greedy(12)))
+        engine.step()  # the prefill, then the first decode
+        work, out = [], {}
+        for s in range(2, 12):  # decode step s reads each slot's prompt and s tokens (the last one new)
+            calls.clear()
+            out.update((c.request_id, c) for c in engine.step())
+            own = sum(len(p) + s for p in prompts)
+            work.append((sum(calls) / layers, own))
+        assert not engine.has_work()
+        return work, out
+
+    work, out = generate()
+    assert all(attended < 2 * own for attended, own in work)  # a power-of-two bucket: under twice one's own
+    monkeypatch.setattr(cpu_engine, "length_spans", lambda lengths: [(0, len(lengths))])
+    flat_work, flat = generate()
+    assert [attended for attended, _ in flat_work] == [8 * (len(LONG) + s) for s in range(2, 12)]
+    for rid, c in out.items():
+        assert c.token_ids == flat[rid].token_ids
+        # masked keys add exact zeros, but a different key count sums the softmax in another order
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(flat[rid].logprobs), atol=1e-5, rtol=0)
+    assert out["r0"].token_ids == hf_greedy(model, LONG, 12)
+
+
+def test_a_step_reads_the_device_once_through_fetch(qwen):
+    """The engine on the meta device, where reading any tensor's value raises: a step may read only through
+    `_fetch` (faked here), and once. A stray .item(), .tolist(), bool() or .nonzero() in a step fails."""
+    _, path = qwen
+    engine = CPUEngine(path, slots=3, eos_token_id=7, device="meta")
+    fetches = []
+
+    def fake_fetch(tokens, logprobs):
+        n = tokens.shape[0]
+        fetches.append(n)
+        stop = len(fetches) == 1  # the first row of the first step samples EOS in its prefill
+        return [7 if stop and i == 0 else 1 for i in range(n)], [-0.5] * n
+
+    engine._fetch = fake_fetch
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=1)
+    requests = [Request("eos", "p", PROMPTS[0], greedy(5)), Request("nucleus", "p", PROMPTS[1], sampled),
+                Request("resumed", "p", PROMPTS[2], SamplingParams(6, 0.8), resume_ids=[3, 4],
+                        resume_logprobs=[-1.0, -1.0], resume_versions=[0, 0]),
+                Request("queued", "p", PROMPTS[3], greedy(2))]
+    for r in requests:
+        engine.add(r)
+    out, per_step = {}, []
+    while engine.has_work():
+        before = len(fetches)
+        out.update((c.request_id, c) for c in engine.step())
+        per_step.append(len(fetches) - before)
+    assert per_step == [1] * 5
+    assert fetches[0] == 6  # three prefill tokens and three decode tokens, in one read
+    assert out["eos"].token_ids == [7] and out["eos"].finish_reason == "stop"  # its decoded token dropped
+    assert out["nucleus"].token_ids == [1] * 6 and out["resumed"].token_ids == [3, 4, 1, 1, 1, 1]
+    assert out["queued"].token_ids == [1, 1] and out["queued"].slot == out["eos"].slot
+
+
+def assert_near_float32_greedy(reference, prompt, completion, margin=0.25, atol=0.25):
+    """Greedy tokens of a lower-precision engine against the float32 `reference` model, scored on the engine's
+    own tokens (so one flipped near-tie does not derail the rest): each is the best token or within `margin`
+    logits of it, and its log-prob within `atol`. bfloat16 keeps 8 significant bits: one rounding moves a logit
+    of about 6 by up to 0.012, and a forward rounds weights, each layer's activations and the residual stream;
+    0.11 was the largest log-prob difference seen on the tiny models. Most tokens must be the best one."""
+    device = next(reference.parameters()).device
+    tokens = torch.tensor(completion.token_ids, device=device)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + completion.token_ids], device=device)).logits[0, len(prompt) - 1:-1]
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+    assert (logits.max(-1).values - chosen).max() <= margin
+    assert (chosen == logits.max(-1).values).float().mean() >= 0.9
+    expected = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1).cpu()
+    torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=atol, rtol=0)
+
+
+def test_bfloat16_on_the_cpu_stays_within_its_rounding(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=8, dtype="bfloat16")
+    assert engine.model.k_cache.dtype == engine.model.embed.dtype == torch.bfloat16
+    out = run(engine, [Request(f"r{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        assert_near_float32_greedy(model, prompt, out[f"r{i}"])
+
+
+def test_device_and_dtype_come_from_the_rollout_config():
+    from rlsys.config import ConfigError, load_config
+    from rlsys.rollout.manager import engine_options, worker_gpus
+
+    def options(*overrides):
+        cfg = load_config(None, list(overrides))
+        kwargs = engine_options(cfg)
+        return kwargs.get("device"), kwargs["dtype"], worker_gpus(cfg.rollout.engine, kwargs)
+
+    assert options() == ("cpu", "float32", 0)  # auto: the CPU keeps float32
+    assert options("rollout.device=cuda") == ("cuda", "bfloat16", 1)
+    assert options("rollout.dtype=bfloat16") == ("cpu", "bfloat16", 0)
+    assert options("rollout.engine=vllm") == (None, "bfloat16", 1)
+    with pytest.raises(ConfigError, match="rollout.device"):
+        load_config(None, ["rollout.device=tpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_cuda_without_a_gpu_is_refused_naming_the_field(qwen, ray_cluster):
+    from rlsys.rollout.manager import RolloutManager
+
+    _, path = qwen
+    with pytest.raises(ValueError, match="rollout.device=cuda: cpu engine sees no CUDA device"):
+        CPUEngine(path, slots=1, device="cuda")
+    with pytest.raises(ValueError, match=r"rollout.device=cuda: each rollout worker needs 1 GPU\(s\) and the Ray "
+                                         "cluster has 0"):
+        RolloutManager(path, 1, 2, engine_kwargs={"device": "cuda"})
