@@ -37,13 +37,14 @@ def greedy(n=20):
 
 
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n)
     return out[0, len(prompt):].tolist()
 
 
 def hf_logprobs(model, prompt, tokens, temperature=1.0):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+        logits = model(torch.tensor([prompt + tokens], device=model.device)).logits[0, len(prompt) - 1: -1].cpu()
     return (logits / temperature).log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 

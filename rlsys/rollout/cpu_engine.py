@@ -170,7 +170,7 @@ class DecoderModel:
         N, T = ids.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         NT = N * T
-        flat_pos, flat_slots = pos.reshape(NT), slots.repeat_interleave(T)
+        flat_pos, flat_slots = pos.reshape(NT), slots[:, None].expand(N, T).reshape(NT)
         cos, sin = self.cos[flat_pos, None], self.signed_sin[flat_pos, None]  # [NT, 1, D]
         masks = [self._mask(pos[s.start:s.stop], s.kv_len) for s in spans]
         x = F.embedding(ids.reshape(NT), self.embed)  # 2-D activations: faster matmuls on CPU than [N, T, d]
@@ -395,8 +395,8 @@ class CPUEngine(RolloutEngine):
         entry.versions = list(req.resume_versions)
         self.running[req.request_id] = entry
         self.slot_owner[slot] = entry
-        self.temperature[slot] = p.temperature
-        self.top_p[slot] = p.top_p
+        self.temperature[slot].fill_(p.temperature)  # fill_: `t[i] = x` copies x from the host, a sync on CUDA
+        self.top_p[slot].fill_(p.top_p)
         if p.temperature > 0:  # token i always uses uniform i: a resumed seeded sample stays reproducible
             seed = p.seed if p.seed is not None else random.getrandbits(63)
             n = min(p.max_new_tokens, self.max_len)
