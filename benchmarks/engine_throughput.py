@@ -20,7 +20,8 @@ the bytes and FLOPs a step moves: a step that reads far more bytes than it compu
 can do (about 300 bf16 FLOPs per HBM byte on an H100) is memory-bound, and its time hardly grows with the batch.
 
     python benchmarks/engine_throughput.py [--batch 32] [--new-tokens 96] [--threads 1] [--sweep 1,8,32,128,256]
-    python benchmarks/engine_throughput.py --device cuda [--model DIR] [--sweep 1,8,32,128,256] [--lengths 128,1024,4096]
+    python benchmarks/engine_throughput.py --device cuda [--model DIR] [--sweep 1,8,32,128,256]
+                                           [--lengths 128,1024,4096]
 """
 from __future__ import annotations
 
