@@ -1,6 +1,7 @@
-"""Decode throughput of the built-in CPU engine against transformers' `generate`, same model and workload.
+"""Decode throughput of the built-in engine against transformers' `generate`, same model and workload.
 
-The model is the default tiny model's architecture (rlsys.config.ModelConfig) with random weights.
+The model is the default tiny model's architecture (rlsys.config.ModelConfig) with random weights,
+or a Hugging Face directory given with --model.
 Three figures, in generated tokens per second:
   hf_generate        model.generate on a batch of B prompts, N new tokens each
   cpu_engine_wave    the same B requests through a CPUEngine with B slots
@@ -13,7 +14,14 @@ Wall time is what matters; CPU time (process_time) is reported too because a sha
 wall time is noisy. The two contenders run alternately (--repeats times each); the speedup is the
 median over those paired runs.
 
+With --device cuda only the decode step is timed, on a grid of running sequences (--sweep) by their
+context length (--lengths; "skewed": one sequence at the longest length, the rest at the shortest), with
+the bytes and FLOPs a step moves: a step that reads far more bytes than it computes FLOPs per byte the GPU
+can do (about 300 bf16 FLOPs per HBM byte on an H100) is memory-bound, and its time hardly grows with the batch.
+
     python benchmarks/engine_throughput.py [--batch 32] [--new-tokens 96] [--threads 1] [--sweep 1,8,32,128,256]
+    python benchmarks/engine_throughput.py --device cuda [--model DIR] [--sweep 1,8,32,128,256]
+                                           [--lengths 128,1024,4096]
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import torch
 import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rlsys.config import ModelConfig
+from rlsys.config import ModelConfig, RolloutConfig
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
@@ -72,48 +80,69 @@ def interleaved(fns: dict, repeats: int, tokens: int) -> tuple[dict, dict]:
     return results, speedup
 
 
-def decode_step_ms(model_dir: str, prompts: torch.Tensor, batch: int, new_tokens: int, temperature: float,
-                   repeats: int) -> float:
-    """Best wall time of one decode step with `batch` sequences running, prefill excluded."""
-    engine = CPUEngine(model_dir, slots=batch)
+def timed_steps(engine: CPUEngine, prompts: list[list[int]], new_tokens: int, temperature: float,
+                repeats: int) -> float:
+    """Best mean wall time (ms) of a decode step with these prompts running, prefill excluded. Each step ends
+    in the engine's one read of its tokens, so on a GPU the time is the device's too."""
     best = float("inf")
     for wave in range(repeats + 1):  # the first wave warms up
-        for i in range(batch):
+        for i, prompt in enumerate(prompts):
             params = SamplingParams(max_new_tokens=new_tokens, temperature=temperature, seed=i)
-            engine.add(Request(f"{wave}-{i}", "sweep", prompts[i % len(prompts)].tolist(), params))
-        engine.step()  # admits every request: the prefill
+            engine.add(Request(f"{wave}-{i}", "sweep", prompt, params))
+        engine.step()  # admits every request: the prefill, and the first decode (two tokens each)
         t = time.perf_counter()
         while engine.has_work():
             engine.step()
         if wave:
-            best = min(best, (time.perf_counter() - t) / (new_tokens - 1))
+            best = min(best, (time.perf_counter() - t) / (new_tokens - 2))
     return round(best * 1000, 3)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--prompt-len", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--sweep", default="1,8,32,128,256", help="batch sizes for the decode step time")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args()
-    load_before = os.getloadavg()[0]  # other processes' load skews wall times: recorded with the results
-    torch.set_num_threads(args.threads)
-    B, N, P = args.batch, args.new_tokens, args.prompt_len
+def decode_step_ms(model_dir: str, prompts: torch.Tensor, batch: int, new_tokens: int, temperature: float,
+                   repeats: int) -> float:
+    """Best wall time of one decode step with `batch` sequences running, prefill excluded."""
+    engine = CPUEngine(model_dir, slots=batch)
+    return timed_steps(engine, [prompts[i % len(prompts)].tolist() for i in range(batch)], new_tokens,
+                       temperature, repeats)
+
+
+def step_grid(model_dir: str, args) -> list[dict]:
+    """Decode step time by running sequences (--sweep) and context length (--lengths), with the bytes a
+    step reads (weights once, each sequence's keys and values) and the FLOPs it does per byte."""
+    batches, lengths = [int(b) for b in args.sweep.split(",")], [int(n) for n in args.lengths.split(",")]
+    steps = args.grid_steps
+    engine = CPUEngine(model_dir, slots=max(batches), max_len=max(lengths) + steps + 1, dtype=args.dtype,
+                       device=args.device)
+    m = engine.model
+    weights = {t.data_ptr(): t for t in m.params.values()}.values()  # a tied lm_head once
+    params = sum(t.numel() for t in weights)
+    elt = m.embed.element_size()
+    kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * elt
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, args.vocab, (B, P), generator=gen)
+    shapes = [*lengths, "skewed"] if len(lengths) > 1 else lengths
+    rows = []
+    for b in batches:
+        for shape in shapes:
+            context = [shape] * b if shape != "skewed" else [max(lengths)] + [min(lengths)] * (b - 1)
+            prompts = [torch.randint(0, m.vocab, (n,), generator=gen).tolist() for n in context]
+            ms = timed_steps(engine, prompts, steps, args.temperature, args.repeats)
+            keys = sum(context) + b * steps / 2  # on average over the timed steps
+            read = params * elt + keys * kv_per_token
+            flops = 2 * params * b + 4 * keys * m.heads * m.head_dim * m.layers
+            rows.append({"batch": b, "context": shape, "step_ms": ms, "tokens_per_s": round(b / ms * 1000, 1),
+                         "read_gb_per_s": round(read / ms / 1e6, 2), "flops_per_byte": round(flops / read, 2)})
+            print(f"batch {b:4d} context {shape!s:>7s}: {ms:8.3f} ms/step, {rows[-1]['tokens_per_s']:10.0f} tokens/s, "
+                  f"{rows[-1]['read_gb_per_s']:8.2f} GB/s read, {rows[-1]['flops_per_byte']:7.2f} FLOPs/byte")
+    return rows
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp), args.vocab)
-        engine = CPUEngine(tmp, slots=B)
-        sweep = {b: decode_step_ms(tmp, prompts, b, N, args.temperature, args.repeats)
-                 for b in map(int, args.sweep.split(","))}
 
+def compare_with_generate(tmp: str, model, args) -> dict:
+    """The engine against transformers' generate on the CPU, and the decode step time by batch."""
+    B, N, P = args.batch, args.new_tokens, args.prompt_len
+    prompts = torch.randint(0, args.vocab, (B, P), generator=torch.Generator().manual_seed(0))
+    engine = CPUEngine(tmp, slots=B)
+    sweep = {b: decode_step_ms(tmp, prompts, b, N, args.temperature, args.repeats)
+             for b in map(int, args.sweep.split(","))}
     sample = args.temperature > 0
     hf_kwargs = dict(max_new_tokens=N, min_new_tokens=N, do_sample=sample, pad_token_id=0)
     if sample:
@@ -143,31 +172,62 @@ def main() -> None:
     results["cpu_engine_saturated"] = {
         "tokens_per_s": round(engine.stats()["saturated_tokens_per_s"], 1),
         "run_tokens_per_s": round(4 * B * N / wall, 1), "run_tokens_per_cpu_s": round(4 * B * N / cpu, 1)}
-
-    report = {
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(), "python": platform.python_version(),
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]},
-        "settings": {"batch": B, "new_tokens": N, "prompt_len": P, "vocab": args.vocab,
-                     "torch_threads": args.threads, "temperature": args.temperature, "repeats": args.repeats,
-                     "model": ModelConfig().model_dump(include={"hidden_size", "num_layers", "num_heads",
-                                                                "num_kv_heads", "intermediate_size"})},
-        "results": results,
-        "engine_speedup_over_hf_generate": speedup,
-        "decode_step_ms_by_batch": sweep,
-    }
     print(f"{'':24s}{'tokens/s':>12s}{'tokens/cpu-s':>14s}")
     for name, r in results.items():
-        wall_rate = r["tokens_per_s"]
         cpu_rate = r.get("tokens_per_cpu_s", r.get("run_tokens_per_cpu_s"))
-        print(f"{name:24s}{wall_rate:12.0f}{cpu_rate:14.0f}")
+        print(f"{name:24s}{r['tokens_per_s']:12.0f}{cpu_rate:14.0f}")
     print(f"engine speedup over generate (median of paired runs): {speedup['wall']}x wall, {speedup['cpu']}x cpu "
-          f"(batch {B}, {N} new tokens, {args.threads} thread(s), load average {load_before:.1f})")
+          f"(batch {B}, {N} new tokens, {args.threads} thread(s))")
     print("decode step (ms) by batch: " + ", ".join(f"{b}: {ms}" for b, ms in sweep.items()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    return {"results": results, "engine_speedup_over_hf_generate": speedup, "decode_step_ms_by_batch": sweep}
+
+
+def machine(args) -> dict:
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    return {"device": device, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sweep", default="1,8,32,128,256", help="batch sizes for the decode step time")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the step grid only")
+    ap.add_argument("--dtype", default="auto", help="as rollout.dtype (auto: float32 on the CPU, else bfloat16)")
+    ap.add_argument("--lengths", help="context lengths of the step grid (default on cuda: 128,1024,4096)")
+    ap.add_argument("--grid-steps", type=int, default=16, help="decode steps timed per grid point")
+    ap.add_argument("--model", help="a Hugging Face model directory for the step grid (default: the tiny model)")
+    ap.add_argument("--out", type=Path, help="default: results/engine_throughput.json, or engine_decode_cuda.json")
+    args = ap.parse_args()
+    args.dtype = RolloutConfig(device=args.device, dtype=args.dtype).engine_dtype
+    args.lengths = args.lengths or ("128,1024,4096" if args.device == "cuda" else None)
+    out = args.out or (RESULTS if args.device == "cpu" else RESULTS.with_name(f"engine_decode_{args.device}.json"))
+    load_before = os.getloadavg()[0]  # other processes' load skews wall times: recorded with the results
+    torch.set_num_threads(args.threads)
+    report = {"machine": machine(args),
+              "settings": {"batch": args.batch, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+                           "vocab": args.vocab, "torch_threads": args.threads, "temperature": args.temperature,
+                           "repeats": args.repeats, "device": args.device, "dtype": args.dtype,
+                           "lengths": args.lengths, "grid_steps": args.grid_steps, "model": args.model or
+                           ModelConfig().model_dump(include={"hidden_size", "num_layers", "num_heads",
+                                                             "num_kv_heads", "intermediate_size"})}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp), args.vocab)
+        if args.device == "cpu":
+            report.update(compare_with_generate(tmp, model, args))
+        if args.lengths:
+            report["decode_step_grid"] = step_grid(args.model or tmp, args)
+    report["machine"]["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

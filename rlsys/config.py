@@ -73,8 +73,19 @@ class RolloutConfig(Section):
     # Engines give their GPU memory back while the trainer trains (rlsys/train.py). None: on where they share GPUs
     # with it (cluster.layout=colocated, cluster.gpus_per_node >= 1), off elsewhere.
     enable_sleep_mode: Optional[bool] = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # vllm: weights and activations
+    # The built-in engine's device (rollout.engine=cpu; vllm always runs on GPUs). cuda gives each rollout worker
+    # a GPU of its own where cluster.gpus_per_node=0 (a GPU bundle of the placement plan otherwise).
+    device: Literal["cpu", "cuda"] = "cpu"
+    # Weights and activations of either engine. auto: float32 for the built-in engine on the CPU, else bfloat16.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_restarts: int = Field(3, ge=0)  # a dead worker is replaced up to this many times in a row (none finished)
+
+    @property
+    def engine_dtype(self) -> str:
+        """`dtype` with auto resolved."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.engine == "cpu" and self.device == "cpu" else "bfloat16"
 
 
 class OverlongConfig(Section):

@@ -1,10 +1,12 @@
 """The CPU engine against transformers' own forward and generate, on tiny random-init models."""
 import json
+import math
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from rlsys.rollout import cpu_engine
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
@@ -35,13 +37,14 @@ def greedy(n=20):
 
 
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    out = model.generate(torch.tensor([prompt], device=model.device), do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n)
     return out[0, len(prompt):].tolist()
 
 
 def hf_logprobs(model, prompt, tokens, temperature=1.0):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+        logits = model(torch.tensor([prompt + tokens], device=model.device)).logits[0, len(prompt) - 1: -1].cpu()
     return (logits / temperature).log_softmax(-1).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
@@ -188,7 +191,25 @@ def test_eos_from_model_config_and_full_cache(tmp_path):
         engine.add(Request("long", "p", PROMPTS[4], greedy()))
 
 
-def test_seeded_sampling_is_reproducible_and_logprobs_are_untruncated(qwen):
+def hf_nucleus_logprobs(model, prompt, tokens, temperature, top_p):
+    """Each token's log-prob under the smallest set of most likely tokens holding top_p, renormalised."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].double()
+    out = []
+    for row, token in zip(logits, tokens):
+        probs = (row / temperature).softmax(-1)
+        nucleus, mass = [], 0.0
+        for t in probs.argsort(descending=True).tolist():
+            if mass >= top_p:
+                break
+            nucleus.append(t)
+            mass += probs[t].item()
+        assert token in nucleus
+        out.append(math.log(probs[token].item() / mass))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def test_seeded_sampling_is_reproducible_and_logprobs_are_the_sampled_distributions(qwen):
     model, path = qwen
     engine = CPUEngine(path, slots=4)
 
@@ -200,12 +221,18 @@ def test_seeded_sampling_is_reproducible_and_logprobs_are_untruncated(qwen):
     noisy = [Request(f"c{i}", "p", p, SamplingParams(30, 1.0, 0.9, seed=i)) for i, p in enumerate(PROMPTS[:3])]
     assert sample(3, companions=noisy).token_ids == first.token_ids  # independent of batch companions
     assert sample(4).token_ids != first.token_ids
+    # top_p = 1: the log-prob at temperature T, untruncated
     torch.testing.assert_close(torch.tensor(first.logprobs), hf_logprobs(model, PROMPTS[1], first.token_ids, 0.7),
                                atol=1e-4, rtol=0)
-    nucleus_of_one = sample(5, top_p=1e-6)  # top-p keeps only the most likely token
+    # top_p < 1: under the nucleus at temperature T, renormalised (what the token was drawn from)
+    nucleus = sample(6, top_p=0.8, companions=noisy)
+    reference = hf_nucleus_logprobs(model, PROMPTS[1], nucleus.token_ids, 0.7, 0.8)
+    torch.testing.assert_close(torch.tensor(nucleus.logprobs), reference, atol=1e-4, rtol=0)
+    untruncated = hf_logprobs(model, PROMPTS[1], nucleus.token_ids, 0.7)
+    assert (reference - untruncated).abs().max() > 0.05  # the two differ on this sample
+    nucleus_of_one = sample(5, top_p=1e-6)  # top-p keeps only the most likely token: probability 1
     assert nucleus_of_one.token_ids == hf_greedy(model, PROMPTS[1], 25)
-    torch.testing.assert_close(torch.tensor(nucleus_of_one.logprobs),
-                               hf_logprobs(model, PROMPTS[1], nucleus_of_one.token_ids, 0.7), atol=1e-4, rtol=0)
+    assert nucleus_of_one.logprobs == [0.0] * 25
 
 
 def test_stats_count_steps_tokens_and_saturation(qwen):
@@ -236,3 +263,137 @@ def test_bad_requests_and_models_are_refused_with_the_field(tmp_path, qwen):
     (bad / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="config.json: model_type 'gpt2' is not supported"):
         CPUEngine(str(bad), slots=1)
+
+
+LONG = [(7 * i) % 64 for i in range(150)]
+
+
+def counting_attention(engine) -> list:
+    """Record the key positions each attention call of the engine's model reads (sequences x keys)."""
+    calls, attend = [], engine.model.attend
+
+    def counted(q, keys, values, mask):
+        calls.append(keys.shape[0] * keys.shape[2])
+        return attend(q, keys, values, mask)
+    engine.model.attend = counted
+    return calls
+
+
+def test_attention_work_follows_each_slots_own_length(qwen, monkeypatch):
+    model, path = qwen
+    layers = model.config.num_hidden_layers
+    prompts = [LONG] + [PROMPTS[i % len(PROMPTS)] for i in range(7)]
+
+    def generate():
+        engine = CPUEngine(path, slots=8)
+        calls = counting_attention(engine)
+        for i, p in enumerate(prompts):
+            engine.add(Request(f"r{i}", "p", p, greedy(12)))
+        engine.step()  # the prefill, then the first decode
+        work, out = [], {}
+        for s in range(2, 12):  # decode step s reads each slot's prompt and s tokens (the last one new)
+            calls.clear()
+            out.update((c.request_id, c) for c in engine.step())
+            own = sum(len(p) + s for p in prompts)
+            work.append((sum(calls) / layers, own))
+        assert not engine.has_work()
+        return work, out
+
+    work, out = generate()
+    assert all(attended < 2 * own for attended, own in work)  # a power-of-two bucket: under twice one's own
+    monkeypatch.setattr(cpu_engine, "length_spans", lambda lengths: [(0, len(lengths))])
+    flat_work, flat = generate()
+    assert [attended for attended, _ in flat_work] == [8 * (len(LONG) + s) for s in range(2, 12)]
+    for rid, c in out.items():
+        assert c.token_ids == flat[rid].token_ids
+        # masked keys add exact zeros, but a different key count sums the softmax in another order
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(flat[rid].logprobs), atol=1e-5, rtol=0)
+    assert out["r0"].token_ids == hf_greedy(model, LONG, 12)
+
+
+def test_a_step_reads_the_device_once_through_fetch(qwen):
+    """The engine on the meta device, where reading any tensor's value raises: a step may read only through
+    `_fetch` (faked here), and once. A stray .item(), .tolist(), bool() or .nonzero() in a step fails."""
+    _, path = qwen
+    engine = CPUEngine(path, slots=3, eos_token_id=7, device="meta")
+    fetches = []
+
+    def fake_fetch(tokens, logprobs):
+        n = tokens.shape[0]
+        fetches.append(n)
+        stop = len(fetches) == 1  # the first row of the first step samples EOS in its prefill
+        return [7 if stop and i == 0 else 1 for i in range(n)], [-0.5] * n
+
+    engine._fetch = fake_fetch
+    sampled = SamplingParams(max_new_tokens=6, temperature=1.0, top_p=0.9, seed=1)
+    requests = [Request("eos", "p", PROMPTS[0], greedy(5)), Request("nucleus", "p", PROMPTS[1], sampled),
+                Request("resumed", "p", PROMPTS[2], SamplingParams(6, 0.8), resume_ids=[3, 4],
+                        resume_logprobs=[-1.0, -1.0], resume_versions=[0, 0]),
+                Request("queued", "p", PROMPTS[3], greedy(2))]
+    for r in requests:
+        engine.add(r)
+    out, per_step = {}, []
+    while engine.has_work():
+        before = len(fetches)
+        out.update((c.request_id, c) for c in engine.step())
+        per_step.append(len(fetches) - before)
+    assert per_step == [1] * 5
+    assert fetches[0] == 6  # three prefill tokens and three decode tokens, in one read
+    assert out["eos"].token_ids == [7] and out["eos"].finish_reason == "stop"  # its decoded token dropped
+    assert out["nucleus"].token_ids == [1] * 6 and out["resumed"].token_ids == [3, 4, 1, 1, 1, 1]
+    assert out["queued"].token_ids == [1, 1] and out["queued"].slot == out["eos"].slot
+
+
+def assert_near_float32_greedy(reference, prompt, completion, margin=0.25, atol=0.25):
+    """Greedy tokens of a lower-precision engine against the float32 `reference` model, scored on the engine's
+    own tokens (so one flipped near-tie does not derail the rest): each is the best token or within `margin`
+    logits of it, and its log-prob within `atol`. bfloat16 keeps 8 significant bits: one rounding moves a logit
+    of about 6 by up to 0.012, and a forward rounds weights, each layer's activations and the residual stream;
+    0.11 was the largest log-prob difference seen on the tiny models. Most tokens must be the best one."""
+    device = next(reference.parameters()).device
+    tokens = torch.tensor(completion.token_ids, device=device)
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + completion.token_ids], device=device)).logits[0, len(prompt) - 1:-1]
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
+    assert (logits.max(-1).values - chosen).max() <= margin
+    assert (chosen == logits.max(-1).values).float().mean() >= 0.9
+    expected = logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1).cpu()
+    torch.testing.assert_close(torch.tensor(completion.logprobs), expected, atol=atol, rtol=0)
+
+
+def test_bfloat16_on_the_cpu_stays_within_its_rounding(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=8, dtype="bfloat16")
+    assert engine.model.k_cache.dtype == engine.model.embed.dtype == torch.bfloat16
+    out = run(engine, [Request(f"r{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        assert_near_float32_greedy(model, prompt, out[f"r{i}"])
+
+
+def test_device_and_dtype_come_from_the_rollout_config():
+    from rlsys.config import ConfigError, load_config
+    from rlsys.rollout.manager import engine_options, worker_gpus
+
+    def options(*overrides):
+        cfg = load_config(None, list(overrides))
+        kwargs = engine_options(cfg)
+        return kwargs.get("device"), kwargs["dtype"], worker_gpus(cfg.rollout.engine, kwargs)
+
+    assert options() == ("cpu", "float32", 0)  # auto: the CPU keeps float32
+    assert options("rollout.device=cuda") == ("cuda", "bfloat16", 1)
+    assert options("rollout.dtype=bfloat16") == ("cpu", "bfloat16", 0)
+    assert options("rollout.engine=vllm") == (None, "bfloat16", 1)
+    with pytest.raises(ConfigError, match="rollout.device"):
+        load_config(None, ["rollout.device=tpu"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_cuda_without_a_gpu_is_refused_naming_the_field(qwen, ray_cluster):
+    from rlsys.rollout.manager import RolloutManager
+
+    _, path = qwen
+    with pytest.raises(ValueError, match="rollout.device=cuda: cpu engine sees no CUDA device"):
+        CPUEngine(path, slots=1, device="cuda")
+    with pytest.raises(ValueError, match=r"rollout.device=cuda: each rollout worker needs 1 GPU\(s\) and the Ray "
+                                         "cluster has 0"):
+        RolloutManager(path, 1, 2, engine_kwargs={"device": "cuda"})

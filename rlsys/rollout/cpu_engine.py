@@ -1,16 +1,19 @@
-"""The built-in CPU engine: a Qwen2/Llama decoder with a static slot KV cache and continuous batching.
+"""The built-in engine: a Qwen2/Llama decoder with a static slot KV cache and continuous batching, on the CPU
+or a CUDA GPU (`rollout.device`; the module and class keep their first names).
 
 Written from scratch: transformers' generate runs a fixed batch to its longest member and costs about
 3x more CPU per token on the tiny model (benchmarks/engine_throughput.py). Here one decode step runs
-every active slot in one batched forward, and a waiting request takes a slot the moment one frees up.
-Weights come from the model directory's Hugging Face safetensors and can be swapped between steps
-(`load_weights`, or `receive_weights` bucket by bucket), tagging later tokens with a new version.
+every active slot in one batched forward, slots of one power-of-two length bucket attending together to
+their own keys only, and a waiting request takes a slot the moment one frees up. A step reads back from the
+device once (see CPUEngine). Weights come from the model directory's Hugging Face safetensors and can be
+swapped between steps (`load_weights`, or `receive_weights` bucket by bucket), tagging later tokens with
+a new version.
 """
 from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,10 +59,43 @@ def _load_safetensors(model_dir: Path) -> dict[str, Tensor]:
     return state
 
 
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Span:
+    """Rows [start, stop) of a batch that attend to the first kv_len positions of cache rows `rows` (a slice
+    where their slots are consecutive: a view, not a gather)."""
+    start: int
+    stop: int
+    kv_len: int
+    rows: slice | Tensor
+
+
+def length_bucket(length: int) -> int:
+    """k for a length in (2**(k-1), 2**k]."""
+    return (length - 1).bit_length()
+
+
+def length_spans(lengths: list[int]) -> list[tuple[int, int]]:
+    """[start, stop) runs of a batch ordered by length bucket, one per bucket: attending to its longest member
+    costs each sequence less than twice its own length, in at most log2(max_len) + 1 attention calls."""
+    cuts = [i for i in range(1, len(lengths)) if length_bucket(lengths[i]) != length_bucket(lengths[i - 1])]
+    bounds = [0, *cuts, len(lengths)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _span(slots: list[int], device_slots: Tensor, start: int, stop: int, kv_len: int) -> Span:
+    mine = slots[start:stop]
+    consecutive = mine == list(range(mine[0], mine[0] + len(mine)))
+    return Span(start, stop, kv_len, slice(mine[0], mine[-1] + 1) if consecutive else device_slots[start:stop])
+
+
 class DecoderModel:
     """The weights (q/k/v and gate/up fused for fewer matmuls) and a forward over the slot KV cache."""
 
-    def __init__(self, model_dir: Path, slots: int, max_len: int | None, dtype: torch.dtype):
+    def __init__(self, model_dir: Path, slots: int, max_len: int | None, dtype: torch.dtype,
+                 device: torch.device = CPU):
         cfg = _read_config(model_dir)
         self.vocab, self.hidden = cfg.vocab_size, cfg.hidden_size
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -74,7 +110,7 @@ class DecoderModel:
         o_bias = cfg.model_type == "llama" and getattr(cfg, "attention_bias", False)
 
         def empty(*shape):
-            return torch.zeros(*shape, dtype=dtype)
+            return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.embed = empty(self.vocab, self.hidden)
         self.norm = empty(self.hidden)
@@ -108,10 +144,10 @@ class DecoderModel:
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
         freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32), inv_freq)
-        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(dtype)
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device, dtype)
         # rotate_half(x) * sin == roll(x, D/2) * sin with the first half negated: one op fewer per step
-        self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(dtype)
-        self.positions = torch.arange(self.max_len)
+        self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device, dtype)
+        self.positions = torch.arange(self.max_len, device=device)
         self.k_cache = empty(self.layers, slots, KV, self.max_len, D)
         self.v_cache = empty(self.layers, slots, KV, self.max_len, D)
 
@@ -130,44 +166,55 @@ class DecoderModel:
                                  f"the model expects {tuple(target.shape)}")
             target.copy_(value)
 
-    def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, kv_len: int, last: Tensor) -> Tensor:
-        """ids, pos: [N, T] tokens and their positions, written to cache rows `slots` [N]; attends to
-        the first kv_len cache positions (causally, by position). Returns logits at `last` [N] of T."""
+    def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, spans: list[Span], last: Tensor | None = None) -> Tensor:
+        """ids, pos: [N, T] tokens and their positions, written to cache rows `slots` [N]. Each span of the
+        batch attends to its own first kv_len cache positions (causally, by position), so a short sequence
+        never pays for a long one. Returns logits at `last` [N] of T (T must be 1 without it)."""
         N, T = ids.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        G, NT = H // KV, N * T
-        first = int(slots[0])
-        contiguous = int(slots[-1]) - first + 1 == N  # slots taken in order: a view, not a gather
-        rows = slice(first, first + N) if contiguous else slots
-        flat_pos, flat_slots = pos.reshape(NT), slots.repeat_interleave(T)
+        NT = N * T
+        flat_pos, flat_slots = pos.reshape(NT), slots[:, None].expand(N, T).reshape(NT)
         cos, sin = self.cos[flat_pos, None], self.signed_sin[flat_pos, None]  # [NT, 1, D]
-        # Query heads of one kv group share its keys: fold them into the query length (no K/V copies).
-        # An additive float mask, broadcast over the group, is the fastest form for CPU attention.
-        allowed = self.positions[:kv_len] <= pos[:, :, None]  # [N, T, L]
-        mask = torch.zeros(allowed.shape, dtype=self.cos.dtype).masked_fill_(~allowed, float("-inf"))
-        mask = mask[:, None] if T == 1 else mask[:, None, None].expand(N, 1, G, T, kv_len).reshape(N, 1, G * T, kv_len)
+        masks = [self._mask(pos[s.start:s.stop], s.kv_len) for s in spans]
         x = F.embedding(ids.reshape(NT), self.embed)  # 2-D activations: faster matmuls on CPU than [N, T, d]
         for layer, b in enumerate(self.blocks):
             h = F.rms_norm(x, (self.hidden,), b["ln_in"], self.eps)
             qkv = F.linear(h, b["wqkv"], b["bqkv"])
             qk = qkv[:, : (H + KV) * D].view(NT, H + KV, D)
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
-            self.k_cache[layer][flat_slots, :, flat_pos] = qk[:, H:]
-            self.v_cache[layer][flat_slots, :, flat_pos] = qkv[:, (H + KV) * D:].view(NT, KV, D)
-            keys = self.k_cache[layer][rows, :, :kv_len]
-            values = self.v_cache[layer][rows, :, :kv_len]
-            q = qk[:, :H].reshape(N, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(N, KV, G * T, D)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            o = o.view(N, KV, G, T, D).permute(0, 3, 1, 2, 4).reshape(NT, H * D)
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+            k_cache[flat_slots, :, flat_pos] = qk[:, H:]
+            v_cache[flat_slots, :, flat_pos] = qkv[:, (H + KV) * D:].view(NT, KV, D)
+            # Query heads of one kv group share its keys: fold them into the query length (no K/V copies).
+            q = qk[:, :H].reshape(N, T, KV, H // KV, D).permute(0, 2, 3, 1, 4).reshape(N, KV, -1, D)
+            parts = [self.attend(q[s.start:s.stop], k_cache[s.rows, :, :s.kv_len], v_cache[s.rows, :, :s.kv_len], m)
+                     for s, m in zip(spans, masks)]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)
+            o = o.view(N, KV, H // KV, T, D).permute(0, 3, 1, 2, 4).reshape(NT, H * D)
             x = torch.addmm(x, o, b["wo"].t())  # the residual add rides along with the matmul
             if b["bo"] is not None:
                 x += b["bo"]
             h = F.rms_norm(x, (self.hidden,), b["ln_post"], self.eps)
             gate, up = F.linear(h, b["wgu"]).chunk(2, dim=-1)
             x = torch.addmm(x, F.silu(gate) * up, b["wdown"].t())
-        if T > 1:
-            x = x.view(N, T, self.hidden)[torch.arange(N), last]
+        if last is not None:
+            x = x.view(N, T, self.hidden)[torch.arange(N, device=x.device), last]
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head).float()
+
+    def _mask(self, pos: Tensor, kv_len: int) -> Tensor:
+        """An additive float mask (the fastest form for CPU attention) over kv_len keys for queries at
+        `pos` [n, T], broadcast over each kv group's query heads."""
+        n, T = pos.shape
+        allowed = self.positions[:kv_len] <= pos[:, :, None]  # [n, T, kv_len]
+        mask = torch.zeros(allowed.shape, dtype=self.cos.dtype, device=pos.device).masked_fill_(~allowed, float("-inf"))
+        if T == 1:
+            return mask[:, None]
+        G = self.heads // self.kv_heads
+        return mask[:, None, None].expand(n, 1, G, T, kv_len).reshape(n, 1, G * T, kv_len)
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """Attention of one span: q [n, KV, G*T, D] over keys and values [n, KV, kv_len, D]."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 @dataclass
@@ -176,43 +223,49 @@ class _Running:
     submit_time: float
     start_time: float = 0.0
     slot: int = -1
+    sampled: int = 0  # tokens sampled so far, resumed ones included; the last may still be on the device
+    tokens: list[int] = field(default_factory=list)  # those the host has, with their log-probs and versions
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    kv_version: int = 0  # the oldest weights that wrote the request's KV cache
+    stale_kv_tokens: int = 0  # tokens sampled over KV written by older weights (weights.running_requests=keep)
 
 
 class CPUEngine(RolloutEngine):
+    """The built-in engine, on the CPU or a CUDA device. What the host decides on (slots, lengths, budgets,
+    sampling parameters) it keeps itself, so a step reads back from the device only its new tokens, in
+    one transfer (`_fetch`): one sync per step on a GPU."""
+
     def __init__(self, model_dir: str, slots: int, eos_token_id: int | None = None,
-                 max_len: int | None = None, dtype: torch.dtype = torch.float32, name: str = "cpu engine",
-                 seed: int = 0, running_requests: str = "recompute"):
+                 max_len: int | None = None, dtype: torch.dtype | str = torch.float32,
+                 device: torch.device | str = "cpu", name: str = "cpu engine", seed: int = 0,
+                 running_requests: str = "recompute"):
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"rollout.device=cuda: {name} sees no CUDA device (torch.cuda.is_available() is "
+                             "false); use rollout.device=cpu, or run where the worker gets a GPU")
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         path = Path(model_dir)
         with torch.inference_mode():
-            self.model = DecoderModel(path, slots, max_len, dtype)
+            self.model = DecoderModel(path, slots, max_len, dtype, self.device)
         self.name, self.slots, self.max_len, self.version = name, slots, self.model.max_len, 0
         self.seed = seed  # the run's: a request without a seed draws from (seed, request id), whatever engine runs it
         self.weight_group: WeightGroup | None = None  # joined for a transport that needs one (broadcast)
         self.running_requests = running_requests  # weights.running_requests: "recompute" or "keep"
         self.eos_ids = read_eos_ids(path, eos_token_id)
-        self.eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         self.tokenizer = read_tokenizer(path)
         self.waiting: dict[str, _Running] = {}  # insertion order = arrival order
         self.running: dict[str, _Running] = {}
         self.slot_owner: list[_Running | None] = [None] * slots
         self.finished_early: list[Completion] = []  # resumed requests that had nothing left to do
-        S, L = slots, self.max_len
-        # Per-slot state as tensors so one step updates every slot without a Python loop.
-        self.active = torch.zeros(S, dtype=torch.bool)
-        self.seq_len = torch.zeros(S, dtype=torch.long)  # tokens in the cache
-        self.last_token = torch.zeros(S, dtype=torch.long)  # sampled, not yet in the cache
-        self.n_out = torch.zeros(S, dtype=torch.long)
-        self.max_out = torch.zeros(S, dtype=torch.long)
-        self.temperature = torch.zeros(S)
-        self.top_p = torch.ones(S)
-        self.out_tokens = torch.zeros(S, L, dtype=torch.long)
-        self.out_logprobs = torch.zeros(S, L)
-        self.out_versions = torch.zeros(S, L, dtype=torch.long)
-        self.uniforms = torch.zeros(S, L)  # pre-drawn per request from its own seeded generator
-        self.kv_version = torch.zeros(S, dtype=torch.long)  # the oldest weights in the slot's KV cache
-        self.stale_kv = torch.zeros(S, dtype=torch.long)  # tokens sampled over KV from older weights
+        # Per-slot sampling state on the device, so one step samples every slot without a Python loop.
+        S, L, dev = slots, self.max_len, self.device
+        self.last_token = torch.zeros(S, dtype=torch.long, device=dev)  # sampled, not yet in the cache
+        self.temperature = torch.zeros(S, device=dev)
+        self.top_p = torch.ones(S, device=dev)
+        self.uniforms = torch.zeros(S, L, device=dev)  # pre-drawn per request from its own seeded generator
         self.counters = EngineCounters()
 
     # --- interface --------------------------------------------------------------------------
@@ -231,17 +284,20 @@ class CPUEngine(RolloutEngine):
     def step(self) -> list[Completion]:
         t0 = time.perf_counter()
         done, self.finished_early = self.finished_early, []
-        new_tokens = self._admit(done)
-        idx = self.active.nonzero().squeeze(1)
-        if len(idx):
-            n = len(idx)
-            kv_len = int(self.seq_len[idx].max()) + 1
-            logits = self.model.forward(self.last_token[idx, None], self.seq_len[idx, None], idx, kv_len,
-                                        torch.zeros(n, dtype=torch.long))
-            self.seq_len[idx] += 1
-            self._emit(idx, logits, done)
-            new_tokens += n
-        self.counters.record(len(idx), self.slots, new_tokens, time.perf_counter() - t0)
+        admitted = self._admit()
+        # An admitted request decodes in the same step unless its budget is spent. Whether its prefill token
+        # was an EOS is known only after the fetch: then the decoded token is dropped.
+        decoding = [e for e in self.running.values() if not self._spent(e, e.sampled)]
+        batches = [b for b in (admitted, self._decode_batch(decoding)) if b]
+        new_tokens = 0
+        if batches:
+            entries = [e for b in batches for e in b[0]]
+            tokens, logprobs = self._fetch(torch.cat([b[1] for b in batches]), torch.cat([b[2] for b in batches]))
+            for e, token, logprob in zip(entries, tokens, logprobs):
+                if self.slot_owner[e.slot] is e:
+                    new_tokens += 1
+                    self._record(e, token, logprob, done)
+        self.counters.record(len(decoding), self.slots, new_tokens, time.perf_counter() - t0)
         return done
 
     def abort(self, request_ids: list[str]) -> list[Completion]:
@@ -272,7 +328,7 @@ class CPUEngine(RolloutEngine):
     def receive_weights(self, update: WeightUpdate) -> None:
         # Each bucket is a partial state dict (loaded with strict=False); the version changes after the last.
         source = f"{self.name}: weights version {update.version}"
-        for weights in update.buckets(self.name, getattr(self, "device", "cpu"), self.weight_group):
+        for weights in update.buckets(self.name, self.device, self.weight_group):
             self.model.load_state_dict(dict(weights), strict=False, source=source)
         self._weights_changed(update.version)
 
@@ -286,17 +342,16 @@ class CPUEngine(RolloutEngine):
     def _prefill_running(self) -> None:
         """Write every running slot's cache again from its tokens: the prompt, and all sampled but the last
         (which the next step feeds), in one batched forward."""
-        entries = list(self.running.values())
-        slots = torch.tensor(sorted(e.slot for e in entries))
-        seqs = [self.slot_owner[s].request.prompt_ids + self.out_tokens[s, :int(self.n_out[s]) - 1].tolist()
-                for s in slots.tolist()]
-        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids[i, :len(seq)] = torch.tensor(seq)
-        lens = torch.tensor([len(seq) for seq in seqs])
-        pos = torch.arange(ids.shape[1]).expand(len(seqs), -1)
-        self.model.forward(ids, pos, slots, ids.shape[1], lens - 1)
-        self.kv_version[slots] = self.version
+        entries = sorted(self.running.values(), key=lambda e: e.slot)
+        seqs = [e.request.prompt_ids + e.tokens[:-1] for e in entries]
+        n, T = len(entries), max(map(len, seqs))
+        ids = self._to_device(torch.tensor([s + [0] * (T - len(s)) for s in seqs]))
+        slots = [e.slot for e in entries]
+        plan = self._to_device(torch.tensor([slots, [len(s) - 1 for s in seqs]]))
+        pos = torch.arange(T, device=self.device).expand(n, -1)
+        self.model.forward(ids, pos, plan[0], [_span(slots, plan[0], 0, n, T)], last=plan[1])
+        for e in entries:
+            e.kv_version = self.version
 
     def _release(self, level: int) -> None:
         """Sleep frees the KV cache; the weights stay, as host memory is where a level-1 sleep would keep them
@@ -304,93 +359,123 @@ class CPUEngine(RolloutEngine):
         m = self.model
         self._kv_layout = (m.k_cache.shape, m.k_cache.dtype)
         m.k_cache = m.v_cache = None
+        if self.device.type == "cuda":  # give the freed blocks back to the trainer on this GPU
+            torch.cuda.empty_cache()
 
     def _reclaim(self, tags: list[str]) -> None:
         if "kv_cache" in tags:
             shape, dtype = self._kv_layout
-            self.model.k_cache, self.model.v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+            self.model.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.model.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     # --- generation -------------------------------------------------------------------------
-    def _admit(self, done: list[Completion]) -> int:
-        """Move waiting requests into free slots with one batched prefill; returns tokens sampled."""
-        free = (~self.active).nonzero().squeeze(1).tolist()
-        take = min(len(free), len(self.waiting))
-        if not take:
-            return 0
-        entries = [self.waiting.pop(next(iter(self.waiting))) for _ in range(take)]
-        slots = torch.tensor(free[:take])
-        seqs = [e.request.prompt_ids + e.request.resume_ids for e in entries]
-        lens = torch.tensor([len(s) for s in seqs])
-        ids = torch.zeros(take, int(lens.max()), dtype=torch.long)
+    def _admit(self) -> tuple | None:
+        """Move waiting requests into free slots with one batched prefill: (entries, tokens, log-probs)."""
+        free = [slot for slot, owner in enumerate(self.slot_owner) if owner is None]
+        entries = [self.waiting.pop(next(iter(self.waiting))) for _ in range(min(len(free), len(self.waiting)))]
+        if not entries:
+            return None
         now = time.time()
-        for i, (e, s) in enumerate(zip(entries, seqs)):
-            ids[i, : len(s)] = torch.tensor(s)
-            self._occupy(e, int(slots[i]), now)
-        pos = torch.arange(ids.shape[1]).expand(take, -1)
-        logits = self.model.forward(ids, pos, slots, ids.shape[1], lens - 1)
-        self.seq_len[slots] = lens
-        self.active[slots] = True
-        self._emit(slots, logits, done)
-        return take
+        for e, slot in zip(entries, free):
+            self._occupy(e, slot, now)
+        seqs = [e.request.prompt_ids + e.request.resume_ids for e in entries]
+        n, T = len(entries), max(map(len, seqs))
+        ids = self._to_device(torch.tensor([s + [0] * (T - len(s)) for s in seqs]))
+        plan = self._plan(entries, [len(s) - 1 for s in seqs])
+        pos = torch.arange(T, device=self.device).expand(n, -1)
+        logits = self.model.forward(ids, pos, plan[0], [_span(free, plan[0], 0, n, T)], last=plan[1])
+        return self._sample_into(entries, plan, logits)
+
+    def _decode_batch(self, entries: list[_Running]) -> tuple | None:
+        """One token for each entry in one batched forward; entries of a length bucket attend together."""
+        if not entries:
+            return None
+        key_count = {id(e): len(e.request.prompt_ids) + e.sampled for e in entries}  # its new token's included
+        entries = sorted(entries, key=lambda e: (length_bucket(key_count[id(e)]), e.slot))
+        lengths, slots = [key_count[id(e)] for e in entries], [e.slot for e in entries]
+        plan = self._plan(entries, [n - 1 for n in lengths])
+        spans = [_span(slots, plan[0], a, z, max(lengths[a:z])) for a, z in length_spans(lengths)]
+        logits = self.model.forward(self.last_token[plan[0], None], plan[1, :, None], plan[0], spans)
+        return self._sample_into(entries, plan, logits)
+
+    def _plan(self, entries: list[_Running], positions: list[int]) -> Tensor:
+        """Slots, input positions and the index of the token to sample, in one host-to-device copy."""
+        return self._to_device(torch.tensor([[e.slot for e in entries], positions, [e.sampled for e in entries]]))
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        return t.to(self.device, non_blocking=True)  # from the host: no wait on the device
+
+    def _sample_into(self, entries: list[_Running], plan: Tensor, logits: Tensor) -> tuple:
+        tokens, logprobs = self._sample(plan[0], plan[2], logits, [e.request.params for e in entries])
+        self.last_token[plan[0]] = tokens
+        for e in entries:
+            e.sampled += 1
+        return entries, tokens, logprobs
+
+    def _fetch(self, tokens: Tensor, logprobs: Tensor) -> tuple[list[int], list[float]]:
+        """A step's one read from the device: its new tokens and their log-probs in one transfer (on a GPU,
+        the step's only sync)."""
+        packed = torch.stack([tokens.double(), logprobs.double()]).tolist()  # token ids < 2**53: exact
+        return [int(t) for t in packed[0]], packed[1]
+
+    def _record(self, entry: _Running, token: int, logprob: float, done: list[Completion]) -> None:
+        entry.tokens.append(token)
+        entry.logprobs.append(logprob)
+        entry.versions.append(self.version)
+        entry.stale_kv_tokens += entry.kv_version < self.version
+        if token in self.eos_ids:
+            done.append(self._finish(entry.slot, "stop"))
+        elif self._spent(entry, len(entry.tokens)):
+            done.append(self._finish(entry.slot, "length"))
+
+    def _spent(self, entry: _Running, n: int) -> bool:
+        """Whether n tokens use up the request's budget. Prompt + response never exceeds max_len, so the
+        trainer can score the whole sequence."""
+        return n >= entry.request.params.max_new_tokens or len(entry.request.prompt_ids) + n >= self.max_len
 
     def _occupy(self, entry: _Running, slot: int, now: float) -> None:
         req, p = entry.request, entry.request.params
-        entry.slot, entry.start_time = slot, now
-        self.kv_version[slot], self.stale_kv[slot] = self.version, 0
+        entry.slot, entry.start_time, entry.sampled = slot, now, len(req.resume_ids)
+        entry.tokens, entry.logprobs = list(req.resume_ids), list(req.resume_logprobs)
+        entry.versions, entry.kv_version, entry.stale_kv_tokens = list(req.resume_versions), self.version, 0
         self.running[req.request_id] = entry
         self.slot_owner[slot] = entry
-        r = len(req.resume_ids)
-        self.n_out[slot] = r
-        self.max_out[slot] = p.max_new_tokens
-        self.temperature[slot] = p.temperature
-        self.top_p[slot] = p.top_p
-        if r:
-            self.out_tokens[slot, :r] = torch.tensor(req.resume_ids)
-            self.out_logprobs[slot, :r] = torch.tensor(req.resume_logprobs)
-            self.out_versions[slot, :r] = torch.tensor(req.resume_versions)
+        self.temperature[slot].fill_(p.temperature)  # fill_: `t[i] = x` copies x from the host, a sync on CUDA
+        self.top_p[slot].fill_(p.top_p)
         if p.temperature > 0:  # token i always uses uniform i: a resumed seeded sample stays reproducible
             seed = p.seed if p.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
             n = min(p.max_new_tokens, self.max_len)
             gen = torch.Generator().manual_seed(seed)
-            self.uniforms[slot, :n] = torch.rand(n, generator=gen)
+            self.uniforms[slot, :n] = self._to_device(torch.rand(n, generator=gen))
 
-    def _emit(self, idx: Tensor, logits: Tensor, done: list[Completion]) -> None:
-        """Sample one token for each slot in idx, record it, and finish the slots that are done."""
-        tokens, logprobs = self._sample(idx, logits)
-        n = self.n_out[idx]
-        self.out_tokens[idx, n] = tokens
-        self.out_logprobs[idx, n] = logprobs
-        self.out_versions[idx, n] = self.version
-        self.stale_kv[idx] += (self.kv_version[idx] < self.version).long()
-        self.n_out[idx] = n + 1
-        self.last_token[idx] = tokens
-        stop = torch.isin(tokens, self.eos)
-        # prompt + response never exceeds max_len, so the trainer can score the whole sequence
-        length = (n + 1 >= self.max_out[idx]) | (self.seq_len[idx] + 1 >= self.max_len)
-        for i in (stop | length).nonzero().squeeze(1).tolist():
-            done.append(self._finish(int(idx[i]), "stop" if stop[i] else "length"))
-
-    def _sample(self, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor]:
-        """Greedy at temperature 0, else temperature + top-p by inverse CDF on the slot's uniform.
-        The behaviour log-prob is taken before top-p truncation."""
-        temp = self.temperature[idx]
-        greedy = temp == 0
-        if bool(greedy.all()):
+    def _sample(self, rows: Tensor, index: Tensor, logits: Tensor, params: list) -> tuple[Tensor, Tensor]:
+        """Greedy at temperature 0, else temperature + top-p by inverse CDF on the slot's uniform `index`.
+        The behaviour log-prob is the token's under the distribution it was drawn from: at temperature T,
+        renormalised over the nucleus when top_p < 1 (the trainer scores it the same way)."""
+        if all(p.temperature == 0 for p in params):  # decided on the host: no read from the device
             tokens = logits.argmax(dim=-1)
             return tokens, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+        temp = self.temperature[rows]
+        greedy = temp == 0
         logp = (logits / torch.where(greedy, 1.0, temp)[:, None]).log_softmax(-1)
-        probs = logp.exp()
-        u = self.uniforms[idx, self.n_out[idx], None]
-        sampled = self._inverse_cdf(probs, u)
-        top_p = self.top_p[idx]
-        nucleus = top_p < 1
-        if bool(nucleus.any()):  # rows decide alone: a row's token never depends on its batch companions
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            kept = sorted_probs * ((sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None])  # smallest set >= p
-            in_nucleus = order.gather(1, self._inverse_cdf(kept, u)[:, None]).squeeze(1)
-            sampled = torch.where(nucleus, in_nucleus, sampled)
-        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        u = self.uniforms[rows, index, None]
+        tokens = torch.where(greedy, logits.argmax(dim=-1), self._inverse_cdf(logp.exp(), u))
+        logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
+        if any(p.temperature > 0 and p.top_p < 1 for p in params):  # rows decide alone, whatever the batch
+            top_p = self.top_p[rows]
+            nucleus = ~greedy & (top_p < 1)
+            in_tokens, in_logprobs = self._nucleus(logp, top_p, u)
+            tokens, logprobs = torch.where(nucleus, in_tokens, tokens), torch.where(nucleus, in_logprobs, logprobs)
+        return tokens, logprobs
+
+    @classmethod
+    def _nucleus(cls, logp: Tensor, top_p: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+        """A token drawn from the smallest set of most likely tokens holding top_p, and its log-prob there."""
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        probs = sorted_logp.exp()
+        kept = sorted_logp.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], float("-inf"))
+        at = cls._inverse_cdf(kept.exp(), u)[:, None]
+        return order.gather(1, at).squeeze(1), kept.gather(1, at).squeeze(1) - kept.logsumexp(-1)
 
     @staticmethod
     def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -400,24 +485,21 @@ class CPUEngine(RolloutEngine):
 
     def _finish(self, slot: int, reason: str) -> Completion:
         entry = self.slot_owner[slot]
-        n = int(self.n_out[slot])
-        self.active[slot] = False
         self.slot_owner[slot] = None
         del self.running[entry.request.request_id]
-        return self._completion(entry, self.out_tokens[slot, :n].tolist(), self.out_logprobs[slot, :n].tolist(),
-                                self.out_versions[slot, :n].tolist(), reason, slot, int(self.stale_kv[slot]))
+        return self._completion(entry, entry.tokens, entry.logprobs, entry.versions, reason, slot)
 
     def _waiting_completion(self, entry: _Running, reason: str) -> Completion:
         r = entry.request
         return self._completion(entry, list(r.resume_ids), list(r.resume_logprobs), list(r.resume_versions),
                                 reason, -1)
 
-    def _completion(self, entry, tokens, logprobs, versions, reason, slot, stale_kv_tokens=0) -> Completion:
+    def _completion(self, entry, tokens, logprobs, versions, reason, slot) -> Completion:
         r = entry.request
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), tokens, logprobs, versions, reason,
                           text=self._decode(tokens), slot=slot, submit_time=entry.submit_time,
                           start_time=entry.start_time or time.time(), end_time=time.time(),
-                          stale_kv_tokens=stale_kv_tokens)
+                          stale_kv_tokens=entry.stale_kv_tokens)
 
     def validate(self, req: Request) -> None:
         check_request(req, self.model.vocab, self.max_len)

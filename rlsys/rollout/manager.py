@@ -32,13 +32,22 @@ from rlsys.weights import WeightUpdate
 
 def engine_options(cfg) -> dict:
     """Engine options from a run's Config: the KV cache sized to the longest prompt plus response."""
-    kwargs = {"max_len": cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, "seed": cfg.seed,
-              "running_requests": cfg.weights.running_requests}
     r = cfg.rollout
+    kwargs = {"max_len": cfg.data.max_prompt_tokens + r.max_new_tokens, "dtype": r.engine_dtype, "seed": cfg.seed,
+              "running_requests": cfg.weights.running_requests}
     if r.engine == "vllm":
         kwargs.update(tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-                      enable_sleep_mode=r.enable_sleep_mode, dtype=r.dtype)
+                      enable_sleep_mode=r.enable_sleep_mode)
+    else:
+        kwargs["device"] = r.device
     return kwargs
+
+
+def worker_gpus(engine: str, engine_kwargs: dict) -> int:
+    """The GPUs a rollout worker asks Ray for where no placement plan gives it a bundle."""
+    if engine == "vllm":
+        return engine_kwargs.get("tensor_parallel_size", 1)
+    return 1 if engine_kwargs.get("device") == "cuda" else 0
 
 
 class RolloutManager:
@@ -57,7 +66,11 @@ class RolloutManager:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         self.slots, self.drain_timeout_s, self.max_restarts = slots, drain_timeout_s, max_restarts
-        gpus = (engine_kwargs or {}).get("tensor_parallel_size", 1) if engine == "vllm" else 0
+        gpus = worker_gpus(engine, engine_kwargs or {})
+        have = ray.cluster_resources().get("GPU", 0) if gpus and not placement else gpus
+        if have < gpus:  # else Ray would wait for them forever
+            why = "rollout.engine=vllm" if engine == "vllm" else "rollout.device=cuda"
+            raise ValueError(f"{why}: each rollout worker needs {gpus} GPU(s) and the Ray cluster has {have:g}")
         self._options = ((lambda i: placement.actor_options(ROLLOUT, i)) if placement
                          else (lambda i: {"num_gpus": gpus}))
         self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine_factory(engine))

@@ -43,7 +43,7 @@ class WeightSync:
             self._join(cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1,
                        self.transport.group_backend)
         vllm = cfg.rollout.engine == "vllm"
-        wire = getattr(torch, cfg.rollout.dtype) if vllm else None  # None: as the trainer has them
+        wire = getattr(torch, cfg.rollout.engine_dtype) if vllm else None  # None: as the trainer has them
         self.plans = trainer.weight_plans(int(cfg.weights.bucket_mb * 2**20), wire)
         self.senders = self._sending_ranks() if self.transport.from_every_gpu else [0]
         self.receiver = self.transport.receiver(trainer.open_senders(self.transport, self.senders))

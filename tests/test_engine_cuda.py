@@ -1,0 +1,95 @@
+"""The built-in engine on a CUDA GPU (skipped elsewhere): greedy against transformers in float32 and bfloat16,
+one host sync per step, and the memory it holds."""
+import gc
+
+import pytest
+import torch
+
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.types import Request, SamplingParams
+from test_cpu_engine import LONG, PROMPTS, assert_near_float32_greedy, build, greedy, hf_greedy, hf_logprobs, run
+
+DEVICE = "cuda"
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    model, path = build(tmp_path_factory.mktemp("cuda"))
+    return model.to(DEVICE), path
+
+
+def test_float32_greedy_equals_transformers_generate(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=8, device=DEVICE)
+    out = run(engine, [Request(f"r{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS + [LONG])])
+    for i, prompt in enumerate(PROMPTS + [LONG]):
+        c = out[f"r{i}"]
+        assert c.token_ids == hf_greedy(model, prompt, 20), f"prompt {i}"
+        # GPU kernels chosen by shape sum float32 in other orders than transformers' own
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(model, prompt, c.token_ids), atol=1e-3, rtol=0)
+
+
+def test_bfloat16_greedy_stays_within_its_rounding_of_float32_transformers(qwen):
+    model, path = qwen
+    engine = CPUEngine(path, slots=8, device=DEVICE, dtype="bfloat16")
+    assert engine.model.k_cache.dtype == torch.bfloat16 and engine.model.k_cache.device.type == DEVICE
+    out = run(engine, [Request(f"r{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS + [LONG])])
+    for i, prompt in enumerate(PROMPTS + [LONG]):
+        assert_near_float32_greedy(model, prompt, out[f"r{i}"])
+
+
+def test_one_host_sync_per_step(qwen):
+    """CUDA's sync debug mode raises on any synchronising call; only `_fetch` may sync, once a step."""
+    _, path = qwen
+    engine = CPUEngine(path, slots=3, device=DEVICE, dtype="bfloat16")
+    fetch, fetches = engine._fetch, []
+
+    def allowed_fetch(tokens, logprobs):
+        fetches.append(len(tokens))
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return fetch(tokens, logprobs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    run(engine, [Request("warm-up", "p", PROMPTS[0], SamplingParams(3, 1.0, 0.9, seed=0))])  # lazy CUDA set-up
+    engine._fetch = allowed_fetch
+    params = [greedy(12), SamplingParams(16, 1.0, 0.9, seed=1), SamplingParams(8, 0.7, seed=2), greedy(5)]
+    for i, p in enumerate(params):
+        engine.add(Request(f"r{i}", "p", PROMPTS[i], p))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, steps = {}, 0
+        while engine.has_work():
+            out.update((c.request_id, c) for c in engine.step())
+            steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(fetches) == steps and sorted(out) == ["r0", "r1", "r2", "r3"]
+    assert [out[f"r{i}"].num_tokens for i in range(4)] == [12, 16, 8, 5]
+
+
+def test_memory_is_weights_cache_and_sampling_state_and_does_not_grow(qwen):
+    _, path = qwen
+    gc.collect()  # engines of earlier tests
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    engine = CPUEngine(path, slots=64, max_len=4096, device=DEVICE, dtype="bfloat16")
+    m = engine.model
+    state = [m.embed, m.norm, m.cos, m.signed_sin, m.positions, m.k_cache, m.v_cache, engine.last_token,
+             engine.temperature, engine.top_p, engine.uniforms]
+    state += [m.lm_head] if m.lm_head is not m.embed else []
+    state += [t for b in m.blocks for t in b.values() if t is not None]
+    expected = sum(t.numel() * t.element_size() for t in state)
+    held = torch.cuda.memory_allocated() - before
+    assert expected <= held <= expected + 2**20  # nothing else kept; the allocator rounds blocks up
+    cache = m.k_cache.numel() * m.k_cache.element_size() * 2
+    torch.cuda.reset_peak_memory_stats()
+    for wave in range(2):
+        run(engine, [Request(f"{wave}-{i}", "p", PROMPTS[i % 5] * (1 + i % 3), greedy(40)) for i in range(64)])
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before == held  # nothing left behind by a wave
+    assert torch.cuda.max_memory_allocated() - before - held < cache / 4  # no copy of the cache, small activations
