@@ -141,9 +141,9 @@ class RecordingEngine(CPUEngine):
         super().load_weights(state_dict, version)
         self._log("weights", version)
 
-    def receive_weights(self, update, version):
-        super().receive_weights(update, version)
-        self._log("weights", version)
+    def receive_weights(self, update):
+        super().receive_weights(update)
+        self._log("weights", update.version)
 
     def add(self, request):
         super().add(request)
