@@ -15,19 +15,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlsys.config import ModelConfig, RolloutConfig, load_config
+from rlsys.config import ModelConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
 CONFIGS = ROOT / "configs" / "gpu"
 CPU_OVERRIDES = ["rollout.device=cpu", "trainer.dtype=float32", "weights.transfer=object_store",
                  "cluster.gpus_per_node=0"]
-
-# configs/gpu/ is written for the merged state: rollout.device comes with the built-in engine on CUDA.
-needs_rollout_device = pytest.mark.skipif(
-    "device" not in RolloutConfig.model_fields,
-    reason="MERGE: rollout.device (the built-in engine on CUDA) is not on this branch yet")
-
 
 def load_module(name: str):
     spec = importlib.util.spec_from_file_location(name, GPU / f"{name}.py")
@@ -40,7 +34,6 @@ build_bundle = load_module("build_bundle")
 
 
 # --- configs -------------------------------------------------------------------------------------
-@needs_rollout_device
 @pytest.mark.parametrize("name", ["smoke.yaml", "bench_0.5b.yaml"])
 def test_gpu_configs_validate_as_one_gpu_colocated_cuda_runs(name):
     cfg = load_config(CONFIGS / name)
@@ -49,7 +42,6 @@ def test_gpu_configs_validate_as_one_gpu_colocated_cuda_runs(name):
     assert (cfg.weights.transfer, cfg.cluster.layout, cfg.cluster.gpus_per_node) == ("cuda_ipc", "colocated", 1)
 
 
-@needs_rollout_device
 def test_smoke_config_runs_on_cpu_with_the_documented_overrides():
     cfg = load_config(CONFIGS / "smoke.yaml", CPU_OVERRIDES)
     assert (cfg.rollout.device, cfg.weights.transfer, cfg.cluster.gpus_per_node) == ("cpu", "object_store", 0)
