@@ -22,7 +22,7 @@ NORMALISER = {"token_mean": "tokens", "seq_mean_token_mean": "sequences"}  # agg
 class StreamedStep:
     """One rank's streamed step: `accumulate` any number of parts, then `finish` once."""
 
-    def __init__(self, backend: TrainerBackend, temperature: float):
+    def __init__(self, backend: TrainerBackend, temperature: float, top_p: float = 1.0):
         cfg = backend.cfg
         if cfg.mini_batches != 1:
             raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {cfg.mini_batches}): "
@@ -31,7 +31,7 @@ class StreamedStep:
         if aggregation not in NORMALISER:
             raise ValueError(f"trainer.streamed: trainer.loss={cfg.loss!r} aggregates by {aggregation!r}, "
                              f"which a streamed step cannot normalise afterwards; use trainer.streamed=false")
-        self.backend, self.temperature = backend, temperature
+        self.backend, self.temperature, self.top_p = backend, temperature, top_p
         self.normaliser = NORMALISER[aggregation]
         self.stats: dict[str, float] = defaultdict(float)
         self.tokens = self.sequences = 0  # this rank's share
@@ -41,7 +41,8 @@ class StreamedStep:
         if micro_batches == 0:
             return
         unnormalised = StepTotals(tokens=1, sequences=1, micro_batches=micro_batches)
-        part = self.backend.accumulate_gradients(samples, unnormalised, self.temperature, closes_step=False)
+        part = self.backend.accumulate_gradients(samples, unnormalised, self.temperature, closes_step=False,
+                                                 top_p=self.top_p)
         for k, v in part.items():
             self.stats[k] += v
         self.tokens += sum(s.response_len for s in samples)
