@@ -66,7 +66,8 @@ class DeepSpeedBackend(TrainerBackend):
             return super()._frozen_initial_model()
         reference = self._load_partitioned().requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=reference, config=self.ds_config)  # no optimizer: inference
-        return engine.eval()
+        engine.eval()  # the engine's eval returns nothing
+        return engine
 
     def _start_micro_batch(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
