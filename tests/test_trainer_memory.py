@@ -14,40 +14,43 @@ from rlsys.config import Config
 from rlsys.trainer.worker import TrainerGroup
 
 
-@ray.remote(num_cpus=1)
-class Rank:
-    """One DeepSpeed rank in its own process, built as the trainer builds it, for inspection."""
+def rank_class():
+    """One DeepSpeed rank in its own process, built as the trainer builds it, for inspection. Defined in a
+    function so Ray ships it by value: the workers cannot import this test module."""
 
-    def build(self, cfg, model_dir, rank: int, world_size: int, port: int) -> None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        torch.set_num_threads(1)
-        from rlsys.trainer.deepspeed_backend import DeepSpeedBackend
+    def describe(module: torch.nn.Module) -> dict:
+        """name -> (dtype, elements held here, elements in the whole parameter, ZeRO status, trainable)."""
+        return {name: (str(p.dtype), p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel(),
+                       getattr(p, "ds_numel", p.numel()), p.ds_status.name if hasattr(p, "ds_status") else None,
+                       p.requires_grad)
+                for name, p in module.named_parameters()}
 
-        self.backend = DeepSpeedBackend(cfg, model_dir, rank, world_size)
+    @ray.remote(num_cpus=1)
+    class Rank:
+        def build(self, cfg, model_dir, rank: int, world_size: int, port: int) -> None:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                              WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+            torch.set_num_threads(1)
+            from rlsys.trainer.deepspeed_backend import DeepSpeedBackend
 
-    def fresh_model(self) -> dict:
-        """Parameters of a model just built by the backend's loader, before DeepSpeed wraps it."""
-        return describe(self.backend._load_partitioned())
+            self.backend = DeepSpeedBackend(cfg, model_dir, rank, world_size)
 
-    def reference(self) -> tuple[str, dict]:
-        reference = self.backend.reference
-        return type(reference).__name__, describe(getattr(reference, "module", reference))
+        def fresh_model(self) -> dict:
+            """Parameters of a model just built by the backend's loader, before DeepSpeed wraps it."""
+            return describe(self.backend._load_partitioned())
 
-    def gathered_reference(self) -> dict:
-        import deepspeed
+        def reference(self) -> tuple[str, dict]:
+            reference = self.backend.reference
+            return type(reference).__name__, describe(getattr(reference, "module", reference))
 
-        module = self.backend.reference.module
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            return {name: p.detach().float().clone() for name, p in module.named_parameters()}
+        def gathered_reference(self) -> dict:
+            import deepspeed
 
+            module = self.backend.reference.module
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                return {name: p.detach().float().clone() for name, p in module.named_parameters()}
 
-def describe(module: torch.nn.Module) -> dict:
-    """name -> (dtype, elements held here, elements in the whole parameter, ZeRO status, trainable)."""
-    return {name: (str(p.dtype), p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel(),
-                   getattr(p, "ds_numel", p.numel()), p.ds_status.name if hasattr(p, "ds_status") else None,
-                   p.requires_grad)
-            for name, p in module.named_parameters()}
+    return Rank
 
 
 def free_port() -> int:
@@ -58,7 +61,7 @@ def free_port() -> int:
 
 def build_ranks(model_dir, world_size: int, **overrides) -> list:  # noqa: F811
     cfg = trainer_config(kl=KL, backend="deepspeed", world_size=world_size, **overrides)
-    ranks, port = [Rank.remote() for _ in range(world_size)], free_port()
+    ranks, port = [rank_class().remote() for _ in range(world_size)], free_port()
     ray.get([r.build.remote(cfg, model_dir, i, world_size, port) for i, r in enumerate(ranks)])
     return ranks
 
@@ -76,7 +79,7 @@ def test_zero3_builds_model_and_reference_partitioned_in_bf16(ray_cluster, model
             for name, (dtype, here, whole, status, trainable) in reference.items():
                 assert dtype == "torch.bfloat16" and status == "NOT_AVAILABLE" and not trainable, name
                 assert here <= -(-whole // 2), name
-        gathered = ray.get(ranks[0].gathered_reference.remote())  # and the partitions hold the checkpoint
+        gathered = ray.get([r.gathered_reference.remote() for r in ranks])[0]  # a collective: on every rank
         weights = load_file(os.path.join(model_dir, "model.safetensors"))
         assert max_diff(gathered, {n: w.to(torch.bfloat16).float() for n, w in weights.items() if n in gathered}) == 0
     finally:

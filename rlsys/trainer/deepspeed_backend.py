@@ -97,12 +97,8 @@ class DeepSpeedBackend(TrainerBackend):
         # clipping (`unscale_and_clip_grads`): set to `divisor`, that is the division we need, exactly
         # where it belongs, whether gradients live in p.grad or in ZeRO's partitions.
         self.accumulate_gradients([], StepTotals(1, 1, 1), 1.0)
-        if not self.wrapped:  # reduced into p.grad at the boundary: divide there
+        if self.stage == 0:  # reduced into p.grad at the boundary (bf16 too): divide there
             return super()._rescaled_optimizer_step(divisor)
-        if self.stage == 0:  # bf16: reduced into the wrapper's fp32 gradients, which it clips and steps on
-            for grads in self.engine.optimizer.fp32_groups_gradients_flat:
-                grads.div_(divisor)
-            return self._optimizer_step()
         optimizer = self.engine.optimizer
         if optimizer.loss_scale != 1.0:
             raise ValueError(f"trainer.streamed needs a loss scale of 1 (got {optimizer.loss_scale}); "
@@ -169,8 +165,8 @@ class DeepSpeedBackend(TrainerBackend):
 
         def full(name: str, key: str) -> torch.Tensor:  # a collective under ZeRO: every rank gathers
             param = params[name]
-            if not self.wrapped:  # the torch optimizer steps the model's own parameters
-                tensor = self.optimizer.state[param][key]
+            if self.stage == 0:
+                tensor = self._stage0_state(param, key)
             elif key == MASTER:
                 tensor = safe_get_full_fp32_param(param)
             else:
@@ -180,6 +176,7 @@ class DeepSpeedBackend(TrainerBackend):
         save_per_parameter(folder, params, self._state_keys(), full, self.rank, self.world_size,
                            self._step_count())
 
+    @torch.no_grad()  # stage 0 bf16 writes into the fp32 masters, leaves that require grad
     def _load_optimizer(self, folder: Path) -> None:
         params = dict(self.engine.module.named_parameters())
         with PerParameterState(folder) as saved:
@@ -190,12 +187,24 @@ class DeepSpeedBackend(TrainerBackend):
                     if key == MASTER and self.cfg.dtype != "bf16":  # fp32 weights were loaded as they are
                         continue
                     value = saved.get(name, key)
-                    if key == MASTER:  # the bf16 weights just loaded are these, rounded
+                    if self.stage == 0:
+                        self._stage0_state(param, key).copy_(value.view_as(param))
+                    elif key == MASTER:  # the bf16 weights just loaded are these, rounded
                         safe_set_full_fp32_param(param, value)
-                    elif not self.wrapped:
-                        self.optimizer.state[param][key].copy_(value)
                     else:
                         safe_set_full_optimizer_state(param, value, key)
+
+    def _stage0_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        """A parameter's optimizer state without ZeRO. In fp32 the torch optimizer steps the parameter itself;
+        in bf16 DeepSpeed's FP16_UnfusedOptimizer gives each parameter an fp32 master, which it steps."""
+        if not self.wrapped:
+            return self.optimizer.state[param][key]
+        wrapper = self.engine.optimizer
+        for params, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups):
+            for p, master in zip(params, masters):
+                if p is param:
+                    return master if key == MASTER else self.optimizer.state[master][key]
+        raise KeyError(f"a parameter of shape {tuple(param.shape)} is not in the bf16 optimizer's groups")
 
     def _reset_optimizer_state(self, step: float, zero: bool) -> None:
         """Give every tensor the optimizer steps a state (AdamW creates it lazily at the first step) with
