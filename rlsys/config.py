@@ -176,6 +176,7 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one micro-batch (padding counted)
+    logprob_chunk_tokens: int = Field(1024, ge=1)  # tokens whose full-vocabulary logits exist at a time
     mini_batches: int = Field(1, ge=1)  # optimizer steps per rollout batch (veRL's PPO mini-batches)
     streamed: bool = False  # gradients of completed prompts while the round generates (trainer/streamed.py)
     advantage: str = "grpo"
@@ -203,9 +204,6 @@ class TrainerConfig(Section):
                              "only ZeRO-3 partitions the weights")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("trainer.offload_optimizer needs trainer.zero_stage of 1, 2 or 3 (got 0)")
-        if self.dtype == "bf16" and self.zero_stage == 0:
-            # Only DeepSpeed's ZeRO optimizers keep fp32 master weights and moments for bf16 weights.
-            raise ValueError("trainer.dtype=bf16 needs trainer.zero_stage of 1, 2 or 3 (got 0)")
         if self.streamed and self.mini_batches != 1:  # a streamed step ends in exactly one update
             raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {self.mini_batches})")
         return self

@@ -80,6 +80,7 @@ class Controller:
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
         self.training: TrainStep | None = None
         self.temperature = cfg.rollout.temperature or 1.0  # the trainer scores tokens as sampled (greedy: 1)
+        self.top_p = cfg.rollout.top_p if cfg.rollout.temperature > 0 else 1.0  # greedy: no nucleus (as vLLM)
         self.streamed_groups = 0  # groups whose gradients the trainer is accumulating (trainer.streamed)
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
@@ -164,7 +165,7 @@ class Controller:
         if not self.cfg.trainer.streamed:
             return
         if not self.streamed_groups:
-            self.trainer.stream_begin(self.temperature)
+            self.trainer.stream_begin(self.temperature, self.top_p)
         self.trainer.stream_groups(groups)
         self.streamed_groups += len(groups)
 
@@ -183,7 +184,7 @@ class Controller:
                                    "the Accumulate contract")
             refs, self.streamed_groups = self.trainer.stream_end(), 0
         else:
-            refs = self.trainer.start_train_step(groups, self.temperature, self.version)
+            refs = self.trainer.start_train_step(groups, self.temperature, self.version, self.top_p)
         self.training = TrainStep(groups, rollout_metrics, refs)
 
     def finish_training(self) -> list:

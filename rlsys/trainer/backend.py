@@ -26,16 +26,35 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlsys.config import TrainerConfig
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
+from rlsys.trainer.logprobs import head_logprobs, token_logprobs  # noqa: F401  (token_logprobs: a public helper)
 from rlsys.trainer.losses import LossInputs, compute_loss, token_mean
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
 LAYOUT_FILE = "trainer.json"
 
 
-def load_model(model_dir: str, device) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}  # trainer.dtype -> the weights' dtype
+
+
+def load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The HF model in `dtype`, on the CPU (or partitioned as it is built, inside DeepSpeed's ZeRO-3 context)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     model.eval()  # no dropout, ever: training log-probs must match the engine's
-    return model.to(device)
+    return model
+
+
+def scored_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float, top_p: float,
+                   chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) of each next token, [B, L-1], from one forward of `model` (an HF causal LM, or a
+    DeepSpeed engine around one). For this forward its LM head scores the tokens chunk by chunk instead of
+    returning logits (logprobs.py), so the full logits never exist; the head is still called as a module,
+    so ZeRO-3 gathers its weight as for any layer."""
+    head = getattr(model, "module", model).get_output_embeddings()
+    head.forward = lambda hidden: head_logprobs(hidden, head, mb.input_ids, temperature, top_p, chunk)
+    try:
+        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    finally:
+        del head.forward  # the class's forward again
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
@@ -59,22 +78,6 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
                 yield dot + name, b
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
-                   with_entropy: bool = False):
-    """log softmax(logits / T) of each next token, [B, L-1]: what the engine records when sampling at T.
-
-    T <= 0 (greedy) counts as 1. With `with_entropy`, also the (detached) entropy at each position.
-    """
-    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    log_norm = torch.logsumexp(scaled, -1)
-    logprobs = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_norm
-    if not with_entropy:
-        return logprobs
-    with torch.no_grad():
-        entropy = log_norm - (torch.softmax(scaled, -1) * scaled).sum(-1)
-    return logprobs, entropy
 
 
 def rng_state() -> dict:
@@ -120,24 +123,23 @@ class TrainerBackend(ABC):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.skipped_steps = 0
         seed_everything(cfg.seed)
-        self.reference = None
-        if cfg.kl.estimator and cfg.kl.coef > 0:  # the initial weights, frozen
-            self.reference = load_model(model_dir, device).requires_grad_(False)
+        self.reference: torch.nn.Module | None = None  # set by the subclass: `_make_reference`
 
     # --- the shared loop ----------------------------------------------------------------------
     def compute_logprobs(self, samples: list[TrainSample], temperature: float = 1.0,
-                         micro_batches: int = 0) -> list[list[float]]:
+                         micro_batches: int = 0, top_p: float = 1.0) -> list[list[float]]:
         """Log-probs of each sample's response tokens under the current weights, in input order."""
         found: dict[int, list[float]] = {}
         with torch.no_grad():
             for batch in self._micro_batches(samples, micro_batches):
                 mb = collate(batch).to(self.device)
-                logprobs = token_logprobs(self._logits(self.model, mb), mb.input_ids, temperature)
+                logprobs, _ = self._score(self.model, mb, temperature, top_p)
                 for row, sample in enumerate(batch):
                     found[id(sample)] = logprobs[row, sample.prompt_len - 1:sample.num_tokens - 1].tolist()
         return [found[id(s)] for s in samples]
 
-    def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float = 1.0) -> dict:
+    def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float = 1.0,
+                   top_p: float = 1.0) -> dict:
         """Accumulate gradients over this rank's micro-batches, then take exactly one optimizer step.
 
         Returned statistics are this rank's shares of the step's values (sum them over ranks);
@@ -145,7 +147,7 @@ class TrainerBackend(ABC):
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
-        stats = self.accumulate_gradients(samples, totals, temperature)
+        stats = self.accumulate_gradients(samples, totals, temperature, top_p=top_p)
         return self.close_step(stats, sum(s.response_len for s in samples), len(samples))
 
     def skip_step(self) -> dict:
@@ -161,7 +163,7 @@ class TrainerBackend(ABC):
         return dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps, tokens=tokens, sequences=sequences)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
-                           fresh: bool, proximal_micro_batches: int = 0) -> dict:
+                           fresh: bool, proximal_micro_batches: int = 0, top_p: float = 1.0) -> dict:
         """One optimizer step per part (veRL's PPO mini-batches) on a rollout batch. From the second part
         on the weights have moved, so every part is scored against the proximal policy (the weights at
         the start): the behaviour log-probs when `fresh` (every token sampled by these very weights),
@@ -169,10 +171,10 @@ class TrainerBackend(ABC):
         if len(parts) > 1:
             samples = [s for part, _ in parts for s in part]
             proximal = ([s.logprobs for s in samples] if fresh else
-                        self.compute_logprobs(samples, temperature, proximal_micro_batches))
+                        self.compute_logprobs(samples, temperature, proximal_micro_batches, top_p))
             for sample, logprobs in zip(samples, proximal):
                 sample.proximal_logprobs = list(logprobs)
-        per_part = [self.train_step(samples, totals, temperature) for samples, totals in parts]
+        per_part = [self.train_step(samples, totals, temperature, top_p) for samples, totals in parts]
         keys = set().union(*per_part)
         merged = {k: sum(m.get(k, 0.0) for m in per_part) / len(per_part) for k in keys}
         merged.update(tokens=sum(m["tokens"] for m in per_part), sequences=sum(m["sequences"] for m in per_part),
@@ -180,7 +182,7 @@ class TrainerBackend(ABC):
         return merged
 
     def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float,
-                             closes_step: bool = True) -> dict:
+                             closes_step: bool = True, top_p: float = 1.0) -> dict:
         """`closes_step=False`: more parts follow (a streamed step, streamed.py), so no micro-batch is the last."""
         if totals.micro_batches < 1:
             raise ValueError("a train step needs at least one sample with response tokens")
@@ -189,10 +191,11 @@ class TrainerBackend(ABC):
         for i, batch in enumerate(batches):
             self._start_micro_batch(last=closes_step and i == len(batches) - 1)
             mb = collate(batch).to(self.device)
-            logprobs, entropy = token_logprobs(self._logits(self.model, mb), mb.input_ids, temperature, True)
+            logprobs, entropy = self._score(self.model, mb, temperature, top_p)
             proximal = logprobs.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs
             inp = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.response_mask,
-                             float(totals.tokens), float(totals.sequences), self._reference_logprobs(mb, temperature),
+                             float(totals.tokens), float(totals.sequences),
+                             self._reference_logprobs(mb, temperature, top_p),
                              mb.versions)
             loss, mb_stats = compute_loss(inp, self.cfg)
             mb_stats["entropy"] = token_mean(entropy, inp).item()
@@ -205,15 +208,23 @@ class TrainerBackend(ABC):
         batches = pack_micro_batches(samples, self.cfg.micro_batch_tokens)
         return batches + [[] for _ in range(count - len(batches))]
 
-    @staticmethod
-    def _logits(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
-        return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    def _score(self, model: torch.nn.Module, mb: MicroBatch, temperature: float, top_p: float):
+        return scored_forward(model, mb, temperature, top_p, self.cfg.logprob_chunk_tokens)
 
-    def _reference_logprobs(self, mb: MicroBatch, temperature: float):
+    def _reference_logprobs(self, mb: MicroBatch, temperature: float, top_p: float):
         if self.reference is None:
             return None
         with torch.no_grad():
-            return token_logprobs(self._logits(self.reference, mb), mb.input_ids, temperature)
+            return self._score(self.reference, mb, temperature, top_p)[0]
+
+    def _make_reference(self) -> torch.nn.Module | None:
+        """The initial weights, frozen, in the training dtype, for the KL term (None without one)."""
+        if not (self.cfg.kl.estimator and self.cfg.kl.coef > 0):
+            return None
+        return self._frozen_initial_model()
+
+    def _frozen_initial_model(self) -> torch.nn.Module:
+        return load_model(self.model_dir, DTYPES[self.cfg.dtype]).requires_grad_(False).to(self.device)
 
     # --- what a backend provides -----------------------------------------------------------------
     def _start_micro_batch(self, last: bool) -> None:
@@ -305,7 +316,8 @@ class TorchBackend(TrainerBackend):
         if world_size != 1:
             raise ValueError(f"TorchBackend runs on one rank, not {world_size}: use DeepSpeedBackend")
         super().__init__(cfg, model_dir, rank, world_size, "cuda" if torch.cuda.is_available() else "cpu")
-        self.model = load_model(model_dir, self.device)
+        self.model = load_model(model_dir, DTYPES[cfg.dtype]).to(self.device)
+        self.reference = self._make_reference()
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

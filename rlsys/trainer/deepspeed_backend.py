@@ -9,7 +9,7 @@ gathered one parameter at a time, so a run saved on N ranks resumes on M ranks o
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +21,7 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 
 from rlsys.config import TrainerConfig
-from rlsys.trainer.backend import TrainerBackend, enable_gradient_checkpointing, load_model, named_tensors
+from rlsys.trainer.backend import DTYPES, TrainerBackend, enable_gradient_checkpointing, load_model, named_tensors
 from rlsys.trainer.batching import StepTotals
 from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_parameter
@@ -38,20 +38,37 @@ class DeepSpeedBackend(TrainerBackend):
         super().__init__(cfg, model_dir, rank, world_size, accelerator.current_device_name())
         check_device_supports(cfg, accelerator)
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
-        model = load_model(model_dir, self.device)
+        self.stage, self.ds_config = cfg.zero_stage, deepspeed_config(cfg, world_size)
+        model = self._load_partitioned()
         if cfg.offload_optimizer:  # DeepSpeed's own CPU Adam (compiled on first use) steps the offloaded state
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             self.optimizer = DeepSpeedCPUAdam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                               adamw_mode=True)
         else:  # a torch optimizer, so DeepSpeed neither compiles its CPU Adam nor needs a GPU one
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
-                                               config=deepspeed_config(cfg, world_size))
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
         self.engine.eval()  # no dropout (see load_model); gradients flow all the same
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.engine.module)
         self.model = self.engine
-        self.stage = cfg.zero_stage
+        # DeepSpeed wraps the optimizer (ZeRO 1-3, or bf16 at stage 0): the wrapper keeps the fp32 master
+        # weights, skips non-finite steps and measures the gradient norm itself.
+        self.wrapped = self.engine.optimizer is not self.optimizer
+        self.reference = self._make_reference()
+
+    def _load_partitioned(self) -> torch.nn.Module:
+        """The model in the training dtype; at ZeRO-3 built and loaded partitioned (transformers' DeepSpeed
+        integration runs from_pretrained inside zero.Init), so no rank ever holds it whole."""
+        with zero3_construction(self.ds_config) if self.stage == 3 else nullcontext():
+            return load_model(self.model_dir, DTYPES[self.cfg.dtype])
+
+    def _frozen_initial_model(self) -> torch.nn.Module:
+        if self.stage != 3:
+            return super()._frozen_initial_model()
+        reference = self._load_partitioned().requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=reference, config=self.ds_config)  # no optimizer: inference
+        engine.eval()  # the engine's eval returns nothing
+        return engine
 
     def _start_micro_batch(self, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
@@ -62,8 +79,8 @@ class DeepSpeedBackend(TrainerBackend):
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def _optimizer_step(self) -> tuple[float, bool]:
-        if self.stage == 0:
-            # ZeRO 1-3 refuse non-finite gradients themselves; without ZeRO that is left to us. The
+        if not self.wrapped:
+            # DeepSpeed's wrappers refuse non-finite gradients themselves; without one that is left to us. The
             # gradients are already averaged, so every rank reaches the same verdict.
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads))
@@ -81,7 +98,7 @@ class DeepSpeedBackend(TrainerBackend):
         # clipping (`unscale_and_clip_grads`): set to `divisor`, that is the division we need, exactly
         # where it belongs, whether gradients live in p.grad or in ZeRO's partitions.
         self.accumulate_gradients([], StepTotals(1, 1, 1), 1.0)
-        if self.stage == 0:  # reduced into p.grad at the boundary: divide there
+        if self.stage == 0:  # reduced into p.grad at the boundary (bf16 too): divide there
             return super()._rescaled_optimizer_step(divisor)
         optimizer = self.engine.optimizer
         if optimizer.loss_scale != 1.0:
@@ -111,7 +128,7 @@ class DeepSpeedBackend(TrainerBackend):
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         with self._parameters_gathered(modifier_rank=0):
             self.engine.module.load_state_dict(weights)
-        if self.stage > 0:  # ZeRO keeps its own fp32 master partitions: copy the loaded weights in
+        if self.wrapped:  # DeepSpeed keeps its own fp32 master weights: copy the loaded weights in
             self.engine.optimizer.refresh_fp32_params()
 
     @contextmanager
@@ -154,7 +171,7 @@ class DeepSpeedBackend(TrainerBackend):
         def full(name: str, key: str) -> torch.Tensor:  # a collective under ZeRO: every rank gathers
             param = params[name]
             if self.stage == 0:
-                tensor = self.optimizer.state[param][key]
+                tensor = self._stage0_state(param, key)
             elif key == MASTER:
                 tensor = safe_get_full_fp32_param(param)
             else:
@@ -164,6 +181,7 @@ class DeepSpeedBackend(TrainerBackend):
         save_per_parameter(folder, params, self._state_keys(), full, self.rank, self.world_size,
                            self._step_count())
 
+    @torch.no_grad()  # stage 0 bf16 writes into the fp32 masters, leaves that require grad
     def _load_optimizer(self, folder: Path) -> None:
         params = dict(self.engine.module.named_parameters())
         with PerParameterState(folder) as saved:
@@ -174,12 +192,24 @@ class DeepSpeedBackend(TrainerBackend):
                     if key == MASTER and self.cfg.dtype != "bf16":  # fp32 weights were loaded as they are
                         continue
                     value = saved.get(name, key)
-                    if key == MASTER:  # the bf16 weights just loaded are these, rounded
+                    if self.stage == 0:
+                        self._stage0_state(param, key).copy_(value.view_as(param))
+                    elif key == MASTER:  # the bf16 weights just loaded are these, rounded
                         safe_set_full_fp32_param(param, value)
-                    elif self.stage == 0:
-                        self.optimizer.state[param][key].copy_(value)
                     else:
                         safe_set_full_optimizer_state(param, value, key)
+
+    def _stage0_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
+        """A parameter's optimizer state without ZeRO. In fp32 the torch optimizer steps the parameter itself;
+        in bf16 DeepSpeed's FP16_UnfusedOptimizer gives each parameter an fp32 master, which it steps."""
+        if not self.wrapped:
+            return self.optimizer.state[param][key]
+        wrapper = self.engine.optimizer
+        for params, masters in zip(wrapper.fp16_groups, wrapper.fp32_groups):
+            for p, master in zip(params, masters):
+                if p is param:
+                    return master if key == MASTER else self.optimizer.state[master][key]
+        raise KeyError(f"a parameter of shape {tuple(param.shape)} is not in the bf16 optimizer's groups")
 
     def _reset_optimizer_state(self, step: float, zero: bool) -> None:
         """Give every tensor the optimizer steps a state (AdamW creates it lazily at the first step) with
@@ -196,8 +226,21 @@ class DeepSpeedBackend(TrainerBackend):
                             state[k].zero_()
                     state["step"] = torch.tensor(step, dtype=torch.float32) if as_tensor else int(step)
         link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-        if link is not None:  # ZeRO 1-2 map each parameter onto its slice of the state after the first step
+        if link is not None:  # ZeRO 1-2 and bf16 map each parameter onto its state after the first step
             link()
+
+
+@contextmanager
+def zero3_construction(ds_config: dict):
+    """Inside, transformers' from_pretrained builds the model under deepspeed.zero.Init with `ds_config`
+    and loads each weight into its partitions."""
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    hf_config = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference: keep it alive here
+    try:
+        yield hf_config
+    finally:
+        unset_hf_deepspeed_config()
 
 
 def check_device_supports(cfg: TrainerConfig, accelerator) -> None:

@@ -1,0 +1,123 @@
+"""Log-probs of the sampled tokens, computed so the full-vocabulary logits never exist at once.
+
+At 32k tokens x 152k vocabulary one fp32 copy of the logits is ~20 GB. `head_logprobs` applies the LM
+head to `chunk` tokens at a time and keeps only each token's log-prob and entropy; its backward
+recomputes each chunk's logits (the way fused linear-cross-entropy kernels do), so the extra memory is
+a few [chunk, vocab] fp32 tensors, whatever the sequence length.
+
+Tokens are scored as the engines record them: log softmax(logits / T), and with top_p < 1 under the
+top-p nucleus renormalised (vLLM's processed log-probs; the rule of the built-in engine: a token is in
+the nucleus while the mass ranked strictly above it is below top_p). A token outside the trainer's
+nucleus (its logits differ from the engine's by rounding) is scored as if the nucleus held it too:
+never -inf into the loss, and the same value wherever trainer and engine agree.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def scaled_logits(logits: Tensor, temperature: float) -> Tensor:
+    """fp32 logits / T; T <= 0 (greedy) counts as 1."""
+    return logits.float() / (temperature if temperature > 0 else 1.0)
+
+
+def nucleus_floor(scaled: Tensor, top_p: float) -> Tensor:
+    """[N, 1]: the smallest scaled logit inside each row's top-p nucleus."""
+    ranked = scaled.sort(-1, descending=True).values
+    probs = ranked.softmax(-1)
+    inside = (probs.cumsum(-1) - probs) < top_p  # the mass ranked above each token
+    return ranked.gather(-1, inside.sum(-1, keepdim=True) - 1)
+
+
+def scored_logits(scaled: Tensor, targets: Tensor, floor: Tensor | None) -> Tensor:
+    """The logits of the distribution tokens are scored under: -inf outside the nucleus, bar the target."""
+    if floor is None:
+        return scaled
+    outside = (scaled < floor).scatter_(-1, targets[:, None], False)
+    return scaled.masked_fill(outside, float("-inf"))
+
+
+def score(logits: Tensor, targets: Tensor, temperature: float, top_p: float,
+          floor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(log-probs of `targets`, log normaliser, nucleus floor) of rows of logits [N, V]."""
+    scaled = scaled_logits(logits, temperature)
+    if top_p < 1 and floor is None:
+        with torch.no_grad():
+            floor = nucleus_floor(scaled, top_p)
+    z = scored_logits(scaled, targets, floor)
+    log_norm = torch.logsumexp(z, -1)
+    return z.gather(-1, targets[:, None]).squeeze(-1) - log_norm, log_norm, floor
+
+
+@torch.no_grad()
+def entropy_of(logits: Tensor, targets: Tensor, temperature: float, floor: Tensor | None) -> Tensor:
+    probs = scored_logits(scaled_logits(logits, temperature), targets, floor).softmax(-1)
+    return -torch.special.xlogy(probs, probs).sum(-1)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool = False,
+                   top_p: float = 1.0):
+    """Log-prob of each next token, [B, L-1], from full logits [B, L, V] (no chunking: for small models
+    and checks). With `with_entropy`, also the detached entropy at each position."""
+    B, L, V = logits.shape
+    rows, targets = logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1)
+    logprobs, _, floor = score(rows, targets, temperature, top_p)
+    if not with_entropy:
+        return logprobs.view(B, L - 1)
+    return logprobs.view(B, L - 1), entropy_of(rows, targets, temperature, floor).view(B, L - 1)
+
+
+class ChunkedHeadLogprobs(torch.autograd.Function):
+    """(log-probs, entropy) [N] of `targets` under `hidden` [N, H] @ head, `chunk` rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, top_p, chunk):
+        logprobs, entropy, floors = [], [], []
+        for rows in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[rows:rows + chunk], weight, bias)
+            mine = targets[rows:rows + chunk]
+            lp, _, floor = score(logits, mine, temperature, top_p)
+            logprobs.append(lp)
+            entropy.append(entropy_of(logits, mine, temperature, floor))
+            floors.append(floor)
+        floors = torch.cat(floors) if top_p < 1 else None
+        ctx.save_for_backward(hidden, weight, bias, targets, floors)
+        ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
+        entropy = torch.cat(entropy)
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logprobs), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, bias, targets, floors = ctx.saved_tensors
+        want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None  # fp32 sum over chunks
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
+        scale = ctx.temperature if ctx.temperature > 0 else 1.0
+        for rows in range(0, hidden.shape[0], ctx.chunk):
+            h, mine = hidden[rows:rows + ctx.chunk], targets[rows:rows + ctx.chunk]
+            floor = None if floors is None else floors[rows:rows + ctx.chunk]
+            z = scored_logits(scaled_logits(F.linear(h, weight, bias), ctx.temperature), mine, floor)
+            # d logprob / d logit = (onehot(target) - softmax over the scored distribution) / T
+            g = grad_logprobs[rows:rows + ctx.chunk, None]
+            grad_logits = z.softmax(-1).mul_(-g).scatter_add_(-1, mine[:, None], g).div_(scale).to(weight.dtype)
+            if want_hidden:
+                grad_hidden[rows:rows + ctx.chunk] = grad_logits @ weight
+            if want_weight:
+                grad_weight += grad_logits.T @ h
+            if want_bias:
+                grad_bias += grad_logits.sum(0)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
+
+
+def head_logprobs(hidden: Tensor, head: torch.nn.Linear, input_ids: Tensor, temperature: float, top_p: float,
+                  chunk: int) -> tuple[Tensor, Tensor]:
+    """(log-probs, entropy) of each next token, [B, L-1], from the final hidden states [B, L, H]."""
+    B, L, H = hidden.shape
+    logprobs, entropy = ChunkedHeadLogprobs.apply(hidden[:, :-1].reshape(-1, H), head.weight, head.bias,
+                                                  input_ids[:, 1:].reshape(-1), temperature, top_p, chunk)
+    return logprobs.view(B, L - 1), entropy.view(B, L - 1)
