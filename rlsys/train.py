@@ -287,6 +287,7 @@ class Controller:
             self.rollout.wake_up(["weights"])
         self.weights.publish(self.version)
         if asleep:
+            self.trainer.release_cached_memory()  # the trainer's cached activations would crowd the KV cache out
             self.rollout.wake_up(["kv_cache"])
 
     def _on_sigterm(self, *_):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import torch
 from ray.exceptions import RayActorError, RayError
 
 from rlsys.cluster import actor_id, death_reason, get_each
@@ -131,6 +132,11 @@ class TrainerWorker:
                 pass
             return None
         return self.sender.send(plans, weights, version)
+
+    def release_cached_memory(self) -> None:
+        """Hand the blocks torch's allocator keeps cached back to the GPU, for an engine waking its KV cache there."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def save(self, folder: str) -> None:
         self.backend.save(folder)
@@ -310,6 +316,9 @@ class TrainerGroup:
     def raise_if_rank_died(self, error: RayActorError) -> None:
         """TrainerDied if `error` is a rank's death (seen on a call the caller waited on itself)."""
         self._raise_if_a_rank_died(error, [])
+
+    def release_cached_memory(self) -> None:
+        self._get_all([w.release_cached_memory.remote() for w in self.workers])
 
     def save(self, folder: str) -> None:
         self._get_all([w.save.remote(folder) for w in self.workers])
