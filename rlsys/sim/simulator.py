@@ -268,14 +268,14 @@ class Simulation:
         tokens, idle = self.stream.take(self._idle_gpu_s())
         streamed = min(self._gpu_s(tokens), idle)  # GPU-seconds of gradient work done during the rollout
         work = max(0.0, self._gpu_s(self._tokens(action.groups)) - streamed)
-        self.train_queue.append((action.groups, reward_s + work / self.trainer_gpus + self.trainer.overhead_s))
+        self.train_s.append(work / self.trainer_gpus + self.trainer.overhead_s)
+        self.train_queue.append((action.groups, reward_s + self.train_s[-1]))
         if self.training is None:
             self._start_training(touched)
 
     def _start_training(self, touched: dict) -> None:
         self.trainer_idle_s += max(0.0, self.now - self.trainer_free_at)
         self.training, seconds = self.train_queue.popleft()
-        self.train_s.append(seconds)
         if self.colocated:  # the trainer and then the weight reload hold every GPU
             for engine in self.engines:
                 self._touch(engine, touched)
