@@ -6,6 +6,7 @@ at 75% of HBM bandwidth, KV reads at 90%, 90% of memory usable), §1 "Prefill" f
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 BF16 = 2  # bytes
@@ -22,6 +23,7 @@ GPUS = {
     "h100": GPU(80e9, 3.35e12, 989e12),
     "h800": GPU(80e9, 3.35e12, 989e12),  # same HBM and tensor cores as H100 SXM; less NVLink
     "h200": GPU(141e9, 4.8e12, 989e12),
+    "h20": GPU(96e9, 4.0e12, 148e12),  # Hopper with H200-class HBM and ~15% of the tensor cores
 }
 
 
@@ -86,10 +88,26 @@ class EngineCost:
         return self.fixed_s(n) + live_kv * self.kv_s_per_token
 
 
+def train_gpu_seconds(model: ModelShape, gpu: GPU, tokens: float, mfu: float, flops_per_param_token: float) -> float:
+    """FLOPs = k * params * tokens (k = 6 for forward+backward, +2 per extra forward pass), on one GPU."""
+    return flops_per_param_token * model.params * tokens / (gpu.peak_flops * mfu)
+
+
 def train_seconds(model: ModelShape, gpu: GPU, gpus: int, tokens: float, mfu: float,
                   flops_per_param_token: float, overhead_s: float) -> float:
-    """FLOPs = k * params * tokens (k = 6 for forward+backward, +2 per extra forward pass)."""
-    return flops_per_param_token * model.params * tokens / (gpus * gpu.peak_flops * mfu) + overhead_s
+    return train_gpu_seconds(model, gpu, tokens, mfu, flops_per_param_token) / gpus + overhead_s
+
+
+def makespan(durations: list[float], workers: int | None) -> float:
+    """Wall time for a pool of `workers` (None: unbounded) to run these jobs, longest first."""
+    if not durations:
+        return 0.0
+    if workers is None or workers >= len(durations):
+        return max(durations)
+    free = [0.0] * workers
+    for d in sorted(durations, reverse=True):
+        heapq.heapreplace(free, free[0] + d)
+    return max(free)
 
 
 def sync_seconds(model: ModelShape, bandwidth_gbps: float, latency_s: float) -> float:

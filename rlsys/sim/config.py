@@ -20,7 +20,7 @@ class ModelSpec(Section):
 
 
 class ClusterSpec(Section):
-    gpu: Literal["h100", "h800", "h200"] = "h800"
+    gpu: Literal["h100", "h800", "h200", "h20"] = "h800"
     gpus: int = Field(16, ge=1)
     tp: int = Field(1, ge=1)  # GPUs per rollout engine (the starting size under control.elastic_tp)
     gpus_per_node: int = Field(8, ge=1)  # an engine's GPUs stay within one node
@@ -75,6 +75,9 @@ class RewardKind(Section):
 class RewardSpec(Section):
     kinds: dict[str, RewardKind] = {"rule": RewardKind(share=1.0, median_s=0.005)}
     workers: Optional[int] = Field(None, ge=1)  # None: as many as needed
+    # True: each sample is scored as it finishes, overlapped with generation (RollPacker's reward scheduler).
+    # False: a step's samples are scored after its rollout, before training starts (veRL).
+    overlap: bool = True
 
     @model_validator(mode="after")
     def _some_kind(self):
@@ -87,6 +90,9 @@ class TrainerSpec(Section):
     mfu: float = Field(0.35, gt=0, le=1)  # CALIBRATION §4: ~0.33 on H100 in RL frameworks
     flops_per_param_token: float = Field(8.0, gt=0)  # 6 forward+backward, 2 old log-probs
     overhead_s: float = Field(2.0, ge=0)
+    # Gradients of the groups a scheduler streams (Accumulate) are computed on GPUs idle during the rollout
+    # (RollPacker's stream trainer); only the rest is left for after the round.
+    streamed: bool = False
 
 
 class WeightSyncSpec(Section):
@@ -100,6 +106,8 @@ class SchedulerRun(Section):
     label: Optional[str] = None
     control: dict[str, Any] = {}
     cluster: dict[str, Any] = {}
+    reward: dict[str, Any] = {}
+    trainer: dict[str, Any] = {}
 
 
 class SimConfig(Section):
@@ -121,11 +129,15 @@ class SimConfig(Section):
         if isinstance(self.model, str) and self.model not in MODELS:
             raise ValueError(f"model {self.model!r} is not a preset; choose one of {', '.join(MODELS)} "
                              "or give params, layers, kv_heads")
+        for run in self.runs():
+            if "kinds" in run.reward:  # the workload draws reward latencies once, for every run alike
+                raise ValueError(f"schedulers: {run.label}: reward.kinds is set once for all runs, at the top")
         labels = [r.label for r in self.runs()]
         if len(set(labels)) != len(labels):
             raise ValueError(f"schedulers: labels must be unique, got {labels}; set `label`")
         for i, run in enumerate(self.runs()):
-            for section, build in (("control", self.control_for), ("cluster", self.cluster_for)):
+            for section, build in (("control", self.control_for), ("cluster", self.cluster_for),
+                                   ("reward", self.reward_for), ("trainer", self.trainer_for)):
                 try:
                     build(run)
                 except ValidationError as e:
@@ -166,6 +178,12 @@ class SimConfig(Section):
 
     def cluster_for(self, run: SchedulerRun) -> ClusterSpec:
         return ClusterSpec.model_validate({**self.cluster.model_dump(), **run.cluster})
+
+    def reward_for(self, run: SchedulerRun) -> RewardSpec:
+        return RewardSpec.model_validate({**self.reward.model_dump(), **run.reward})
+
+    def trainer_for(self, run: SchedulerRun) -> TrainerSpec:
+        return TrainerSpec.model_validate({**self.trainer.model_dump(), **run.trainer})
 
     def control_for(self, run: SchedulerRun) -> ControlConfig:
         return ControlConfig.model_validate({**self.control.model_dump(), **run.control, "scheduler": run.name})

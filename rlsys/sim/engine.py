@@ -45,6 +45,7 @@ class SimRequest:
 class SimEngine:
     def __init__(self, index: int, cost: EngineCost, max_seqs: int, watermark: float, slots: int):
         self.index, self.cost, self.max_seqs = index, cost, max_seqs
+        self.gpus = 1  # the simulator sets its TP size
         self.admit_limit = (1 - watermark) * cost.kv_capacity
         self.slots = slots  # the concurrency counted as full in the bubble ratio
         self.clock = self.progress = self.kv_offset = 0.0
@@ -57,6 +58,7 @@ class SimEngine:
         self._keys = 0
         self.mark_at, self.mark_versions = [0.0], [0]  # progress at which each weight version arrived
         self.busy_slot_s = self.alloc_s = self.kv_token_s = self.generated = 0.0
+        self.idle_s = 0.0  # allocated to rollout with nothing running: room for a streamed trainer
         self.preemptions = 0
         self.recomputed_tokens = 0.0  # prompt + generated tokens of preempted sequences, prefilled again
 
@@ -78,6 +80,8 @@ class SimEngine:
                 return
         span = t - self.clock
         self.alloc_s += span
+        if not self.n:
+            self.idle_s += span
         self.busy_slot_s += min(self.n, self.slots) * span
         kv0 = self.live_kv()
         if self.clock < self.prefill_until:

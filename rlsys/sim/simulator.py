@@ -21,7 +21,7 @@ from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.elastic_tp import ElasticTP
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
 from rlsys.data.cursor import PromptCursor
-from rlsys.sim.cluster import GPUS, sync_seconds, train_seconds
+from rlsys.sim.cluster import GPUS, makespan, sync_seconds, train_gpu_seconds
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest
 from rlsys.sim.runs import Runs
@@ -48,6 +48,7 @@ class Simulation:
         self.shape, self.gpu = cfg.shape(), GPUS[cluster.gpu]
         self.colocated = cluster.trainer_gpus is None
         self.trainer_gpus = cluster.trainer_gpus or cluster.gpus
+        self.reward, self.trainer = cfg.reward_for(run), cfg.trainer_for(run)
         self.sync_s = sync_seconds(self.shape, cfg.weight_sync.bandwidth_gbps, cfg.weight_sync.latency_s)
         self.cluster, self.control = cluster, control
         self.workload = workload or Workload(cfg.workload, cfg.reward, cfg.seed)  # shareable: it only caches
@@ -60,8 +61,12 @@ class Simulation:
         self.requests: dict[str, SimRequest] = {}  # not yet delivered to the scheduler
         self.known: set[str] = set()
         self.samples_drawn: Counter[str] = Counter()  # per prompt uid, to key the workload's draws
-        self.reward_free: Optional[list[float]] = [0.0] * cfg.reward.workers if cfg.reward.workers else None
-        self.train_queue: deque[tuple[list, int]] = deque()  # (groups, tokens) waiting for the trainer
+        self.reward_free: Optional[list[float]] = [0.0] * self.reward.workers if self.reward.workers else None
+        self.reward_pending: list[float] = []  # without reward overlap: latencies of the step's samples
+        self.reward_s: list[float] = []
+        self.stream = Stream()
+        self.trainer_free_at = self.trainer_idle_s = 0.0  # separate trainer GPUs: last finish, idle total
+        self.train_queue: deque[tuple[list, float]] = deque()  # (groups, trainer seconds) waiting
         self.training: Optional[list] = None  # the groups being trained
         self.counts: Counter[str] = Counter()
         self.step_start = 0.0
@@ -91,7 +96,7 @@ class Simulation:
         engines = [SimEngine(i, cost, self.cfg.engine.max_seqs, self.cfg.engine.kv_watermark, slots)
                    for i in range(count)]
         for engine in engines:  # born now, serving the current weights
-            engine.clock, engine.mark_versions = self.now, [self.version]
+            engine.clock, engine.mark_versions, engine.gpus = self.now, [self.version], tp
         return engines
 
     def _all_engines(self) -> list[SimEngine]:
@@ -180,7 +185,8 @@ class Simulation:
             elif isinstance(action, Train):
                 self._train(action, touched)
             elif isinstance(action, Accumulate):
-                continue  # streamed training is not modelled: the simulated trainer starts at Train
+                if self.trainer.streamed:
+                    self.stream.add(self._tokens(action.groups), self._idle_gpu_s())
             else:
                 raise SimulationError(f"unknown action {action!r}")
         for engine in touched.values():
@@ -229,25 +235,47 @@ class Simulation:
             # As from a live engine: the partial output comes back, after the actions at hand.
             self._push(self.now, ABORTED_OUT, self._completion(req, int(req.done), "abort"))
 
+    @staticmethod
+    def _tokens(groups: list) -> int:
+        return sum(sum(g.lengths) + sum(len(s.completion.prompt_ids) for s in g.samples) for g in groups)
+
+    def _gpu_s(self, tokens: float) -> float:
+        t = self.trainer
+        return train_gpu_seconds(self.shape, self.gpu, tokens, t.mfu, t.flops_per_param_token)
+
+    def _idle_gpu_s(self) -> float:
+        """GPU-seconds a streamed trainer could have used so far: rollout GPUs with nothing to decode when
+        colocated, else the trainer's own GPUs while it had nothing to train."""
+        if self.colocated:
+            return sum(e.idle_s * e.gpus for e in self._all_engines())
+        free = self.now - self.trainer_free_at if self.training is None and not self.train_queue else 0.0
+        return self.trainer_gpus * (self.trainer_idle_s + free)
+
     def _train(self, action: Train, touched: dict) -> None:
-        tokens = 0
         for group in action.groups:
             lengths = group.lengths
             self.group_lengths.append(lengths)
             self.trained_tokens += sum(lengths)
             self.truncated += sum(s.completion.finish_reason == "length" for s in group.samples)
-            tokens += sum(lengths) + sum(len(s.completion.prompt_ids) for s in group.samples)
         self.rollout_s.append(self.now - self.step_start)
-        self.train_queue.append((action.groups, tokens))
+        # Without overlap the step's rewards are scored now, on the reward pool, before its training.
+        reward_s = 0.0 if self.reward.overlap else makespan(self.reward_pending, self.reward.workers)
+        self.reward_pending = []
+        self.reward_s.append(reward_s)
+        if self.trainer.streamed:
+            for engine in self.engines:  # bring their idle time up to now
+                engine.advance_to(self.now)
+        tokens, idle = self.stream.take(self._idle_gpu_s())
+        streamed = min(self._gpu_s(tokens), idle)  # GPU-seconds of gradient work done during the rollout
+        work = max(0.0, self._gpu_s(self._tokens(action.groups)) - streamed)
+        self.train_s.append(work / self.trainer_gpus + self.trainer.overhead_s)
+        self.train_queue.append((action.groups, reward_s + self.train_s[-1]))
         if self.training is None:
             self._start_training(touched)
 
     def _start_training(self, touched: dict) -> None:
-        t = self.cfg.trainer
-        self.training, tokens = self.train_queue.popleft()
-        seconds = train_seconds(self.shape, self.gpu, self.trainer_gpus, tokens,
-                                t.mfu, t.flops_per_param_token, t.overhead_s)
-        self.train_s.append(seconds)
+        self.trainer_idle_s += max(0.0, self.now - self.trainer_free_at)
+        self.training, seconds = self.train_queue.popleft()
         if self.colocated:  # the trainer and then the weight reload hold every GPU
             for engine in self.engines:
                 self._touch(engine, touched)
@@ -259,6 +287,10 @@ class Simulation:
     # --- events -----------------------------------------------------------------------------
     def _generated(self, req: SimRequest) -> None:
         self.counts["finished"] += 1
+        if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
+            self.reward_pending.append(req.reward_latency)
+            self._push(self.now, SAMPLE, req)
+            return
         start = self.now
         if self.reward_free is not None:  # a bounded reward pool: wait for the first free worker
             start = max(start, heapq.heappop(self.reward_free))
@@ -286,6 +318,7 @@ class Simulation:
         self._push(self.now + self.sync_s, TRAINED)
 
     def _trained(self) -> None:
+        self.trainer_free_at = self.now
         self.version += 1
         self.trained += 1
         self.step_ends.append(self.now)
@@ -357,6 +390,7 @@ class Simulation:
             "step_time_s": sim_s / steps,
             "rollout_time_s": mean(self.rollout_s),
             "train_time_s": mean(self.train_s),
+            "reward_wait_s": mean(self.reward_s),
             "weight_sync_s": self.sync_s,
             "bubble_ratio": idle_share(busy, alloc),
             "kv_utilization": kv,
@@ -379,3 +413,23 @@ class Simulation:
                      "controller_calls": self.controller_calls,
                      "controller_share": self.controller_s / sim_s},
         }
+
+
+class Stream:
+    """Streamed training's ledger for one step: the gradient work of the groups streamed so far, and the
+    idle GPU-seconds seen since the first of them, which that work may fill."""
+
+    def __init__(self):
+        self.tokens, self.idle_at_start = 0, None
+
+    def add(self, tokens: int, idle_gpu_s: float) -> None:
+        if self.idle_at_start is None:
+            self.idle_at_start = idle_gpu_s
+        self.tokens += tokens
+
+    def take(self, idle_gpu_s: float) -> tuple[int, float]:
+        """Closes the step: the streamed tokens, and the idle GPU-seconds their work could fill."""
+        idle = 0.0 if self.idle_at_start is None else idle_gpu_s - self.idle_at_start
+        out = (self.tokens, idle)
+        self.tokens, self.idle_at_start = 0, None
+        return out
