@@ -66,20 +66,25 @@ class Cluster:
     """`with Cluster(workers=1) as c:` a head and `workers` worker nodes, each with `cpus` CPUs and `gpus`
     logical GPUs (a Ray resource only: placement plans need one, and the engines and ranks still run on CPU)."""
 
-    def __init__(self, workers: int = 1, cpus: int = 4, gpus: int = 1, object_store_mb: int = 256):
+    def __init__(self, workers: int = 1, cpus: int = 4, gpus: int = 1, head_gpus: int | None = None,
+                 object_store_mb: int = 256):
         self.tag = os.getpid() % 250 + 1  # concurrent test runs get their own names and subnets
         self.base = tempfile.mkdtemp(prefix="rlmn")  # short: Ray's socket paths must fit 107 characters
         self.bridge = f"rlbr{self.tag}"
         self.head = Node(self, "head", 1)
         self.workers = [Node(self, f"w{i + 1}", i + 2) for i in range(workers)]
-        self.resources = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
+        self.resources = {node.name: ["--num-cpus", str(cpus), "--num-gpus", str(gpus)] for node in self.nodes}
+        if head_gpus is not None:  # 0: no engine or rank on the head, so that any worker node may be lost
+            self.resources["head"][-1] = str(head_gpus)
         self.object_store = str(object_store_mb * 1024 * 1024)
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
         # gloo finds its address from the hostname, which here belongs to the host: name the link instead.
         token = Path(self.base) / "auth_token"  # Ray's token auth: every node and client shows the head's token
         token.write_text(secrets.token_hex(32))
         self.env = dict(os.environ, PATH=path, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME=IFACE, RAY_DEDUP_LOGS="0",
-                        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+                        RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
+                        # a lost node is declared dead after ~3 s rather than Ray's default half a minute
+                        RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
 
     @property
     def nodes(self) -> list[Node]:
@@ -117,7 +122,7 @@ class Cluster:
 
     def _start(self, node: Node, cmd: list[str]) -> None:
         more = ["--", "--node-ip-address", node.address, "--temp-dir", str(node.temp_dir),
-                "--object-store-memory", self.object_store, *self.resources]
+                "--object-store-memory", self.object_store, *self.resources[node.name]]
         out = node.run([*cmd, *more], self.env, timeout=180)
         if out.returncode:
             raise RuntimeError(f"{cmd[1]} on {node.name} failed:\n{out.stdout}\n{out.stderr}")
