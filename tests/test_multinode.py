@@ -80,11 +80,11 @@ def spare_cluster():
         yield c
 
 
-def kill_node_during_run(cluster, plan_node: int, run_dir, log) -> str:
-    """Once the run is under way (its first eval written), kill the machine the printed plan put `plan_node`
-    on (test 1 checks the printout against Ray's view); its address."""
+def kill_node_during_run(cluster, plan_node: int, run_dir, log, once: str = "metrics.jsonl") -> str:
+    """Once the run has written `once` (by default its first eval), kill the machine the printed plan put
+    `plan_node` on (test 1 checks the printout against Ray's view); its address."""
     deadline = time.monotonic() + 300
-    while not (run_dir / "metrics.jsonl").exists():
+    while not any(run_dir.glob(once)):
         assert time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.5)
     address = plan_addresses(log.read_text())[plan_node]
@@ -114,11 +114,12 @@ def test_a_lost_trainer_rank_stops_the_run_naming_it_and_resume_goes_on(spare_cl
     log = tmp_path / "job.log"
     job = spare_cluster.submit_background(*FAULT_RUN, f"output_dir={tmp_path / 'run'}", log=log)
     try:
-        kill_node_during_run(spare_cluster, 0, tmp_path / "run", log)
+        kill_node_during_run(spare_cluster, 0, tmp_path / "run", log, once="checkpoints/step_000001")
         assert job.wait(timeout=400) != 0
     finally:
         job.kill()
-    assert "trainer rank 0 died" in log.read_text(), log.read_text()[-4000:]
+    stopped = [line for line in log.read_text().splitlines() if line.startswith("rlsys: ")]  # the clear message
+    assert stopped and "trainer rank" in stopped[-1], log.read_text()[-4000:]
 
     out = spare_cluster.submit(*FAULT_RUN, f"output_dir={tmp_path / 'run'}", "--resume")
     assert out.returncode == 0 and "done: step 5" in out.stdout, (out.stdout + out.stderr)[-4000:]
