@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Submit `rlsys train CONFIG [key=value ...]` to a running Ray cluster as a Ray job (`ray job submit`).
 
-    python launch/submit.py CONFIG [key=value ...] [--address http://127.0.0.1:8265] [--no-wait] [--dry-run]
+    python launch/submit.py CONFIG [key=value ...] [--address http://127.0.0.1:8265] [--resume] [--no-wait] [--dry-run]
 
 The config and overrides are checked here first, so a typo fails before anything is queued. The
 repository is uploaded as the job's working directory (without runs/ and .git/); rlsys and its
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RUNTIME_ENV = {"working_dir": ".", "excludes": ["runs/", ".git/"]}
 
 
-def build_command(config: str, overrides: list[str], address: str, wait: bool) -> list[str]:
+def build_command(config: str, overrides: list[str], address: str, wait: bool, resume: bool = False) -> list[str]:
     if not any(o.startswith("cluster.address=") for o in overrides):
         overrides = overrides + ["cluster.address=auto"]
-    entrypoint = ["rlsys", "train", config, *overrides]
+    entrypoint = ["rlsys", "train", config, *overrides, *(["--resume"] if resume else [])]
     return ["ray", "job", "submit", "--address", address, "--runtime-env-json", json.dumps(RUNTIME_ENV),
             *([] if wait else ["--no-wait"]), "--", *entrypoint]
 
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS", "http://127.0.0.1:8265"),
                         help="the Ray dashboard of the head (default $RAY_ADDRESS or http://127.0.0.1:8265)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in output_dir from its last checkpoint")
     parser.add_argument("--no-wait", action="store_true", help="return once submitted, without following the logs")
     parser.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     args = parser.parse_args(argv)
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"submit.py: {e}", file=sys.stderr)
         return 2
-    cmd = build_command(args.config, args.overrides, args.address, wait=not args.no_wait)
+    cmd = build_command(args.config, args.overrides, args.address, wait=not args.no_wait, resume=args.resume)
     print(shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0

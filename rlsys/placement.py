@@ -164,6 +164,19 @@ class Placement:
         gpus = COLOCATED_SHARE if self.plan.layout == "colocated" else whole
         return {"scheduling_strategy": where, "num_gpus": gpus, "num_cpus": 0}
 
+    def node_addresses(self) -> dict[int, str]:
+        """Logical node -> the address of the Ray node that holds its slots' bundles, as Ray reports them."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        hosts = {name: placement_group_table(g)["bundles_to_node_id"] for name, g in self.groups.items()}
+        found: dict[int, set[str]] = {}
+        for s in self.plan.engines + self.plan.trainer:
+            name, bundles = self.where[s.role, s.index]
+            found.setdefault(s.node, set()).add(addresses.get(hosts[name][bundles[0]], "?"))
+        return {node: ",".join(sorted(a)) for node, a in found.items()}
+
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
@@ -184,7 +197,8 @@ def _runs(items: list[int]) -> str:
     return ",".join(out)
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, addresses: dict[int, str] | None = None) -> str:
+    """The plan, a line per node; `addresses` (Placement.node_addresses) names the machine each one landed on."""
     total = plan.nodes * plan.gpus_per_node
     lines = [f"placement: {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {total}, {plan.layout}; "
              f"rollout {len(plan.engines)} engine(s) x TP {plan.tp}, trainer {len(plan.trainer)} rank(s); "
@@ -197,5 +211,6 @@ def format_plan(plan: Plan) -> str:
             if mine:
                 gpus = sorted(g for s in mine for g in s.gpus)
                 parts.append(f"{label} {_runs([s.index for s in mine])} on GPUs {_runs(gpus)}")
-        lines.append(f"  node {node:>{width}}: " + ("; ".join(parts) or "idle"))
+        where = f" ({addresses[node]})" if addresses and node in addresses else ""
+        lines.append(f"  node {node:>{width}}{where}: " + ("; ".join(parts) or "idle"))
     return "\n".join(lines)

@@ -60,8 +60,8 @@ class Controller:
         plan = plan_from_config(cfg)
         self.placement = None
         if plan:  # where each engine and trainer rank goes (GPU clusters only), reserved before any actor starts
-            print(format_plan(plan), flush=True)
             self.placement = Placement(plan)
+            print(format_plan(plan, self.placement.node_addresses()), flush=True)
         self.model_dir = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
         train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer)  # it logs the prompts it drops

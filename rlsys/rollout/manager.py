@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import ray
 from ray import ObjectRef
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 
 from rlsys.cluster import actor_id, death_reason
 from rlsys.placement import ROLLOUT
@@ -312,7 +312,12 @@ class RolloutManager:
         requests."""
         ray.get(worker.ready.remote())
         if self.weights is not None:
-            ray.get(worker.update_weights.remote(*self.weights))
+            try:
+                ray.get(worker.update_weights.remote(*self.weights))
+            except OwnerDiedError as e:  # a lost node took the trainer rank that put them in the object store
+                raise RunStopped(f"a replacement rollout worker cannot load the last weights: the trainer rank that "
+                                 f"held them was lost ({death_reason(e)}); --resume continues from the last "
+                                 "checkpoint") from e
         if self.asleep:
             ray.get(worker.sleep.remote(self.sleep_level))
             ray.get(worker.wake_up.remote([t for t in SLEEP_TAGS if t not in self.asleep]))
