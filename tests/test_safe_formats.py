@@ -33,6 +33,10 @@ ALLOWED = {
     # The reward function is pickled by the driver and unpickled by its reward actors, in memory through
     # Ray (which pickles every actor argument anyway); nothing is written to or read from disk.
     ("rlsys/reward/pool.py", "import ray.cloudpickle"),
+    # CUDA IPC handles (torch's reduce_tensor: a rebuild function and its arguments, pickled as torch's own
+    # multiprocessing does) pass once per run from a trainer rank to the engine on its GPU through that rank's
+    # TCP store, in memory. The store trusts the cluster's network exactly as Ray's own ports do.
+    ("rlsys/weights/transfer.py", "import pickle"),
 }
 
 
