@@ -89,3 +89,40 @@ def test_submit_dry_run_checks_the_config_and_prints_the_job(env):
     bad = run([sys.executable, "launch/submit.py", "configs/tiny.yaml", "trainer.zero_stage=9", "--dry-run"],
               env, ok=False)
     assert "trainer.zero_stage" in bad.stderr
+
+
+def test_the_slurm_job_starts_the_head_then_the_workers_then_training(env, tmp_path):
+    """The generated job run under stand-ins for Slurm (srun, scontrol), Ray's node count (python) and rlsys,
+    which record each call: head first, workers only once the head answers, training once all have joined."""
+    script = run(["bash", "launch/sbatch.sh", "--dry-run", "--config", "configs/tiny.yaml", "--nodes", "3",
+                  "--gpus-per-node", "2", "trainer.total_steps=4"], env).stdout
+    job = tmp_path / "job.sbatch"
+    job.write_text(script.rsplit("\n# would write", 1)[0])
+    calls, stubs = tmp_path / "calls", tmp_path / "slurm_bin"
+    stubs.mkdir()
+    bodies = {
+        "scontrol": 'printf "n1\\nn2\\nn3\\n"',
+        "srun": (f'echo "srun $*" >> {calls}\n'
+                 'case "$*" in *hostname*) echo 10.9.8.7 ;; *ray_head.sh*) touch "$STATE/head" ;;'
+                 ' *ray_worker.sh*) touch "$STATE/workers" ;; esac'),
+        # Ray's node count as the job polls it: none until the head runs, then 1, then all 3.
+        "python": (f'echo "poll" >> {calls}\n'
+                   'if [ -e "$STATE/workers" ]; then echo 3; elif [ -e "$STATE/head" ]; then echo 1; else echo 0; fi'),
+        "rlsys": f'echo "rlsys $*" >> {calls}',
+    }
+    for name, body in bodies.items():
+        (stubs / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stubs / name).chmod(0o755)
+    job_env = dict(env, PATH=f"{stubs}{os.pathsep}{env['PATH']}", STATE=str(tmp_path), SLURM_SUBMIT_DIR=str(ROOT),
+                   SLURM_JOB_NODELIST="n[1-3]", RLSYS_JOIN_POLL_S="1")
+    out = subprocess.run(["bash", str(job)], cwd=ROOT, env=job_env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = calls.read_text().splitlines()
+    steps = [next(i for i, line in enumerate(lines) if key in line)
+             for key in ("hostname", "ray_head.sh", "poll", "ray_worker.sh", "rlsys train")]
+    assert steps == sorted(steps), lines  # head, a poll that found it, workers, then training
+    worker = lines[steps[3]]
+    assert "--exclude=n1" in worker and "--nodes=2" in worker and "--address 10.9.8.7:6379" in worker
+    assert lines[steps[3] - 1] == "poll" and lines[steps[4] - 1] == "poll"  # each start waited on a poll
+    assert lines[-1] == ("rlsys train configs/tiny.yaml cluster.address=10.9.8.7:6379 cluster.nodes=3 "
+                         "cluster.gpus_per_node=2 trainer.total_steps=4")
