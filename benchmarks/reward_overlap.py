@@ -1,5 +1,5 @@
 """What scoring each sample as it finishes saves against scoring the round after it has generated
-(DESIGN.md "Tail batching": rewards overlap generation), with a reward that costs real time.
+(docs/design.md "Tail batching": rewards overlap generation), with a reward that costs real time.
 
     python benchmarks/reward_overlap.py [--steps N] [--repeats R]
 

@@ -1,4 +1,4 @@
-"""What SAGC costs the controller per step (DESIGN.md "SAGC": the decision must cost well under 1 ms).
+"""What SAGC costs the controller per step (docs/design.md "SAGC": the decision must cost well under 1 ms).
 
     python benchmarks/sagc_decision_cost.py [--steps N] [--prompts P] [--group-size G]
 

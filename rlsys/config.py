@@ -222,7 +222,7 @@ class TailConfig(Section):
 
 
 class SAGCConfig(Section):
-    """Straggler-aware group control: G_t = argmax V*U(G) - Q_t*p(G) over `sizes` (DESIGN.md "SAGC")."""
+    """Straggler-aware group control: G_t = argmax V*U(G) - Q_t*p(G) over `sizes` (docs/design.md "SAGC")."""
     sizes: list[int] = [4, 8, 16]  # allowed group sizes
     delta: float = Field(0.1, ge=0, le=1)  # budget on the long-run straggler rate
     v: float = Field(0.1, gt=0)  # V, the weight of utility against the straggler queue (see README: SAGC)
@@ -240,7 +240,7 @@ class SAGCConfig(Section):
 
 
 class SortedConfig(Section):
-    """SortedRL: oversubscribed rollout groups, trained in finish order (DESIGN.md "SortedRL")."""
+    """SortedRL: oversubscribed rollout groups, trained in finish order (docs/design.md "SortedRL")."""
     mode: Literal["on_policy", "partial"] = "on_policy"  # unfinished samples at an update: regenerate | resume
     rollout_prompts: Optional[int] = Field(None, ge=1)  # prompts per rollout group; None: 4 x update_prompts
     update_prompts: Optional[int] = Field(None, ge=1)  # prompts per Train; None: the group sizer's prompts

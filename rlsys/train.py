@@ -1,5 +1,5 @@
 """The controller: one loop that turns scheduler actions into work on the Ray actors and events back
-into the scheduler (DESIGN.md "Shape"). Everything it calls has one job; the policy lives in control/.
+into the scheduler (docs/design.md "Shape"). Everything it calls has one job; the policy lives in control/.
 
 With `rollout.enable_sleep_mode` (on by default where engines share GPUs with the trainer) the engines
 sleep as soon as they are built, so the trainer starts on free GPUs, and again before every train step;

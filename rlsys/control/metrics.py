@@ -1,4 +1,4 @@
-"""Rollout metrics as defined in DESIGN.md ("Metrics"): straggler events from lengths, the bubble ratio from
+"""Rollout metrics as defined in docs/design.md ("Metrics"): straggler events from lengths, the bubble ratio from
 slot occupancy (the live engines and the simulator record it; completions give it where all are known)."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def straggler_rate(groups_lengths: Iterable[Sequence[int]], kappa: float) -> flo
 
 
 def idle_share(occupied_slot_s: float, available_slot_s: float) -> float:
-    """The bubble ratio: 1 - occupied slot-seconds / available slot-seconds (DESIGN.md's decode-step
+    """The bubble ratio: 1 - occupied slot-seconds / available slot-seconds (docs/design.md's decode-step
     definition measured in time, so idle engines waiting for others count as bubble too)."""
     return max(0.0, 1.0 - occupied_slot_s / available_slot_s) if available_slot_s > 0 else 0.0
 

@@ -1,4 +1,4 @@
-"""Name -> class registries, so that config selects an algorithm by name (DESIGN.md principle 3)."""
+"""Name -> class registries, so that config selects an algorithm by name (docs/design.md principle 3)."""
 from __future__ import annotations
 
 from typing import Callable, Generic, TypeVar

@@ -1,4 +1,4 @@
-"""`sagc`: straggler-aware group control (DESIGN.md "SAGC"), a drift-plus-penalty choice of G.
+"""`sagc`: straggler-aware group control (docs/design.md "SAGC"), a drift-plus-penalty choice of G.
 
 Before each step: G_t = argmax over the allowed sizes of V * U(G) - Q_t * p(G).
 After it: Q_{t+1} = max(Q_t + S_t - delta, 0), S_t the step's realised straggler rate. Q is a

@@ -1,4 +1,4 @@
-"""Schedulers: pure policies that turn events into actions (DESIGN.md principle 1).
+"""Schedulers: pure policies that turn events into actions (docs/design.md principle 1).
 
 Events: a sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the
 trainer published weights version v (`on_trained`). Actions: Submit, Abort, Accumulate, Train. No ray,

@@ -1,4 +1,4 @@
-"""`sorted`: SortedRL's online length-aware scheduling (DESIGN.md "SortedRL"), as a pure policy.
+"""`sorted`: SortedRL's online length-aware scheduling (docs/design.md "SortedRL"), as a pure policy.
 
 A round is one SortedRL rollout group: N = `rollout_prompts` prompts (default 4 x the update batch
 B) with G samples each, all submitted at once so the engine is oversubscribed. Groups complete in

@@ -1,4 +1,4 @@
-"""`async`: rollout and training overlap, with staleness bounded by eta (DESIGN.md "Asynchronous mode").
+"""`async`: rollout and training overlap, with staleness bounded by eta (docs/design.md "Asynchronous mode").
 
 Counting is in prompts: admitting a prompt submits its G samples at once, and B is
 `control.prompts_per_step`. With trained, buffered and generating prompts counted (dropped ones

@@ -1,4 +1,4 @@
-"""`tail`: RollPacker's tail batching (DESIGN.md "Tail batching").
+"""`tail`: RollPacker's tail batching (docs/design.md "Tail batching").
 
 Short round: draw ceil(eta_p * P) prompts with ceil(eta_r * R) samples each. A prompt is complete
 when R of its samples have finished; its other samples are aborted at once. When P prompts are

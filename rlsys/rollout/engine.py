@@ -1,4 +1,4 @@
-"""The rollout engine interface (DESIGN.md principle 4): what a rollout worker needs from an engine.
+"""The rollout engine interface (docs/design.md principle 4): what a rollout worker needs from an engine.
 
 An engine holds a fixed number of slots (concurrent sequences). Requests wait until a slot frees up,
 are generated token by token, and come back as Completions with per-token behaviour log-probs and

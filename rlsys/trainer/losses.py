@@ -182,7 +182,7 @@ def gspo_loss(inp: LossInputs, cfg: TrainerConfig):
     return clipped_objective(ratio, inp.advantages, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
 
 
-# --- staleness-robust losses (DESIGN.md "Decoupled PPO", "Delightful Policy Gradient") -------------
+# --- staleness-robust losses (docs/design.md "Decoupled PPO", "Delightful Policy Gradient") -------------
 def areal_cap(cfg: TrainerConfig) -> MismatchConfig:
     """AReaL's weight: rho per token, tokens with rho > `is_cap` dropped (token-level mis)."""
     return MismatchConfig(mode="mis", level="token", threshold=cfg.is_cap, warn_kl=None)

@@ -1,5 +1,5 @@
 """A streamed train step: gradients of completed prompts accumulate while the round is still generating,
-and one optimizer update at the end equals the synchronous step's (DESIGN.md "Tail batching").
+and one optimizer update at the end equals the synchronous step's (docs/design.md "Tail batching").
 
 The losses divide by the step's token (or sequence) count, which is unknown until the round ends. So each
 part is accumulated un-normalised (step totals of 1) and `finish` divides the summed gradients by the count
