@@ -60,7 +60,8 @@ def test_training_on_prompts_longer_than_max_prompt_tokens_prints_the_reason_alo
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(row) for _ in range(6)) + "\n")
     done = subprocess.run([sys.executable, "-m", "rlsys.cli", "train", "data.task=files", f"data.train_path={data}",
-                           "data.eval_size=2", f"output_dir={tmp_path / 'run'}", "cluster.num_cpus=2"],
+                           "data.eval_size=2", f"output_dir={tmp_path / 'run'}", "cluster.num_cpus=2",
+                           "model.warm_start.steps=0"],  # the data check comes after the model is built
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "rlsys: all 4 training prompts are longer than data.max_prompt_tokens=64 tokens" in done.stderr
