@@ -7,7 +7,6 @@ The conversion is cached (~/.cache/rlsys/models), so only the first run pays for
 import json
 import math
 import os
-from pathlib import Path
 
 import pytest
 import torch

@@ -129,10 +129,10 @@ def check_request(req: Request, vocab: int, max_len: int) -> None:
     rid, p = req.request_id, req.params
     if not req.prompt_ids:
         raise ValueError(f"request {rid}: prompt_ids is empty")
-    for field in ("prompt_ids", "resume_ids"):
-        for i, t in enumerate(getattr(req, field)):
+    for name in ("prompt_ids", "resume_ids"):
+        for i, t in enumerate(getattr(req, name)):
             if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"request {rid}: {field}[{i}]={t!r} is not a token id in [0, {vocab})")
+                raise ValueError(f"request {rid}: {name}[{i}]={t!r} is not a token id in [0, {vocab})")
     if not len(req.resume_ids) == len(req.resume_logprobs) == len(req.resume_versions):
         raise ValueError(f"request {rid}: resume_ids, resume_logprobs and resume_versions must have the "
                          f"same length (got {len(req.resume_ids)}, {len(req.resume_logprobs)}, "
