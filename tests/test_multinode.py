@@ -71,7 +71,9 @@ def test_a_run_spreads_over_the_nodes_as_planned_and_broadcast_weights_reach_eve
 # The plan: node 0 holds engine 0 and trainer rank 0, node 1 engine 1 alone.
 FAULT_RUN = [*RUN, "trainer.world_size=1", "trainer.total_steps=5", "control.save_every=1",
              "weights.transfer=object_store"]
-REWARD_WORKERS = 4
+# Four reward workers; a call's deadline well past the seconds Ray takes to declare a node dead, so that a
+# lost worker's items are retried elsewhere rather than given the fallback for a timeout.
+REWARDS = ["reward.num_workers=4", "reward.timeout_s=30"]
 
 
 @pytest.fixture
@@ -111,8 +113,7 @@ def test_a_lost_node_s_rollout_and_reward_workers_are_replaced_elsewhere_and_eve
     """kill: the node's raylet and processes stop; cut: they run on, unreachable, until Ray's health check
     declares the node dead."""
     cluster, run_dir, log = plan_cluster, tmp_path / "run", tmp_path / "job.log"
-    job = cluster.submit_background(*FAULT_RUN, f"reward.num_workers={REWARD_WORKERS}", f"output_dir={run_dir}",
-                                    log=log)
+    job = cluster.submit_background(*FAULT_RUN, *REWARDS, f"output_dir={run_dir}", log=log)
     try:
         wait_for_run(run_dir, log)
         cluster.add_worker()  # the spare
@@ -137,7 +138,7 @@ def test_a_lost_node_s_rollout_and_reward_workers_are_replaced_elsewhere_and_eve
     assert last["prompts/trained"] == 5 * 4 == last["prompts/drawn"] - dropped and last["reward/errors"] == 0, last
     # Engine 0 and engine 1's replacement, the reward workers left and the lost ones' replacements.
     left = [cls for cls, ip, _, _ in actors_seen_by_ray(cluster) if ip != lost.address]
-    assert left.count("RolloutWorker") == 2 and left.count("RewardWorker") >= REWARD_WORKERS, left
+    assert left.count("RolloutWorker") == 2 and left.count("RewardWorker") >= 4, left
 
 
 @needs_namespaces
