@@ -118,13 +118,12 @@ class Cluster:
         self.close()
 
     def add_worker(self) -> Node:
-        """A worker node joining the running cluster (e.g. a spare, once the run's actors are placed)."""
-        alive = self.alive_nodes()  # a lost node stays in self.nodes
+        """A worker node joining the running cluster (e.g. a spare, once a node is lost)."""
         node = Node(self, f"w{len(self.workers) + 1}", len(self.nodes) + 1)
         self.workers.append(node)  # before it exists, so that close() removes whatever was made
         self._link(node)
         self._start(node, ["bash", "launch/ray_worker.sh", "--address", self.gcs])
-        self.wait_for_nodes(alive + 1)
+        self._wait(lambda alive: node.address in alive, f"{node.name} alive", 120)
         return node
 
     def _link(self, node: Node) -> None:
@@ -153,14 +152,19 @@ class Cluster:
             raise RuntimeError(f"python on {(node or self.head).name} failed:\n{out.stdout}\n{out.stderr}")
         return out.stdout
 
-    def alive_nodes(self) -> int:
-        return int(self.python("print(sum(n['Alive'] for n in ray.nodes()))").strip())
+    def alive(self) -> list[str]:
+        """The addresses of the Ray nodes alive."""
+        return self.python("print(*(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))").split()
 
     def wait_for_nodes(self, n: int, timeout_s: float = 120) -> None:
+        self._wait(lambda alive: len(alive) == n, f"{n} Ray nodes alive", timeout_s)
+
+    def _wait(self, done, what: str, timeout_s: float) -> None:
+        """Until `done(self.alive())`."""
         deadline = time.monotonic() + timeout_s
-        while (alive := self.alive_nodes()) != n:
+        while not done(alive := self.alive()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{alive} Ray nodes alive, not {n}, after {timeout_s:.0f} s")
+                raise TimeoutError(f"not {what} after {timeout_s:.0f} s: alive {alive}")
             time.sleep(2)
 
     def submit(self, *args: str, timeout: float = 480) -> subprocess.CompletedProcess:

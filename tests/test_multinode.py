@@ -87,7 +87,7 @@ def spare_cluster():
 def plan_cluster():
     """A worker node per plan node and a head with no CPU either, so that the reward workers land on the
     worker nodes: 4 of them, 3 CPUs free on each node, put at least one on each whichever Ray fills first.
-    The test adds the spare once they are placed."""
+    The test adds a spare once a node is lost (present earlier, it would take the reward workers first)."""
     with Cluster(workers=2, head_gpus=0, head_cpus=0) as c:
         yield c
 
@@ -116,14 +116,12 @@ def test_a_lost_node_s_rollout_and_reward_workers_are_replaced_elsewhere_and_eve
     job = cluster.submit_background(*FAULT_RUN, *REWARDS, f"output_dir={run_dir}", log=log)
     try:
         wait_for_run(run_dir, log)
-        cluster.add_worker()  # the spare
         lost = machine_of(cluster, 1, log)
-        actors = actors_seen_by_ray(cluster)
-        assert ("RewardWorker", lost.address) in [a[:2] for a in actors], actors
         if fault == "kill":
             lost.kill()
         else:
             cluster.cut(lost)
+        cluster.add_worker()  # the spare, where Ray moves the lost node's placement group
         assert job.wait(timeout=400) == 0, log.read_text()[-4000:]
     finally:
         job.kill()
@@ -136,9 +134,12 @@ def test_a_lost_node_s_rollout_and_reward_workers_are_replaced_elsewhere_and_eve
     last = steps[-1]
     dropped = sum(v for k, v in last.items() if k.startswith("prompts/dropped_"))
     assert last["prompts/trained"] == 5 * 4 == last["prompts/drawn"] - dropped and last["reward/errors"] == 0, last
-    # Engine 0 and engine 1's replacement, the reward workers left and the lost ones' replacements.
-    left = [cls for cls, ip, _, _ in actors_seen_by_ray(cluster) if ip != lost.address]
-    assert left.count("RolloutWorker") == 2 and left.count("RewardWorker") >= 4, left
+    # Ray's view: a reward worker ran on the lost node; on the nodes left ran engine 0, engine 1's replacement,
+    # the reward workers that were there and the lost ones' replacements.
+    actors = actors_seen_by_ray(cluster)
+    assert ("RewardWorker", lost.address, "DEAD") in [(cls, ip, state) for cls, ip, _, state in actors], actors
+    left = [cls for cls, ip, _, _ in actors if ip not in (None, lost.address)]
+    assert left.count("RolloutWorker") == 2 and left.count("RewardWorker") >= 4, actors
 
 
 @needs_namespaces
