@@ -64,18 +64,21 @@ class Node:
 
 class Cluster:
     """`with Cluster(workers=1) as c:` a head and `workers` worker nodes, each with `cpus` CPUs and `gpus`
-    logical GPUs (a Ray resource only: placement plans need one, and the engines and ranks still run on CPU)."""
+    logical GPUs (a Ray resource only: placement plans need one, and the engines and ranks still run on CPU);
+    `head_cpus` and `head_gpus` set the head's apart."""
 
     def __init__(self, workers: int = 1, cpus: int = 4, gpus: int = 1, head_gpus: int | None = None,
-                 object_store_mb: int = 256):
+                 head_cpus: int | None = None, object_store_mb: int = 256):
         self.tag = os.getpid() % 250 + 1  # concurrent test runs get their own names and subnets
         self.base = tempfile.mkdtemp(prefix="rlmn")  # short: Ray's socket paths must fit 107 characters
         self.bridge = f"rlbr{self.tag}"
         self.head = Node(self, "head", 1)
         self.workers = [Node(self, f"w{i + 1}", i + 2) for i in range(workers)]
-        self.resources = {node.name: ["--num-cpus", str(cpus), "--num-gpus", str(gpus)] for node in self.nodes}
-        if head_gpus is not None:  # 0: no engine or rank on the head, so that any worker node may be lost
-            self.resources["head"][-1] = str(head_gpus)
+        self.worker_resources = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
+        # head_gpus=0: no engine or rank on the head, so that any worker node may be lost;
+        # head_cpus=0: no reward worker either (Ray puts CPU-only actors on GPU-less nodes first)
+        self.head_resources = ["--num-cpus", str(cpus if head_cpus is None else head_cpus),
+                               "--num-gpus", str(gpus if head_gpus is None else head_gpus)]
         self.object_store = str(object_store_mb * 1024 * 1024)
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
         # gloo finds its address from the hostname, which here belongs to the host: name the link instead.
@@ -83,8 +86,10 @@ class Cluster:
         token.write_text(secrets.token_hex(32))
         self.env = dict(os.environ, PATH=path, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME=IFACE, RAY_DEDUP_LOGS="0",
                         RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
-                        # a lost node is declared dead after ~3 s rather than Ray's default half a minute
-                        RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
+                        # a lost node is declared dead after ~3 s rather than Ray's default half a minute;
+                        # the timeout bounds each check, or a cut link's unanswered checks take 10 s apiece
+                        RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3",
+                        RAY_health_check_timeout_ms="1000")
 
     @property
     def nodes(self) -> list[Node]:
@@ -96,7 +101,10 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         try:
-            self._network()
+            ip("link", "add", self.bridge, "type", "bridge")
+            ip("link", "set", self.bridge, "up")
+            for node in self.nodes:
+                self._link(node)
             self._start(self.head, ["bash", "launch/ray_head.sh", "--port", str(PORT)])
             for node in self.workers:
                 self._start(node, ["bash", "launch/ray_worker.sh", "--address", self.gcs])
@@ -109,20 +117,28 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _network(self) -> None:
-        ip("link", "add", self.bridge, "type", "bridge")
-        ip("link", "set", self.bridge, "up")
-        for node in self.nodes:
-            ip("netns", "add", node.netns)
-            ip("link", "add", node.veth, "type", "veth", "peer", "name", IFACE, "netns", node.netns)
-            ip("link", "set", node.veth, "master", self.bridge, "up")
-            for args in (["addr", "add", f"{node.address}/24", "dev", IFACE], ["link", "set", IFACE, "up"],
-                         ["link", "set", "lo", "up"]):
-                ip("-n", node.netns, *args)
+    def add_worker(self) -> Node:
+        """A worker node joining the running cluster (e.g. a spare, once a node is lost)."""
+        node = Node(self, f"w{len(self.workers) + 1}", len(self.nodes) + 1)
+        self.workers.append(node)  # before it exists, so that close() removes whatever was made
+        self._link(node)
+        self._start(node, ["bash", "launch/ray_worker.sh", "--address", self.gcs])
+        self._wait(lambda alive: node.address in alive, f"{node.name} alive", 120)
+        return node
+
+    def _link(self, node: Node) -> None:
+        """The node's namespace and its link to the bridge."""
+        ip("netns", "add", node.netns)
+        ip("link", "add", node.veth, "type", "veth", "peer", "name", IFACE, "netns", node.netns)
+        ip("link", "set", node.veth, "master", self.bridge, "up")
+        for args in (["addr", "add", f"{node.address}/24", "dev", IFACE], ["link", "set", IFACE, "up"],
+                     ["link", "set", "lo", "up"]):
+            ip("-n", node.netns, *args)
 
     def _start(self, node: Node, cmd: list[str]) -> None:
+        resources = self.head_resources if node is self.head else self.worker_resources
         more = ["--", "--node-ip-address", node.address, "--temp-dir", str(node.temp_dir),
-                "--object-store-memory", self.object_store, *self.resources[node.name]]
+                "--object-store-memory", self.object_store, *resources]
         out = node.run([*cmd, *more], self.env, timeout=180)
         if out.returncode:
             raise RuntimeError(f"{cmd[1]} on {node.name} failed:\n{out.stdout}\n{out.stderr}")
@@ -136,14 +152,19 @@ class Cluster:
             raise RuntimeError(f"python on {(node or self.head).name} failed:\n{out.stdout}\n{out.stderr}")
         return out.stdout
 
-    def alive_nodes(self) -> int:
-        return int(self.python("print(sum(n['Alive'] for n in ray.nodes()))").strip())
+    def alive(self) -> list[str]:
+        """The addresses of the Ray nodes alive."""
+        return self.python("print(*(n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']))").split()
 
     def wait_for_nodes(self, n: int, timeout_s: float = 120) -> None:
+        self._wait(lambda alive: len(alive) == n, f"{n} Ray nodes alive", timeout_s)
+
+    def _wait(self, done, what: str, timeout_s: float) -> None:
+        """Until `done(self.alive())`."""
         deadline = time.monotonic() + timeout_s
-        while (alive := self.alive_nodes()) != n:
+        while not done(alive := self.alive()):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{alive} Ray nodes alive, not {n}, after {timeout_s:.0f} s")
+                raise TimeoutError(f"not {what} after {timeout_s:.0f} s: alive {alive}")
             time.sleep(2)
 
     def submit(self, *args: str, timeout: float = 480) -> subprocess.CompletedProcess:

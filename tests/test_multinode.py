@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from multinode_harness import Cluster, why_no_namespaces
+from multinode_harness import Cluster, Node, why_no_namespaces
 from test_end_to_end import SMALL
 
 pytestmark = pytest.mark.slow
@@ -67,46 +67,79 @@ def test_a_run_spreads_over_the_nodes_as_planned_and_broadcast_weights_reach_eve
 
 
 # --- a node lost mid-run ---------------------------------------------------------------------------------
-# The head holds no GPU, so every engine and rank is on a worker node and any of them can be lost; three
-# worker nodes for a plan of two leave one spare, where Ray moves the lost node's placement group.
+# The head holds no GPU, so every engine and rank is on a worker node and any of them can be lost.
 # The plan: node 0 holds engine 0 and trainer rank 0, node 1 engine 1 alone.
 FAULT_RUN = [*RUN, "trainer.world_size=1", "trainer.total_steps=5", "control.save_every=1",
              "weights.transfer=object_store"]
+# Four reward workers; a call's deadline well past the seconds Ray takes to declare a node dead, so that a
+# lost worker's items are retried elsewhere rather than given the fallback for a timeout.
+REWARDS = ["reward.num_workers=4", "reward.timeout_s=30"]
 
 
 @pytest.fixture
 def spare_cluster():
+    """Three worker nodes for a plan of two: one spare, where Ray moves a lost node's placement group."""
     with Cluster(workers=3, head_gpus=0) as c:
         yield c
 
 
-def kill_node_during_run(cluster, plan_node: int, run_dir, log, once: str = "metrics.jsonl") -> str:
-    """Once the run has written `once` (by default its first eval), kill the machine the printed plan put
-    `plan_node` on (test 1 checks the printout against Ray's view); its address."""
+@pytest.fixture
+def plan_cluster():
+    """A worker node per plan node and a head with no CPU either, so that the reward workers land on the
+    worker nodes: 4 of them, 3 CPUs free on each node, put at least one on each whichever Ray fills first.
+    The test adds a spare once a node is lost (present earlier, it would take the reward workers first)."""
+    with Cluster(workers=2, head_gpus=0, head_cpus=0) as c:
+        yield c
+
+
+def wait_for_run(run_dir, log, once: str = "metrics.jsonl") -> None:
+    """Until the run has written `once`: by default its first eval, when every worker has started."""
     deadline = time.monotonic() + 300
     while not any(run_dir.glob(once)):
         assert time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.5)
+
+
+def machine_of(cluster, plan_node: int, log) -> Node:
+    """The machine the printed plan put `plan_node` on (test 1 checks the printout against Ray's view)."""
     address = plan_addresses(log.read_text())[plan_node]
-    next(n for n in cluster.workers if n.address == address).kill()
-    return address
+    return next(n for n in cluster.workers if n.address == address)
 
 
 @needs_namespaces
-def test_a_lost_node_s_rollout_worker_is_replaced_elsewhere_and_every_prompt_is_trained(spare_cluster, tmp_path):
-    log = tmp_path / "job.log"
-    job = spare_cluster.submit_background(*FAULT_RUN, f"output_dir={tmp_path / 'run'}", log=log)
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_a_lost_node_s_rollout_and_reward_workers_are_replaced_elsewhere_and_every_prompt_is_trained(
+        fault, plan_cluster, tmp_path):
+    """kill: the node's raylet and processes stop; cut: they run on, unreachable, until Ray's health check
+    declares the node dead."""
+    cluster, run_dir, log = plan_cluster, tmp_path / "run", tmp_path / "job.log"
+    job = cluster.submit_background(*FAULT_RUN, *REWARDS, f"output_dir={run_dir}", log=log)
     try:
-        lost = kill_node_during_run(spare_cluster, 1, tmp_path / "run", log)
+        wait_for_run(run_dir, log)
+        lost = machine_of(cluster, 1, log)
+        if fault == "kill":
+            lost.kill()
+        else:
+            cluster.cut(lost)
+        cluster.add_worker()  # the spare, where Ray moves the lost node's placement group
         assert job.wait(timeout=400) == 0, log.read_text()[-4000:]
     finally:
         job.kill()
     text = log.read_text()
     assert "done: step 5" in text and "rollout worker 1 died" in text, text[-4000:]
-    steps = [r for r in rows(tmp_path / "run" / "metrics.jsonl") if "samples" in r]
+    steps = [r for r in rows(run_dir / "metrics.jsonl") if "samples" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5] and all(r["samples"] == 16 for r in steps), steps
-    engines = [(ip, state) for cls, ip, g, state in actors_seen_by_ray(spare_cluster) if cls == "RolloutWorker"]
-    assert (lost, "DEAD") in engines and any(ip != lost for ip, _ in engines[2:]), engines  # the replacement
+    # The ledger: every prompt drawn was trained (or dropped for a counted reason), every sample scored by
+    # its reward function (retried on another worker if its own was lost), none given the fallback.
+    last = steps[-1]
+    dropped = sum(v for k, v in last.items() if k.startswith("prompts/dropped_"))
+    assert last["prompts/trained"] == 5 * 4 == last["prompts/drawn"] - dropped and last["reward/errors"] == 0, last
+    # Ray's view: a reward worker ran on the lost node; on the nodes left ran engine 0, engine 1's replacement,
+    # the reward workers that were there and the lost ones' replacements.
+    actors = actors_seen_by_ray(cluster)
+    assert ("RewardWorker", lost.address, "DEAD") in [(cls, ip, state) for cls, ip, _, state in actors], actors
+    left = [cls for cls, ip, _, _ in actors if ip not in (None, lost.address)]
+    assert left.count("RolloutWorker") == 2 and left.count("RewardWorker") >= 4, actors
 
 
 @needs_namespaces
@@ -114,7 +147,8 @@ def test_a_lost_trainer_rank_stops_the_run_naming_it_and_resume_goes_on(spare_cl
     log = tmp_path / "job.log"
     job = spare_cluster.submit_background(*FAULT_RUN, f"output_dir={tmp_path / 'run'}", log=log)
     try:
-        kill_node_during_run(spare_cluster, 0, tmp_path / "run", log, once="checkpoints/step_000001")
+        wait_for_run(tmp_path / "run", log, once="checkpoints/step_000001")
+        machine_of(spare_cluster, 0, log).kill()
         assert job.wait(timeout=400) != 0
     finally:
         job.kill()

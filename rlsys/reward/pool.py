@@ -9,7 +9,8 @@ with an error string, counted in `errors`:
   since the thread it ran on may be stuck forever;
 - the worker does not answer by its deadline (e.g. a regex holding the GIL): the driver kills and
   replaces it; a lone item gets the fallback, items of a larger call are retried one by one;
-- the worker dies: it is replaced and its items are retried once, alone.
+- the worker dies: it is replaced and its items are retried once, alone, on a worker that answered since
+  (the others on a lost node die with it);
 Each fault is logged with its sample and reason: the first ten, then the 20th, 30th, ..., 100th, 200th...
 
 The reward function travels to the workers pickled: functions of rlsys by reference (imported there),
@@ -98,7 +99,9 @@ class RewardWorker:
         return results, False
 
 
-_RemoteWorker = ray.remote(RewardWorker)
+# Each worker holds a CPU, as the rollout workers do: with Ray's default (one CPU to be placed, none held)
+# every worker of the pool lands on the same node, whatever its cores.
+_RemoteWorker = ray.remote(num_cpus=1)(RewardWorker)
 
 
 def _pickle(fn: RewardFn) -> bytes:
@@ -269,7 +272,15 @@ class RewardPool:
             if self._start_failures[call.worker] >= 3:
                 raise RuntimeError(f"reward worker for {self.cfg.fn!r} failed to start 3 times: {error}")
         self._replace(call.worker)
+        self._recheck_idle()
         return self._retry_or_fail(call.items, f"worker died: {type(error).__name__}")
+
+    def _recheck_idle(self) -> None:
+        """A lost node takes every worker on it, and an idle one's death shows only when it is called: ask the
+        idle workers whether they live before a retried item (one death left) goes to one of them."""
+        for i in self._idle:
+            self._calls[self.workers[i].ready.remote()] = _Call(i, deadline=time.monotonic() + START_TIMEOUT_S)
+        self._idle.clear()
 
     def _retry_or_fail(self, items: list[_Item], error: str) -> list[RewardResult]:
         """Items lost with a worker: back to the front of the queue once, then the fallback."""
