@@ -93,11 +93,6 @@ def train_gpu_seconds(model: ModelShape, gpu: GPU, tokens: float, mfu: float, fl
     return flops_per_param_token * model.params * tokens / (gpu.peak_flops * mfu)
 
 
-def train_seconds(model: ModelShape, gpu: GPU, gpus: int, tokens: float, mfu: float,
-                  flops_per_param_token: float, overhead_s: float) -> float:
-    return train_gpu_seconds(model, gpu, tokens, mfu, flops_per_param_token) / gpus + overhead_s
-
-
 def makespan(durations: list[float], workers: int | None) -> float:
     """Wall time for a pool of `workers` (None: unbounded) to run these jobs, longest first."""
     if not durations:
