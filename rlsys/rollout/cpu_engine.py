@@ -343,13 +343,7 @@ class CPUEngine(RolloutEngine):
         """Write every running slot's cache again from its tokens: the prompt, and all sampled but the last
         (which the next step feeds), in one batched forward."""
         entries = sorted(self.running.values(), key=lambda e: e.slot)
-        seqs = [e.request.prompt_ids + e.tokens[:-1] for e in entries]
-        n, T = len(entries), max(map(len, seqs))
-        ids = self._to_device(torch.tensor([s + [0] * (T - len(s)) for s in seqs]))
-        slots = [e.slot for e in entries]
-        plan = self._to_device(torch.tensor([slots, [len(s) - 1 for s in seqs]]))
-        pos = torch.arange(T, device=self.device).expand(n, -1)
-        self.model.forward(ids, pos, plan[0], [_span(slots, plan[0], 0, n, T)], last=plan[1])
+        self._prefill(entries, [e.request.prompt_ids + e.tokens[:-1] for e in entries])
         for e in entries:
             e.kv_version = self.version
 
@@ -378,13 +372,18 @@ class CPUEngine(RolloutEngine):
         now = time.time()
         for e, slot in zip(entries, free):
             self._occupy(e, slot, now)
-        seqs = [e.request.prompt_ids + e.request.resume_ids for e in entries]
+        plan, logits = self._prefill(entries, [e.request.prompt_ids + e.request.resume_ids for e in entries])
+        return self._sample_into(entries, plan, logits)
+
+    def _prefill(self, entries: list[_Running], seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Write each entry's tokens `seqs` into its slot's cache in one batched forward, padded to the longest:
+        (the plan, see _plan; the logits at each sequence's last token)."""
         n, T = len(entries), max(map(len, seqs))
         ids = self._to_device(torch.tensor([s + [0] * (T - len(s)) for s in seqs]))
         plan = self._plan(entries, [len(s) - 1 for s in seqs])
         pos = torch.arange(T, device=self.device).expand(n, -1)
-        logits = self.model.forward(ids, pos, plan[0], [_span(free, plan[0], 0, n, T)], last=plan[1])
-        return self._sample_into(entries, plan, logits)
+        span = _span([e.slot for e in entries], plan[0], 0, n, T)
+        return plan, self.model.forward(ids, pos, plan[0], [span], last=plan[1])
 
     def _decode_batch(self, entries: list[_Running]) -> tuple | None:
         """One token for each entry in one batched forward; entries of a length bucket attend together."""
