@@ -148,8 +148,16 @@ class DecoderModel:
         # rotate_half(x) * sin == roll(x, D/2) * sin with the first half negated: one op fewer per step
         self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device, dtype)
         self.positions = torch.arange(self.max_len, device=device)
-        self.k_cache = empty(self.layers, slots, KV, self.max_len, D)
-        self.v_cache = empty(self.layers, slots, KV, self.max_len, D)
+        self.kv_shape = (self.layers, slots, KV, self.max_len, D)
+        self.allocate_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
+        """A zeroed KV cache, beside the weights (again after free_kv_cache)."""
+        self.k_cache = torch.zeros(self.kv_shape, dtype=self.embed.dtype, device=self.embed.device)
+        self.v_cache = torch.zeros(self.kv_shape, dtype=self.embed.dtype, device=self.embed.device)
+
+    def free_kv_cache(self) -> None:
+        self.k_cache = self.v_cache = None
 
     def load_state_dict(self, state: dict[str, Tensor], strict: bool, source: str = "state_dict") -> None:
         unknown = sorted(set(state) - set(self.params))
@@ -350,17 +358,13 @@ class CPUEngine(RolloutEngine):
     def _release(self, level: int) -> None:
         """Sleep frees the KV cache; the weights stay, as host memory is where a level-1 sleep would keep them
         and level 2's caller loads new ones anyway."""
-        m = self.model
-        self._kv_layout = (m.k_cache.shape, m.k_cache.dtype)
-        m.k_cache = m.v_cache = None
+        self.model.free_kv_cache()
         if self.device.type == "cuda":  # give the freed blocks back to the trainer on this GPU
             torch.cuda.empty_cache()
 
     def _reclaim(self, tags: list[str]) -> None:
         if "kv_cache" in tags:
-            shape, dtype = self._kv_layout
-            self.model.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.model.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.model.allocate_kv_cache()
 
     # --- generation -------------------------------------------------------------------------
     def _admit(self) -> tuple | None:
