@@ -35,12 +35,12 @@ def _read_config(model_dir: Path):
     cfg = AutoConfig.from_pretrained(str(model_dir))
     where = f"{model_dir / 'config.json'}"
     if cfg.model_type not in ("qwen2", "llama"):
-        raise ValueError(f"{where}: model_type {cfg.model_type!r} is not supported by the CPU engine "
+        raise ValueError(f"{where}: model_type {cfg.model_type!r} is not supported by the built-in engine "
                          "(qwen2 or llama)")
     if getattr(cfg, "use_sliding_window", False):
-        raise ValueError(f"{where}: use_sliding_window=true is not supported by the CPU engine")
+        raise ValueError(f"{where}: use_sliding_window=true is not supported by the built-in engine")
     if getattr(cfg, "mlp_bias", False):
-        raise ValueError(f"{where}: mlp_bias=true is not supported by the CPU engine")
+        raise ValueError(f"{where}: mlp_bias=true is not supported by the built-in engine")
     if cfg.hidden_act != "silu":
         raise ValueError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported (silu only)")
     rope = getattr(cfg, "rope_parameters", None) or {}
