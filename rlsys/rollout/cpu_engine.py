@@ -281,10 +281,11 @@ class CPUEngine(RolloutEngine):
         if request.request_id in self.waiting or request.request_id in self.running:
             raise ValueError(f"request {request.request_id}: request_id already in the engine")
         self.validate(request)
-        entry = _Running(request, time.time())
+        entry = _Running(request, time.time(), sampled=len(request.resume_ids), tokens=list(request.resume_ids),
+                         logprobs=list(request.resume_logprobs), versions=list(request.resume_versions))
         reason = resume_finish_reason(request, self.eos_ids, self.max_len)
         if reason:
-            self.finished_early.append(self._waiting_completion(entry, reason))
+            self.finished_early.append(self._completion(entry, reason))
         else:
             self.waiting[request.request_id] = entry
 
@@ -312,7 +313,7 @@ class CPUEngine(RolloutEngine):
         out = []
         for rid in request_ids:
             if rid in self.waiting:
-                out.append(self._waiting_completion(self.waiting.pop(rid), "abort"))
+                out.append(self._completion(self.waiting.pop(rid), "abort"))
             elif rid in self.running:
                 out.append(self._finish(self.running[rid].slot, "abort"))
         return out
@@ -438,9 +439,7 @@ class CPUEngine(RolloutEngine):
 
     def _occupy(self, entry: _Running, slot: int, now: float) -> None:
         req, p = entry.request, entry.request.params
-        entry.slot, entry.start_time, entry.sampled = slot, now, len(req.resume_ids)
-        entry.tokens, entry.logprobs = list(req.resume_ids), list(req.resume_logprobs)
-        entry.versions, entry.kv_version, entry.stale_kv_tokens = list(req.resume_versions), self.version, 0
+        entry.slot, entry.start_time, entry.kv_version = slot, now, self.version
         self.running[req.request_id] = entry
         self.slot_owner[slot] = entry
         self.temperature[slot].fill_(p.temperature)  # fill_: `t[i] = x` copies x from the host, a sync on CUDA
@@ -490,17 +489,14 @@ class CPUEngine(RolloutEngine):
         entry = self.slot_owner[slot]
         self.slot_owner[slot] = None
         del self.running[entry.request.request_id]
-        return self._completion(entry, entry.tokens, entry.logprobs, entry.versions, reason, slot)
+        return self._completion(entry, reason)
 
-    def _waiting_completion(self, entry: _Running, reason: str) -> Completion:
+    def _completion(self, entry: _Running, reason: str) -> Completion:
+        """What the entry holds so far; a waiting one (slot -1) has only the tokens it resumed from."""
         r = entry.request
-        return self._completion(entry, list(r.resume_ids), list(r.resume_logprobs), list(r.resume_versions),
-                                reason, -1)
-
-    def _completion(self, entry, tokens, logprobs, versions, reason, slot) -> Completion:
-        r = entry.request
-        return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), tokens, logprobs, versions, reason,
-                          text=self._decode(tokens), slot=slot, submit_time=entry.submit_time,
+        return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), entry.tokens, entry.logprobs,
+                          entry.versions, reason, text=self._decode(entry.tokens), slot=entry.slot,
+                          submit_time=entry.submit_time,
                           start_time=entry.start_time or time.time(), end_time=time.time(),
                           stale_kv_tokens=entry.stale_kv_tokens)
 
