@@ -238,6 +238,10 @@ class RewardPool:
 
     def _start(self, i: int) -> None:
         self.workers[i] = _RemoteWorker.remote(self.cfg, self._fn_blob)
+        self._ask_ready(i)
+
+    def _ask_ready(self, i: int) -> None:
+        """Worker i is idle again once it answers ready(), within START_TIMEOUT_S (see reap)."""
         self._calls[self.workers[i].ready.remote()] = _Call(i, deadline=time.monotonic() + START_TIMEOUT_S)
 
     def _replace(self, i: int) -> None:
@@ -279,7 +283,7 @@ class RewardPool:
         """A lost node takes every worker on it, and an idle one's death shows only when it is called: ask the
         idle workers whether they live before a retried item (one death left) goes to one of them."""
         for i in self._idle:
-            self._calls[self.workers[i].ready.remote()] = _Call(i, deadline=time.monotonic() + START_TIMEOUT_S)
+            self._ask_ready(i)
         self._idle.clear()
 
     def _retry_or_fail(self, items: list[_Item], error: str) -> list[RewardResult]:

@@ -35,12 +35,12 @@ def _read_config(model_dir: Path):
     cfg = AutoConfig.from_pretrained(str(model_dir))
     where = f"{model_dir / 'config.json'}"
     if cfg.model_type not in ("qwen2", "llama"):
-        raise ValueError(f"{where}: model_type {cfg.model_type!r} is not supported by the CPU engine "
+        raise ValueError(f"{where}: model_type {cfg.model_type!r} is not supported by the built-in engine "
                          "(qwen2 or llama)")
     if getattr(cfg, "use_sliding_window", False):
-        raise ValueError(f"{where}: use_sliding_window=true is not supported by the CPU engine")
+        raise ValueError(f"{where}: use_sliding_window=true is not supported by the built-in engine")
     if getattr(cfg, "mlp_bias", False):
-        raise ValueError(f"{where}: mlp_bias=true is not supported by the CPU engine")
+        raise ValueError(f"{where}: mlp_bias=true is not supported by the built-in engine")
     if cfg.hidden_act != "silu":
         raise ValueError(f"{where}: hidden_act {cfg.hidden_act!r} is not supported (silu only)")
     rope = getattr(cfg, "rope_parameters", None) or {}
@@ -148,8 +148,16 @@ class DecoderModel:
         # rotate_half(x) * sin == roll(x, D/2) * sin with the first half negated: one op fewer per step
         self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device, dtype)
         self.positions = torch.arange(self.max_len, device=device)
-        self.k_cache = empty(self.layers, slots, KV, self.max_len, D)
-        self.v_cache = empty(self.layers, slots, KV, self.max_len, D)
+        self.kv_shape = (self.layers, slots, KV, self.max_len, D)
+        self.allocate_kv_cache()
+
+    def allocate_kv_cache(self) -> None:
+        """A zeroed KV cache, beside the weights (again after free_kv_cache)."""
+        self.k_cache = torch.zeros(self.kv_shape, dtype=self.embed.dtype, device=self.embed.device)
+        self.v_cache = torch.zeros(self.kv_shape, dtype=self.embed.dtype, device=self.embed.device)
+
+    def free_kv_cache(self) -> None:
+        self.k_cache = self.v_cache = None
 
     def load_state_dict(self, state: dict[str, Tensor], strict: bool, source: str = "state_dict") -> None:
         unknown = sorted(set(state) - set(self.params))
@@ -273,10 +281,11 @@ class CPUEngine(RolloutEngine):
         if request.request_id in self.waiting or request.request_id in self.running:
             raise ValueError(f"request {request.request_id}: request_id already in the engine")
         self.validate(request)
-        entry = _Running(request, time.time())
+        entry = _Running(request, time.time(), sampled=len(request.resume_ids), tokens=list(request.resume_ids),
+                         logprobs=list(request.resume_logprobs), versions=list(request.resume_versions))
         reason = resume_finish_reason(request, self.eos_ids, self.max_len)
         if reason:
-            self.finished_early.append(self._waiting_completion(entry, reason))
+            self.finished_early.append(self._completion(entry, reason))
         else:
             self.waiting[request.request_id] = entry
 
@@ -304,7 +313,7 @@ class CPUEngine(RolloutEngine):
         out = []
         for rid in request_ids:
             if rid in self.waiting:
-                out.append(self._waiting_completion(self.waiting.pop(rid), "abort"))
+                out.append(self._completion(self.waiting.pop(rid), "abort"))
             elif rid in self.running:
                 out.append(self._finish(self.running[rid].slot, "abort"))
         return out
@@ -343,30 +352,20 @@ class CPUEngine(RolloutEngine):
         """Write every running slot's cache again from its tokens: the prompt, and all sampled but the last
         (which the next step feeds), in one batched forward."""
         entries = sorted(self.running.values(), key=lambda e: e.slot)
-        seqs = [e.request.prompt_ids + e.tokens[:-1] for e in entries]
-        n, T = len(entries), max(map(len, seqs))
-        ids = self._to_device(torch.tensor([s + [0] * (T - len(s)) for s in seqs]))
-        slots = [e.slot for e in entries]
-        plan = self._to_device(torch.tensor([slots, [len(s) - 1 for s in seqs]]))
-        pos = torch.arange(T, device=self.device).expand(n, -1)
-        self.model.forward(ids, pos, plan[0], [_span(slots, plan[0], 0, n, T)], last=plan[1])
+        self._prefill(entries, [e.request.prompt_ids + e.tokens[:-1] for e in entries])
         for e in entries:
             e.kv_version = self.version
 
     def _release(self, level: int) -> None:
         """Sleep frees the KV cache; the weights stay, as host memory is where a level-1 sleep would keep them
         and level 2's caller loads new ones anyway."""
-        m = self.model
-        self._kv_layout = (m.k_cache.shape, m.k_cache.dtype)
-        m.k_cache = m.v_cache = None
+        self.model.free_kv_cache()
         if self.device.type == "cuda":  # give the freed blocks back to the trainer on this GPU
             torch.cuda.empty_cache()
 
     def _reclaim(self, tags: list[str]) -> None:
         if "kv_cache" in tags:
-            shape, dtype = self._kv_layout
-            self.model.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.model.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.model.allocate_kv_cache()
 
     # --- generation -------------------------------------------------------------------------
     def _admit(self) -> tuple | None:
@@ -378,13 +377,18 @@ class CPUEngine(RolloutEngine):
         now = time.time()
         for e, slot in zip(entries, free):
             self._occupy(e, slot, now)
-        seqs = [e.request.prompt_ids + e.request.resume_ids for e in entries]
+        plan, logits = self._prefill(entries, [e.request.prompt_ids + e.request.resume_ids for e in entries])
+        return self._sample_into(entries, plan, logits)
+
+    def _prefill(self, entries: list[_Running], seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Write each entry's tokens `seqs` into its slot's cache in one batched forward, padded to the longest:
+        (the plan, see _plan; the logits at each sequence's last token)."""
         n, T = len(entries), max(map(len, seqs))
         ids = self._to_device(torch.tensor([s + [0] * (T - len(s)) for s in seqs]))
         plan = self._plan(entries, [len(s) - 1 for s in seqs])
         pos = torch.arange(T, device=self.device).expand(n, -1)
-        logits = self.model.forward(ids, pos, plan[0], [_span(free, plan[0], 0, n, T)], last=plan[1])
-        return self._sample_into(entries, plan, logits)
+        span = _span([e.slot for e in entries], plan[0], 0, n, T)
+        return plan, self.model.forward(ids, pos, plan[0], [span], last=plan[1])
 
     def _decode_batch(self, entries: list[_Running]) -> tuple | None:
         """One token for each entry in one batched forward; entries of a length bucket attend together."""
@@ -435,9 +439,7 @@ class CPUEngine(RolloutEngine):
 
     def _occupy(self, entry: _Running, slot: int, now: float) -> None:
         req, p = entry.request, entry.request.params
-        entry.slot, entry.start_time, entry.sampled = slot, now, len(req.resume_ids)
-        entry.tokens, entry.logprobs = list(req.resume_ids), list(req.resume_logprobs)
-        entry.versions, entry.kv_version, entry.stale_kv_tokens = list(req.resume_versions), self.version, 0
+        entry.slot, entry.start_time, entry.kv_version = slot, now, self.version
         self.running[req.request_id] = entry
         self.slot_owner[slot] = entry
         self.temperature[slot].fill_(p.temperature)  # fill_: `t[i] = x` copies x from the host, a sync on CUDA
@@ -487,17 +489,14 @@ class CPUEngine(RolloutEngine):
         entry = self.slot_owner[slot]
         self.slot_owner[slot] = None
         del self.running[entry.request.request_id]
-        return self._completion(entry, entry.tokens, entry.logprobs, entry.versions, reason, slot)
+        return self._completion(entry, reason)
 
-    def _waiting_completion(self, entry: _Running, reason: str) -> Completion:
+    def _completion(self, entry: _Running, reason: str) -> Completion:
+        """What the entry holds so far; a waiting one (slot -1) has only the tokens it resumed from."""
         r = entry.request
-        return self._completion(entry, list(r.resume_ids), list(r.resume_logprobs), list(r.resume_versions),
-                                reason, -1)
-
-    def _completion(self, entry, tokens, logprobs, versions, reason, slot) -> Completion:
-        r = entry.request
-        return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), tokens, logprobs, versions, reason,
-                          text=self._decode(tokens), slot=slot, submit_time=entry.submit_time,
+        return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), entry.tokens, entry.logprobs,
+                          entry.versions, reason, text=self._decode(entry.tokens), slot=entry.slot,
+                          submit_time=entry.submit_time,
                           start_time=entry.start_time or time.time(), end_time=time.time(),
                           stale_kv_tokens=entry.stale_kv_tokens)
 

@@ -2,8 +2,8 @@
 
 An engine holds a fixed number of slots (concurrent sequences). Requests wait until a slot frees up,
 are generated token by token, and come back as Completions with per-token behaviour log-probs and
-policy versions. The built-in CPU engine and the vLLM engine both implement this; the worker and
-everything above it only ever see this interface.
+policy versions. The built-in engine (rollout.engine=cpu, on the CPU or a GPU) and the vLLM engine both
+implement this; the worker and everything above it only ever see this interface.
 
 Sleep (colocated layout): an engine gives its accelerator memory back while the trainer on the same GPU
 trains, and wakes in vLLM's order: "weights", then the new weights are loaded, then "kv_cache".

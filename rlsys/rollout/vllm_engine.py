@@ -30,7 +30,7 @@ back; vLLM turns it on by default for this executor (vllm/config/vllm.py).
 - Stop rule: our EOS ids alone. vLLM adds the EOS ids of the model's generation_config.json to every
   request unless ignore_eos is set, whatever EngineArgs.generation_config says
   (vllm/sampling_params.py `update_from_generation_config`); ignore_eos touches nothing else, and
-  stop_token_ids still stop, so the CPU engine's rule (read_eos_ids) holds here too.
+  stop_token_ids still stop, so the built-in engine's rule (read_eos_ids) holds here too.
 - Outputs stream as deltas (RequestOutputKind.DELTA, vllm/sampling_params.py; `CompletionOutput` in
   vllm/outputs.py): each step's new tokens and their log-probs are appended here, tagged with the
   current version, so an abort returns the tokens so far. finish_reason is "stop", "length" or "abort"
@@ -118,7 +118,7 @@ class VLLMEngine(RolloutEngine):
         self.running_requests = running_requests  # weights.running_requests: "recompute" or "keep"
         self.max_len = self.llm.model_config.max_model_len
         self.vocab = self.llm.model_config.get_vocab_size()
-        path = Path(model_dir)  # EOS and text: the same rules as the CPU engine
+        path = Path(model_dir)  # EOS and text: the same rules as the built-in engine
         self.eos_ids = read_eos_ids(path, eos_token_id)
         self.tokenizer = read_tokenizer(path)
         self.samples: dict[str, _Sample] = {}  # every request vLLM holds, waiting or running
