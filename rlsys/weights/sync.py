@@ -24,16 +24,12 @@ from rlsys.weights.transfer import WeightUpdate, make_transport, wait_for_engine
 GRACE_S = 5.0  # past weights.timeout_s: the parties' own deadlines, whose errors say what they waited for, come first
 
 
-def engine_on_gpu(cfg) -> bool:
-    return cfg.rollout.engine == "vllm" or getattr(cfg.rollout, "device", "cpu") == "cuda"
-
-
 class WeightSync:
     def __init__(self, cfg, trainer, rollout):
         """`trainer`: the run's TrainerGroup, `rollout`: its RolloutManager. Sets the transport up."""
         self.trainer, self.rollout, self.timeout_s = trainer, rollout, cfg.weights.timeout_s
         vllm = cfg.rollout.engine == "vllm"
-        self.transport = make_transport(cfg.weights, engine_on_gpu(cfg))
+        self.transport = make_transport(cfg.weights, cfg.rollout.on_gpu)
         what = f"weights.transfer={self.transport.name}"
         if self.transport.on_gpus and not ray.cluster_resources().get("GPU"):
             raise ValueError(f"{what} needs GPUs and this Ray cluster has none; "
