@@ -14,12 +14,11 @@ import json
 import os
 import platform
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from engine_throughput import build_model
+from engine_throughput import build_model, timed
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
@@ -39,16 +38,8 @@ def running_engine(model_dir: str, mode: str, slots: int, context: int, prompt_l
     return engine
 
 
-def update_ms(engine: CPUEngine, weights: dict, version: int) -> float:
-    t = time.perf_counter()
-    engine.load_weights(weights, version)
-    return (time.perf_counter() - t) * 1e3
-
-
-def step_ms(engine: CPUEngine) -> float:
-    t = time.perf_counter()
-    engine.step()
-    return (time.perf_counter() - t) * 1e3
+def wall_ms(fn) -> float:
+    return timed(fn)[0] * 1e3
 
 
 def main() -> None:
@@ -67,8 +58,8 @@ def main() -> None:
         times: dict[str, list[float]] = {"keep": [], "recompute": [], "decode_step": []}
         for version in range(1, args.repeats + 1):
             for mode, engine in engines.items():
-                times[mode].append(update_ms(engine, weights, version))
-            times["decode_step"].append(step_ms(engines["keep"]))
+                times[mode].append(wall_ms(lambda: engine.load_weights(weights, version)))
+            times["decode_step"].append(wall_ms(engines["keep"].step))
     best = {name: round(min(ms), 3) for name, ms in times.items()}
     report = {
         "machine": {"description": f"a {os.cpu_count()}-core CPU, shared", "cpu_count": os.cpu_count(),

@@ -245,9 +245,14 @@ class TrainerBackend(ABC):
         return self._optimizer_step()
 
     @abstractmethod
+    def _hf_model(self) -> torch.nn.Module:
+        """The Hugging Face model itself (inside any wrapper), whose state_dict names the rollout weights."""
+
     def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor where it lives), one at a time, in state_dict order: use each before asking for
         the next (under ZeRO-3 a parameter is gathered only meanwhile, a collective: every rank reads all)."""
+        for name, t in named_tensors(self._hf_model()):
+            yield name, t.detach()
 
     def rollout_shapes(self) -> dict[str, torch.Tensor]:
         """The rollout weights' names, shapes and dtypes as "meta" tensors (no memory, no collective)."""
@@ -333,10 +338,6 @@ class TorchBackend(TrainerBackend):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm, applied
-
-    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in named_tensors(self.model):
-            yield name, t.detach()
 
     def _hf_model(self) -> torch.nn.Module:
         return self.model

@@ -61,6 +61,10 @@ class TrainerWorker:
     def node_ip(self) -> str:
         return ray.util.get_node_ip_address()
 
+    def gpus(self) -> tuple[str, list]:
+        """This actor's node and Ray GPU ids, as a rollout worker's `gpus` gives them."""
+        return self.node_ip(), self.gpu_ids()
+
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind(("", 0))
@@ -300,7 +304,7 @@ class TrainerGroup:
 
     def gpus(self) -> list[tuple[str, list]]:
         """Each rank's node and Ray GPU ids."""
-        return self._get_all([w.__ray_call__.remote(lambda w: (w.node_ip(), w.gpu_ids())) for w in self.workers])
+        return self._get_all([w.gpus.remote() for w in self.workers])
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> dict[str, ray.ObjectRef]:

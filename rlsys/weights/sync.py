@@ -24,15 +24,12 @@ from rlsys.weights.transfer import WeightUpdate, make_transport, wait_for_engine
 GRACE_S = 5.0  # past weights.timeout_s: the parties' own deadlines, whose errors say what they waited for, come first
 
 
-def engine_on_gpu(cfg) -> bool:
-    return cfg.rollout.engine == "vllm" or getattr(cfg.rollout, "device", "cpu") == "cuda"
-
-
 class WeightSync:
     def __init__(self, cfg, trainer, rollout):
         """`trainer`: the run's TrainerGroup, `rollout`: its RolloutManager. Sets the transport up."""
         self.trainer, self.rollout, self.timeout_s = trainer, rollout, cfg.weights.timeout_s
-        self.transport = make_transport(cfg.weights, engine_on_gpu(cfg))
+        vllm = cfg.rollout.engine == "vllm"
+        self.transport = make_transport(cfg.weights, cfg.rollout.on_gpu)
         what = f"weights.transfer={self.transport.name}"
         if self.transport.on_gpus and not ray.cluster_resources().get("GPU"):
             raise ValueError(f"{what} needs GPUs and this Ray cluster has none; "
@@ -40,9 +37,7 @@ class WeightSync:
         if not self.transport.restartable:
             rollout.restarts_refused = what
         if self.transport.group_backend:
-            self._join(cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1,
-                       self.transport.group_backend)
-        vllm = cfg.rollout.engine == "vllm"
+            self._join(cfg.rollout.tensor_parallel_size if vllm else 1, self.transport.group_backend)
         wire = getattr(torch, cfg.rollout.engine_dtype) if vllm else None  # None: as the trainer has them
         self.plans = trainer.weight_plans(int(cfg.weights.bucket_mb * 2**20), wire)
         self.senders = self._sending_ranks() if self.transport.from_every_gpu else [0]
