@@ -18,9 +18,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def temperature_divisor(temperature: float) -> float:
+    """What logits are divided by: T, where T <= 0 (greedy) counts as 1."""
+    return temperature if temperature > 0 else 1.0
+
+
 def scaled_logits(logits: Tensor, temperature: float) -> Tensor:
-    """fp32 logits / T; T <= 0 (greedy) counts as 1."""
-    return logits.float() / (temperature if temperature > 0 else 1.0)
+    """fp32 logits / T (`temperature_divisor`)."""
+    return logits.float() / temperature_divisor(temperature)
 
 
 def nucleus_floor(scaled: Tensor, top_p: float) -> Tensor:
@@ -102,7 +107,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None  # fp32 sum over chunks
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
-        scale = ctx.temperature if ctx.temperature > 0 else 1.0
+        scale = temperature_divisor(ctx.temperature)
         for rows in range(0, hidden.shape[0], ctx.chunk):
             h, mine = hidden[rows:rows + ctx.chunk], targets[rows:rows + ctx.chunk]
             floor = None if floors is None else floors[rows:rows + ctx.chunk]
