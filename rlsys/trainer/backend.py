@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlsys.config import TrainerConfig
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
-from rlsys.trainer.logprobs import head_logprobs, token_logprobs  # noqa: F401  (token_logprobs: a public helper)
+from rlsys.trainer.logprobs import head_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss, token_mean
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
