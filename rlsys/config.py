@@ -143,6 +143,11 @@ class KLConfig(Section):
     estimator: Optional[Literal["k1", "k2", "k3"]] = None
     coef: float = Field(0.0, ge=0)
 
+    @property
+    def enabled(self) -> bool:
+        """A KL term is in the loss (and the trainer keeps a frozen reference model for it)."""
+        return bool(self.estimator) and self.coef > 0
+
 
 class MismatchConfig(Section):
     """Rollout-trainer mismatch correction by rho = pi_old / pi_behav (rlsys/trainer/losses.py)."""

@@ -219,7 +219,7 @@ class TrainerBackend(ABC):
 
     def _make_reference(self) -> torch.nn.Module | None:
         """The initial weights, frozen, in the training dtype, for the KL term (None without one)."""
-        if not (self.cfg.kl.estimator and self.cfg.kl.coef > 0):
+        if not self.cfg.kl.enabled:
             return None
         return self._frozen_initial_model()
 
