@@ -89,7 +89,7 @@ class RolloutConfig(Section):
 
     @property
     def on_gpu(self) -> bool:
-        """The engines run on GPUs: vllm always, the built-in engine with device=cuda."""
+        """The engines run on GPUs: vLLM always, the built-in engine with device=cuda."""
         return self.engine == "vllm" or self.device == "cuda"
 
 
@@ -147,6 +147,11 @@ class RewardConfig(Section):
 class KLConfig(Section):
     estimator: Optional[Literal["k1", "k2", "k3"]] = None
     coef: float = Field(0.0, ge=0)
+
+    @property
+    def enabled(self) -> bool:
+        """A KL term is in the loss (and the trainer keeps a frozen reference model for it)."""
+        return bool(self.estimator) and self.coef > 0
 
 
 class MismatchConfig(Section):
@@ -325,6 +330,11 @@ class ClusterConfig(Section):
     # that the other actors share; oversubscribed CPU kernels ran many times slower here.
     torch_threads: int = Field(1, ge=1)
 
+    @property
+    def colocated_on_gpus(self) -> bool:
+        """Engines and trainer ranks share GPUs."""
+        return bool(self.gpus_per_node) and self.layout == "colocated"
+
 
 class WeightsConfig(Section):
     """How each new version of the weights travels from the trainer to the rollout engines (rlsys/weights/)."""
@@ -378,7 +388,7 @@ class Config(Section):
         """Engines sharing GPUs with the trainer sleep while it trains (rlsys/train.py); None picks that."""
         r, c = self.rollout, self.cluster
         if r.enable_sleep_mode is None:
-            r.enable_sleep_mode = bool(c.gpus_per_node) and c.layout == "colocated"
+            r.enable_sleep_mode = c.colocated_on_gpus
         problem = colocated_sleep_problem(self)
         if problem:
             raise ValueError(problem)
@@ -394,13 +404,13 @@ class Config(Section):
     @model_validator(mode="after")
     def _transfer_fits_placement(self):
         w, c, r = self.weights, self.cluster, self.rollout
-        if w.transfer == "broadcast" and r.on_gpu and c.gpus_per_node and c.layout == "colocated":
+        if w.transfer == "broadcast" and r.on_gpu and c.colocated_on_gpus:
             raise ValueError("weights.transfer=broadcast with cluster.layout=colocated puts a trainer rank and an "
                              "engine on one GPU, and NCCL refuses two ranks of a group on one GPU: use "
                              "weights.transfer=cuda_ipc (colocated) or cluster.layout=separate")
         if w.transfer != "cuda_ipc":
             return self
-        if not c.gpus_per_node or c.layout != "colocated" or not r.on_gpu:
+        if not (c.colocated_on_gpus and r.on_gpu):
             raise ValueError(f"weights.transfer=cuda_ipc shares GPU memory between a trainer rank and the engine on "
                              f"its GPU: it needs cluster.gpus_per_node >= 1, cluster.layout=colocated and the engine "
                              f"on the GPU (rollout.engine=vllm, or rollout.engine=cpu with rollout.device=cuda) (got "
@@ -420,7 +430,7 @@ COLOCATED_MAX_GPU_SHARE = 0.9  # of a GPU, for a colocated vLLM engine: see Conf
 def colocated_sleep_problem(cfg: "Config") -> str | None:
     """Why the engines of this config cannot share GPUs with the trainer by sleeping, or None if they can."""
     c, r, sched = cfg.cluster, cfg.rollout, cfg.control
-    colocated = bool(c.gpus_per_node) and c.layout == "colocated"
+    colocated = c.colocated_on_gpus
     where = f"cluster.layout=colocated on GPUs (cluster.gpus_per_node={c.gpus_per_node})"
     if colocated and r.engine == "vllm" and not r.enable_sleep_mode:
         return (f"rollout.enable_sleep_mode=false with rollout.engine=vllm and {where}: vLLM would keep "

@@ -6,9 +6,9 @@ import torch
 
 from rlsys.config import TrainerConfig
 from rlsys.trainer.advantages import ADVANTAGES, group_advantages
-from rlsys.trainer.backend import token_logprobs
 from rlsys.trainer.batching import (TrainSample, build_samples, collate, pack_micro_batches, plan_step,
                                     split_across_ranks)
+from rlsys.trainer.logprobs import token_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss, kl_penalty
 from rlsys.trainer.tensor_io import load_state, save_state
 from rlsys.types import Completion, Group, Prompt, ScoredSample

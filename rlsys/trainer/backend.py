@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from rlsys.config import TrainerConfig
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
-from rlsys.trainer.logprobs import head_logprobs, token_logprobs  # noqa: F401  (token_logprobs: a public helper)
+from rlsys.trainer.logprobs import head_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss, token_mean
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
@@ -219,7 +219,7 @@ class TrainerBackend(ABC):
 
     def _make_reference(self) -> torch.nn.Module | None:
         """The initial weights, frozen, in the training dtype, for the KL term (None without one)."""
-        if not (self.cfg.kl.estimator and self.cfg.kl.coef > 0):
+        if not self.cfg.kl.enabled:
             return None
         return self._frozen_initial_model()
 

@@ -18,9 +18,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+def temperature_divisor(temperature: float) -> float:
+    """What logits are divided by: T, where T <= 0 (greedy) counts as 1."""
+    return temperature if temperature > 0 else 1.0
+
+
 def scaled_logits(logits: Tensor, temperature: float) -> Tensor:
-    """fp32 logits / T; T <= 0 (greedy) counts as 1."""
-    return logits.float() / (temperature if temperature > 0 else 1.0)
+    """fp32 logits / T (`temperature_divisor`)."""
+    return logits.float() / temperature_divisor(temperature)
 
 
 def nucleus_floor(scaled: Tensor, top_p: float) -> Tensor:
@@ -39,21 +44,26 @@ def scored_logits(scaled: Tensor, targets: Tensor, floor: Tensor | None) -> Tens
     return scaled.masked_fill(outside, float("-inf"))
 
 
-def score(logits: Tensor, targets: Tensor, temperature: float, top_p: float,
-          floor: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(log-probs of `targets`, log normaliser, nucleus floor) of rows of logits [N, V]."""
+def score(logits: Tensor, targets: Tensor, temperature: float, top_p: float) -> tuple[Tensor, Tensor | None]:
+    """(scored logits, nucleus floor or None) of rows of logits [N, V]: one scaling and masking, from which
+    both the targets' log-probs and the entropy are read."""
     scaled = scaled_logits(logits, temperature)
-    if top_p < 1 and floor is None:
+    floor = None
+    if top_p < 1:
         with torch.no_grad():
             floor = nucleus_floor(scaled, top_p)
-    z = scored_logits(scaled, targets, floor)
-    log_norm = torch.logsumexp(z, -1)
-    return z.gather(-1, targets[:, None]).squeeze(-1) - log_norm, log_norm, floor
+    return scored_logits(scaled, targets, floor), floor
+
+
+def target_logprobs(z: Tensor, targets: Tensor) -> Tensor:
+    """log softmax(z) at each row's target."""
+    return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
 
 
 @torch.no_grad()
-def entropy_of(logits: Tensor, targets: Tensor, temperature: float, floor: Tensor | None) -> Tensor:
-    probs = scored_logits(scaled_logits(logits, temperature), targets, floor).softmax(-1)
+def entropy_of(z: Tensor) -> Tensor:
+    """The entropy of softmax(z) per row; -inf logits (outside the nucleus) add nothing."""
+    probs = z.softmax(-1)
     return -torch.special.xlogy(probs, probs).sum(-1)
 
 
@@ -63,10 +73,11 @@ def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float, with_e
     and checks). With `with_entropy`, also the detached entropy at each position."""
     B, L, V = logits.shape
     rows, targets = logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1)
-    logprobs, _, floor = score(rows, targets, temperature, top_p)
+    z, _ = score(rows, targets, temperature, top_p)
+    logprobs = target_logprobs(z, targets).view(B, L - 1)
     if not with_entropy:
-        return logprobs.view(B, L - 1)
-    return logprobs.view(B, L - 1), entropy_of(rows, targets, temperature, floor).view(B, L - 1)
+        return logprobs
+    return logprobs, entropy_of(z).view(B, L - 1)
 
 
 class ChunkedHeadLogprobs(torch.autograd.Function):
@@ -78,9 +89,9 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         for rows in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[rows:rows + chunk], weight, bias)
             mine = targets[rows:rows + chunk]
-            lp, _, floor = score(logits, mine, temperature, top_p)
-            logprobs.append(lp)
-            entropy.append(entropy_of(logits, mine, temperature, floor))
+            z, floor = score(logits, mine, temperature, top_p)
+            logprobs.append(target_logprobs(z, mine))
+            entropy.append(entropy_of(z))
             floors.append(floor)
         floors = torch.cat(floors) if top_p < 1 else None
         ctx.save_for_backward(hidden, weight, bias, targets, floors)
@@ -96,7 +107,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None  # fp32 sum over chunks
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if want_bias else None
-        scale = ctx.temperature if ctx.temperature > 0 else 1.0
+        scale = temperature_divisor(ctx.temperature)
         for rows in range(0, hidden.shape[0], ctx.chunk):
             h, mine = hidden[rows:rows + ctx.chunk], targets[rows:rows + ctx.chunk]
             floor = None if floors is None else floors[rows:rows + ctx.chunk]

@@ -299,7 +299,7 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         token_stats.update(mismatch_weight=weight, mismatch_corrected_fraction=bounded.float())
     aggregation = AGGREGATIONS[aggregation_of(cfg)]
     stats = {"pg_loss": aggregation(per_token.detach(), inp, cfg).item()}
-    if cfg.kl.estimator and cfg.kl.coef > 0:
+    if cfg.kl.enabled:
         if inp.ref_logprobs is None:
             raise ValueError("trainer.kl is on but the backend gave no reference log-probs")
         kl = kl_penalty(inp.logprobs, inp.ref_logprobs, cfg.kl.estimator)
