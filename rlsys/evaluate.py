@@ -2,10 +2,13 @@
 when its reward exceeds 0.5):
   eval/accuracy         mean over k samples per prompt at the rollout temperature (avg@k, as DAPO
                         reports): the policy RL trains, and what it is measured by;
-  eval/greedy_accuracy  one greedy sample per prompt, when `rollout.eval_greedy` is on.
+  eval/greedy_accuracy  one greedy sample per prompt, when `rollout.eval_greedy` is on;
+  <metric>_se           its standard error: prompts are the sampling unit (their k samples are not
+                        independent), so it is the standard deviation of the per-prompt means over sqrt(n).
 Seeds are fixed per prompt and sample, so two evaluations of the same weights agree exactly."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from rlsys.types import Request, SamplingParams
@@ -17,20 +20,36 @@ def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> dict[str
     if rollout_cfg.eval_greedy and temperature > 0:
         runs["eval/greedy_accuracy"] = (0.0, 1)
     prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
-    asked = {}  # request id -> (metric, answer)
+    asked = {}  # request id -> (metric, prompt uid, answer)
     requests = []
     for name, (temp, k) in runs.items():
         for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
             for j in range(k):
                 params = SamplingParams(rollout_cfg.max_new_tokens, temp, rollout_cfg.top_p, seed=i * 1009 + j)
                 requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
-                asked[requests[-1].request_id] = (name, p.answer)
+                asked[requests[-1].request_id] = (name, p.uid, p.answer)
     completions = rollout.generate(requests)
-    results = rewards.score_all([(c.request_id, c.text, asked[c.request_id][1], c.num_tokens) for c in completions])
-    solved = {name: [] for name in runs}
+    results = rewards.score_all([(c.request_id, c.text, asked[c.request_id][2], c.num_tokens) for c in completions])
+    per_prompt = {name: {} for name in runs}  # metric -> prompt uid -> solved flags of its samples
     for r in results:
-        solved[asked[r.key][0]].append(r.reward > 0.5)
-    return {name: sum(v) / max(len(v), 1) for name, v in solved.items()}
+        name, uid, _ = asked[r.key]
+        per_prompt[name].setdefault(uid, []).append(r.reward > 0.5)
+    metrics = {}
+    for name, by_prompt in per_prompt.items():
+        metrics[name], metrics[f"{name}_se"] = mean_and_se([sum(v) / len(v) for v in by_prompt.values()])
+    return metrics
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample standard deviation over sqrt(n); 0 for fewer than 2 values)."""
+    n = len(values)
+    if n == 0:
+        return 0.0, 0.0
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
 
 
 def resolve_model(path: Path) -> tuple[Path | None, Path | None]:

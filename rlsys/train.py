@@ -225,7 +225,7 @@ class Controller:
         t = time.time()
         metrics = eval_accuracy(self.rollout, self.rewards, self.tokenizer, self.eval_prompts, self.cfg.rollout)
         self.paused_s += time.time() - t
-        return metrics
+        return {**metrics, "timing/eval_s": time.time() - t}
 
     def save(self) -> Path:
         t = time.time()

@@ -1,4 +1,5 @@
 import json
+import random
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from rlsys.config import Config, DataConfig, ModelConfig, WarmStartConfig
 from rlsys.data.synthetic import make_split
 from rlsys.models import ModelDirError, cache_key, load_tokenizer, prepare_model, validate_model_dir
 from rlsys.models.tiny import build_char_tokenizer, build_tiny_model
-from rlsys.models.warm_start import warm_start
+from rlsys.models.warm_start import draw_batch, encode_examples, near_miss, warm_start
 
 SMALL = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=128)
 
@@ -107,3 +108,30 @@ def test_cache_key_covers_the_module_that_defines_the_task_family():
     assert [p.name for p in _task_sources("math")] == ["math_tasks.py"]
     assert [p.name for p in _task_sources("code")] == ["code_tasks.py"]
     assert _task_sources("synthetic") == [] and _task_sources("rev") == []  # synthetic.py is always hashed
+
+
+def test_near_miss_is_one_edit_away_and_never_the_answer():
+    rng = random.Random(0)
+    for answer in ["a", "ab", "392", "ababab", "zz"]:
+        for _ in range(200):
+            wrong = near_miss(answer, rng)
+            assert wrong != answer
+            assert abs(len(wrong) - len(answer)) <= 1
+            if len(wrong) == len(answer):  # a replacement: exactly one position differs
+                assert sum(a != b for a, b in zip(wrong, answer)) == 1
+
+
+def test_label_noise_replaces_that_share_of_warm_start_answers(tmp_path):
+    tok = build_char_tokenizer()
+    prompts = make_split("synthetic", "train", 50, seed=0)
+    examples, kept, dropped = encode_examples(tok, prompts, max_len=128)
+    assert dropped == 0 and kept == prompts
+    clean = {tuple(ids) for ids, _ in examples}
+    rng = random.Random(1)
+    cfg = WarmStartConfig(batch_size=2000, label_noise=0.3)
+    batch = draw_batch(rng, examples, kept, cfg, tok)
+    noisy = sum(tuple(ids) not in clean for ids, _ in batch) / len(batch)
+    assert abs(noisy - 0.3) < 0.04, noisy
+    assert all(ids[-1] == tok.eos_token_id for ids, _ in batch)
+    quiet = draw_batch(random.Random(1), examples, kept, WarmStartConfig(batch_size=200), tok)
+    assert all(tuple(ids) in clean for ids, _ in quiet)  # no noise: the clean examples only

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import string
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,13 +20,44 @@ IGNORE = -100  # label value the HF loss skips
 MICRO_BATCH = 16
 
 
-def encode_examples(tokenizer, prompts: list[Prompt], max_len: int) -> tuple[list[tuple[list[int], int]], int]:
-    """(token ids of prompt + answer + eos, prompt length) per prompt; sequences over max_len are dropped."""
+def near_miss(answer: str, rng: random.Random) -> str:
+    """`answer` with one character replaced, dropped or doubled (never equal to it)."""
+    if not answer:
+        return rng.choice(string.ascii_lowercase)
+    i = rng.randrange(len(answer))
+    edit = rng.choice(("replace", "drop", "double"))
+    if edit == "drop" and len(answer) > 1:
+        return answer[:i] + answer[i + 1:]
+    if edit == "double":
+        return answer[:i] + answer[i] + answer[i:]
+    pool = string.digits if answer[i].isdigit() else string.ascii_lowercase
+    return answer[:i] + rng.choice(pool.replace(answer[i], "")) + answer[i + 1:]
+
+
+def encode_examples(tokenizer, prompts: list[Prompt], max_len: int
+                    ) -> tuple[list[tuple[list[int], int]], list[Prompt], int]:
+    """(token ids of prompt + answer + eos, prompt length) per kept prompt, the kept prompts, and how many
+    were dropped for being longer than max_len."""
     prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
     answer_ids = tokenizer([p.answer for p in prompts])["input_ids"]
     examples = [(q + a + [tokenizer.eos_token_id], len(q)) for q, a in zip(prompt_ids, answer_ids)]
-    kept = [e for e in examples if len(e[0]) <= max_len]
-    return kept, len(examples) - len(kept)
+    kept = [(e, p) for e, p in zip(examples, prompts) if len(e[0]) <= max_len]
+    return [e for e, _ in kept], [p for _, p in kept], len(examples) - len(kept)
+
+
+def draw_batch(rng: random.Random, examples, prompts: list[Prompt], cfg: WarmStartConfig, tokenizer):
+    """`cfg.batch_size` examples drawn with replacement, a `label_noise` share of them given a near miss."""
+    picks = rng.choices(range(len(examples)), k=cfg.batch_size)
+    if not cfg.label_noise:
+        return [examples[i] for i in picks]
+    batch = []
+    for i in picks:
+        ids, n_prompt = examples[i]
+        if rng.random() < cfg.label_noise:
+            wrong = tokenizer(near_miss(prompts[i].answer, rng))["input_ids"]
+            ids = ids[:n_prompt] + wrong + [tokenizer.eos_token_id]
+        batch.append((ids, n_prompt))
+    return batch
 
 
 def collate(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -74,7 +106,7 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    examples, dropped = encode_examples(tokenizer, train_prompts, model.config.max_position_embeddings)
+    examples, kept, dropped = encode_examples(tokenizer, train_prompts, model.config.max_position_embeddings)
     if not examples:
         raise ValueError("warm start: every training example is longer than max_position_embeddings")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
@@ -83,7 +115,7 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
     model.train()
     losses = []
     for _ in range(cfg.steps):
-        batch = sorted(rng.choices(examples, k=cfg.batch_size), key=lambda e: len(e[0]))
+        batch = sorted(draw_batch(rng, examples, kept, cfg, tokenizer), key=lambda e: len(e[0]))
         n_answer = sum(len(ids) - n for ids, n in batch)
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
