@@ -360,6 +360,19 @@ class LoggingConfig(Section):
     wandb_project: str = "rlsys"
 
 
+class FrictionConfig(Section):
+    """A testbed for staleness-robust losses (docs/design.md "Friction"): contaminated training samples, as
+    the Delightful Policy Gradient paper studies them. All off by default; eval is never touched. Each
+    sample is picked by a hash of (run seed, request id), so a rerun contaminates the same samples."""
+    reward_flip: float = Field(0.0, ge=0, le=1)  # share of training rewards replaced by 1 - reward
+    wrong_temperature_share: float = Field(0.0, ge=0, le=1)  # share of samples drawn at wrong_temperature...
+    wrong_temperature: float = Field(2.0, gt=0)  # ...whose recorded log-probs claim rollout.temperature
+
+    @property
+    def on(self) -> bool:
+        return self.reward_flip > 0 or self.wrong_temperature_share > 0
+
+
 class Config(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -370,6 +383,7 @@ class Config(Section):
     cluster: ClusterConfig = ClusterConfig()
     weights: WeightsConfig = WeightsConfig()
     logging: LoggingConfig = LoggingConfig()
+    friction: FrictionConfig = FrictionConfig()
     output_dir: str = "runs/tiny"
     seed: int = 0
 
@@ -378,6 +392,16 @@ class Config(Section):
         from rlsys.placement import plan_from_config  # pure; imported here as it reads this Config
 
         plan_from_config(self)  # raises PlacementError (a ValueError) naming the fields
+        return self
+
+    @model_validator(mode="after")
+    def _friction_can_lie(self):
+        """A sampler that lies about its temperature needs the built-in engine (it records the claimed log-prob)
+        and plain temperature sampling (a nucleus at one temperature is not a claim at another)."""
+        f, r = self.friction, self.rollout
+        if f.wrong_temperature_share and (r.engine != "cpu" or r.temperature == 0 or r.top_p < 1):
+            raise ValueError("friction.wrong_temperature_share needs rollout.engine=cpu, rollout.temperature > 0 "
+                             f"and rollout.top_p=1 (got {r.engine}, {r.temperature}, {r.top_p})")
         return self
 
     @model_validator(mode="after")

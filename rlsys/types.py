@@ -23,6 +23,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: Optional[int] = None  # per-request seed, so a sample is reproducible
+    # The temperature its recorded log-probs are computed at, None: `temperature`. Only the friction testbed
+    # sets it, to make a sampler misreport what it drew from (the built-in engine honours it).
+    logprob_temperature: Optional[float] = None
 
 
 @dataclass

@@ -397,3 +397,21 @@ def test_cuda_without_a_gpu_is_refused_naming_the_field(qwen, ray_cluster):
     with pytest.raises(ValueError, match=r"rollout.device=cuda: each rollout worker needs 1 GPU\(s\) and the Ray "
                                          "cluster has 0"):
         RolloutManager(path, 1, 2, engine_kwargs={"device": "cuda"})
+
+
+def test_a_lying_sampler_draws_at_its_temperature_and_records_the_claimed_one(qwen):
+    """SamplingParams.logprob_temperature (the friction testbed): the tokens are those of temperature 2, the
+    log-probs are those of temperature 0.7 for the same tokens."""
+    model, path = qwen
+    engine = CPUEngine(path, slots=4)
+    honest = SamplingParams(max_new_tokens=25, temperature=2.0, seed=9)
+    lying = SamplingParams(max_new_tokens=25, temperature=2.0, seed=9, logprob_temperature=0.7)
+    beside = Request("g", "p", PROMPTS[0], greedy(10))  # a greedy row in the same batch keeps its own log-probs
+    out = run(engine, [Request("honest", "p", PROMPTS[1], honest), Request("lying", "p", PROMPTS[1], lying), beside])
+    assert out["lying"].token_ids == out["honest"].token_ids
+    torch.testing.assert_close(torch.tensor(out["lying"].logprobs),
+                               hf_logprobs(model, PROMPTS[1], out["lying"].token_ids, 0.7), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(out["honest"].logprobs),
+                               hf_logprobs(model, PROMPTS[1], out["honest"].token_ids, 2.0), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(out["g"].logprobs), hf_logprobs(model, PROMPTS[0], out["g"].token_ids),
+                               atol=1e-4, rtol=0)

@@ -273,6 +273,7 @@ class CPUEngine(RolloutEngine):
         self.last_token = torch.zeros(S, dtype=torch.long, device=dev)  # sampled, not yet in the cache
         self.temperature = torch.zeros(S, device=dev)
         self.top_p = torch.ones(S, device=dev)
+        self.claimed_temperature = torch.zeros(S, device=dev)  # SamplingParams.logprob_temperature
         self.uniforms = torch.zeros(S, L, device=dev)  # pre-drawn per request from its own seeded generator
         self.counters = EngineCounters()
 
@@ -444,6 +445,7 @@ class CPUEngine(RolloutEngine):
         self.slot_owner[slot] = entry
         self.temperature[slot].fill_(p.temperature)  # fill_: `t[i] = x` copies x from the host, a sync on CUDA
         self.top_p[slot].fill_(p.top_p)
+        self.claimed_temperature[slot].fill_(p.logprob_temperature or p.temperature)
         if p.temperature > 0:  # token i always uses uniform i: a resumed seeded sample stays reproducible
             seed = p.seed if p.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
             n = min(p.max_new_tokens, self.max_len)
@@ -468,6 +470,9 @@ class CPUEngine(RolloutEngine):
             nucleus = ~greedy & (top_p < 1)
             in_tokens, in_logprobs = self._nucleus(logp, top_p, u)
             tokens, logprobs = torch.where(nucleus, in_tokens, tokens), torch.where(nucleus, in_logprobs, logprobs)
+        if any(p.logprob_temperature is not None for p in params):  # the friction testbed: record a false claim
+            claimed = (logits / torch.where(greedy, 1.0, self.claimed_temperature[rows])[:, None]).log_softmax(-1)
+            logprobs = torch.where(greedy, logprobs, claimed.gather(1, tokens[:, None]).squeeze(1))
         return tokens, logprobs
 
     @classmethod
