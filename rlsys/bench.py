@@ -68,6 +68,7 @@ def summarise_run(rows: list[dict], target: float) -> dict:
         "tokens_per_s": mean("throughput/tokens_per_s"),
         "time_to_target_s": reached[0] if reached else None,
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+        "final_accuracy_se": evals[-1].get("eval/accuracy_se") if evals else None,
         "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
@@ -111,6 +112,16 @@ def aggregate(runs: list[dict]) -> dict:
     return out
 
 
+def accuracy_difference(a: dict, b: dict) -> dict | None:
+    """a's final accuracy minus b's, with the standard error of the difference (independent evals): the
+    difference counts as real only beyond two of them."""
+    if a.get("final_accuracy") is None or b.get("final_accuracy") is None:
+        return None
+    diff = a["final_accuracy"] - b["final_accuracy"]
+    se = ((a.get("final_accuracy_se") or 0.0) ** 2 + (b.get("final_accuracy_se") or 0.0) ** 2) ** 0.5
+    return {"diff": diff, "se": se, "beyond_error": abs(diff) > 2 * se}
+
+
 def speedups(results: dict) -> dict:
     base = results.get("sync")
     if not base:
@@ -120,7 +131,8 @@ def speedups(results: dict) -> dict:
         out[name] = {"per_sample": base["time_per_sample_s"] / r["time_per_sample_s"]
                      if r["time_per_sample_s"] else None,
                      "time_to_target": (base["time_to_target_s"] / r["time_to_target_s"]
-                                        if base["time_to_target_s"] and r["time_to_target_s"] else None)}
+                                        if base["time_to_target_s"] and r["time_to_target_s"] else None),
+                     "final_accuracy_vs_sync": accuracy_difference(r, base)}
     return out
 
 
@@ -168,6 +180,14 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     }
 
 
+def cell(result: dict, key: str, fmt: str) -> str:
+    """A table cell; an accuracy with its standard error where the result has one."""
+    if result.get(key) is None:
+        return "-"
+    se = result.get(f"{key}_se")
+    return fmt.format(result[key]) + (f"±{se:.3f}" if se is not None else "")
+
+
 def print_table(report: dict) -> None:
     cols = [("step_time_s", "step s", "{:.2f}"), ("time_per_sample_s", "s/sample", "{:.4f}"),
             ("bubble_ratio", "bubble", "{:.3f}"), ("straggler_rate", "straggler", "{:.2f}"),
@@ -177,7 +197,7 @@ def print_table(report: dict) -> None:
             ("group_size", "G", "{:.1f}")]
     print(f"{'preset':<12}" + "".join(f"{h:>12}" for _, h, _ in cols) + f"{'speedup':>10}")
     for name, r in report["results"].items():
-        cells = "".join(f"{(f.format(r[k]) if r[k] is not None else '-'):>12}" for k, _, f in cols)
+        cells = "".join(f"{cell(r, k, f):>12}" for k, _, f in cols)
         s = report["speedup_vs_sync"].get(name, {}).get("per_sample")
         print(f"{name:<12}{cells}{(f'{s:.2f}x' if s else '-'):>10}")
     if report.get("equal_time_s"):

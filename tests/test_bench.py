@@ -32,3 +32,17 @@ def test_aggregate_reports_the_median_and_spread_and_no_time_to_target_unless_ev
     assert out["step_time_s"] == pytest.approx(1.25) and out["step_time_s_spread"] == [1.0, 1.5]
     assert out["time_to_target_s"] is None
     assert "eval_curve" not in out
+
+
+def test_an_accuracy_difference_counts_only_beyond_two_standard_errors():
+    from rlsys.bench import accuracy_difference, cell
+
+    sync = {"final_accuracy": 0.30, "final_accuracy_se": 0.01}
+    close = {"final_accuracy": 0.32, "final_accuracy_se": 0.01}  # 0.02 apart, se of the difference 0.014
+    far = {"final_accuracy": 0.34, "final_accuracy_se": 0.01}
+    assert accuracy_difference(close, sync) == pytest.approx({"diff": 0.02, "se": 2 ** 0.5 * 0.01,
+                                                              "beyond_error": False})
+    assert accuracy_difference(far, sync)["beyond_error"]
+    assert accuracy_difference({"final_accuracy": None}, sync) is None
+    assert cell(close, "final_accuracy", "{:.3f}") == "0.320±0.010"
+    assert cell({"step_time_s": 0.5}, "step_time_s", "{:.2f}") == "0.50"
