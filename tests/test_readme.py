@@ -21,7 +21,7 @@ def test_every_marked_table_has_a_renderer_and_matches_its_results_file(doc):
     assert not set(names) - set(tables.TABLES), f"{doc.name}: tables with no renderer"
     rendered = tables.MARKED.finditer(tables.render(text))
     stale = [m.group(2) for m, new in zip(tables.MARKED.finditer(text), rendered) if m.group(3) != new.group(3)]
-    assert not stale, f"{doc.name}: {stale} differ from their results files (python benchmarks/readme_tables.py --write)"
+    assert not stale, f"{doc.name}: {stale} differ from their files (python benchmarks/readme_tables.py --write)"
 
 
 def test_a_changed_digit_in_a_table_is_caught():
