@@ -254,7 +254,7 @@ def test_tail_batching_runs_unchanged_and_beats_sync():
 
 
 def test_group_size_costs_time_only_where_a_group_gates_its_training():
-    """README "Where group size costs wall time": a sync step of fixed samples waits for the slowest of all
+    """docs/performance.md "Where group size costs wall time": a sync step of fixed samples waits for the slowest of all
     of them whatever G is; sorted trains a group when its slowest sample ends."""
     cfg = load_sim_config(CONFIGS / "sagc_7b_8k.yaml")
     runs = [r for r in cfg.runs() if r.label in ("sync-G4", "sync-G16", "sorted-G4", "sorted-G16")]

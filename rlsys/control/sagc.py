@@ -20,7 +20,7 @@ Ties go to the larger size, so with no straggler risk the largest size is always
 
 Where it pays: the budget buys wall time only where a group's slowest sample holds back its training
 (sorted, tail) or where the sample count follows G (constant_prompts). A sync step of constant samples
-waits for the slowest of all its samples whatever G is (README "Where group size costs wall time").
+waits for the slowest of all its samples whatever G is (docs/performance.md "Where group size costs wall time").
 
 Known limit: when even the smallest size overspends the budget, Q grows without bound, and once
 the lengths calm down the smallest size is kept until Q drains (measured: 200 such steps at

@@ -1,0 +1,268 @@
+"""The result tables of README.md and docs/performance.md, rendered from benchmarks/results/.
+
+Each table sits in a document between `<!-- table: NAME -->` and `<!-- /table -->`; TABLES[NAME] renders it
+from its results file. tests/test_readme.py fails when a document's table differs from its rendering, so a
+figure cannot drift from the file it comes from. Figures quoted in prose are listed in `prose_figures`.
+
+    python benchmarks/readme_tables.py           # exit 1 and name the stale tables
+    python benchmarks/readme_tables.py --write   # rewrite them in place
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = [ROOT / "README.md", ROOT / "docs" / "performance.md"]
+MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+TABLES: dict[str, Callable[[], str]] = {}
+
+
+def table(name: str):
+    def register(fn: Callable[[], str]) -> Callable[[], str]:
+        TABLES[name] = fn
+        return fn
+    return register
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def rows(header: list[str], body: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def num(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def spread(r: dict, key: str, digits: int = 3) -> str:
+    """A median with its [min, max] over repeats."""
+    lo_hi = r.get(f"{key}_spread")
+    text = num(r[key], digits)
+    return f"{text} [{num(lo_hi[0], digits)}, {num(lo_hi[1], digits)}]" if lo_hi else text
+
+
+# --- live CPU runs (`rlsys bench`, `make train`) ------------------------------------------------------
+@table("default_run")
+def default_run() -> str:
+    j = load("default_run_cpu")
+    first, last = j["evals"][0], j["evals"][-1]
+    peak = max(j["evals"], key=lambda e: e["eval/accuracy"])
+    return rows(["", "step 0", f"step {last['step']}", "peak"], [
+        ["eval/accuracy (avg@4, 200 held-out prompts)", num(first["eval/accuracy"], 3),
+         num(last["eval/accuracy"], 3), f"{num(peak['eval/accuracy'], 3)} (step {peak['step']})"],
+        ["eval/greedy_accuracy", num(first["eval/greedy_accuracy"], 3), num(last["eval/greedy_accuracy"], 3), ""],
+        ["training clock, s (eval and checkpoints excluded)", "0", num(last["time_s"], 0), ""],
+        ["whole command, s", "", num(j["whole_command_s"], 0), ""]])
+
+
+def bench_rows(name: str, presets: list[str] | None = None) -> list[list]:
+    j = load(name)
+    out = []
+    for preset, r in j["results"].items():
+        if presets and preset not in presets:
+            continue
+        out.append([f"`{preset}`", num(r["group_size"], 1), num(r["step_time_s"]), num(1000 * r["time_per_sample_s"]),
+                    spread(r, "bubble_ratio"), spread(r, "straggler_rate"), spread(r, "final_accuracy"),
+                    spread(r, "accuracy_at_equal_time"), f"{j['speedup_vs_sync'][preset]['per_sample']:.2f}x"])
+    return out
+
+
+BENCH_HEADER = ["preset", "mean G", "step s", "ms / sample", "bubble", "straggler", "final avg@4",
+                "avg@4 at equal time", "speed per sample vs sync"]
+
+
+@table("schedulers")
+def schedulers() -> str:
+    return rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu"))
+
+
+@table("schedulers_summary")
+def schedulers_summary() -> str:
+    return rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu", ["sync", "sorted", "tail", "sagc"]))
+
+
+@table("tail")
+def tail() -> str:
+    return rows(["file", *BENCH_HEADER], [[f"`{f}`", *row] for f in ("bench_tail_cpu", "bench_tail_mb1_cpu")
+                                          for row in bench_rows(f)])
+
+
+@table("sagc_tight")
+def sagc_tight() -> str:
+    return rows(BENCH_HEADER, bench_rows("bench_sagc_cpu"))
+
+
+@table("presets")
+def presets() -> str:
+    sys.path.insert(0, str(ROOT))
+    from rlsys.bench import PRESETS
+
+    return rows(["preset", "overrides on top of the workload"],
+                [[f"`{name}`", " ".join(f"`{o}`" for o in overrides) or "none (the config as given)"]
+                 for name, overrides in PRESETS.items()])
+
+
+@table("staleness")
+def staleness() -> str:
+    one, two = load("staleness_sweep_cpu")["results"], load("staleness_sweep_cpu_run2")["results"]
+    losses = list(dict.fromkeys(k.split("/")[0] for k in one))
+    etas = list(dict.fromkeys(k.split("/")[1] for k in one))
+
+    def cell(key: str) -> str:
+        a, b = one[key], two[key]
+        ttt = lambda r: "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s"  # noqa: E731
+        return f"{num(a['final_accuracy'], 3)}, {num(b['final_accuracy'], 3)} / {ttt(a)}, {ttt(b)}"
+
+    body = [[f"`{loss}`", *(cell(f"{loss}/{eta}") for eta in etas)] for loss in losses]
+    body.append(["mean staleness (run 1)", *(num(one[f"{losses[0]}/{eta}"]["staleness_mean"]) for eta in etas)])
+    return rows(["loss", *(e.replace("=", " ") for e in etas)], body)
+
+
+@table("peer_trl")
+def peer_trl() -> str:
+    body = []
+    for name in ("peer_trl_cpu", "peer_trl_cpu_mb4"):
+        j, w = load(name), load(name)["workload"]
+        r = j["rlsys_sync"]
+        body.append([f"`{name}`", w["steps"], w["mini_batches"], num(j["step_time_s"]), num(r["step_time_s"]),
+                     f"{r['trl_over_rlsys_step_time']:.2f}x", num(j["time_to_target_s"], 0),
+                     num(r["time_to_target_s"], 0), f"{r['trl_over_rlsys_time_to_target']:.2f}x"])
+    return rows(["file", "steps", "mini-batches", "TRL step s", "rlsys step s", "TRL / rlsys",
+                 "TRL s to 0.37 greedy", "rlsys s to 0.37", "TRL / rlsys"], body)
+
+
+@table("reward_overlap")
+def reward_overlap() -> str:
+    j = load("reward_overlap_cpu")
+    m = j["median_of_repeats"]
+    body = [[name, num(m[name]["timing/step_s"]), num(m[name]["timing/reward_s"]), num(m[name]["generate_and_score_s"])]
+            for name in ("overlapped", "after_round")]
+    body.append(["gain", f"{j['gain']['timing/step_s']:.2f}x", f"{j['reward_s_hidden']:.2f} s hidden",
+                 f"{j['gain']['generate_and_score_s']:.2f}x"])
+    return rows(["scoring", "step s", "reward s", "generate and score s"], body)
+
+
+# --- engine and controller micro-benchmarks ---------------------------------------------------------
+@table("engine_throughput")
+def engine_throughput() -> str:
+    j = load("engine_throughput")
+    r = j["results"]
+    steps = " / ".join(f"{ms} ms ({n})" for n, ms in j["decode_step_ms_by_batch"].items())
+    return rows(["", "value"], [
+        ["transformers `generate`, tokens/s", f"{r['hf_generate']['tokens_per_s']:,.0f}"],
+        ["built-in engine, tokens/s", f"{r['cpu_engine_wave']['tokens_per_s']:,.0f}"],
+        ["speed-up", f"{j['engine_speedup_over_hf_generate']['wall']}x"],
+        ["one decode step (sequences running)", steps]])
+
+
+@table("running_requests")
+def running_requests() -> str:
+    j = load("running_requests_cpu")
+    return rows(["`weights.running_requests`", "cost of one weight update, ms"], [
+        ["`keep`", j["update_ms"]["keep"]],
+        ["`recompute`", f"{j['update_ms']['recompute']} (about {j['recompute_extra_in_decode_steps']} decode steps)"]])
+
+
+@table("controller_load")
+def controller_load() -> str:
+    j = load("controller_load_cpu")
+    return rows(["scheduler", "events a step", "events / s", "us / event", "share of simulated time"], [
+        [f"`{name}`", f"{r['events_per_step']:,.0f}", f"{r['events_per_s']:,.0f}", num(r["controller_us_per_event"], 1),
+         f"{100 * r['controller_share_of_simulated_time']:.2f}%"] for name, r in j["results"].items()])
+
+
+# --- the cluster simulator ----------------------------------------------------------------------------
+@table("sim_sagc")
+def sim_sagc() -> str:
+    r = load("sim_sagc_7b_8k")["results"]
+    cell = lambda key: f"{r[key]['step_time_s']:.1f} s, {r[key]['straggler_rate']:.2f}"  # noqa: E731
+    return rows(["", "G 4", "G 8", "G 16", "sagc"], [
+        ["sync, 1,024 samples a step", *(cell(f"sync-{g}") for g in ("G4", "G8", "G16", "sagc"))],
+        ["sorted, 1,024 samples a step", *(cell(f"sorted-{g}") for g in ("G4", "G8", "G16", "sagc"))],
+        ["sync, 128 prompts a step", cell("sync-G4-128prompts"), cell("sync-G8"),
+         cell("sync-G16-128prompts"), cell("sync-sagc-128prompts")]])
+
+
+@table("sim_calibration")
+def sim_calibration() -> str:
+    return rows(["setup", "published", "simulated", "ratio", "fitted", "within 15%"], [
+        [r["name"], r["published"], r["simulated"], r["ratio"], "yes" if r["fitted"] else "no",
+         "yes" if r["within"] else "no"] for r in load("sim_calibration")["rows"]])
+
+
+@table("sim_scale_128gpu")
+def sim_scale_128gpu() -> str:
+    r = load("sim_scale_128gpu")["results"]
+    return rows(["scheduler", "step s", "bubble", "straggler", "speed-up vs sync"], [
+        [f"`{name}`", num(x["step_time_s"], 0), num(x["bubble_ratio"]), num(x["straggler_rate"]),
+         f"{x['speedup_vs_sync']:.2f}x"] for name, x in r.items()])
+
+
+def staleness_time_gain() -> str:
+    """How much less time per sample eta 1-4 took than eta 0, per loss, in the sweep's first run."""
+    r = load("staleness_sweep_cpu")["results"]
+    gains = [100 * (1 - r[k]["time_per_sample_s"] / r[k.split("/")[0] + "/eta=0"]["time_per_sample_s"])
+             for k in r if not k.endswith("eta=0")]
+    return f"fell {min(gains):.0f}-{max(gains):.0f}%"
+
+
+def prose_figures() -> dict[str, list[str]]:
+    """Figures quoted in prose, as each document must spell them: a changed file or a changed digit fails."""
+    s = load("bench_schedulers_cpu")["results"]
+    tight = load("bench_sagc_cpu")["results"]["sagc-tight"]
+    load_cpu = load("controller_load_cpu")["results"]
+    rate = [f"{r['events_per_s'] / 1000:.0f}k" for r in load_cpu.values()]
+    return {
+        "README.md": [f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
+                      f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble"],
+        "docs/performance.md": [
+            f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's (on_policy)",
+            f"held the straggler rate at {tight['straggler_rate']:.3f}",
+            f"Time per sample {staleness_time_gain()}",
+            f"{min(rate, key=lambda x: int(x[:-1]))} to {max(rate, key=lambda x: int(x[:-1]))} completion events"],
+    }
+
+
+# --- the documents ------------------------------------------------------------------------------------
+def render(text: str) -> str:
+    """`text` with every marked table rendered from its results file."""
+    def fill(m: re.Match) -> str:
+        if m.group(2) not in TABLES:
+            raise KeyError(f"table {m.group(2)!r} has no renderer in benchmarks/readme_tables.py")
+        return m.group(1) + "\n" + TABLES[m.group(2)]() + "\n" + m.group(4)
+    return MARKED.sub(fill, text)
+
+
+def marked_names(text: str) -> list[str]:
+    return [m.group(2) for m in MARKED.finditer(text)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="rewrite the stale tables in place")
+    args = p.parse_args()
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        if render(text) != text:
+            stale.append(doc.relative_to(ROOT))
+            if args.write:
+                doc.write_text(render(text))
+    verb = "rewrote" if args.write else "stale (run with --write)"
+    for doc in stale:
+        print(f"{verb}: {doc}")
+    return 1 if stale and not args.write else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
