@@ -40,7 +40,7 @@ def cmd_train(args) -> int:
     if "eval/accuracy" not in final:  # stopped by SIGTERM: no final eval
         print(f"stopped at step {final['step']}; --resume continues (run folder {cfg.output_dir})")
         return 0
-    print(f"done: step {final['step']}, eval accuracy {final['eval/accuracy']:.3f}; "
+    print(f"done: step {final['step']}, eval accuracy {final['eval/accuracy']:.3f} ± {final['eval/accuracy_se']:.3f}; "
           f"run folder {cfg.output_dir} (rlsys plot {cfg.output_dir})")
     return 0
 
@@ -49,7 +49,8 @@ def cmd_eval(args) -> int:
     from rlsys.evaluate import evaluate_path
 
     metrics, n = evaluate_path(args.path, args.overrides)
-    print(f"on {n} held-out prompts: " + ", ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in metrics.items()))
+    shown = (f"{k.split('/')[1]} {v:.3f} ± {metrics[k + '_se']:.3f}" for k, v in metrics.items() if k + "_se" in metrics)
+    print(f"on {n} held-out prompts: " + ", ".join(shown) + " (± one standard error)")
     return 0
 
 

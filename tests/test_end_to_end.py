@@ -55,7 +55,7 @@ def test_two_step_run_writes_metrics_checkpoint_export_and_plots(tmp_path, ray_c
     from rlsys.evaluate import evaluate_path
     final = metrics[-1]
     again, n = evaluate_path(str(out), [])
-    assert n == 16 and set(again) == {"eval/accuracy", "eval/greedy_accuracy"}
+    assert n == 16 and set(again) == {"eval/accuracy", "eval/accuracy_se"}
     assert again == {k: final[k] for k in again}
 
 
