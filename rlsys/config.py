@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rlsys.errors import UserError
 from rlsys.plugins import is_spec
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the repository's; not installed
+# Package data, so `rlsys train` finds it from any install; configs/tiny.yaml is a link to it.
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
 class Section(BaseModel):
