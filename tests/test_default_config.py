@@ -30,8 +30,8 @@ def test_an_installed_wheel_finds_the_default_config_from_any_directory(tmp_path
         wheel.extractall(site)
     shutil.rmtree(source)
 
-    out = subprocess.run([sys.executable, "-c", LOAD_DEFAULT], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)},
-                         capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", LOAD_DEFAULT], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     path, steps, micro_batch_tokens = out.stdout.split()
     assert Path(path) == site / "rlsys" / "configs" / "tiny.yaml"
