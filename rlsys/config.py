@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlsys.errors import UserError
+from rlsys.plugins import is_spec
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_CONFIG = CONFIG_DIR / "tiny.yaml"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the repository's; not installed
+# Package data, so `rlsys train` finds it from any install; configs/tiny.yaml is a link to it.
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 
 
 class Section(BaseModel):
@@ -52,14 +54,42 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    task: str = "synthetic"  # a built-in task family name, or "files" to read train_path/eval_path
+    # a built-in task family name, the user's family as module:function or file.py:function (rlsys/plugins.py),
+    # or "files" to read train_path/eval_path
+    task: str = "synthetic"
     train_path: Optional[str] = None  # jsonl or parquet, veRL-style columns
     eval_path: Optional[str] = None
+    loader: Optional[str] = None  # task=files: the user's module:function reading train_path/eval_path into rows
     train_size: int = Field(4000, ge=1)  # synthetic tasks only
     eval_size: int = Field(200, ge=1)
     seed: int = 0
     max_prompt_tokens: int = Field(64, ge=1)  # longer prompts are dropped and counted
     chat_template: bool = False  # prompts become a user message rendered with the tokenizer's chat template
+
+    # The user's code is imported as the config loads, so a typo fails before any actor starts.
+    @field_validator("task")
+    @classmethod
+    def _task_loads(cls, task: str) -> str:
+        if is_spec(task):
+            from rlsys.data import task_family
+
+            task_family(task)
+        return task
+
+    @field_validator("loader")
+    @classmethod
+    def _loader_loads(cls, loader: Optional[str]) -> Optional[str]:
+        if loader:
+            from rlsys.data import row_loader
+
+            row_loader(loader)
+        return loader
+
+    @model_validator(mode="after")
+    def _loader_reads_files(self):
+        if self.loader and self.task != "files":
+            raise ValueError(f"data.loader reads data.train_path, so it needs data.task=files (got {self.task!r})")
+        return self
 
 
 class RolloutConfig(Section):
@@ -131,7 +161,7 @@ class SandboxConfig(Section):
 
 
 class RewardConfig(Section):
-    fn: str = "exact_match"
+    fn: str = "exact_match"  # a registered name, or the user's module:function or file.py:function
     num_workers: int = Field(1, ge=1)
     timeout_s: float = Field(5.0, gt=0)
     fallback: float = 0.0  # reward given to a sample whose reward function raised, hung or returned junk
@@ -139,6 +169,15 @@ class RewardConfig(Section):
     after_round: bool = False  # score a round's completions only once it has all generated (a baseline)
     overlong: OverlongConfig = OverlongConfig()
     sandbox: SandboxConfig = SandboxConfig()  # code_tests only
+
+    @field_validator("fn")
+    @classmethod
+    def _fn_loads(cls, fn: str) -> str:
+        if is_spec(fn):
+            from rlsys.reward.registry import reward_fn
+
+            reward_fn(fn)  # imports it now, so a typo fails before any actor starts
+        return fn
 
     @model_validator(mode="after")
     def _fallback_in_range(self):

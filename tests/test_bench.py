@@ -1,7 +1,13 @@
 """`rlsys bench` figures from metrics rows: per-run summaries, equal-time accuracy, medians with spreads."""
+import json
+from pathlib import Path
+
 import pytest
 
-from rlsys.bench import add_equal_time, aggregate, summarise_run
+from rlsys.bench import Target, add_equal_time, aggregate, summarise_run
+from rlsys.cli import build_parser
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def rows(step_s, evals, samples=128):
@@ -46,3 +52,26 @@ def test_an_accuracy_difference_counts_only_beyond_two_standard_errors():
     assert accuracy_difference({"final_accuracy": None}, sync) is None
     assert cell(close, "final_accuracy", "{:.3f}") == "0.320±0.010"
     assert cell({"step_time_s": 0.5}, "step_time_s", "{:.2f}") == "0.50"
+
+
+def test_a_target_gain_counts_from_each_runs_first_eval():
+    target = Target.parse("+0.05")
+    low = summarise_run(rows(1.0, [(0, 0.1), (2, 0.16), (4, 0.3)]), target)
+    high = summarise_run(rows(1.0, [(0, 0.3), (2, 0.34), (4, 0.36)]), target)
+    assert (low["target_accuracy"], low["time_to_target_s"]) == (pytest.approx(0.15), 2)
+    assert (high["target_accuracy"], high["time_to_target_s"]) == (pytest.approx(0.35), 4)
+    assert summarise_run(rows(1.0, [(0, 0.1), (2, 0.16)]), Target.parse("0.15"))["time_to_target_s"] == 2
+
+
+def test_the_default_target_is_one_the_default_run_reaches():
+    """The stored `make train` run (benchmarks/results/default_run_cpu.json): avg@4 0.275 -> ~0.34."""
+    run = json.loads((REPO / "benchmarks" / "results" / "default_run_cpu.json").read_text())
+    evals = [{"time_s": e["time_s"], "eval/accuracy": e["eval/accuracy"]} for e in run["evals"]]
+    args = build_parser().parse_args(["bench"])
+    assert summarise_run(evals, args.target)["time_to_target_s"] is not None
+
+
+def test_a_target_that_is_not_a_number_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--target", "half"])
+    assert "argument --target: 'half' is not an accuracy (0.3) or a gain" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Datasets: the built-in synthetic tasks or veRL-style files, as (train, eval) lists of Prompts."""
+"""Datasets: the built-in synthetic tasks, the user's own task or loader, or veRL-style files, as (train, eval)
+lists of Prompts."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,21 +7,37 @@ import logging
 import random
 
 from rlsys.config import DataConfig
+from rlsys.control.registry import Registry
 from rlsys.data.files import DataError, chat_text, read_prompts
 from rlsys.data import code_tasks  # noqa: F401  registers the `code` family
 from rlsys.data import math_tasks  # noqa: F401  registers the `math` family
 from rlsys.data import word_problems  # noqa: F401  registers the `word_problems` family
 from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
+from rlsys.plugins import is_spec, resolve
 from rlsys.types import Prompt
 
 log = logging.getLogger(__name__)
+LOADERS: Registry = Registry("data loader")  # only the user's, each under its `module:function` spec
 
 __all__ = ["DataError", "TASKS", "filter_long_prompts", "length_stats", "load_datasets", "load_prompts",
-           "read_prompts"]
+           "read_prompts", "row_loader", "task_family"]
+
+
+def task_family(name: str):
+    """The family `data.task` names: registered, or the user's `module:function`, called as fn(rng) with a
+    random.Random and returning (prompt text, answer)."""
+    return resolve(TASKS, name, "data.task", ("rng",))
+
+
+def row_loader(spec: str):
+    """The user's `data.loader`, called as fn(path) with data.train_path (or eval_path); it returns an
+    iterable of veRL-style rows (dicts with `prompt` and `answer` or `reward_model.ground_truth`)."""
+    return resolve(LOADERS, spec, "data.loader", ("path",))
 
 
 def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, eval) for `cfg.task`: "synthetic" (the default mix), a task family name, or "files".
+    """(train, eval) for `cfg.task`: "synthetic" (the default mix), a task family (a name or the user's
+    `module:function`), or "files", read by `cfg.loader` if set.
 
     With "files" and no `eval_path`, `eval_size` prompts are held out of the training file (seeded).
     `tokenizer` renders chat-message prompts with its chat template, if it has one; with
@@ -32,13 +49,16 @@ def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[P
     if cfg.task == "files":
         if not cfg.train_path:
             raise DataError("data.train_path must be set when data.task is 'files'")
-        train = read_prompts(cfg.train_path, "train", tokenizer, cfg.chat_template)
+        loader = row_loader(cfg.loader) if cfg.loader else None
+        train = read_prompts(cfg.train_path, "train", tokenizer, cfg.chat_template, loader)
         if cfg.eval_path:
-            return train, read_prompts(cfg.eval_path, "eval", tokenizer, cfg.chat_template)
+            return train, read_prompts(cfg.eval_path, "eval", tokenizer, cfg.chat_template, loader)
         return _hold_out(train, cfg.eval_size, cfg.seed, cfg.train_path)
-    if cfg.task != "synthetic" and cfg.task not in TASKS:
-        raise DataError(f"data.task: unknown task {cfg.task!r}; choose 'files', 'synthetic' or one of: "
-                        f"{', '.join(TASKS.names())}")
+    if cfg.task != "synthetic" and not is_spec(cfg.task) and cfg.task not in TASKS:
+        raise DataError(f"data.task: unknown task {cfg.task!r}; choose 'files', 'synthetic', 'module:function' "
+                        f"or one of: {', '.join(TASKS.names())}")
+    if is_spec(cfg.task):
+        task_family(cfg.task)  # imports the user's family and registers it under its spec, for synthetic_splits
     splits = synthetic_splits(cfg.task, cfg.train_size, cfg.eval_size, cfg.seed)
     if not cfg.chat_template:
         return splits

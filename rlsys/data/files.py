@@ -3,12 +3,13 @@
 Columns: `prompt` (a string, or a list of {role, content} chat messages), the answer in `answer` or in
 `reward_model.ground_truth`, and an optional `data_source` (default: the file's stem). A bad row is
 refused with the file, the line (jsonl, from 1) or row (parquet, from 0) and what is wrong with it.
+A `data.loader` (the user's `fn(path) -> iterable of rows`) reads other formats into the same rows.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from rlsys.errors import UserError
 from rlsys.types import Prompt
@@ -18,20 +19,17 @@ class DataError(UserError, ValueError):
     pass
 
 
-def read_prompts(path: str | Path, split: str = "train", tokenizer=None, chat_template: bool = False
-                 ) -> list[Prompt]:
-    """Every row of a .jsonl or .parquet file as a Prompt with uid `<split>-<i>`.
+def read_prompts(path: str | Path, split: str = "train", tokenizer=None, chat_template: bool = False,
+                 loader: Callable[[str], Iterable[Any]] | None = None) -> list[Prompt]:
+    """Every row of a .jsonl or .parquet file (or every row `loader(path)` returns) as a Prompt with uid
+    `<split>-<i>`.
 
     Chat-message prompts are rendered with `tokenizer`'s chat template when it has one; otherwise the
     last user message is the prompt text. With `chat_template`, string prompts are rendered too, as one
     user message.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: dataset file not found")
-    rows = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}.get(path.suffix)
-    if rows is None:
-        raise DataError(f"{path}: unsupported dataset file type {path.suffix!r}; use .jsonl or .parquet")
+    rows = _reader(path, loader)
     prompts = []
     for where, row in rows(path):
         try:
@@ -43,6 +41,29 @@ def read_prompts(path: str | Path, split: str = "train", tokenizer=None, chat_te
     if not prompts:
         raise DataError(f"{path}: the file is empty (no rows)")
     return prompts
+
+
+def _reader(path: Path, loader) -> Callable[[Path], Iterator[tuple[str, Any]]]:
+    if loader is not None:  # the path means what the loader makes of it: a file, a folder, a dataset name
+        return lambda p: _loaded_rows(p, loader)
+    if not path.is_file():
+        raise DataError(f"{path}: dataset file not found")
+    rows = {".jsonl": _jsonl_rows, ".parquet": _parquet_rows}.get(path.suffix)
+    if rows is None:
+        raise DataError(f"{path}: unsupported dataset file type {path.suffix!r}; use .jsonl or .parquet, "
+                        "or read it with your own data.loader")
+    return rows
+
+
+def _loaded_rows(path: Path, loader) -> Iterator[tuple[str, Any]]:
+    try:
+        rows = loader(str(path))
+        for number, row in enumerate(rows):
+            yield f"row {number} of data.loader", row
+    except DataError:
+        raise
+    except Exception as e:  # the user's code: name it, keep the cause
+        raise DataError(f"{path}: data.loader raised {type(e).__name__}: {e}") from e
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:

@@ -31,7 +31,7 @@ from ray import cloudpickle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from rlsys.config import RewardConfig
-from rlsys.reward.registry import REWARDS, BadReward, RewardFn, score
+from rlsys.reward.registry import BadReward, RewardFn, reward_fn, score
 
 GRACE_S = 2.0  # driver deadline slack for Ray's round trip, beyond the workers' own per-item timeouts
 START_TIMEOUT_S = 120.0
@@ -122,7 +122,7 @@ class RewardPool:
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
-        self._fn_blob = _pickle(REWARDS.get(cfg.fn))  # an unknown name fails here, listing the known ones
+        self._fn_blob = _pickle(reward_fn(cfg.fn))  # an unknown name fails here, listing the known ones
         self.errors = 0  # samples that got the fallback: logged as reward/errors
         self.restarts = 0  # workers killed or lost and replaced
         self._queue: deque[_Item] = deque()

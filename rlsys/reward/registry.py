@@ -5,7 +5,9 @@ A reward function has one signature, `fn(response: str, answer: str) -> float`. 
     @register_reward("my_reward")
     def my_reward(response, answer): ...
 
-and select it with `reward.fn=my_reward`. A value that is not a finite number within
+and select it with `reward.fn=my_reward`, or name it in the config without registering it:
+`reward.fn=my_package.rewards:my_reward` or `reward.fn=path/to/rewards.py:my_reward` (rlsys/plugins.py).
+A value that is not a finite number within
 `reward.valid_range` ([-1, 1] unless configured) gets the fallback reward and is counted in
 `reward/errors`. Functions run in a worker thread of a reward actor, so they must not rely on
 signals (signal.alarm); the pool enforces the deadline instead. A function with a
@@ -21,6 +23,7 @@ from typing import Callable
 
 from rlsys.config import RewardConfig
 from rlsys.control.registry import Registry
+from rlsys.plugins import resolve
 
 # math-verify's only warnings are about its signal-based timeouts, which rlsys turns off (see below).
 for _name in ("math_verify.parser", "math_verify.grader"):
@@ -32,6 +35,11 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return REWARDS.register(name)
+
+
+def reward_fn(name: str) -> RewardFn:
+    """The function `reward.fn` names: registered, or the user's `module:function` (imported here)."""
+    return resolve(REWARDS, name, "reward.fn", ("response", "answer"))
 
 
 class BadReward(ValueError):
@@ -84,7 +92,7 @@ def score(cfg: RewardConfig, response: str, answer: str, num_tokens: int,
           fn: RewardFn | None = None) -> float:
     """The base reward (cfg.fn, or `fn` when given), checked against `cfg.valid_range`, plus the
     overlong penalty when enabled."""
-    reward = as_reward((fn or REWARDS.get(cfg.fn))(response, answer), cfg.valid_range)
+    reward = as_reward((fn or reward_fn(cfg.fn))(response, answer), cfg.valid_range)
     if cfg.overlong.enabled:
         reward += overlong_penalty(num_tokens, cfg.overlong.max_len, cfg.overlong.cache_len)
     return reward

@@ -1,0 +1,23 @@
+"""The Makefile has every target it declares and every target the docs tell a user to run."""
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MAKEFILE = (REPO / "Makefile").read_text()
+
+
+def rules() -> set[str]:
+    return set(re.findall(r"^([\w-]+)\s*:", MAKEFILE, re.M))
+
+
+def test_every_phony_target_has_a_rule():
+    phony = {name for line in re.findall(r"^\.PHONY\s*:(.*)$", MAKEFILE, re.M) for name in line.split()}
+    assert phony and phony <= rules(), f".PHONY names targets without a rule: {sorted(phony - rules())}"
+
+
+def test_every_make_command_in_the_docs_names_a_target():
+    docs = [REPO / "Makefile", REPO / "README.md", *REPO.glob("docs/**/*.md"), *REPO.glob("*/README.md")]
+    named = {(path.relative_to(REPO).as_posix(), target) for path in docs if path.is_file()
+             for target in re.findall(r"`make ([\w-]+)", path.read_text())}
+    missing = sorted((where, t) for where, t in named if t not in rules())
+    assert named and not missing, f"`make X` in the docs without a rule X: {missing}"
