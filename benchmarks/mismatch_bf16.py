@@ -18,9 +18,9 @@ from pathlib import Path
 from rlsys.bench import accuracy_difference, machine, run_preset, summarise_run
 
 VARIANTS = {
-    "bf16 engine, uncorrected": ["rollout.dtype=bfloat16"],
-    "bf16 engine, tis": ["rollout.dtype=bfloat16", "trainer.mismatch.mode=tis"],
-    "fp32 engine, tis": ["rollout.dtype=float32", "trainer.mismatch.mode=tis"],  # the kernels' own KL
+    "bf16-uncorrected": ["rollout.dtype=bfloat16"],
+    "bf16-tis": ["rollout.dtype=bfloat16", "trainer.mismatch.mode=tis"],
+    "fp32-tis": ["rollout.dtype=float32", "trainer.mismatch.mode=tis"],  # the kernels' own KL
 }
 
 
@@ -41,11 +41,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     start, results = machine(), {}
     for name in args.variants.split(","):
-        rows = run_preset(None, args.overrides + VARIANTS[name], Path(args.out_dir) / name.replace(" ", "_"))
+        rows = run_preset(None, args.overrides + VARIANTS[name], Path(args.out_dir) / name)
         results[name] = summarise_run(rows, target=1.0) | mismatch_figures(rows)
         print(name, json.dumps({k: results[name][k] for k in ("final_accuracy", "final_accuracy_se",
                                                              "mismatch_kl_mean")}), flush=True)
-    base = results.get("bf16 engine, uncorrected")
+    base = results.get("bf16-uncorrected")
     for r in results.values():
         r["final_accuracy_vs_uncorrected"] = accuracy_difference(r, base) if base else None
     report = {"command": "python benchmarks/mismatch_bf16.py " + " ".join(args.overrides),

@@ -325,7 +325,9 @@ def test_fresh_samples_use_their_behaviour_logprobs_as_the_proximal_policy(model
         metrics = backend.train_mini_batches(parts, TEMPERATURE, fresh=fresh, proximal_micro_batches=0)
         results.append(backend.state_dict_for_rollout())
         assert metrics["sequences"] == len(samples)
-    assert max_diff(*results) < 1e-6
+    # Not fresh, the first part takes its own forward as pi_prox: the same values up to the float rounding of
+    # another batch shape, which Adam's normalisation amplifies in near-zero-gradient weights.
+    assert max_diff(*results) < 1e-4
 
 
 def test_mini_batches_are_contiguous_and_cover_every_sample():

@@ -214,8 +214,8 @@ class TrainerGroup:
         fresh &= self.cfg.mismatch.mode == "none"  # a correction needs the trainer's own pi_old, not the engine's
         parts = [[(per_rank[rank], totals) for per_rank, totals in plans] for rank in range(world)]
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
-        proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine for s in part], budget))
-                                     for mine in parts)
+        proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
+                                     for mine in parts)  # the first part needs none (backend.train_mini_batches)
         return [w.train_mini_batches.remote(mine, temperature, fresh, proximal_micro_batches, top_p)
                 for w, mine in zip(self.workers, parts)]
 
