@@ -56,13 +56,13 @@ def spread(r: dict, key: str, digits: int = 3) -> str:
 def default_run() -> str:
     j = load("default_run_cpu")
     first, last = j["evals"][0], j["evals"][-1]
-    peak = max(j["evals"], key=lambda e: e["eval/accuracy"])
-    return rows(["", "step 0", f"step {last['step']}", "peak"], [
-        ["eval/accuracy (avg@4, 200 held-out prompts)", num(first["eval/accuracy"], 3),
-         num(last["eval/accuracy"], 3), f"{num(peak['eval/accuracy'], 3)} (step {peak['step']})"],
-        ["eval/greedy_accuracy", num(first["eval/greedy_accuracy"], 3), num(last["eval/greedy_accuracy"], 3), ""],
-        ["training clock, s (eval and checkpoints excluded)", "0", num(last["time_s"], 0), ""],
-        ["whole command, s", "", num(j["whole_command_s"], 0), ""]])
+    acc = lambda e: f"{e['eval/accuracy']:.3f} ± {e['eval/accuracy_se']:.3f}"  # noqa: E731
+    return rows(["", "step 0", f"step {last['step']}"], [
+        ["eval/accuracy ± standard error (avg@1, 2,000 held-out prompts)", acc(first), acc(last)],
+        ["training reward, mean of 10 steps", num(j["reward_first_10_steps"], 3), num(j["reward_last_10_steps"], 3)],
+        ["training clock, s (eval and checkpoints excluded)", "0", num(j["training_clock_s"], 0)],
+        ["evaluation, s, share of the run", f"{len(j['evals'])} evals", f"{j['eval_s']:.0f} ({100 * j['eval_share_of_run']:.0f}%)"],
+        ["whole command, s", "", num(j["whole_command_s"], 0)]])
 
 
 def bench_rows(name: str, presets: list[str] | None = None) -> list[list]:
