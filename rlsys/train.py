@@ -115,6 +115,8 @@ class Controller:
                 self.accumulate(action.groups)
             elif isinstance(action, Train):
                 self.start_training(action.groups)
+            else:
+                raise TypeError(f"scheduler {self.cfg.control.scheduler!r} asked for an unknown action {action!r}")
 
     def next_samples(self) -> list[ScoredSample]:
         """Wait for completions and rewards; send completions to the reward pool, return scored samples.
@@ -196,7 +198,7 @@ class Controller:
         self.publish()
         t_sync = time.time() - t
         self.step += 1
-        self.scheduler.sizer.observe(step.groups)
+        self.scheduler.on_trained(self.version, step.groups)
         metrics = dict(step.rollout_metrics, **self.stats.step_totals())
         self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
@@ -204,13 +206,10 @@ class Controller:
                         "rollout/restarts": self.rollout.restarts})
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self.scheduler.metrics())
-        metrics.update(self.scheduler.sizer.metrics())
-        self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
         every = self.cfg.control.eval_every
         if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:
             metrics.update(self.evaluate())
         self.log.write(self.step, self.now(), metrics)
-        self.scheduler.version = self.version
         every = self.cfg.control.save_every
         self.done = self.step >= self.cfg.trainer.total_steps or self.stop_requested
         if (every and self.step % every == 0) or self.done:
@@ -218,7 +217,7 @@ class Controller:
         if self.done:
             return []
         self.stats.start_step()
-        return self.scheduler.on_trained(self.version, self.now())
+        return self.scheduler.start(self.now())
 
     # --- eval, checkpoints, end -------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

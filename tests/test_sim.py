@@ -183,10 +183,6 @@ class Speculative(Scheduler):
             self.finish(rid)
         return ids
 
-    def on_trained(self, version, now):
-        self.version = version
-        return self.start(now)
-
     def in_flight_prompts(self):
         return len(self.pending)
 
@@ -211,6 +207,8 @@ class OneLongSample(Scheduler):
     """One resumed sample that keeps generating while the trainer publishes new weights."""
 
     def start(self, now):
+        if self.version:  # after a step: nothing more to ask
+            return []
         prompt = self.draw(1)[0]
         action = self.submit(prompt, 1)
         rid = action.request_ids[0]
@@ -223,9 +221,6 @@ class OneLongSample(Scheduler):
         self.ledger.drop("sketch")
         return [Train([])]
 
-    def on_trained(self, version, now):
-        self.version = version
-        return []
 
     def in_flight_prompts(self):
         return len(self.owner)

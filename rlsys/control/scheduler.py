@@ -1,8 +1,10 @@
 """Schedulers: pure policies that turn events into actions (docs/design.md principle 1).
 
-Events: a sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the
-trainer published weights version v (`on_trained`). Actions: Submit, Abort, Accumulate, Train. No ray,
-torch or vllm here, so the live controller, the simulator and the tests all drive the very same classes.
+Events: a step starts (`start`: at the run's start, after a restore and after each step boundary), a
+sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the trainer trained a
+step and every engine serves its weights (`on_trained`, the step boundary). Actions: Submit, Abort,
+Accumulate, Train. No ray, torch or vllm here, so the live controller, the simulator and the tests all
+drive the very same classes.
 """
 from __future__ import annotations
 
@@ -68,8 +70,13 @@ class Scheduler:
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         raise NotImplementedError
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        raise NotImplementedError
+    def on_trained(self, version: int, groups: list[Group]) -> None:
+        """The step boundary: the trainer trained `groups` and every engine serves `version`. The sizer observes
+        the step and the ledger must balance. A driver logs and checkpoints here; `start` begins the next step,
+        as it does after a restore, so a resumed run goes on exactly as an uninterrupted one."""
+        self.sizer.observe(groups)
+        self.version = version
+        self.ledger.check(self.in_flight_prompts())
 
     def on_abort(self, completion: Completion, now: float) -> list[Action]:
         """An aborted request's partial output (tokens, log-probs, versions), e.g. to resume it later."""
@@ -104,7 +111,7 @@ class Scheduler:
         return False
 
     def metrics(self) -> dict[str, float]:
-        return self.ledger.metrics()
+        return {**self.ledger.metrics(), **self.sizer.metrics()}
 
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:

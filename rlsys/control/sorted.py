@@ -88,11 +88,14 @@ class SortedScheduler(Scheduler):
 
     # --- events ---------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
-        if self.open:  # restored from a checkpoint mid-round: regenerate its open prompts
-            samples, tokens = self.left_out
-            self.counts.update(regenerated=samples, wasted_tokens=tokens)  # as `_drop_stale` would have
-            return self._submit_all()
-        return self._start_round()
+        """The next round, or the rest of this one: groups complete since the last Train may make a batch."""
+        if not self.open:
+            return self._start_round()
+        samples, tokens = self.left_out  # a checkpoint's, regenerated now
+        self.counts.update(regenerated=samples, wasted_tokens=tokens)  # as `_drop_stale` would have
+        self.left_out = [0, 0]
+        self._drop_stale()
+        return self._progress() or self._submit_all()
 
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         i = self._take(sample.completion.request_id)
@@ -127,13 +130,9 @@ class SortedScheduler(Scheduler):
             self._discard(entry, completion.num_tokens)
         return [] if self.training else self._submit_entry(i)
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        self.version, self.training = version, False
-        if not self.open:
-            return self._start_round()
-        self._drop_stale()
-        trained = self._progress()  # groups that completed during the update may make a batch
-        return trained or self._submit_all()
+    def on_trained(self, version: int, groups: list[Group]) -> None:
+        super().on_trained(version, groups)
+        self.training = False
 
     # --- the round ------------------------------------------------------------------------
     def _start_round(self) -> list[Action]:

@@ -9,7 +9,8 @@ not), a prompt is admitted at version v only while
 Complete groups wait in a buffer; a Train of exactly B groups is emitted as soon as one can be, and
 the next waits for `on_trained`. Requests in flight are never aborted: they go on under the new
 weights, each token tagged with its version. The driver runs a Train in the background, keeps
-delivering samples meanwhile, and calls `on_trained(v)` once every engine has loaded version v.
+delivering samples meanwhile, and calls `on_trained(v, groups)` then `start` once every engine has loaded
+version v.
 
 AReaL's rule alone does not bound a sample's staleness when groups are trained in finish order: a
 long group admitted at v can be overtaken by shorter ones again and again. So each prompt has a
@@ -61,7 +62,7 @@ class AsyncScheduler(Scheduler):
     def start(self, now: float) -> list[Action]:
         self.group_size = self.sizer.next_shape().group_size
         restored, self.restored = self.restored, []
-        return [self._admit(p) for p in restored] + self._fill()
+        return [self._admit(p) for p in restored] + self._fill() + self._train()
 
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         rid = sample.completion.request_id
@@ -89,10 +90,9 @@ class AsyncScheduler(Scheduler):
         self.running[action.request_ids[0]] = entry
         return [action]
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        self.version, self.training = version, False
-        self.group_size = self.sizer.next_shape().group_size
-        return self._fill() + self._train()
+    def on_trained(self, version: int, groups: list[Group]) -> None:
+        super().on_trained(version, groups)
+        self.training = False
 
     # --- admission and training -------------------------------------------------------------
     def in_flight_prompts(self) -> int:

@@ -88,10 +88,6 @@ class TailScheduler(Scheduler):
         self.running[i].discard(completion.request_id)
         return [self._submit(i, 1)]
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        self.version = version
-        return self.start(now)
-
     # --- the round ------------------------------------------------------------------------
     def _submit(self, i: int, n: int) -> Submit:
         action = self.submit(self.builders[i].prompt, n)
