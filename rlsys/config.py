@@ -470,7 +470,8 @@ def _yaml_line(text: str, loc: tuple) -> int | None:
     return line
 
 
-def _format_errors(err: ValidationError, path: Path, text: str, overrides: dict) -> str:
+def format_errors(err: ValidationError, path: Path, text: str, overrides: dict) -> str:
+    """A config's validation errors, each with its dotted field and where it was set (file line or override)."""
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -556,7 +557,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config.model_validate(_merge(raw, extra))
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, path, text, extra)) from None
+        raise ConfigError(format_errors(e, path, text, extra)) from None
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -18,6 +18,7 @@ from rlsys.control.actions import Abort, Submit, Train
 from rlsys.control.scheduler import version_counts
 from rlsys.control.sorted import span
 from rlsys.data.cursor import PromptCursor
+from rlsys.runs import Runs
 from rlsys.types import Completion, Prompt, Request, ScoredSample
 
 from helpers import next_step
@@ -415,9 +416,8 @@ def test_config_defaults_and_errors():
 
 
 def test_versions_are_read_run_by_run_from_run_length_sequences():
-    class Runs(list):  # the simulator's sequences expose `.runs`
-        runs = [(3, 4), (5, 2)]
-    assert version_counts(Runs()) == {3: 4, 5: 2} == version_counts([3, 3, 3, 3, 5, 5])
+    assert version_counts(Runs([(3, 4), (5, 2)])) == {3: 4, 5: 2} == version_counts([3, 3, 3, 3, 5, 5])
+    assert version_counts(Runs([(3, 10 ** 12)])) == {3: 10 ** 12}  # token by token, it would never end
     assert span(version_counts([3, 5]), 6) == 4 and span(version_counts([]), 6) == 0
 
 

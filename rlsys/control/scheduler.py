@@ -13,9 +13,10 @@ from collections import Counter
 from rlsys.config import ControlConfig
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.ledger import Ledger
-from rlsys.control.registry import Registry
 from rlsys.control.sizing import GroupSizer
 from rlsys.data.cursor import PromptCursor
+from rlsys.registry import Registry
+from rlsys.runs import Runs
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 Action = Submit | Abort | Accumulate | Train
@@ -27,14 +28,8 @@ def informative(group: Group) -> bool:
 
 
 def version_counts(versions) -> Counter:
-    """{policy version: tokens}. A run-length sequence (the simulator's `.runs`) is read run by run."""
-    runs = getattr(versions, "runs", None)
-    if runs is None:
-        return Counter(versions)
-    counts: Counter = Counter()
-    for version, n in runs:
-        counts[version] += n
-    return counts
+    """{policy version: tokens} of a sample's per-token versions (a list, or Runs as the simulator's are)."""
+    return versions.counts() if isinstance(versions, Runs) else Counter(versions)
 
 
 class GroupBuilder:

@@ -24,7 +24,7 @@ from rlsys.data.cursor import PromptCursor
 from rlsys.sim.cluster import GPUS, makespan, sync_seconds, train_gpu_seconds
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest
-from rlsys.sim.runs import Runs
+from rlsys.runs import Runs
 from rlsys.sim.workload import Workload
 from rlsys.types import Completion, ScoredSample
 

@@ -79,11 +79,8 @@ class TrainerWorker:
 
         hf_logging.disable_progress_bar()  # one bar per load per rank would flood the driver's log
         torch.set_num_threads(torch_threads)
-        if self.cfg.backend == "torch":
-            from rlsys.trainer.backend import TorchBackend as Backend
-        else:
-            from rlsys.trainer.deepspeed_backend import DeepSpeedBackend as Backend
-        self.backend = Backend(self.cfg, self.model_dir, self.rank, self.world_size)
+        from rlsys.trainer.backend import BACKENDS
+        self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.rank, self.world_size)
 
     def compute_logprobs(self, samples: list[TrainSample], temperature: float, micro_batches: int,
                          top_p: float = 1.0):
