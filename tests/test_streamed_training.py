@@ -14,6 +14,8 @@ from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.streamed import StreamedStep
 from rlsys.trainer.worker import TrainerGroup
 
+from helpers import stream_finish, trainer_weights
+
 ARRIVALS = [[4, 1, 5], [0], [3, 2]]  # uneven chunks, in an order unlike the groups'
 STATS = ("loss", "pg_loss", "entropy", "clip_fraction", "behaviour_logprob_diff", "grad_norm")
 
@@ -184,8 +186,8 @@ def test_trainer_group_streams_across_two_ranks(ray_cluster, model_dir):  # noqa
             refs = [trainer.stream_groups([groups[i] for i in chunk]) for chunk in ARRIVALS]
             # Nothing is waited for; groups arriving while the ranks are busy go with the next part.
             assert all(isinstance(r, ray.ObjectRef) for part in refs for r in part) and refs[0]
-            metrics.append(trainer.stream_finish())
-            weights.append(ray.get(trainer.weights_ref()))
+            metrics.append(stream_finish(trainer))
+            weights.append(trainer_weights(trainer))
         with pytest.raises(RuntimeError, match="stream_begin first"):
             trainer.stream_groups(steps[0])
     finally:

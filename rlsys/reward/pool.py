@@ -202,9 +202,6 @@ class RewardPool:
         self._dispatch()
         return self._counted(results)
 
-    def pending(self) -> int:
-        return len(self._round) + len(self._queue) + sum(len(c.items) for c in self._calls.values())
-
     # -- conveniences --------------------------------------------------------------------------
 
     def score_all(self, items: list[tuple[str, str, str, int]]) -> list[RewardResult]:

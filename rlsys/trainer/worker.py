@@ -82,10 +82,6 @@ class TrainerWorker:
         from rlsys.trainer.backend import BACKENDS
         self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.rank, self.world_size)
 
-    def compute_logprobs(self, samples: list[TrainSample], temperature: float, micro_batches: int,
-                         top_p: float = 1.0):
-        return self.backend.compute_logprobs(samples, temperature, micro_batches, top_p)
-
     def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
         if self.stream is not None:
             raise RuntimeError("stream_begin: the previous streamed step was never finished")
@@ -106,10 +102,6 @@ class TrainerWorker:
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
                            fresh: bool, proximal_micro_batches: int, top_p: float = 1.0) -> dict:
         return self.backend.train_mini_batches(parts, temperature, fresh, proximal_micro_batches, top_p)
-
-    def rollout_weights(self):
-        weights = self.backend.state_dict_for_rollout(keep=self.rank == 0)
-        return weights if self.rank == 0 else None
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> None:
@@ -193,11 +185,6 @@ class TrainerGroup:
         self.stream: OpenStream | None = None
 
     # --- training -----------------------------------------------------------------------------
-    def train_step(self, groups: list[Group], temperature: float, version: int | None = None,
-                   top_p: float = 1.0) -> dict:
-        """`trainer.mini_batches` optimizer steps on these groups; blocks until every rank is done."""
-        return self.finish_train_step(self.start_train_step(groups, temperature, version, top_p))
-
     def start_train_step(self, groups: list[Group], temperature: float, version: int | None = None,
                          top_p: float = 1.0) -> list[ray.ObjectRef]:
         """Launch the step and return at once; pass the refs to `finish_train_step` (or ray.wait on them).
@@ -263,29 +250,7 @@ class TrainerGroup:
         return [w.stream_finish.remote(stream.tokens, stream.sequences, *calls)
                 for w, calls in zip(self.workers, stream.calls)]
 
-    def stream_finish(self) -> dict:
-        """`stream_end`, waited for: the merged metrics, as `train_step` returns them."""
-        return self.finish_train_step(self.stream_end())
-
-    def compute_logprobs(self, samples: list[TrainSample], temperature: float,
-                         top_p: float = 1.0) -> list[list[float]]:
-        """Current-policy log-probs of each sample's response tokens, in input order."""
-        per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
-        results = self._get_all([w.compute_logprobs.remote(s, temperature, totals.micro_batches, top_p)
-                                 for w, s in zip(self.workers, per_rank)])
-        found = {id(s): lp for part, part_lps in zip(per_rank, results) for s, lp in zip(part, part_lps)}
-        return [found[id(s)] for s in samples]
-
     # --- weights and files ------------------------------------------------------------------------
-    def weights_ref(self) -> ray.ObjectRef:
-        """Rank 0's full weights (HF names, CPU float32) in the object store, whole (rlsys/weights/sync.py
-        sends a run's weights in buckets)."""
-        refs = [w.rollout_weights.remote() for w in (self.workers if self._gathers_on_all() else self.workers[:1])]
-        # The other ranks only take part in the gather; rank 0's weights stay in the store. Rank 0 answers
-        # once they are there, so its death shows here, not later as a rollout worker's error.
-        self._get_all(refs[1:] + [self.workers[0].node_ip.remote()])
-        return refs[0]
-
     def open_senders(self, transport: Transport, ranks: list[int]) -> list:
         """These ranks send every version from now on; their addresses, for the receivers."""
         return self._get_all([self.workers[r].open_sender.remote(transport) for r in ranks])
