@@ -7,6 +7,7 @@ import pytest
 from rlsys.config import ControlConfig
 from rlsys.control import SCHEDULERS, build_scheduler
 from rlsys.control.actions import Submit, Train
+from rlsys.control.events import Aborted, Generated, Scored
 from rlsys.control.metrics import bubble_ratio, is_straggler, straggler_rate
 from rlsys.control.sizing import FixedGroupSizer
 from rlsys.data.cursor import PromptCursor
@@ -167,3 +168,13 @@ def test_the_controller_refuses_an_action_it_does_not_know():
     controller = SimpleNamespace(cfg=SimpleNamespace(control=SimpleNamespace(scheduler="mine")))
     with pytest.raises(TypeError, match="scheduler 'mine' asked for an unknown action"):
         Controller.apply(controller, ["train now"])
+
+
+def test_handle_takes_the_pumps_scored_and_aborted_events_and_refuses_the_rest():
+    sched = sync(prompts_per_step=2, group_size=2)
+    a, b = sched.start(0.0)
+    assert sched.handle(Scored(finish(a.request_ids[0], a.prompt.uid, 1.0)), 0) == []
+    assert sched.handle(Aborted(finish(b.request_ids[0], b.prompt.uid, 0.0).completion), 0) == []
+    assert b.request_ids[0] not in sched.prompt_of  # on_abort forgot it
+    with pytest.raises(TypeError, match="handles Scored and Aborted events"):
+        sched.handle(Generated(finish(a.request_ids[1], a.prompt.uid, 0.0).completion), 0)

@@ -169,16 +169,16 @@ class Speculative(Scheduler):
             return []
         del self.pending[uid]
         self.done.append(builder.group())
-        out = [Abort(self._forget(lambda owner: owner == uid))]
+        out = [Abort(self._forget(lambda prompt_uid: prompt_uid == uid))]
         if len(self.done) == self.cfg.prompts_per_step:
             self.ledger.drop("aborted", len(self.pending))
             self.pending = {}
-            out += [Abort(self._forget(lambda owner: True)), Train(self.done)]
+            out += [Abort(self._forget(lambda prompt_uid: True)), Train(self.done)]
             self.ledger.train(len(self.done))
         return out
 
     def _forget(self, match):
-        ids = [rid for rid, owner in self.owner.items() if match(owner)]
+        ids = [rid for rid, prompt_uid in self.prompt_of.items() if match(prompt_uid)]
         for rid in ids:
             self.finish(rid)
         return ids
@@ -223,7 +223,7 @@ class OneLongSample(Scheduler):
 
 
     def in_flight_prompts(self):
-        return len(self.owner)
+        return len(self.prompt_of)
 
 
 def test_weight_updates_mid_generation_split_token_versions():

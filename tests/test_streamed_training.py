@@ -11,7 +11,7 @@ from test_trainer import TEMPERATURE, make_groups, max_diff, model_dir, trainer_
 from rlsys.config import Config, ConfigError, load_config
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
-from rlsys.trainer.streamed import StreamedStep
+from rlsys.trainer.streamed import StreamedGradients
 from rlsys.trainer.worker import TrainerGroup
 
 from helpers import stream_finish, trainer_weights
@@ -48,7 +48,7 @@ def sync_steps(backend, steps):
 def streamed_steps(backend, steps):
     metrics, weights = [], []
     for groups in steps:
-        stream, tokens, sequences = StreamedStep(backend, TEMPERATURE), 0, 0
+        stream, tokens, sequences = StreamedGradients(backend, TEMPERATURE), 0, 0
         for chunk in ARRIVALS:
             samples = build_samples([groups[i] for i in chunk], backend.cfg.advantage)
             _, part = plan_step(samples, 1, backend.cfg.micro_batch_tokens)
@@ -112,7 +112,7 @@ def test_two_streamed_steps_equal_two_synchronous_steps(model_dir, overrides):  
 def test_an_empty_streamed_step_is_skipped_and_leaves_the_weights(model_dir):  # noqa: F811
     backend = TorchBackend(trainer_config(), model_dir)
     before = backend.state_dict_for_rollout()
-    stream = StreamedStep(backend, TEMPERATURE)
+    stream = StreamedGradients(backend, TEMPERATURE)
     stream.accumulate([], 0)
     assert stream.finish(0, 0)["skipped_steps"] == 1
     assert max_diff(before, backend.state_dict_for_rollout()) == 0.0
@@ -135,7 +135,7 @@ def test_streamed_refuses_several_mini_batches(model_dir):  # noqa: F811
     with pytest.raises(ConfigError, match="trainer.streamed needs trainer.mini_batches=1"):
         load_config(None, ["trainer.streamed=true", "trainer.mini_batches=2"])
     with pytest.raises(ValueError, match="trainer.mini_batches=1"):
-        StreamedStep(TorchBackend(trainer_config(mini_batches=2), model_dir), TEMPERATURE)
+        StreamedGradients(TorchBackend(trainer_config(mini_batches=2), model_dir), TEMPERATURE)
 
 
 # --- DeepSpeed on one rank, in process (gloo) ---------------------------------------------------------

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from rlsys.config import ControlConfig
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
-from rlsys.control.tail import scaled
+from rlsys.control.tail import ceil_product
 from rlsys.data.cursor import PromptCursor
 from rlsys.types import Completion, Prompt, ScoredSample
 
@@ -210,7 +210,7 @@ def check_run(p, r, eta_p, eta_r, steps, late, seed):
     sched = build(prompts_per_step=p, group_size=r, tail={"eta_p": eta_p, "eta_r": eta_r})
     engine = FakeEngine(sched, length=lambda prompt, rid: heavy_tailed(prompt, f"{seed}/{rid}"), late=late, seed=seed)
     trained_uids, trained_rids = [], set()
-    queue_bound = p - 1 + scaled(eta_p, p) - p  # under P at a short round's start, which queues the rest
+    queue_bound = p - 1 + ceil_product(eta_p, p) - p  # under P at a short round's start, which queues the rest
     queue_max = [0]
     long_rounds = []
 

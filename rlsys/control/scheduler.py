@@ -1,4 +1,4 @@
-"""Schedulers: pure policies that turn events into actions (docs/design.md principle 1).
+"""Schedulers: pure policies that turn events into actions (docs/design.md principle 1, "Where the parts meet").
 
 Events: a step starts (`start`: at the run's start, after a restore and after each step boundary), a
 sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the trainer trained a
@@ -12,6 +12,7 @@ from collections import Counter
 
 from rlsys.config import ControlConfig
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
+from rlsys.control.events import Aborted, Scored
 from rlsys.control.ledger import Ledger
 from rlsys.control.sizing import GroupSizer
 from rlsys.data.cursor import PromptCursor
@@ -56,7 +57,7 @@ class Scheduler:
         self.ledger = Ledger()
         self.version = 0
         self._next_request = 0
-        self.owner: dict[str, str] = {}  # request id -> prompt uid, for requests in flight
+        self.prompt_of: dict[str, str] = {}  # request id -> prompt uid, for requests in flight
 
     # --- events ---------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -78,6 +79,14 @@ class Scheduler:
         self.finish(completion.request_id)
         return []
 
+    def handle(self, event: Scored | Aborted, now: float) -> list[Action]:
+        """A driver's event pump hands its events here."""
+        if isinstance(event, Scored):
+            return self.on_sample(event.sample, now)
+        if isinstance(event, Aborted):
+            return self.on_abort(event.completion, now)
+        raise TypeError(f"a scheduler handles Scored and Aborted events, not {event!r}")
+
     # --- helpers ------------------------------------------------------------------------
     def draw(self, n: int) -> list[Prompt]:
         prompts = self.cursor.take(n)
@@ -87,12 +96,12 @@ class Scheduler:
     def submit(self, prompt: Prompt, n: int) -> Submit:
         ids = [f"{prompt.uid}#{self._next_request + i}" for i in range(n)]
         self._next_request += n
-        self.owner.update((i, prompt.uid) for i in ids)
+        self.prompt_of.update((i, prompt.uid) for i in ids)
         return Submit(prompt, ids)
 
     def finish(self, request_id: str) -> str | None:
         """Forget a finished or aborted request; returns its prompt uid, None if it was not ours."""
-        return self.owner.pop(request_id, None)
+        return self.prompt_of.pop(request_id, None)
 
     def in_flight_prompts(self) -> int:
         raise NotImplementedError

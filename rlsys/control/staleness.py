@@ -36,7 +36,7 @@ from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 
 @dataclass
-class Entry:
+class AdmittedPrompt:
     """An admitted prompt until it is trained or dropped."""
     prompt: Prompt
     deadline: int  # version it must be trained at, at the latest: admission version + eta
@@ -50,8 +50,8 @@ class AsyncScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.eta, self.batch = self.cfg.staleness.eta, self.cfg.prompts_per_step
         self.group_size = 0
-        self.running: dict[str, Entry] = {}  # request id -> its prompt
-        self.ready: list[Entry] = []  # complete groups, in finish order
+        self.running: dict[str, AdmittedPrompt] = {}  # request id -> its prompt
+        self.ready: list[AdmittedPrompt] = []  # complete groups, in finish order
         self.due = Counter()  # deadline -> prompts admitted and not yet trained or dropped
         self.restored: list[Prompt] = []  # open prompts of a checkpoint, to regenerate at start
         self.training = False  # a Train is out and its on_trained has not come back
@@ -104,7 +104,7 @@ class AsyncScheduler(Scheduler):
         return [self._admit(p) for p in self.draw(max(room, 0))]
 
     def _admit(self, prompt: Prompt) -> Action:
-        entry = Entry(prompt, self.version + self.eta, self.group_size)
+        entry = AdmittedPrompt(prompt, self.version + self.eta, self.group_size)
         self.due[entry.deadline] += 1
         action = self.submit(prompt, entry.group_size)
         self.running.update((rid, entry) for rid in action.request_ids)
@@ -130,7 +130,7 @@ class AsyncScheduler(Scheduler):
             self._record(entry)
         return [Train([Group(e.prompt, e.samples) for e in take])]
 
-    def _record(self, entry: Entry) -> None:
+    def _record(self, entry: AdmittedPrompt) -> None:
         """Staleness of each sample: the version it is trained at minus its oldest token's."""
         for s in entry.samples:
             versions = version_counts(s.completion.versions)

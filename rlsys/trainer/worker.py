@@ -26,7 +26,7 @@ from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
 from rlsys.trainer.losses import mismatch_warning
-from rlsys.trainer.streamed import StreamedStep
+from rlsys.trainer.streamed import StreamedGradients
 from rlsys.types import Group
 from rlsys.weights import BucketPlan, Receiver, Sender, Transport, WeightGroup, plan_buckets
 
@@ -50,7 +50,7 @@ class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int, world_size: int):
         self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
         self.backend = None
-        self.stream: StreamedStep | None = None
+        self.stream: StreamedGradients | None = None
         self.weight_group: WeightGroup | None = None  # a transport's own group (broadcast), on rank 0
         self.sender: Sender | None = None  # on the ranks that send the weights to the engines
 
@@ -85,7 +85,7 @@ class TrainerWorker:
     def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
         if self.stream is not None:
             raise RuntimeError("stream_begin: the previous streamed step was never finished")
-        self.stream = StreamedStep(self.backend, temperature, top_p)
+        self.stream = StreamedGradients(self.backend, temperature, top_p)
 
     def stream_accumulate(self, samples: list[TrainSample], micro_batches: int) -> None:
         if self.stream is None:
@@ -141,7 +141,7 @@ class TrainerWorker:
         self.backend.export_hf(folder)
 
 
-def finished(refs: list[ray.ObjectRef]) -> bool:
+def done_or_failed(refs: list[ray.ObjectRef]) -> bool:
     """Every rank is done, or one failed: the others may wait for it in a collective until they time out."""
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
     try:
@@ -152,7 +152,7 @@ def finished(refs: list[ray.ObjectRef]) -> bool:
 
 
 @dataclass
-class OpenStream:
+class RunningStream:
     """A streamed step between `stream_begin` and `stream_end`, as the driver tracks it."""
     calls: list[list[ray.ObjectRef]]  # each rank's calls, handed to its finish: an error in any fails the step
     tokens: int = 0  # response tokens streamed so far, over every rank
@@ -182,7 +182,7 @@ class TrainerGroup:
         ips = ray.get([w.node_ip.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
         self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
-        self.stream: OpenStream | None = None
+        self.stream: RunningStream | None = None
 
     # --- training -----------------------------------------------------------------------------
     def start_train_step(self, groups: list[Group], temperature: float, version: int | None = None,
@@ -215,7 +215,7 @@ class TrainerGroup:
     # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
     def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
         """Open a streamed step; the weights must not change until it ends."""
-        self.stream = OpenStream([[w.stream_begin.remote(temperature, top_p)] for w in self.workers])
+        self.stream = RunningStream([[w.stream_begin.remote(temperature, top_p)] for w in self.workers])
 
     def stream_groups(self, groups: list[Group]) -> list[ray.ObjectRef]:
         """Accumulate the gradients of these completed groups; returns at once: one ref per rank, or none
@@ -224,7 +224,7 @@ class TrainerGroup:
             raise RuntimeError("stream_groups: call stream_begin first")
         self.stream.waiting += groups
         calls = self.stream.calls  # each rank's stream_begin, then its parts
-        if len(calls[0]) > 1 and not finished([mine[-1] for mine in calls]):
+        if len(calls[0]) > 1 and not done_or_failed([mine[-1] for mine in calls]):
             return []  # sent with the next part: one part of many groups costs less than many parts of one
         return self._send_waiting()
 
