@@ -68,7 +68,7 @@ class Probe:
         return actions
 
     def deliver(self, req) -> None:
-        self.peak_in_flight = max(self.peak_in_flight, len(self.sim.scheduler.owner))
+        self.peak_in_flight = max(self.peak_in_flight, len(self.sim.scheduler.prompt_of))
         if self.delivered % 256 == 0:
             self.peak_running = max(self.peak_running, sum(e.n for e in self.sim.engines))
         self.delivered += 1

@@ -296,9 +296,9 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(args) -> int:
-    from rlsys.cli import _split_config_and_overrides
+    from rlsys.cli import split_config_and_overrides
 
-    config, overrides = _split_config_and_overrides(args.items)
+    config, overrides = split_config_and_overrides(args.items)
     overrides = (QUICK if args.quick else []) + overrides
     out_dir = Path(args.out_dir)
     report = bench(config, overrides, args.presets.split(","), args.repeats, args.target, out_dir)

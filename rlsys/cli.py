@@ -19,7 +19,9 @@ EPILOG = """examples:
 """
 
 
-def _split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
+def split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
+    """`[config.yaml] key=value ...` (train, bench): the config file, the default one if none is named, and the
+    overrides."""
     if items and "=" not in items[0]:
         return items[0], items[1:]
     return str(DEFAULT_CONFIG), items
@@ -30,7 +32,7 @@ def cmd_train(args) -> int:
     from rlsys.train import train
     from rlsys.types import RunStopped
 
-    path, overrides = _split_config_and_overrides(args.items)
+    path, overrides = split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)
     try:
         final = train(cfg, resume=args.resume)

@@ -311,23 +311,6 @@ class StalenessConfig(Section):
     eta: int = Field(1, ge=0)  # 0 is the synchronous schedule
 
 
-class ElasticTPConfig(Section):
-    """Elastic rollout parallelism: the engines' TP size moves between rounds with KV-cache preemptions
-    (rlsys/control/elastic_tp.py). Sizes are the powers of two from min_tp to max_tp."""
-    enabled: bool = False
-    min_tp: int = Field(1, ge=1)
-    max_tp: int = Field(8, ge=1)
-    raise_at: float = Field(0.02, ge=0)  # preemptions per request in a round above which TP doubles
-    lower_at: float = Field(0.0, ge=0)  # ... at or below which a round counts as calm
-    calm_rounds: int = Field(3, ge=1)  # calm rounds in a row before TP halves
-
-    @model_validator(mode="after")
-    def _ordered(self):
-        if self.min_tp > self.max_tp or self.lower_at > self.raise_at:
-            raise ValueError("control.elastic_tp needs min_tp <= max_tp and lower_at <= raise_at")
-        return self
-
-
 class ControlConfig(Section):
     scheduler: str = "sync"
     group_sizer: str = "fixed"
@@ -339,7 +322,6 @@ class ControlConfig(Section):
     sagc: SAGCConfig = SAGCConfig()
     sorted: SortedConfig = SortedConfig()
     staleness: StalenessConfig = StalenessConfig()
-    elastic_tp: ElasticTPConfig = ElasticTPConfig()
     eval_every: int = Field(10, ge=0)  # 0: only before and after training
     save_every: int = Field(20, ge=0)  # 0: only at the end
 
@@ -537,7 +519,8 @@ def _yaml_line(text: str, loc: tuple) -> int | None:
     return line
 
 
-def _format_errors(err: ValidationError, path: Path, text: str, overrides: dict) -> str:
+def format_errors(err: ValidationError, path: Path, text: str, overrides: dict) -> str:
+    """A config's validation errors, each with its dotted field and where it was set (file line or override)."""
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -623,7 +606,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config.model_validate(_merge(raw, extra))
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, path, text, extra)) from None
+        raise ConfigError(format_errors(e, path, text, extra)) from None
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

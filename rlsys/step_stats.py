@@ -41,7 +41,7 @@ class StepStats:
     def add_reward(self, error: str | None) -> None:
         self.reward_errors += error is not None
 
-    def rollout_done(self, groups: list[Group]) -> dict[str, float]:
+    def close_rollout(self, groups: list[Group]) -> dict[str, float]:
         """Metrics of the rollout phase, called when the scheduler hands over the groups to train.
 
         The bubble ratio is read from the engines' own step records over the window, so requests still

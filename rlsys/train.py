@@ -20,16 +20,18 @@ from rlsys.cluster import init_ray
 from rlsys.config import Config, save_config
 from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
+from rlsys.control.events import Aborted, Event, Generated, Scored
 from rlsys.data import load_prompts
 from rlsys.data.cursor import PromptCursor
 from rlsys.evaluate import eval_accuracy
+from rlsys.friction import Friction
 from rlsys.logger import RunLogger
 from rlsys.placement import Placement, format_plan, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats
-from rlsys.trainer.worker import TrainerDied, TrainerGroup, finished
+from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
 from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample
 from rlsys.weights.sync import WeightSync
 
@@ -39,7 +41,7 @@ SLEEP_LEVEL = 2
 
 
 @dataclass
-class TrainStep:
+class RunningStep:
     """A train step the trainer is running: its groups, the rollout figures taken at hand-over, its refs."""
     groups: list
     rollout_metrics: dict
@@ -47,7 +49,7 @@ class TrainStep:
     started: float = field(default_factory=time.time)
 
     def done(self) -> bool:
-        return finished(self.refs)
+        return done_or_failed(self.refs)
 
 
 class Controller:
@@ -71,6 +73,7 @@ class Controller:
         if self.sleeps:  # before the trainer is built: it starts on the memory the engines give back
             self.rollout.sleep(SLEEP_LEVEL)
         self.rewards = RewardPool(cfg.reward)
+        self.friction = Friction(cfg.friction, cfg.seed)
         self.trainer = TrainerGroup(cfg, str(self.model_dir), self.placement)
         self.weights = WeightSync(cfg, self.trainer, self.rollout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
@@ -78,7 +81,7 @@ class Controller:
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
         self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
-        self.training: TrainStep | None = None
+        self.training: RunningStep | None = None
         self.temperature = cfg.rollout.temperature or 1.0  # the trainer scores tokens as sampled (greedy: 1)
         self.top_p = cfg.rollout.top_p if cfg.rollout.temperature > 0 else 1.0  # greedy: no nucleus (as vLLM)
         self.streamed_groups = 0  # groups whose gradients the trainer is accumulating (trainer.streamed)
@@ -99,8 +102,11 @@ class Controller:
         self.stats.start_step()
         self.apply(self.scheduler.start(self.now()))
         while not self.done:
-            for sample in self.next_samples():
-                self.apply(self.scheduler.on_sample(sample, self.now()))
+            for event in self.next_events():
+                if isinstance(event, Generated):
+                    self.score(event.completion)
+                else:
+                    self.apply(self.scheduler.handle(event, self.now()))
             if self.training and self.training.done():
                 self.apply(self.finish_training())
         return self.finish()
@@ -115,36 +121,40 @@ class Controller:
                 self.accumulate(action.groups)
             elif isinstance(action, Train):
                 self.start_training(action.groups)
+            else:
+                raise TypeError(f"scheduler {self.cfg.control.scheduler!r} asked for an unknown action {action!r}")
 
-    def next_samples(self) -> list[ScoredSample]:
-        """Wait for completions and rewards; send completions to the reward pool, return scored samples.
-        Aborted requests go straight back to the scheduler."""
+    def next_events(self) -> list[Event]:
+        """Wait for the engines, the reward pool or the train step; what they gave back, as events."""
         rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
         training = self.training.refs if self.training else []
-        held = self.rollout.held or self.rewards.held  # results set aside while evaluating
-        ready, _ = ray.wait(rollout_refs + reward_refs + training, num_returns=1, timeout=0 if held else 1.0)
+        waiting = self.rollout.undelivered or self.rewards.undelivered  # results that came back while evaluating
+        ready, _ = ray.wait(rollout_refs + reward_refs + training, num_returns=1, timeout=0 if waiting else 1.0)
         if ready:
             ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=len(rollout_refs + reward_refs), timeout=0)
         ready = set(ready)
+        events: list[Event] = []
         for completion in self.rollout.collect([r for r in rollout_refs if r in ready]):
             self.stats.add_completion(completion)
-            prompt = self.prompts.get(completion.request_id)
             if completion.finish_reason == "abort":
                 self.prompts.pop(completion.request_id, None)
-                self.apply(self.scheduler.on_abort(completion, self.now()))
-                continue
-            self.in_flight[completion.request_id] = completion
-            self.rewards.submit(completion.request_id, completion.text, prompt.answer, completion.num_tokens)
-        if self.cfg.reward.after_round and not self.rollout.owner:  # the round has generated: score it now
-            self.rewards.end_round()
-        results = self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap()
-        samples = []
-        for result in results:
-            completion = self.in_flight.pop(result.key)
-            self.prompts.pop(result.key, None)
-            samples.append(ScoredSample(completion, result.reward, result.error))
+                events.append(Aborted(completion))
+            else:
+                events.append(Generated(completion))
+        for result in self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap():
             self.stats.add_reward(result.error)
-        return samples
+            self.prompts.pop(result.key, None)
+            reward = self.friction.reward(result.key, result.reward)  # the testbed's flips (off by default)
+            events.append(Scored(ScoredSample(self.in_flight.pop(result.key), reward, result.error)))
+        return events
+
+    def score(self, completion: Completion) -> None:
+        """A finished completion to the reward pool, with the answer of the prompt it was asked for."""
+        rid = completion.request_id
+        self.in_flight[rid] = completion
+        self.rewards.submit(rid, completion.text, self.prompts[rid].answer, completion.num_tokens)
+        if self.cfg.reward.after_round and not self.rollout.worker_of:  # the round has generated: score it now
+            self.rewards.end_round()
 
     def submit(self, action: Submit) -> None:
         prompt_ids = self.tokenizer(action.prompt.text)["input_ids"]
@@ -152,8 +162,8 @@ class Controller:
         for rid in action.request_ids:
             self.prompts[rid] = action.prompt
             # No seed: vLLM samples seeded rows one by one (the built-in engine seeds from the run seed and id)
-            params = SamplingParams(self.cfg.rollout.max_new_tokens, self.cfg.rollout.temperature,
-                                    self.cfg.rollout.top_p)
+            params = self.friction.sampling(rid, SamplingParams(self.cfg.rollout.max_new_tokens,
+                                                                self.cfg.rollout.temperature, self.cfg.rollout.top_p))
             resume = action.resume.get(rid)  # a partial rollout continues with this run's sampling params
             requests.append(replace(resume, params=params) if resume
                             else Request(rid, action.prompt.uid, prompt_ids, params))
@@ -174,7 +184,7 @@ class Controller:
         if self.training:
             raise RuntimeError(f"scheduler {self.cfg.control.scheduler!r} asked to train before the last "
                                "step's weights were published")
-        rollout_metrics = self.stats.rollout_done(groups)
+        rollout_metrics = self.stats.close_rollout(groups)
         if self.sleeps:  # the scheduler has aborted or collected every request: engines hold none
             self.rollout.sleep(SLEEP_LEVEL)
         if self.streamed_groups:  # the scheduler announced every group of this Train with Accumulate
@@ -185,7 +195,7 @@ class Controller:
             refs, self.streamed_groups = self.trainer.stream_end(), 0
         else:
             refs = self.trainer.start_train_step(groups, self.temperature, self.version, self.top_p)
-        self.training = TrainStep(groups, rollout_metrics, refs)
+        self.training = RunningStep(groups, rollout_metrics, refs)
 
     def finish_training(self) -> list:
         step, self.training = self.training, None
@@ -196,7 +206,7 @@ class Controller:
         self.publish()
         t_sync = time.time() - t
         self.step += 1
-        self.scheduler.sizer.observe(step.groups)
+        self.scheduler.on_trained(self.version, step.groups)
         metrics = dict(step.rollout_metrics, **self.stats.step_totals())
         self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
@@ -204,13 +214,12 @@ class Controller:
                         "rollout/restarts": self.rollout.restarts})
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self.scheduler.metrics())
-        metrics.update(self.scheduler.sizer.metrics())
-        self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
+        if self.cfg.friction.on:
+            metrics.update(self.friction.counts)
         every = self.cfg.control.eval_every
         if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:
             metrics.update(self.evaluate())
         self.log.write(self.step, self.now(), metrics)
-        self.scheduler.version = self.version
         every = self.cfg.control.save_every
         self.done = self.step >= self.cfg.trainer.total_steps or self.stop_requested
         if (every and self.step % every == 0) or self.done:
@@ -218,7 +227,7 @@ class Controller:
         if self.done:
             return []
         self.stats.start_step()
-        return self.scheduler.on_trained(self.version, self.now())
+        return self.scheduler.start(self.now())
 
     # --- eval, checkpoints, end -------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

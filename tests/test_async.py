@@ -12,6 +12,7 @@ from rlsys.control.actions import Submit, Train
 from rlsys.data.cursor import PromptCursor
 from rlsys.sim.run import simulate
 from rlsys.types import Completion, Prompt, ScoredSample
+from helpers import next_step
 from test_sorted import FakeTrainer
 
 
@@ -88,7 +89,7 @@ def test_admits_while_trained_plus_in_flight_fits_version_plus_eta_batches():
     (train,) = sched.on_sample(sample(subs[0].request_ids[0], subs[0].prompt.uid), 2)
     assert [g.prompt for g in train.groups] == [subs[2].prompt, subs[0].prompt]  # finish order
     assert sched.on_sample(sample(subs[1].request_ids[0], subs[1].prompt.uid), 3) == []  # training
-    more = sched.on_trained(1, 4)
+    more = next_step(sched, 1, train.groups, 4)
     assert len(more) == 2 and all(isinstance(a, Submit) for a in more)  # 3 x 2 - 2 trained - 2 in flight
     sched.ledger.check(sched.in_flight_prompts())
 
@@ -100,7 +101,7 @@ def test_eta_zero_admits_nothing_while_training():
         assert sched.on_sample(sample(rid, "x"), 1) == []
     (train,) = sched.on_sample(sample(a.request_ids[1], "x"), 2)
     assert len(train.groups) == 2 and sched.in_flight_prompts() == 0
-    assert len(sched.on_trained(1, 3)) == 2
+    assert len(next_step(sched, 1, train.groups, 3)) == 2
 
 
 def test_a_train_waits_for_a_group_that_would_miss_its_deadline():
@@ -109,12 +110,12 @@ def test_a_train_waits_for_a_group_that_would_miss_its_deadline():
     sched = build(eta=2, prompts_per_step=1, group_size=1)
     p1, p2, p3 = sched.start(0.0)
     (train,) = sched.on_sample(sample(p1.request_ids[0], "x"), 1)
-    (p4,) = sched.on_trained(1, 2)
+    (p4,) = next_step(sched, 1, train.groups, 2)
     assert sched.on_sample(sample(p4.request_ids[0], "x", versions=[1, 1]), 3) == []
     assert sched.metrics()["async/deadline_waits"] == 1
     (train,) = sched.on_sample(sample(p2.request_ids[0], "x", versions=[0, 1]), 4)
     assert [g.prompt for g in train.groups] == [p2.prompt]
-    sched.on_trained(2, 5)
+    next_step(sched, 2, train.groups, 5)
     m = sched.metrics()
     assert m["staleness/max"] == 1 and m["staleness/mean"] == 0.5 and m["async/buffered_groups"] == 1
 

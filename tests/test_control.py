@@ -1,15 +1,20 @@
 """The sync scheduler and the rollout metrics, driven by scripted events with a fake clock."""
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from rlsys.config import ControlConfig
 from rlsys.control import SCHEDULERS, build_scheduler
 from rlsys.control.actions import Submit, Train
+from rlsys.control.events import Aborted, Generated, Scored
 from rlsys.control.metrics import bubble_ratio, is_straggler, straggler_rate
 from rlsys.control.sizing import FixedGroupSizer
 from rlsys.data.cursor import PromptCursor
+from rlsys.train import Controller
 from rlsys.types import Completion, Prompt, ScoredSample
+
+from helpers import next_step
 
 
 def prompts(n):
@@ -52,7 +57,7 @@ def test_sync_trains_once_per_step_on_every_group():
     assert len(groups) == 4 and all(len(g.samples) == 3 for g in groups)
     assert {g.prompt.uid for g in groups} == {a.prompt.uid for a in actions}
     sched.ledger.check(sched.in_flight_prompts())
-    nxt = sched.on_trained(1, 1.0)
+    nxt = next_step(sched, 1, groups, 1.0)
     assert len(nxt) == 4 and sched.version == 1
 
 
@@ -104,11 +109,12 @@ def test_dynamic_sampling_gives_up_after_the_cap():
 
 def test_state_round_trip_continues_the_same_data_order():
     a = sync(prompts_per_step=3, group_size=2)
-    run_step(a, a.start(0.0))
+    (train,) = run_step(a, a.start(0.0))
+    a.on_trained(1, train.groups)
     state = a.state_dict()
     b = sync(prompts_per_step=3, group_size=2)
     b.load_state_dict(state)
-    assert [x.prompt.uid for x in a.on_trained(1, 0)] == [x.prompt.uid for x in b.start(0)]
+    assert [x.prompt.uid for x in a.start(0)] == [x.prompt.uid for x in b.start(0)]
 
 
 def test_cursor_reshuffles_each_epoch_and_resumes():
@@ -144,3 +150,31 @@ def test_build_scheduler_rejects_unknown_names():
     cfg.control.scheduler = "nope"
     with pytest.raises(KeyError, match="unknown scheduler 'nope'"):
         build_scheduler(cfg, PromptCursor(prompts(2)))
+
+
+def test_on_trained_closes_the_step_the_sizer_observes_and_the_ledger_must_balance():
+    cfg = ControlConfig(prompts_per_step=2, group_size=2, group_sizer="sagc", sagc={"sizes": [2, 4]})
+    sched = build_scheduler(SimpleNamespace(control=cfg), PromptCursor(prompts(10), seed=1))
+    (train,) = run_step(sched, sched.start(0.0))
+    sched.on_trained(1, train.groups)
+    assert sched.version == 1 and sched.sizer.steps == 1
+    assert sched.metrics()["sagc/straggler_rate"] == sched.sizer.metrics()["sagc/straggler_rate"]
+    sched.ledger.draw(1)  # a prompt drawn and never accounted for
+    with pytest.raises(AssertionError, match="prompt accounting broken"):
+        sched.on_trained(2, [])
+
+
+def test_the_controller_refuses_an_action_it_does_not_know():
+    controller = SimpleNamespace(cfg=SimpleNamespace(control=SimpleNamespace(scheduler="mine")))
+    with pytest.raises(TypeError, match="scheduler 'mine' asked for an unknown action"):
+        Controller.apply(controller, ["train now"])
+
+
+def test_handle_takes_the_pumps_scored_and_aborted_events_and_refuses_the_rest():
+    sched = sync(prompts_per_step=2, group_size=2)
+    a, b = sched.start(0.0)
+    assert sched.handle(Scored(finish(a.request_ids[0], a.prompt.uid, 1.0)), 0) == []
+    assert sched.handle(Aborted(finish(b.request_ids[0], b.prompt.uid, 0.0).completion), 0) == []
+    assert b.request_ids[0] not in sched.prompt_of  # on_abort forgot it
+    with pytest.raises(TypeError, match="handles Scored and Aborted events"):
+        sched.handle(Generated(finish(a.request_ids[1], a.prompt.uid, 0.0).completion), 0)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from rlsys.config import ElasticTPConfig
+from rlsys.sim.config import ElasticTPConfig
 from rlsys.control.elastic_tp import ElasticTP, tp_sizes
 from rlsys.sim.run import simulate
 
@@ -113,3 +113,10 @@ def test_the_shipped_elastic_config_loads():
 
     cfg = load_sim_config(Path(__file__).resolve().parent.parent / "configs" / "sim" / "elastic_tp.yaml")
     assert [r.label for r in cfg.runs()] == ["sync", "sync_tp2", "sync_elastic"]
+
+
+def test_live_training_refuses_elastic_tp_which_only_the_simulator_models():
+    from rlsys.config import DEFAULT_CONFIG, ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="control.elastic_tp: unknown key"):
+        load_config(DEFAULT_CONFIG, ["control.elastic_tp.enabled=true"])

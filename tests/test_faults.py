@@ -13,7 +13,7 @@ from rlsys.config import DEFAULT_CONFIG
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.rollout.manager import RolloutManager
 from rlsys.train import Controller
-from rlsys.trainer.worker import finished
+from rlsys.trainer.worker import done_or_failed
 from rlsys.types import Request, SamplingParams
 from test_end_to_end import SMALL, rows
 from test_rollout import models  # noqa: F401 - the fixture: 300-token responses, so a kill lands mid-generation
@@ -68,7 +68,7 @@ def test_a_killed_rollout_worker_is_replaced_and_its_requests_run_again(manager,
     generating(manager, 0)
     kill(victim)
     done = collect(manager, 4)
-    assert sorted(done) == ["k0", "k1", "k2", "k3"] and manager.owner == {}  # each once, nothing more to come
+    assert sorted(done) == ["k0", "k1", "k2", "k3"] and manager.worker_of == {}  # each once, nothing more to come
     assert manager.restarts - restarts == 1 and manager.workers[0] != victim
     engine = CPUEngine(path, slots=4)  # same seeds, same weights: the same samples as if nothing happened
     engine.load_weights(other, 1)
@@ -83,12 +83,12 @@ def test_a_killed_rollout_worker_is_replaced_and_its_requests_run_again(manager,
 
 def test_requests_aborted_on_a_dead_worker_come_back_cut_and_do_not_run_again(manager):
     manager.submit([sampled(f"a{i}") for i in range(4)])
-    lost = sorted(rid for rid, i in manager.owner.items() if i == 0)
+    lost = sorted(rid for rid, i in manager.worker_of.items() if i == 0)
     generating(manager, 0)
     kill(manager.workers[0])
     assert manager.abort([lost[0]]) == [lost[0]]  # the abort finds the worker dead
     done = collect(manager, 4)
-    assert sorted(done) == ["a0", "a1", "a2", "a3"] and manager.owner == {}
+    assert sorted(done) == ["a0", "a1", "a2", "a3"] and manager.worker_of == {}
     assert (done[lost[0]].finish_reason, done[lost[0]].num_tokens) == ("abort", 0)
     assert manager.stats()[0]["generated_tokens"] == done[lost[1]].num_tokens  # the replacement ran only that one
 
@@ -107,7 +107,7 @@ def test_a_rollout_worker_that_keeps_dying_stops_the_run(manager, monkeypatch):
     monkeypatch.setattr(manager, "max_restarts", 1)
     manager.submit([sampled("d")])
     kill_and_collect(manager)
-    assert manager.owner == {"d": 0}
+    assert manager.worker_of == {"d": 0}
     with pytest.raises(RuntimeError, match=r"rollout worker 0 died 2 times in a row without finishing a "
                                            r"request \(rollout.max_restarts=1\); the last time: .*ray.kill"):
         kill_and_collect(manager)
@@ -144,10 +144,10 @@ def test_a_train_step_is_over_when_a_rank_dies_though_its_peers_wait_forever(ray
     waiting, dying = Rank.remote(), Rank.remote()
     refs = [waiting.step.remote(), dying.step.remote()]
     try:
-        assert not finished(refs)
+        assert not done_or_failed(refs)
         ray.kill(dying)
         ray.wait(refs[1:])
-        assert finished(refs)
+        assert done_or_failed(refs)
     finally:
         ray.kill(waiting)
 

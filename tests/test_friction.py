@@ -33,3 +33,23 @@ def test_off_by_default_and_a_lie_needs_the_built_in_engine_and_plain_sampling()
     with pytest.raises(ValidationError, match="friction.wrong_temperature_share"):
         Config(friction=FrictionConfig(wrong_temperature_share=0.1), rollout={"temperature": 0.0})
     assert Config(friction=FrictionConfig(wrong_temperature_share=0.1)).friction.on
+
+
+@pytest.mark.slow
+def test_a_live_run_trains_on_the_contaminated_samples(tmp_path, ray_cluster):
+    """Every reward flipped and every sample drawn hot: the trainer sees 1 - reward (the barely warm model
+    gets nearly nothing right) and the counters match the samples trained."""
+    import json
+
+    from rlsys.cli import main
+    from rlsys.config import DEFAULT_CONFIG
+
+    out = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
+                 "control.prompts_per_step=4", "control.group_size=4", "data.eval_size=8", "rollout.slots=16",
+                 "rollout.max_new_tokens=48", "model.warm_start.steps=30", "logging.progress=false",
+                 "friction.reward_flip=1.0", "friction.wrong_temperature_share=1.0"]) == 0
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "timing/train_s" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["reward/mean"] >= 0.9 for r in steps), [r["reward/mean"] for r in steps]
+    assert steps[-1]["friction/flipped_rewards"] == steps[-1]["friction/wrong_temperature_samples"] == 32

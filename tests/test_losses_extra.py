@@ -11,6 +11,8 @@ from rlsys.config import CONFIG_DIR, Config, ConfigError, TrainerConfig, load_co
 from rlsys.trainer.losses import AGGREGATIONS, POLICY_LOSSES, LossInputs, compute_loss, kl_penalty
 from rlsys.trainer.worker import TrainerGroup
 
+from helpers import train_step
+
 from test_trainer import TEMPERATURE, make_groups, model_dir, trainer_config  # noqa: F401
 
 LN = math.log
@@ -217,7 +219,7 @@ def test_a_step_with_a_large_mismatch_logs_a_warning(model_dir, ray_cluster, cap
     trainer = TrainerGroup(Config(trainer=cfg), model_dir)
     try:
         with caplog.at_level(logging.WARNING, logger="rlsys.trainer.worker"):
-            metrics = trainer.train_step(groups, TEMPERATURE, version=0)
+            metrics = train_step(trainer, groups, TEMPERATURE, version=0)
         assert metrics["mismatch_kl"] > 0.5 and metrics["mismatch_corrected_fraction"] == 0.0  # rho < 1
         assert any("trainer.mismatch.warn_kl=0.5" in r.getMessage() for r in caplog.records)
     finally:

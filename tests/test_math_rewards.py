@@ -12,6 +12,8 @@ from rlsys.data import TASKS, load_datasets
 from rlsys.reward.pool import RewardPool
 from rlsys.reward.registry import exact_match, math_verify
 
+from helpers import unscored
+
 
 def test_math_answers_work_the_sum_step_by_step():
     rng = random.Random(0)
@@ -43,7 +45,7 @@ def test_after_round_holds_training_samples_until_the_round_ends(ray_cluster):
     try:
         pool.submit("a", "22/24", "11/12", 3)
         pool.submit("b", "1/6", "-1/6", 3)
-        assert pool.pending() == 2 and not pool.refs()  # nothing sent to the workers yet
+        assert unscored(pool) == 2 and not pool.refs()  # nothing sent to the workers yet
         # Evaluation is never held back, and leaves the held samples where they are.
         assert [r.reward for r in pool.score_all([("eval", "0.5", "1/2", 1)])] == [1.0]
         assert not pool.refs()
@@ -53,6 +55,6 @@ def test_after_round_holds_training_samples_until_the_round_ends(ray_cluster):
             ready, _ = ray.wait(pool.refs(), num_returns=1, timeout=10)
             assert ready, "no reward call finished within 10 s"
             got.update((r.key, r.reward) for r in pool.collect(ready))
-        assert got == {"a": 1.0, "b": 0.0} and pool.pending() == 0
+        assert got == {"a": 1.0, "b": 0.0} and unscored(pool) == 0
     finally:
         pool.shutdown()

@@ -10,6 +10,8 @@ from test_trainer import TEMPERATURE, make_groups, make_trainer, max_diff, model
 from rlsys.trainer import worker
 from rlsys.trainer.batching import build_samples
 
+from helpers import train_step, trainer_weights
+
 
 @pytest.fixture(scope="module")
 def two_ranks_zero0(ray_cluster, model_dir):  # noqa: F811
@@ -31,12 +33,12 @@ def one_nan_advantage(groups, advantage):
 @pytest.mark.slow
 def test_a_nan_on_one_rank_skips_the_step_on_both_at_zero0(two_ranks_zero0, monkeypatch):
     trainer = two_ranks_zero0
-    before = ray.get(trainer.weights_ref())
+    before = trainer_weights(trainer)
     with monkeypatch.context() as patch:
         patch.setattr(worker, "build_samples", one_nan_advantage)  # the driver builds and splits the samples
         per_rank = ray.get(trainer.start_train_step(make_groups(2), TEMPERATURE))
     assert [math.isfinite(m["loss"]) for m in per_rank].count(False) == 1  # the NaN was on one rank
     assert [m["skipped_steps"] for m in per_rank] == [1, 1]
-    assert max_diff(ray.get(trainer.weights_ref()), before) == 0.0
-    assert trainer.train_step(make_groups(3), TEMPERATURE)["skipped_steps"] == 1  # a clean step trains
-    assert max_diff(ray.get(trainer.weights_ref()), before) > 0.0
+    assert max_diff(trainer_weights(trainer), before) == 0.0
+    assert train_step(trainer, make_groups(3), TEMPERATURE)["skipped_steps"] == 1  # a clean step trains
+    assert max_diff(trainer_weights(trainer), before) > 0.0

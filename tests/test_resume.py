@@ -1,9 +1,9 @@
 """Pre-emption: a run stopped at a checkpoint and resumed trains what the uninterrupted run trains.
 
 Every scheduler and group sizer, driven by a deterministic cluster on a fake clock the way the live
-controller drives them (rlsys/train.py): after each update the sizer observes the step, the scheduler
-learns the version, its state is saved as JSON, then `on_trained`. A resumed run builds everything
-afresh, loads the state of step k and calls `start`, as `Controller._restore` and `run` do.
+controller drives them (rlsys/train.py): after each update `on_trained` closes the step, the scheduler's
+state is saved as JSON, then `start` begins the next step. A resumed run builds everything afresh, loads
+the state of step k and calls `start`, as `Controller._restore` and `run` do.
 
 What a request produces (length, reward, speed) is a pure function of its request id, and a restored
 scheduler continues the request ids, so the cluster needs nothing but the clock and the version to
@@ -143,17 +143,15 @@ class Cluster:
         self.version += 1
         self.weight_times.append(self.now)
         sched = self.sched
-        sched.sizer.observe(groups)
+        sched.on_trained(self.version, groups)
         self.steps.append({
             "prompts": [g.prompt.uid for g in groups], "rewards": [g.rewards for g in groups],
             "group_sizes": [len(g.samples) for g in groups], "lags": [at - min(v) for v in versions],
             "spans": [span(v, at) for v in versions], "oldest": min(min(v) for v in versions),
-            "metrics": {**sched.metrics(), **sched.sizer.metrics()}})
-        sched.ledger.check(sched.in_flight_prompts())
-        sched.version = self.version
+            "metrics": sched.metrics()})
         self.saved[self.version] = (json.loads(json.dumps(sched.state_dict())), self.now)
         if self.version < last:
-            self.apply(sched.on_trained(self.version, self.now))
+            self.apply(sched.start(self.now))
 
 
 def uninterrupted(scheduler, sizer, control):
@@ -169,7 +167,7 @@ def resumed(scheduler, sizer, control, state, now, k):
     sched = build(scheduler, sizer, control)
     sched.load_state_dict(json.loads(json.dumps(state)))
     cluster = Cluster(sched, now=now, version=k)
-    cluster.loaded = {**sched.metrics(), **sched.sizer.metrics()}
+    cluster.loaded = sched.metrics()
     cluster.apply(sched.start(now))
     cluster.run(STEPS)
     return sched, cluster

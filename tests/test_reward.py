@@ -11,6 +11,8 @@ from rlsys.config import OverlongConfig, RewardConfig
 from rlsys.reward import REWARDS, RewardPool, overlong_penalty, register_reward, score
 from rlsys.reward.registry import BadReward, as_reward
 
+from helpers import unscored
+
 
 @register_reward("test_faulty")
 def faulty(response: str, answer: str) -> float:
@@ -124,9 +126,9 @@ def test_pool_streams_many_items(ray_cluster):
     try:
         for i in range(300):
             pool.submit(f"k{i}", str(i % 7), "3", num_tokens=5)
-        assert pool.pending() == 300
+        assert unscored(pool) == 300
         results, rounds = {}, 0
-        while pool.pending():
+        while unscored(pool):
             ready, _ = ray_cluster.wait(pool.refs(), num_returns=1, timeout=10)
             assert ready, "no reward call finished within 10 s"
             rounds += 1
@@ -202,7 +204,7 @@ def test_a_killed_worker_is_replaced_and_its_items_resubmitted(faulty_pool, ray_
     for worker in faulty_pool.workers:
         ray_cluster.kill(worker)
     results = []
-    while faulty_pool.pending():
+    while unscored(faulty_pool):
         ready, _ = ray_cluster.wait(faulty_pool.refs(), num_returns=1, timeout=30)
         results += faulty_pool.collect(ready) + faulty_pool.reap()
     assert sorted((r.key, r.reward, r.error) for r in results) == [("a", 1.0, None), ("b", 1.0, None)]

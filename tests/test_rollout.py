@@ -124,12 +124,12 @@ def test_completions_stream_before_all_are_finished(manager):
 
 def test_least_loaded_dispatch_spreads_requests(manager):
     manager.submit([req(f"d{i}", 8) for i in range(4)])
-    assert sorted(manager.owner.values()) == [0, 0, 1, 1]
+    assert sorted(manager.worker_of.values()) == [0, 0, 1, 1]
     done = collect(manager, 4)
     assert sorted(c.worker for c in done) == [0, 0, 1, 1]
     manager.submit([req("w0-busy", 300)])
     manager.submit([req("next", 3)])  # worker 0 has one outstanding, so this one goes to worker 1
-    assert manager.owner == {"w0-busy": 0, "next": 1}
+    assert manager.worker_of == {"w0-busy": 0, "next": 1}
     manager.abort(["w0-busy"])
     collect(manager, 2)
 
@@ -146,7 +146,7 @@ def test_abort_through_the_manager(manager):
     done = {c.request_id: c for c in collect(manager, 2)}
     assert done["victim"].finish_reason == "abort" and 0 < done["victim"].num_tokens < 400
     assert done["other"].finish_reason == "length"
-    assert manager.outstanding == [0, 0] and manager.owner == {}
+    assert manager.outstanding == [0, 0] and manager.worker_of == {}
 
 
 def test_generate_matches_the_engine_and_keeps_other_completions(manager, models):
@@ -182,6 +182,6 @@ def test_a_refused_batch_is_raised_from_submit_and_forgotten(manager):
     with pytest.raises(ValueError, match="request ok: request_id already in flight"):
         manager.submit([req("new", 3), req("ok", 3)])
     # Requests are checked per worker batch: worker 1's batch (with "bad") was refused and forgotten.
-    assert manager.owner == {"ok": 0, "ok2": 0} and manager.outstanding == [2, 0]
+    assert manager.worker_of == {"ok": 0, "ok2": 0} and manager.outstanding == [2, 0]
     assert manager.generate([req("fine", 3)])[0].num_tokens == 3
     assert {c.request_id for c in collect(manager, 2)} == {"ok", "ok2"}

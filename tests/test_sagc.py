@@ -129,7 +129,6 @@ def test_composes_with_schedulers_groups_have_the_size_chosen_for_their_step(sch
         shape = sched.shape  # the shape read at this step's start
         assert sched.sizer.next_shape() == shape, "the shape changed inside a step"
         assert len(trained) == shape.prompts and {len(g.samples) for g in trained} == {shape.group_size}
-        sched.sizer.observe(trained)  # what the controller does after each train step
         sizes.append(shape.group_size)
 
     run(sched, engine, 60, check)

@@ -169,23 +169,19 @@ class Speculative(Scheduler):
             return []
         del self.pending[uid]
         self.done.append(builder.group())
-        out = [Abort(self._forget(lambda owner: owner == uid))]
+        out = [Abort(self._forget(lambda prompt_uid: prompt_uid == uid))]
         if len(self.done) == self.cfg.prompts_per_step:
             self.ledger.drop("aborted", len(self.pending))
             self.pending = {}
-            out += [Abort(self._forget(lambda owner: True)), Train(self.done)]
+            out += [Abort(self._forget(lambda prompt_uid: True)), Train(self.done)]
             self.ledger.train(len(self.done))
         return out
 
     def _forget(self, match):
-        ids = [rid for rid, owner in self.owner.items() if match(owner)]
+        ids = [rid for rid, prompt_uid in self.prompt_of.items() if match(prompt_uid)]
         for rid in ids:
             self.finish(rid)
         return ids
-
-    def on_trained(self, version, now):
-        self.version = version
-        return self.start(now)
 
     def in_flight_prompts(self):
         return len(self.pending)
@@ -211,6 +207,8 @@ class OneLongSample(Scheduler):
     """One resumed sample that keeps generating while the trainer publishes new weights."""
 
     def start(self, now):
+        if self.version:  # after a step: nothing more to ask
+            return []
         prompt = self.draw(1)[0]
         action = self.submit(prompt, 1)
         rid = action.request_ids[0]
@@ -223,12 +221,9 @@ class OneLongSample(Scheduler):
         self.ledger.drop("sketch")
         return [Train([])]
 
-    def on_trained(self, version, now):
-        self.version = version
-        return []
 
     def in_flight_prompts(self):
-        return len(self.owner)
+        return len(self.prompt_of)
 
 
 def test_weight_updates_mid_generation_split_token_versions():

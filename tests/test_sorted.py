@@ -18,7 +18,10 @@ from rlsys.control.actions import Abort, Submit, Train
 from rlsys.control.scheduler import version_counts
 from rlsys.control.sorted import span
 from rlsys.data.cursor import PromptCursor
+from rlsys.runs import Runs
 from rlsys.types import Completion, Prompt, Request, ScoredSample
+
+from helpers import next_step
 
 
 def prompts(n):
@@ -87,9 +90,9 @@ class FakeTrainer:
         self.version += 1
         self.weight_times.append(self.now)
         self.training = False
-        self.sched.version = self.version  # as the live controller and the simulator do
+        self.sched.on_trained(self.version, self.trains[-1][1])
         self.on_update()
-        self.apply(self.sched.on_trained(self.version, self.now))
+        self.apply(self.sched.start(self.now))
 
     def run(self, trains):
         """Deliver events until the scheduler has emitted `trains` Trains and seen them applied (an
@@ -266,7 +269,7 @@ def test_groups_of_a_train_are_in_finish_order_and_unfinished_ones_aborted():
     assert abort == Abort([c.request_ids[1]])
     sched.ledger.check(sched.in_flight_prompts())
     assert sched.on_sample(sample(c.request_ids[1], c.prompt.uid), 6) == []  # raced the abort: ignored
-    (again,) = sched.on_trained(1, 7)  # on_policy: c's finished sample is from old weights too
+    (again,) = next_step(sched, 1, train.groups, 7)  # on_policy: c's finished sample is from old weights too
     assert again.prompt == c.prompt and len(again.request_ids) == 2 and not again.resume
     assert not set(again.request_ids) & set(c.request_ids)
     assert sched.on_sample(sample(again.request_ids[0], c.prompt.uid, versions=[1] * 4), 8) == []
@@ -295,7 +298,7 @@ def test_partial_resumes_with_the_tokens_logprobs_and_versions_of_the_abort():
     a, b = sched.start(0.0)
     abort, train = sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)
     assert abort == Abort(b.request_ids)
-    assert sched.on_trained(1, 2) == []  # b's partial output is not back yet
+    assert next_step(sched, 1, train.groups, 2) == []  # b's partial output is not back yet
     partial = Completion(b.request_ids[0], b.prompt.uid, [1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [0, 0, 0], "abort")
     (resubmit,) = sched.on_abort(partial, 3)
     (rid,) = resubmit.request_ids
@@ -318,7 +321,7 @@ def test_partial_output_back_before_the_update_waits_for_the_new_weights():
     abort, train = sched.on_sample(sample(a.request_ids[1], a.prompt.uid), 2)
     assert abort.request_ids == [b.request_ids[1]]
     assert sched.on_abort(completion(b.request_ids[1], b.prompt.uid, 2, "abort"), 3) == []
-    (resubmit,) = sched.on_trained(1, 4)
+    (resubmit,) = next_step(sched, 1, train.groups, 4)
     assert len(resubmit.request_ids) == 1 and list(resubmit.resume.values())[0].resume_ids == [7, 7]
     (train,) = sched.on_sample(sample(resubmit.request_ids[0], b.prompt.uid, versions=[0, 0, 1, 1]), 5)
     assert rids(train.groups) == [[b.request_ids[0], resubmit.request_ids[0]]]  # b's finished sample kept
@@ -328,14 +331,14 @@ def test_a_sample_that_would_span_more_than_k_versions_is_regenerated():
     sched = build(prompts_per_step=1, group_size=1,
                   sorted={"rollout_prompts": 3, "mode": "partial", "max_versions": 2})
     a, b, c = sched.start(0.0)
-    sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)  # Train a at v0, abort b and c
-    sched.on_trained(1, 2)
+    _, train = sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)  # Train a at v0, abort b and c
+    next_step(sched, 1, train.groups, 2)
     (rb,) = sched.on_abort(completion(b.request_ids[0], b.prompt.uid, 3, "abort"), 3)
     (rc,) = sched.on_abort(completion(c.request_ids[0], c.prompt.uid, 3, "abort"), 3)
     assert rb.resume and rc.resume  # span 2 at v1: within K
     abort, train = sched.on_sample(sample(rb.request_ids[0], b.prompt.uid, 5, versions=[0, 0, 0, 1, 1]), 4)
     assert abort.request_ids == rc.request_ids
-    sched.on_trained(2, 5)
+    next_step(sched, 2, train.groups, 5)
     (again,) = sched.on_abort(completion(rc.request_ids[0], c.prompt.uid, 5, "abort", [0, 0, 0, 1, 1]), 6)
     assert not again.resume and len(again.request_ids) == 1  # from v0 to v2 is 3 versions > K
     m = sched.metrics()
@@ -348,14 +351,14 @@ def test_finished_samples_past_k_versions_are_regenerated_at_the_update():
     a, b, c = sched.start(0.0)
     sched.on_sample(sample(c.request_ids[0], c.prompt.uid), 0)  # c: one sample done under v0
     sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 0)
-    abort, _ = sched.on_sample(sample(a.request_ids[1], a.prompt.uid), 0)  # Train a at v0
-    assert sched.on_trained(1, 1) == []
+    abort, train = sched.on_sample(sample(a.request_ids[1], a.prompt.uid), 0)  # Train a at v0
+    assert next_step(sched, 1, train.groups, 1) == []
     subs = [sched.on_abort(completion(rid, "", 0, "abort"), 1)[0] for rid in abort.request_ids]
     assert [(s.prompt, len(s.request_ids), s.resume) for s in subs] == [(b.prompt, 1, {})] * 2 + [(c.prompt, 1, {})]
     sched.on_sample(sample(subs[0].request_ids[0], b.prompt.uid, versions=[1] * 4), 2)
     abort, train = sched.on_sample(sample(subs[1].request_ids[0], b.prompt.uid, versions=[1] * 4), 2)
     assert train.groups[0].prompt == b.prompt and abort.request_ids == subs[2].request_ids
-    (fresh,) = sched.on_trained(2, 3)  # c's v0 sample would span 3 versions at v2
+    (fresh,) = next_step(sched, 2, train.groups, 3)  # c's v0 sample would span 3 versions at v2
     assert fresh.prompt == c.prompt and len(fresh.request_ids) == 1 and not fresh.resume
     assert sched.metrics()["sorted/regenerated"] == 1 and sched.metrics()["sorted/wasted_tokens"] == 4
 
@@ -375,11 +378,11 @@ def test_engine_side_aborts_are_replaced_or_resumed_at_once():
 def test_late_finish_of_an_aborted_request_is_kept_in_partial_mode():
     sched = build(prompts_per_step=1, group_size=1, sorted={"rollout_prompts": 2, "mode": "partial"})
     a, b = sched.start(0.0)
-    sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)  # Train a, abort b
+    _, first = sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)  # Train a, abort b
     assert sched.on_sample(sample(b.request_ids[0], b.prompt.uid), 2) == []  # b raced the abort
-    (train,) = sched.on_trained(1, 3)  # b completes the round's last batch at once
+    (train,) = next_step(sched, 1, first.groups, 3)  # b completes the round's last batch at once
     assert rids(train.groups) == [b.request_ids]
-    assert sched.on_trained(2, 4)[0].prompt != b.prompt  # next round
+    assert next_step(sched, 2, train.groups, 4)[0].prompt != b.prompt  # next round
 
 
 def test_dynamic_sampling_drops_uniform_groups_and_fills_from_the_round():
@@ -413,9 +416,8 @@ def test_config_defaults_and_errors():
 
 
 def test_versions_are_read_run_by_run_from_run_length_sequences():
-    class Runs(list):  # the simulator's sequences expose `.runs`
-        runs = [(3, 4), (5, 2)]
-    assert version_counts(Runs()) == {3: 4, 5: 2} == version_counts([3, 3, 3, 3, 5, 5])
+    assert version_counts(Runs([(3, 4), (5, 2)])) == {3: 4, 5: 2} == version_counts([3, 3, 3, 3, 5, 5])
+    assert version_counts(Runs([(3, 10 ** 12)])) == {3: 10 ** 12}  # token by token, it would never end
     assert span(version_counts([3, 5]), 6) == 4 and span(version_counts([]), 6) == 0
 
 

@@ -61,7 +61,7 @@ def test_aborted_extras_after_the_handover_do_not_stretch_the_next_window(clock)
     a, b = done("a", 100, 101), done("b", 100, 102)
     stats.add_completion(a), stats.add_completion(b)
     clock.t = 102
-    stats.rollout_done(group(a, b))
+    stats.close_rollout(group(a, b))
     stats.add_completion(done("x", 100, 102.1, reason="abort"))  # tail's extra, cut at the handover
     clock.t = 105  # training took 3 s
     assert stats.step_totals()["timing/step_s"] == pytest.approx(5.0)
@@ -75,7 +75,7 @@ def test_overlapped_generation_carries_the_window_and_counts_training_once(clock
     a = done("a", 100, 102)
     engine.decode(100, 102, active=1)
     stats.add_completion(a)
-    stats.rollout_done(group(a))
+    stats.close_rollout(group(a))
     b = done("b", 102, 104)  # finished while the trainer ran (async, sorted)
     engine.decode(102, 104, active=1)
     stats.add_completion(b)
@@ -84,7 +84,7 @@ def test_overlapped_generation_carries_the_window_and_counts_training_once(clock
     stats.start_step()
     assert stats.t_start == 102
     clock.t = 106
-    metrics = stats.rollout_done(group(b))
+    metrics = stats.close_rollout(group(b))
     assert metrics["rollout/bubble_ratio"] == pytest.approx(0.0)  # one slot, busy from 102 to 104
     assert metrics["rollout/efficiency"] == pytest.approx(1.0)  # 10 tokens in 2 s at 5 tokens/s
     clock.t = 107
@@ -103,7 +103,7 @@ def test_requests_still_generating_at_the_handover_count_as_busy(clock):
     engine.decode(100, 104, active=2)  # one request finishes at 104, the other runs on and is aborted
     a = done("a", 100, 104)
     stats.add_completion(a)
-    assert stats.rollout_done(group(a))["rollout/bubble_ratio"] == pytest.approx(0.0)
+    assert stats.close_rollout(group(a))["rollout/bubble_ratio"] == pytest.approx(0.0)
 
 
 def test_a_sample_collected_after_the_handover_but_finished_before_it_does_not_carry_the_window(clock):
@@ -113,7 +113,7 @@ def test_a_sample_collected_after_the_handover_but_finished_before_it_does_not_c
     a = done("a", 100, 101.5)
     engine.decode(100, 102, active=2)
     stats.add_completion(a)
-    stats.rollout_done(group(a))
+    stats.close_rollout(group(a))
     stats.add_completion(done("late", 100, 101.9))  # finished before the handover at 102, collected after
     clock.t = 105
     stats.start_step()

@@ -11,8 +11,10 @@ from test_trainer import TEMPERATURE, make_groups, max_diff, model_dir, trainer_
 from rlsys.config import Config, ConfigError, load_config
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
-from rlsys.trainer.streamed import StreamedStep
+from rlsys.trainer.streamed import StreamedGradients
 from rlsys.trainer.worker import TrainerGroup
+
+from helpers import stream_finish, trainer_weights
 
 ARRIVALS = [[4, 1, 5], [0], [3, 2]]  # uneven chunks, in an order unlike the groups'
 STATS = ("loss", "pg_loss", "entropy", "clip_fraction", "behaviour_logprob_diff", "grad_norm")
@@ -46,7 +48,7 @@ def sync_steps(backend, steps):
 def streamed_steps(backend, steps):
     metrics, weights = [], []
     for groups in steps:
-        stream, tokens, sequences = StreamedStep(backend, TEMPERATURE), 0, 0
+        stream, tokens, sequences = StreamedGradients(backend, TEMPERATURE), 0, 0
         for chunk in ARRIVALS:
             samples = build_samples([groups[i] for i in chunk], backend.cfg.advantage)
             _, part = plan_step(samples, 1, backend.cfg.micro_batch_tokens)
@@ -110,7 +112,7 @@ def test_two_streamed_steps_equal_two_synchronous_steps(model_dir, overrides):  
 def test_an_empty_streamed_step_is_skipped_and_leaves_the_weights(model_dir):  # noqa: F811
     backend = TorchBackend(trainer_config(), model_dir)
     before = backend.state_dict_for_rollout()
-    stream = StreamedStep(backend, TEMPERATURE)
+    stream = StreamedGradients(backend, TEMPERATURE)
     stream.accumulate([], 0)
     assert stream.finish(0, 0)["skipped_steps"] == 1
     assert max_diff(before, backend.state_dict_for_rollout()) == 0.0
@@ -133,7 +135,7 @@ def test_streamed_refuses_several_mini_batches(model_dir):  # noqa: F811
     with pytest.raises(ConfigError, match="trainer.streamed needs trainer.mini_batches=1"):
         load_config(None, ["trainer.streamed=true", "trainer.mini_batches=2"])
     with pytest.raises(ValueError, match="trainer.mini_batches=1"):
-        StreamedStep(TorchBackend(trainer_config(mini_batches=2), model_dir), TEMPERATURE)
+        StreamedGradients(TorchBackend(trainer_config(mini_batches=2), model_dir), TEMPERATURE)
 
 
 # --- DeepSpeed on one rank, in process (gloo) ---------------------------------------------------------
@@ -184,8 +186,8 @@ def test_trainer_group_streams_across_two_ranks(ray_cluster, model_dir):  # noqa
             refs = [trainer.stream_groups([groups[i] for i in chunk]) for chunk in ARRIVALS]
             # Nothing is waited for; groups arriving while the ranks are busy go with the next part.
             assert all(isinstance(r, ray.ObjectRef) for part in refs for r in part) and refs[0]
-            metrics.append(trainer.stream_finish())
-            weights.append(ray.get(trainer.weights_ref()))
+            metrics.append(stream_finish(trainer))
+            weights.append(trainer_weights(trainer))
         with pytest.raises(RuntimeError, match="stream_begin first"):
             trainer.stream_groups(steps[0])
     finally:

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from rlsys.config import ControlConfig
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
-from rlsys.control.tail import scaled
+from rlsys.control.tail import ceil_product
 from rlsys.data.cursor import PromptCursor
 from rlsys.types import Completion, Prompt, ScoredSample
+
+from helpers import next_step
 
 
 def prompts(n):
@@ -102,9 +104,12 @@ class FakeEngine:
                 self.apply(self.sched.on_sample(s, t))
         return self.trains[-1]
 
-    def trained(self):
+    def trained(self, last=False):
+        """The step boundary, as the drivers cross it: after the last step nothing more starts."""
         self.version += 1
-        self.apply(self.sched.on_trained(self.version, self.now))
+        self.sched.on_trained(self.version, self.trains[-1])
+        if not last:
+            self.apply(self.sched.start(self.now))
 
 
 def run(sched, engine, steps, check=lambda step, groups: None):
@@ -113,8 +118,7 @@ def run(sched, engine, steps, check=lambda step, groups: None):
         groups = engine.step()
         sched.ledger.check(sched.in_flight_prompts())
         check(step, groups)
-        if step < steps - 1:
-            engine.trained()
+        engine.trained(last=step == steps - 1)
 
 
 # --- scripted rounds ---------------------------------------------------------------------------
@@ -164,7 +168,7 @@ def test_long_round_runs_the_oldest_queued_prompts_fresh():
         assert isinstance(out[-1][-1], Train)
     queued = list(sched.queue)
     assert len(queued) == 2
-    subs = sched.on_trained(1, 0.0)
+    subs = next_step(sched, 1, [], 0.0)  # the groups trained do not matter to the fixed sizer
     assert sched.long_round and [s.prompt for s in subs] == queued and not sched.queue
     ids = [rid for s in subs for rid in s.request_ids]
     assert [len(s.request_ids) for s in subs] == [2, 2] and not seen & set(ids)
@@ -206,7 +210,7 @@ def check_run(p, r, eta_p, eta_r, steps, late, seed):
     sched = build(prompts_per_step=p, group_size=r, tail={"eta_p": eta_p, "eta_r": eta_r})
     engine = FakeEngine(sched, length=lambda prompt, rid: heavy_tailed(prompt, f"{seed}/{rid}"), late=late, seed=seed)
     trained_uids, trained_rids = [], set()
-    queue_bound = p - 1 + scaled(eta_p, p) - p  # under P at a short round's start, which queues the rest
+    queue_bound = p - 1 + ceil_product(eta_p, p) - p  # under P at a short round's start, which queues the rest
     queue_max = [0]
     long_rounds = []
 

@@ -7,7 +7,6 @@ import math
 import random
 
 import pytest
-import ray
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
@@ -17,6 +16,8 @@ from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step, split_mini_batches
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Group, Prompt, ScoredSample
+
+from helpers import compute_logprobs, train_step, trainer_weights
 
 VOCAB = 64
 TEMPERATURE = 0.8
@@ -164,8 +165,8 @@ def run_steps(trainer, seeds, checkpoint=None):
         if checkpoint and i == len(seeds) - 1:
             trainer.save(checkpoint)
         if isinstance(trainer, TrainerGroup):
-            metrics.append(trainer.train_step(make_groups(seed), TEMPERATURE))
-            weights.append(ray.get(trainer.weights_ref()))
+            metrics.append(train_step(trainer, make_groups(seed), TEMPERATURE))
+            weights.append(trainer_weights(trainer))
         else:
             samples = build_samples(make_groups(seed), trainer.cfg.advantage)
             metrics.append(trainer.train_step(samples, plan_step(samples, 1, trainer.cfg.micro_batch_tokens)[1],
@@ -215,9 +216,9 @@ def test_zero0_skips_a_non_finite_step(one_rank_zero0):
     trainer, (_, weights) = one_rank_zero0
     poisoned = make_groups(2)
     poisoned[1].samples[0].reward = math.inf
-    metrics = trainer.train_step(poisoned, TEMPERATURE)
+    metrics = train_step(trainer, poisoned, TEMPERATURE)
     assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
-    assert max_diff(ray.get(trainer.weights_ref()), weights[1]) == 0.0
+    assert max_diff(trainer_weights(trainer), weights[1]) == 0.0
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
@@ -243,7 +244,7 @@ def test_reloading_a_checkpoint_continues_identically(two_ranks):
     # In the live trainer, whose weights, Adam moments and step counts have all moved on since.
     trainer, (metrics, weights), checkpoint = two_ranks
     trainer.load(checkpoint)
-    assert max_diff(ray.get(trainer.weights_ref()), weights[0]) == 0.0
+    assert max_diff(trainer_weights(trainer), weights[0]) == 0.0
     again_metrics, again_weights = run_steps(trainer, [1])
     assert max_diff(again_weights[0], weights[1]) == 0.0
     assert again_metrics[0]["loss"] == metrics[1]["loss"]
@@ -253,20 +254,20 @@ def test_reloading_a_checkpoint_continues_identically(two_ranks):
 @pytest.mark.slow
 def test_a_nan_on_some_ranks_skips_the_step_on_all(two_ranks):
     trainer, _, _ = two_ranks
-    before = ray.get(trainer.weights_ref())
+    before = trainer_weights(trainer)
     poisoned = make_groups(2)
     poisoned[0].samples[0].reward = math.nan  # the group's advantages are NaN, on whichever ranks hold it
-    metrics = trainer.train_step(poisoned, TEMPERATURE)
+    metrics = train_step(trainer, poisoned, TEMPERATURE)
     assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["loss"])
-    assert max_diff(ray.get(trainer.weights_ref()), before) == 0.0
-    assert trainer.train_step(make_groups(3), TEMPERATURE)["skipped_steps"] == 1
-    assert max_diff(ray.get(trainer.weights_ref()), before) > 0.0
+    assert max_diff(trainer_weights(trainer), before) == 0.0
+    assert train_step(trainer, make_groups(3), TEMPERATURE)["skipped_steps"] == 1
+    assert max_diff(trainer_weights(trainer), before) > 0.0
 
 
 @pytest.mark.slow
 def test_export_hf_gathers_the_weights_and_copies_the_tokenizer(model_dir, two_ranks, tmp_path):
     trainer, _, _ = two_ranks
-    weights = ray.get(trainer.weights_ref())
+    weights = trainer_weights(trainer)
     trainer.export_hf(str(tmp_path / "export"), model_dir)
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
     assert max_diff(exported.state_dict(), weights) == 0.0
@@ -279,9 +280,9 @@ def test_export_hf_gathers_the_weights_and_copies_the_tokenizer(model_dir, two_r
 def test_compute_logprobs_across_ranks_keeps_the_input_order(model_dir, two_ranks):
     trainer, _, _ = two_ranks
     local = TorchBackend(trainer_config(), model_dir)
-    local.model.load_state_dict(ray.get(trainer.weights_ref()))
+    local.model.load_state_dict(trainer_weights(trainer))
     samples = build_samples(make_groups(4), "grpo")
-    got = trainer.compute_logprobs(samples, TEMPERATURE)
+    got = compute_logprobs(trainer, samples, TEMPERATURE)
     for mine, theirs in zip(got, local.compute_logprobs(samples, TEMPERATURE)):
         assert mine == pytest.approx(theirs, abs=1e-5)
 

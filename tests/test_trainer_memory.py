@@ -13,6 +13,8 @@ from test_trainer import KL, make_groups, max_diff, model_dir, run_steps, traine
 from rlsys.config import Config
 from rlsys.trainer.worker import TrainerGroup
 
+from helpers import trainer_weights
+
 
 def rank_class():
     """One DeepSpeed rank in its own process, built as the trainer builds it, for inspection. Defined in a
@@ -112,7 +114,7 @@ def test_zero0_bf16_saves_and_resumes_identically(ray_cluster, model_dir, tmp_pa
     resumed = TrainerGroup(config, model_dir)
     try:
         resumed.load(str(tmp_path))
-        assert max_diff(ray.get(resumed.weights_ref()), weights[1]) == 0.0
+        assert max_diff(trainer_weights(resumed), weights[1]) == 0.0
         again, again_weights = run_steps(resumed, [2])
     finally:
         resumed.shutdown()

@@ -4,7 +4,6 @@ import glob
 import math
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 from test_trainer import KL, TEMPERATURE, make_groups, max_diff, model_dir, run_steps, trainer_config  # noqa: F401
@@ -15,6 +14,8 @@ from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.universal import PerParameterState, save_per_parameter
 from rlsys.trainer.worker import TrainerGroup
+
+from helpers import train_step, trainer_weights
 
 
 # --- config and the DeepSpeed dict (no DeepSpeed, no CUDA) ---------------------------------------
@@ -114,7 +115,7 @@ def test_two_ranks_resume_on_one_and_back(ray_cluster, model_dir, tmp_path, save
         metrics, weights = run_steps(two, [0, 1], str(tmp_path / "two"))
         one = make_trainer(model_dir, world_size=1, **resumed_as)
         one.load(str(tmp_path / "two"))
-        assert max_diff(ray.get(one.weights_ref()), weights[0]) == 0.0
+        assert max_diff(trainer_weights(one), weights[0]) == 0.0
         one.save(str(tmp_path / "one"))  # what it holds now, written back: moments and masters, bit for bit
         saved = optimizer_tensors(tmp_path / "two")
         bf16 = saved_as.get("dtype") == "bf16"  # then the fp32 master weights are kept too
@@ -127,8 +128,8 @@ def test_two_ranks_resume_on_one_and_back(ray_cluster, model_dir, tmp_path, save
             assert max_diff(again_weights[0], weights[1]) < 1e-4
 
         two.load(str(tmp_path / "one"))  # and back onto two ranks
-        assert max_diff(ray.get(two.weights_ref()), weights[0]) == 0.0
-        assert math.isfinite(two.train_step(make_groups(1), TEMPERATURE)["loss"])
+        assert max_diff(trainer_weights(two), weights[0]) == 0.0
+        assert math.isfinite(train_step(two, make_groups(1), TEMPERATURE)["loss"])
     finally:
         two.shutdown()
         if one is not None:

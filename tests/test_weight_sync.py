@@ -15,6 +15,8 @@ from rlsys.train import Controller
 from rlsys.weights import WeightTransferTimeout, WeightUpdate, plan_buckets
 from rlsys.weights.transfer import ObjectStoreReceiver, ObjectStoreSender
 from rlsys.weights.sync import GRACE_S, WeightSync
+
+from helpers import trainer_weights
 from test_cpu_engine import build
 from test_end_to_end import SMALL, rows
 from test_faults import QUICK_EVAL, kill
@@ -49,7 +51,7 @@ def checked_run(out, *overrides):
 
     def publish_and_check(version):
         publish(version)
-        trainer = ray.get(controller.trainer.weights_ref())
+        trainer = trainer_weights(controller.trainer)
         gaps = [max_diff(trainer, engine_weights(w)) for w in controller.rollout.workers]
         checks.append((version, max_diff(trainer, initial), gaps, [s["version"] for s in controller.rollout.stats()]))
     controller.weights.publish = publish_and_check

@@ -1,8 +1,10 @@
-"""Schedulers: pure policies that turn events into actions (docs/design.md principle 1).
+"""Schedulers: pure policies that turn events into actions (docs/design.md principle 1, "Where the parts meet").
 
-Events: a sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the
-trainer published weights version v (`on_trained`). Actions: Submit, Abort, Accumulate, Train. No ray,
-torch or vllm here, so the live controller, the simulator and the tests all drive the very same classes.
+Events: a step starts (`start`: at the run's start, after a restore and after each step boundary), a
+sample finished and was scored (`on_sample`), a request was aborted (`on_abort`), the trainer trained a
+step and every engine serves its weights (`on_trained`, the step boundary). Actions: Submit, Abort,
+Accumulate, Train. No ray, torch or vllm here, so the live controller, the simulator and the tests all
+drive the very same classes.
 """
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ from collections import Counter
 
 from rlsys.config import ControlConfig
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
+from rlsys.control.events import Aborted, Scored
 from rlsys.control.ledger import Ledger
-from rlsys.control.registry import Registry
 from rlsys.control.sizing import GroupSizer
 from rlsys.data.cursor import PromptCursor
+from rlsys.registry import Registry
+from rlsys.runs import Runs
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 Action = Submit | Abort | Accumulate | Train
@@ -25,14 +29,8 @@ def informative(group: Group) -> bool:
 
 
 def version_counts(versions) -> Counter:
-    """{policy version: tokens}. A run-length sequence (the simulator's `.runs`) is read run by run."""
-    runs = getattr(versions, "runs", None)
-    if runs is None:
-        return Counter(versions)
-    counts: Counter = Counter()
-    for version, n in runs:
-        counts[version] += n
-    return counts
+    """{policy version: tokens} of a sample's per-token versions (a list, or Runs as the simulator's are)."""
+    return versions.counts() if isinstance(versions, Runs) else Counter(versions)
 
 
 class GroupBuilder:
@@ -59,7 +57,7 @@ class Scheduler:
         self.ledger = Ledger()
         self.version = 0
         self._next_request = 0
-        self.owner: dict[str, str] = {}  # request id -> prompt uid, for requests in flight
+        self.prompt_of: dict[str, str] = {}  # request id -> prompt uid, for requests in flight
 
     # --- events ---------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -68,13 +66,26 @@ class Scheduler:
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         raise NotImplementedError
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        raise NotImplementedError
+    def on_trained(self, version: int, groups: list[Group]) -> None:
+        """The step boundary: the trainer trained `groups` and every engine serves `version`. The sizer observes
+        the step and the ledger must balance. A driver logs and checkpoints here; `start` begins the next step,
+        as it does after a restore, so a resumed run goes on exactly as an uninterrupted one."""
+        self.sizer.observe(groups)
+        self.version = version
+        self.ledger.check(self.in_flight_prompts())
 
     def on_abort(self, completion: Completion, now: float) -> list[Action]:
         """An aborted request's partial output (tokens, log-probs, versions), e.g. to resume it later."""
         self.finish(completion.request_id)
         return []
+
+    def handle(self, event: Scored | Aborted, now: float) -> list[Action]:
+        """A driver's event pump hands its events here."""
+        if isinstance(event, Scored):
+            return self.on_sample(event.sample, now)
+        if isinstance(event, Aborted):
+            return self.on_abort(event.completion, now)
+        raise TypeError(f"a scheduler handles Scored and Aborted events, not {event!r}")
 
     # --- helpers ------------------------------------------------------------------------
     def draw(self, n: int) -> list[Prompt]:
@@ -85,12 +96,12 @@ class Scheduler:
     def submit(self, prompt: Prompt, n: int) -> Submit:
         ids = [f"{prompt.uid}#{self._next_request + i}" for i in range(n)]
         self._next_request += n
-        self.owner.update((i, prompt.uid) for i in ids)
+        self.prompt_of.update((i, prompt.uid) for i in ids)
         return Submit(prompt, ids)
 
     def finish(self, request_id: str) -> str | None:
         """Forget a finished or aborted request; returns its prompt uid, None if it was not ours."""
-        return self.owner.pop(request_id, None)
+        return self.prompt_of.pop(request_id, None)
 
     def in_flight_prompts(self) -> int:
         raise NotImplementedError
@@ -104,7 +115,7 @@ class Scheduler:
         return False
 
     def metrics(self) -> dict[str, float]:
-        return self.ledger.metrics()
+        return {**self.ledger.metrics(), **self.sizer.metrics()}
 
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:

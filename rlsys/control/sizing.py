@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlsys.config import ControlConfig
-from rlsys.control.registry import Registry
+from rlsys.registry import Registry
 from rlsys.types import Group
 
 

@@ -56,7 +56,7 @@ class Finished:
 
 
 @dataclass
-class Entry:
+class RoundPrompt:
     """One prompt of the round and where its G samples are."""
     prompt: Prompt
     drawn_at: int  # Trains emitted before it was drawn, for the delay metric
@@ -73,7 +73,7 @@ class SortedScheduler(Scheduler):
         opts = self.cfg.sorted
         self.resumes = opts.mode == "partial"
         self.max_versions = opts.max_versions if self.resumes else 1
-        self.entries: list[Entry] = []  # the round, in draw order (one prompt may be drawn twice)
+        self.entries: list[RoundPrompt] = []  # the round, in draw order (one prompt may be drawn twice)
         self.open = 0  # entries neither trained nor dropped
         self.ready: list[int] = []  # complete entries waiting for a Train, in finish order
         self.running: dict[str, int] = {}  # request id -> entry, generating
@@ -84,15 +84,18 @@ class SortedScheduler(Scheduler):
         self.counts = Counter(regenerated=0, resumed=0, aborted=0, engine_aborts=0, wasted_tokens=0)
         self.trained_tokens = self.stale_tokens = 0  # for staleness/mean
         self.max_span = self.max_lag = self.max_delay = 0
-        self.left_out = [0, 0]  # samples and tokens a checkpoint left out, counted when `start` regenerates them
+        # Samples and tokens a restored checkpoint left out, counted as regenerated when `start` regenerates them.
+        self.unsaved_samples = self.unsaved_tokens = 0
 
     # --- events ---------------------------------------------------------------------------
     def start(self, now: float) -> list[Action]:
-        if self.open:  # restored from a checkpoint mid-round: regenerate its open prompts
-            samples, tokens = self.left_out
-            self.counts.update(regenerated=samples, wasted_tokens=tokens)  # as `_drop_stale` would have
-            return self._submit_all()
-        return self._start_round()
+        """The next round, or the rest of this one: groups complete since the last Train may make a batch."""
+        if not self.open:
+            return self._start_round()
+        self.counts.update(regenerated=self.unsaved_samples, wasted_tokens=self.unsaved_tokens)  # as _drop_stale does
+        self.unsaved_samples = self.unsaved_tokens = 0
+        self._drop_stale()
+        return self._progress() or self._submit_all()
 
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         i = self._take(sample.completion.request_id)
@@ -127,13 +130,9 @@ class SortedScheduler(Scheduler):
             self._discard(entry, completion.num_tokens)
         return [] if self.training else self._submit_entry(i)
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        self.version, self.training = version, False
-        if not self.open:
-            return self._start_round()
-        self._drop_stale()
-        trained = self._progress()  # groups that completed during the update may make a batch
-        return trained or self._submit_all()
+    def on_trained(self, version: int, groups: list[Group]) -> None:
+        super().on_trained(version, groups)
+        self.training = False
 
     # --- the round ------------------------------------------------------------------------
     def _start_round(self) -> list[Action]:
@@ -144,7 +143,7 @@ class SortedScheduler(Scheduler):
             raise ValueError(f"control.sorted.rollout_prompts={n} is smaller than the update batch "
                              f"of {self.batch} prompts; raise it or set control.sorted.update_prompts")
         self.round += 1
-        self.entries = [Entry(p, self.updates, owed=self.group_size) for p in self.draw(n)]
+        self.entries = [RoundPrompt(p, self.updates, owed=self.group_size) for p in self.draw(n)]
         self.open, self.ready = n, []
         return self._submit_all()
 
@@ -231,19 +230,19 @@ class SortedScheduler(Scheduler):
             return self.running.pop(request_id)
         return self.aborting.pop(request_id, None)
 
-    def _discard(self, entry: Entry, tokens: int) -> None:
+    def _discard(self, entry: RoundPrompt, tokens: int) -> None:
         entry.owed += 1
         self.counts["regenerated"] += 1
         self.counts["wasted_tokens"] += tokens
 
-    def _close(self, entry: Entry) -> None:
+    def _close(self, entry: RoundPrompt) -> None:
         entry.closed, entry.done = True, []
         self.open -= 1
 
-    def _group(self, entry: Entry) -> Group:
+    def _group(self, entry: RoundPrompt) -> Group:
         return Group(entry.prompt, [f.sample for f in entry.done])
 
-    def _record(self, entry: Entry) -> None:
+    def _record(self, entry: RoundPrompt) -> None:
         """Staleness and delay of a group about to be trained at `self.version`."""
         self.max_delay = max(self.max_delay, self.updates - entry.drawn_at)
         for f in entry.done:
@@ -295,8 +294,8 @@ class SortedScheduler(Scheduler):
         super().load_state_dict(state)
         s = state["sorted"]
         self.batch, self.group_size, self.round, self.updates = s["batch"], s["group_size"], s["round"], s["updates"]
-        self.left_out = s["left_out"]
-        self.entries = [Entry(Prompt(**e["prompt"]), e["drawn_at"], owed=self.group_size) for e in s["open"]]
+        self.unsaved_samples, self.unsaved_tokens = s["left_out"]
+        self.entries = [RoundPrompt(Prompt(**e["prompt"]), e["drawn_at"], owed=self.group_size) for e in s["open"]]
         self.open, self.ready, self.running, self.aborting, self.training = len(self.entries), [], {}, {}, False
         self.counts = Counter(s["counts"])
         self.trained_tokens, self.stale_tokens = s["tokens"]

@@ -9,7 +9,8 @@ not), a prompt is admitted at version v only while
 Complete groups wait in a buffer; a Train of exactly B groups is emitted as soon as one can be, and
 the next waits for `on_trained`. Requests in flight are never aborted: they go on under the new
 weights, each token tagged with its version. The driver runs a Train in the background, keeps
-delivering samples meanwhile, and calls `on_trained(v)` once every engine has loaded version v.
+delivering samples meanwhile, and calls `on_trained(v, groups)` then `start` once every engine has loaded
+version v.
 
 AReaL's rule alone does not bound a sample's staleness when groups are trained in finish order: a
 long group admitted at v can be overtaken by shorter ones again and again. So each prompt has a
@@ -35,7 +36,7 @@ from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 
 @dataclass
-class Entry:
+class AdmittedPrompt:
     """An admitted prompt until it is trained or dropped."""
     prompt: Prompt
     deadline: int  # version it must be trained at, at the latest: admission version + eta
@@ -49,8 +50,8 @@ class AsyncScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.eta, self.batch = self.cfg.staleness.eta, self.cfg.prompts_per_step
         self.group_size = 0
-        self.running: dict[str, Entry] = {}  # request id -> its prompt
-        self.ready: list[Entry] = []  # complete groups, in finish order
+        self.running: dict[str, AdmittedPrompt] = {}  # request id -> its prompt
+        self.ready: list[AdmittedPrompt] = []  # complete groups, in finish order
         self.due = Counter()  # deadline -> prompts admitted and not yet trained or dropped
         self.restored: list[Prompt] = []  # open prompts of a checkpoint, to regenerate at start
         self.training = False  # a Train is out and its on_trained has not come back
@@ -61,7 +62,7 @@ class AsyncScheduler(Scheduler):
     def start(self, now: float) -> list[Action]:
         self.group_size = self.sizer.next_shape().group_size
         restored, self.restored = self.restored, []
-        return [self._admit(p) for p in restored] + self._fill()
+        return [self._admit(p) for p in restored] + self._fill() + self._train()
 
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         rid = sample.completion.request_id
@@ -89,10 +90,9 @@ class AsyncScheduler(Scheduler):
         self.running[action.request_ids[0]] = entry
         return [action]
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        self.version, self.training = version, False
-        self.group_size = self.sizer.next_shape().group_size
-        return self._fill() + self._train()
+    def on_trained(self, version: int, groups: list[Group]) -> None:
+        super().on_trained(version, groups)
+        self.training = False
 
     # --- admission and training -------------------------------------------------------------
     def in_flight_prompts(self) -> int:
@@ -104,7 +104,7 @@ class AsyncScheduler(Scheduler):
         return [self._admit(p) for p in self.draw(max(room, 0))]
 
     def _admit(self, prompt: Prompt) -> Action:
-        entry = Entry(prompt, self.version + self.eta, self.group_size)
+        entry = AdmittedPrompt(prompt, self.version + self.eta, self.group_size)
         self.due[entry.deadline] += 1
         action = self.submit(prompt, entry.group_size)
         self.running.update((rid, entry) for rid in action.request_ids)
@@ -130,7 +130,7 @@ class AsyncScheduler(Scheduler):
             self._record(entry)
         return [Train([Group(e.prompt, e.samples) for e in take])]
 
-    def _record(self, entry: Entry) -> None:
+    def _record(self, entry: AdmittedPrompt) -> None:
         """Staleness of each sample: the version it is trained at minus its oldest token's."""
         for s in entry.samples:
             versions = version_counts(s.completion.versions)

@@ -55,9 +55,5 @@ class SyncScheduler(Scheduler):
         self.ledger.train(len(groups))
         return [Train(groups)] if groups else self.start(0.0)
 
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        self.version = version
-        return self.start(now)
-
     def in_flight_prompts(self) -> int:
         return len(self.pending) + len(self.ready)

@@ -24,7 +24,7 @@ from rlsys.control.scheduler import SCHEDULERS, Action, GroupBuilder, Scheduler
 from rlsys.types import Completion, Prompt, ScoredSample
 
 
-def scaled(eta: float, n: int) -> int:
+def ceil_product(eta: float, n: int) -> int:
     """ceil(eta * n), immune to float noise such as 1.1 * 10 = 11.000000000000002."""
     return math.ceil(round(eta * n, 9))
 
@@ -55,7 +55,7 @@ class TailScheduler(Scheduler):
         if self.long_round:
             prompts, samples = [self.queue.popleft() for _ in range(p)], r
         else:
-            prompts, samples = self.draw(scaled(self.cfg.tail.eta_p, p)), scaled(self.cfg.tail.eta_r, r)
+            prompts, samples = self.draw(ceil_product(self.cfg.tail.eta_p, p)), ceil_product(self.cfg.tail.eta_r, r)
         self.builders = [GroupBuilder(prompt, r) for prompt in prompts]
         self.running = [set() for _ in prompts]
         # Every prompt's first R samples queue ahead of all the extras: an engine with fewer slots than the
@@ -87,10 +87,6 @@ class TailScheduler(Scheduler):
         i = self.slot.pop(completion.request_id)
         self.running[i].discard(completion.request_id)
         return [self._submit(i, 1)]
-
-    def on_trained(self, version: int, now: float) -> list[Action]:
-        self.version = version
-        return self.start(now)
 
     # --- the round ------------------------------------------------------------------------
     def _submit(self, i: int, n: int) -> Submit:

@@ -7,7 +7,7 @@ import logging
 import random
 
 from rlsys.config import DataConfig
-from rlsys.control.registry import Registry
+from rlsys.registry import Registry
 from rlsys.data.files import DataError, chat_text, read_prompts
 from rlsys.data import code_tasks  # noqa: F401  registers the `code` family
 from rlsys.data import math_tasks  # noqa: F401  registers the `math` family

@@ -12,7 +12,7 @@ import statistics
 import string
 from typing import Callable
 
-from rlsys.control.registry import Registry
+from rlsys.registry import Registry
 from rlsys.types import Prompt
 
 TaskFn = Callable[[random.Random], tuple[str, str]]

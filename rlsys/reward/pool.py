@@ -127,7 +127,7 @@ class RewardPool:
         self.restarts = 0  # workers killed or lost and replaced
         self._queue: deque[_Item] = deque()
         self._round: list[_Item] = []  # reward.after_round: completions held until end_round()
-        self.held: list[RewardResult] = []  # results that arrived during score_all, for the next collect
+        self.undelivered: list[RewardResult] = []  # results that arrived during score_all, for the next collect
         self._calls: dict[ray.ObjectRef, _Call] = {}
         self._idle: set[int] = set()
         self._start_failures = [0] * cfg.num_workers  # in a row, per worker slot
@@ -165,7 +165,7 @@ class RewardPool:
     def collect(self, ready_refs: list) -> list[RewardResult]:
         """Results of the given finished calls (and any kept aside by score_all); refs that are not the
         pool's are ignored."""
-        results, self.held = self.held, []
+        results, self.undelivered = self.undelivered, []
         for ref in ready_refs:
             call = self._calls.pop(ref, None)
             if call is None:
@@ -202,9 +202,6 @@ class RewardPool:
         self._dispatch()
         return self._counted(results)
 
-    def pending(self) -> int:
-        return len(self._round) + len(self._queue) + sum(len(c.items) for c in self._calls.values())
-
     # -- conveniences --------------------------------------------------------------------------
 
     def score_all(self, items: list[tuple[str, str, str, int]]) -> list[RewardResult]:
@@ -224,7 +221,7 @@ class RewardPool:
                     by_key[result.key] = result
                 else:
                     others.append(result)
-        self.held = others + self.held
+        self.undelivered = others + self.undelivered
         return [by_key[k] for k in keys]
 
     def shutdown(self) -> None:

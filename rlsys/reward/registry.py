@@ -22,8 +22,8 @@ import numbers
 from typing import Callable
 
 from rlsys.config import RewardConfig
-from rlsys.control.registry import Registry
 from rlsys.plugins import resolve
+from rlsys.registry import Registry
 
 # math-verify's only warnings are about its signal-based timeouts, which rlsys turns off (see below).
 for _name in ("math_verify.parser", "math_verify.grader"):

@@ -22,7 +22,7 @@ from typing import Callable
 
 from torch import Tensor
 
-from rlsys.control.registry import Registry
+from rlsys.registry import Registry
 from rlsys.types import Completion, Request
 from rlsys.weights.transfer import WeightUpdate
 

@@ -79,7 +79,7 @@ class RolloutManager:
         self.workers = [self._new_worker(i) for i in range(num_workers)]
         ray.get([w.ready.remote() for w in self.workers])  # surface load errors here, not later
         self.outstanding = [0] * num_workers
-        self.owner: dict[str, int] = {}  # request id -> worker, until its completion is collected
+        self.worker_of: dict[str, int] = {}  # request id -> worker, until its completion is collected
         self.requests: dict[str, Request] = {}  # the same span: what a replacement worker is given again
         self.aborted: set[str] = set()  # asked to abort: never given to a replacement
         # The last update_weights (a dict's ref or a bucketed update) and its version, for a replacement
@@ -88,7 +88,7 @@ class RolloutManager:
         self.restarts = 0
         self.deaths = [0] * num_workers  # per worker, in a row: reset when it finishes a request
         self._drains: dict[ObjectRef, int] = {self._arm(i): i for i in range(num_workers)}
-        self.held: list[Completion] = []  # for the next collect(): kept by generate(), cut by a death
+        self.undelivered: list[Completion] = []  # for the next collect(): kept by generate(), cut by a death
 
     @property
     def capacity(self) -> int:
@@ -100,13 +100,13 @@ class RolloutManager:
         batches: dict[int, list[Request]] = defaultdict(list)
         seen: set[str] = set()
         for r in requests:
-            if r.request_id in self.owner or r.request_id in seen:
+            if r.request_id in self.worker_of or r.request_id in seen:
                 raise ValueError(f"request {r.request_id}: request_id already in flight")
             seen.add(r.request_id)
         for r in requests:
             i = min(range(len(self.workers)), key=self.outstanding.__getitem__)
             self.outstanding[i] += 1
-            self.owner[r.request_id] = i
+            self.worker_of[r.request_id] = i
             self.requests[r.request_id] = r
             batches[i].append(r)
         calls = [(i, batch, self.workers[i].submit.remote(batch)) for i, batch in batches.items()]
@@ -115,7 +115,7 @@ class RolloutManager:
             try:
                 ray.get(ref)
             except RayActorError as e:  # the worker is dead: its replacement gets this batch too
-                self.held += self._replace(i, e)
+                self.undelivered += self._replace(i, e)
             except RayTaskError as e:  # the worker refused the batch: forget it
                 errors.append(e.as_instanceof_cause())  # still a ValueError for the caller
                 for r in batch:
@@ -128,8 +128,8 @@ class RolloutManager:
         (requests that already finished are not cut: their completions arrive as usual)."""
         by_worker: dict[int, list[str]] = defaultdict(list)
         for rid in request_ids:
-            if rid in self.owner:
-                by_worker[self.owner[rid]].append(rid)
+            if rid in self.worker_of:
+                by_worker[self.worker_of[rid]].append(rid)
                 self.aborted.add(rid)
         calls = [(i, ids, self.workers[i].abort.remote(ids)) for i, ids in by_worker.items()]
         cut = []
@@ -138,7 +138,7 @@ class RolloutManager:
                 cut += ray.get(ref)
             except RayActorError as e:  # the worker is dead: these come back cut from _replace
                 lost = self._replace(i, e)
-                self.held += lost
+                self.undelivered += lost
                 cut += [c.request_id for c in lost if c.request_id in ids]
         return cut
 
@@ -147,7 +147,7 @@ class RolloutManager:
 
     def collect(self, ready_refs: list[ObjectRef]) -> list[Completion]:
         """Results of the ready drain calls (re-armed at once), plus any completions held back."""
-        out, self.held = self.held, []
+        out, self.undelivered = self.undelivered, []
         for ref in ready_refs:
             if ref not in self._drains:
                 raise KeyError(f"{ref} is not one of this manager's drain calls (take them from refs())")
@@ -179,7 +179,7 @@ class RolloutManager:
                     got[c.request_id] = c
                 else:
                     others.append(c)
-        self.held = others + self.held
+        self.undelivered = others + self.undelivered
         return [got[r.request_id] for r in requests]
 
     def update_weights(self, weights, version: int) -> None:
@@ -222,7 +222,7 @@ class RolloutManager:
         """A death the caller saw on a call it made itself: handled as any other (replaced, or refused)."""
         ids = {actor_id(w): i for i, w in enumerate(self.workers)}
         if error.actor_id in ids:
-            self.held += self._replace(ids[error.actor_id], error)
+            self.undelivered += self._replace(ids[error.actor_id], error)
 
     def stats(self, window: tuple[float, float] | None = None) -> list[dict]:
         """Each worker's engine counters; with a wall-clock window, its occupied slot-seconds in it too
@@ -247,7 +247,7 @@ class RolloutManager:
                                                                       engine_kwargs, engine)
 
     def _forget(self, request_id: str) -> None:
-        i = self.owner.pop(request_id, None)
+        i = self.worker_of.pop(request_id, None)
         if i is not None:
             self.outstanding[i] -= 1
             del self.requests[request_id]
@@ -262,7 +262,7 @@ class RolloutManager:
             try:
                 out.append(ray.get(ref))
             except RayActorError as e:
-                self.held += self._replace(i, e)
+                self.undelivered += self._replace(i, e)
                 out.append(ray.get(call(self.workers[i])) if ask_again else None)
         return out
 
@@ -275,7 +275,7 @@ class RolloutManager:
                                "rollout worker yet (a new one would not get the weights). The run stopped; "
                                "`rlsys train` with the same config and --resume continues from the last "
                                "checkpoint") from error
-        lost = [self.requests[rid] for rid, j in self.owner.items() if j == i]
+        lost = [self.requests[rid] for rid, j in self.worker_of.items() if j == i]
         again = [r for r in lost if r.request_id not in self.aborted]
         cut = [self._cut(r, i) for r in lost if r.request_id in self.aborted]
         for c in cut:

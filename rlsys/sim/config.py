@@ -6,9 +6,31 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from rlsys.config import ConfigError, ControlConfig, Section, _format_errors, read_yaml_mapping
+from rlsys.config import ConfigError, ControlConfig, Section, format_errors, read_yaml_mapping
 from rlsys.control.elastic_tp import tp_sizes
 from rlsys.sim.cluster import GPUS, MODELS, EngineCost, ModelShape
+
+
+class ElasticTPConfig(Section):
+    """Elastic rollout parallelism: the engines' TP size moves between rounds with KV-cache preemptions
+    (rlsys/control/elastic_tp.py), simulated only. Sizes are the powers of two from min_tp to max_tp."""
+    enabled: bool = False
+    min_tp: int = Field(1, ge=1)
+    max_tp: int = Field(8, ge=1)
+    raise_at: float = Field(0.02, ge=0)  # preemptions per request in a round above which TP doubles
+    lower_at: float = Field(0.0, ge=0)  # ... at or below which a round counts as calm
+    calm_rounds: int = Field(3, ge=1)  # calm rounds in a row before TP halves
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_tp > self.max_tp or self.lower_at > self.raise_at:
+            raise ValueError("control.elastic_tp needs min_tp <= max_tp and lower_at <= raise_at")
+        return self
+
+
+class SimControlConfig(ControlConfig):
+    """The live `control` section and what only the simulator models: elastic TP."""
+    elastic_tp: ElasticTPConfig = ElasticTPConfig()
 
 
 class ModelSpec(Section):
@@ -122,7 +144,7 @@ class SimConfig(Section):
     reward: RewardSpec = RewardSpec()
     trainer: TrainerSpec = TrainerSpec()
     weight_sync: WeightSyncSpec = WeightSyncSpec()
-    control: ControlConfig = ControlConfig(prompts_per_step=128, group_size=8)
+    control: SimControlConfig = SimControlConfig(prompts_per_step=128, group_size=8)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -185,8 +207,8 @@ class SimConfig(Section):
     def trainer_for(self, run: SchedulerRun) -> TrainerSpec:
         return TrainerSpec.model_validate({**self.trainer.model_dump(), **run.trainer})
 
-    def control_for(self, run: SchedulerRun) -> ControlConfig:
-        return ControlConfig.model_validate({**self.control.model_dump(), **run.control, "scheduler": run.name})
+    def control_for(self, run: SchedulerRun) -> SimControlConfig:
+        return SimControlConfig.model_validate({**self.control.model_dump(), **run.control, "scheduler": run.name})
 
     def engine_cost(self, cluster: ClusterSpec) -> EngineCost:
         e = self.engine
@@ -207,6 +229,6 @@ def load_sim_config(source: Union[str, Path, dict, SimConfig]) -> SimConfig:
     try:
         return SimConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, path, text or "{}", {})) from None
+        raise ConfigError(format_errors(e, path, text or "{}", {})) from None
     except ValueError as e:  # raised while building the engine cost model
         raise ConfigError(f"{path}: {e}") from None

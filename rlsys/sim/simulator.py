@@ -2,8 +2,8 @@
 
 The scheduler is built exactly as the live controller builds it (`rlsys.control.build_scheduler`)
 and is driven the same way (rlsys/train.py): start, on_sample for each scored sample, on_abort for
-each aborted request's partial output, sizer.observe(groups) then on_trained after each step (not
-after the last). Only the clock, the engines, the reward pool and the trainer are simulated.
+each aborted request's partial output, on_trained after each step, then start again (not after the
+last). Only the clock, the engines, the reward pool and the trainer are simulated.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from rlsys.data.cursor import PromptCursor
 from rlsys.sim.cluster import GPUS, makespan, sync_seconds, train_gpu_seconds
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest
-from rlsys.sim.runs import Runs
+from rlsys.runs import Runs
 from rlsys.sim.workload import Workload
 from rlsys.types import Completion, ScoredSample
 
@@ -326,10 +326,8 @@ class Simulation:
             engine.advance_to(self.now)
             engine.mark_version(self.version)
         groups, self.training = self.training, None
-        self._call(self.scheduler.sizer.observe, groups)  # as the live controller does after a step
+        self._call(self.scheduler.on_trained, self.version, groups)
         self._end_round()
-        self.scheduler.version = self.version
-        self.scheduler.ledger.check(self.scheduler.in_flight_prompts())
         touched: dict[int, SimEngine] = {}
         if self.train_queue:
             self._start_training(touched)
@@ -337,7 +335,7 @@ class Simulation:
             self._refresh(engine)
         self.step_start = self.now
         if self.trained < self.cfg.steps:  # after the last step nothing more is asked of the scheduler
-            self._act(self._call(self.scheduler.on_trained, self.version, self.now))
+            self._act(self._call(self.scheduler.start, self.now))
 
     def _end_round(self) -> None:
         """Per-step KV figures; under elastic TP, the planner's choice for the next round. Engines are

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from rlsys.control.registry import Registry
+from rlsys.registry import Registry
 
 AdvantageFn = Callable[[list[float]], list[float]]
 ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")

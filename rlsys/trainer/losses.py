@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from rlsys.config import MismatchConfig, TrainerConfig
-from rlsys.control.registry import Registry
+from rlsys.registry import Registry
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| beyond this is clamped before exp (veRL's bound)
 

@@ -18,7 +18,7 @@ from rlsys.trainer.losses import STEP_NORMALISER, aggregation_of
 LOSS_STATS = ("loss", "pg_loss")  # aggregated by the loss's own mode; every other statistic is a token mean
 
 
-class StreamedStep:
+class StreamedGradients:
     """One rank's streamed step: `accumulate` any number of parts, then `finish` once."""
 
     def __init__(self, backend: TrainerBackend, temperature: float, top_p: float = 1.0):

@@ -26,7 +26,7 @@ from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
 from rlsys.trainer.losses import mismatch_warning
-from rlsys.trainer.streamed import StreamedStep
+from rlsys.trainer.streamed import StreamedGradients
 from rlsys.types import Group
 from rlsys.weights import BucketPlan, Receiver, Sender, Transport, WeightGroup, plan_buckets
 
@@ -50,7 +50,7 @@ class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int, world_size: int):
         self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
         self.backend = None
-        self.stream: StreamedStep | None = None
+        self.stream: StreamedGradients | None = None
         self.weight_group: WeightGroup | None = None  # a transport's own group (broadcast), on rank 0
         self.sender: Sender | None = None  # on the ranks that send the weights to the engines
 
@@ -79,20 +79,13 @@ class TrainerWorker:
 
         hf_logging.disable_progress_bar()  # one bar per load per rank would flood the driver's log
         torch.set_num_threads(torch_threads)
-        if self.cfg.backend == "torch":
-            from rlsys.trainer.backend import TorchBackend as Backend
-        else:
-            from rlsys.trainer.deepspeed_backend import DeepSpeedBackend as Backend
-        self.backend = Backend(self.cfg, self.model_dir, self.rank, self.world_size)
-
-    def compute_logprobs(self, samples: list[TrainSample], temperature: float, micro_batches: int,
-                         top_p: float = 1.0):
-        return self.backend.compute_logprobs(samples, temperature, micro_batches, top_p)
+        from rlsys.trainer.backend import BACKENDS
+        self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.rank, self.world_size)
 
     def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
         if self.stream is not None:
             raise RuntimeError("stream_begin: the previous streamed step was never finished")
-        self.stream = StreamedStep(self.backend, temperature, top_p)
+        self.stream = StreamedGradients(self.backend, temperature, top_p)
 
     def stream_accumulate(self, samples: list[TrainSample], micro_batches: int) -> None:
         if self.stream is None:
@@ -109,10 +102,6 @@ class TrainerWorker:
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
                            fresh: bool, proximal_micro_batches: int, top_p: float = 1.0) -> dict:
         return self.backend.train_mini_batches(parts, temperature, fresh, proximal_micro_batches, top_p)
-
-    def rollout_weights(self):
-        weights = self.backend.state_dict_for_rollout(keep=self.rank == 0)
-        return weights if self.rank == 0 else None
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> None:
@@ -152,7 +141,7 @@ class TrainerWorker:
         self.backend.export_hf(folder)
 
 
-def finished(refs: list[ray.ObjectRef]) -> bool:
+def done_or_failed(refs: list[ray.ObjectRef]) -> bool:
     """Every rank is done, or one failed: the others may wait for it in a collective until they time out."""
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
     try:
@@ -163,7 +152,7 @@ def finished(refs: list[ray.ObjectRef]) -> bool:
 
 
 @dataclass
-class OpenStream:
+class RunningStream:
     """A streamed step between `stream_begin` and `stream_end`, as the driver tracks it."""
     calls: list[list[ray.ObjectRef]]  # each rank's calls, handed to its finish: an error in any fails the step
     tokens: int = 0  # response tokens streamed so far, over every rank
@@ -193,14 +182,9 @@ class TrainerGroup:
         ips = ray.get([w.node_ip.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
         self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
-        self.stream: OpenStream | None = None
+        self.stream: RunningStream | None = None
 
     # --- training -----------------------------------------------------------------------------
-    def train_step(self, groups: list[Group], temperature: float, version: int | None = None,
-                   top_p: float = 1.0) -> dict:
-        """`trainer.mini_batches` optimizer steps on these groups; blocks until every rank is done."""
-        return self.finish_train_step(self.start_train_step(groups, temperature, version, top_p))
-
     def start_train_step(self, groups: list[Group], temperature: float, version: int | None = None,
                          top_p: float = 1.0) -> list[ray.ObjectRef]:
         """Launch the step and return at once; pass the refs to `finish_train_step` (or ray.wait on them).
@@ -231,7 +215,7 @@ class TrainerGroup:
     # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
     def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
         """Open a streamed step; the weights must not change until it ends."""
-        self.stream = OpenStream([[w.stream_begin.remote(temperature, top_p)] for w in self.workers])
+        self.stream = RunningStream([[w.stream_begin.remote(temperature, top_p)] for w in self.workers])
 
     def stream_groups(self, groups: list[Group]) -> list[ray.ObjectRef]:
         """Accumulate the gradients of these completed groups; returns at once: one ref per rank, or none
@@ -240,7 +224,7 @@ class TrainerGroup:
             raise RuntimeError("stream_groups: call stream_begin first")
         self.stream.waiting += groups
         calls = self.stream.calls  # each rank's stream_begin, then its parts
-        if len(calls[0]) > 1 and not finished([mine[-1] for mine in calls]):
+        if len(calls[0]) > 1 and not done_or_failed([mine[-1] for mine in calls]):
             return []  # sent with the next part: one part of many groups costs less than many parts of one
         return self._send_waiting()
 
@@ -266,29 +250,7 @@ class TrainerGroup:
         return [w.stream_finish.remote(stream.tokens, stream.sequences, *calls)
                 for w, calls in zip(self.workers, stream.calls)]
 
-    def stream_finish(self) -> dict:
-        """`stream_end`, waited for: the merged metrics, as `train_step` returns them."""
-        return self.finish_train_step(self.stream_end())
-
-    def compute_logprobs(self, samples: list[TrainSample], temperature: float,
-                         top_p: float = 1.0) -> list[list[float]]:
-        """Current-policy log-probs of each sample's response tokens, in input order."""
-        per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
-        results = self._get_all([w.compute_logprobs.remote(s, temperature, totals.micro_batches, top_p)
-                                 for w, s in zip(self.workers, per_rank)])
-        found = {id(s): lp for part, part_lps in zip(per_rank, results) for s, lp in zip(part, part_lps)}
-        return [found[id(s)] for s in samples]
-
     # --- weights and files ------------------------------------------------------------------------
-    def weights_ref(self) -> ray.ObjectRef:
-        """Rank 0's full weights (HF names, CPU float32) in the object store, whole (rlsys/weights/sync.py
-        sends a run's weights in buckets)."""
-        refs = [w.rollout_weights.remote() for w in (self.workers if self._gathers_on_all() else self.workers[:1])]
-        # The other ranks only take part in the gather; rank 0's weights stay in the store. Rank 0 answers
-        # once they are there, so its death shows here, not later as a rollout worker's error.
-        self._get_all(refs[1:] + [self.workers[0].node_ip.remote()])
-        return refs[0]
-
     def open_senders(self, transport: Transport, ranks: list[int]) -> list:
         """These ranks send every version from now on; their addresses, for the receivers."""
         return self._get_all([self.workers[r].open_sender.remote(transport) for r in ranks])

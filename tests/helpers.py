@@ -1,0 +1,48 @@
+"""What several test files do the way a driver does it."""
+
+
+def next_step(sched, version, groups, now):
+    """Cross a step boundary as the live controller and the simulator do: `on_trained`, then `start`."""
+    sched.on_trained(version, groups)
+    return sched.start(now)
+
+
+# --- the trainer group, as a test drives it ------------------------------------------------------
+def train_step(trainer, groups, temperature, version=None, top_p=1.0) -> dict:
+    """One train step on a TrainerGroup, waited for: its merged metrics."""
+    return trainer.finish_train_step(trainer.start_train_step(groups, temperature, version, top_p))
+
+
+def stream_finish(trainer) -> dict:
+    """A streamed step's end, waited for: the merged metrics, as `train_step` returns them."""
+    return trainer.finish_train_step(trainer.stream_end())
+
+
+def trainer_weights(trainer) -> dict:
+    """Rank 0's full weights (HF names, CPU float32); every rank takes part, as ZeRO-3's gather needs."""
+    import ray
+
+    def weights(worker):
+        return worker.backend.state_dict_for_rollout(keep=worker.rank == 0)
+    return ray.get([w.__ray_call__.remote(weights) for w in trainer.workers])[0]
+
+
+def compute_logprobs(trainer, samples, temperature, top_p=1.0) -> list[list[float]]:
+    """Current-policy log-probs of each sample's response tokens, computed across the ranks, in input order."""
+    import ray
+
+    from rlsys.trainer.batching import plan_step
+
+    per_rank, totals = plan_step(samples, trainer.cfg.world_size, trainer.cfg.micro_batch_tokens)
+
+    def score(worker, mine):
+        return worker.backend.compute_logprobs(mine, temperature, totals.micro_batches, top_p)
+    results = ray.get([w.__ray_call__.remote(score, mine) for w, mine in zip(trainer.workers, per_rank)])
+    found = {id(s): lp for part, lps in zip(per_rank, results) for s, lp in zip(part, lps)}
+    return [found[id(s)] for s in samples]
+
+
+# --- the reward pool ----------------------------------------------------------------------------
+def unscored(pool) -> int:
+    """Items submitted to a RewardPool whose results have not come back: queued or in a call."""
+    return len(pool._round) + len(pool._queue) + sum(len(c.items) for c in pool._calls.values())
