@@ -128,6 +128,26 @@ def staleness() -> str:
     return rows(["loss", *(e.replace("=", " ") for e in etas)], body)
 
 
+def acc_se(r: dict) -> str:
+    """A final accuracy with its eval standard error."""
+    return f"{r['final_accuracy']:.3f} ± {r['final_accuracy_se']:.3f}"
+
+
+@table("mismatch_bf16")
+def mismatch_bf16() -> str:
+    j = load("mismatch_bf16_cpu")
+    body = []
+    for name, r in j["results"].items():
+        d = r["final_accuracy_vs_uncorrected"]
+        vs = "" if name == "bf16-uncorrected" else f"{d['diff']:+.3f} ± {d['se']:.3f}" + (" (beyond error)" if d["beyond_error"] else "")
+        corrected = r["mismatch_truncated_share_mean"] is not None  # else pi_old is the engine's: KL 0 by construction
+        kl = [f"{r['mismatch_kl_mean']:.1e}", f"{r['mismatch_kl_max']:.1e}",
+              f"{100 * r['mismatch_truncated_share_mean']:.2f}%"] if corrected else ["not measured", "", ""]
+        body.append([f"`{name}`", *kl, acc_se(r), vs])
+    return rows(["variant", "k3 KL per token, mean", "max step", "tokens truncated", "final avg@1", "vs uncorrected"],
+                body)
+
+
 @table("peer_trl")
 def peer_trl() -> str:
     body = []
@@ -222,8 +242,10 @@ def prose_figures() -> dict[str, list[str]]:
     tight = load("bench_sagc_cpu")["results"]["sagc-tight"]
     load_cpu = load("controller_load_cpu")["results"]
     rate = [f"{r['events_per_s'] / 1000:.0f}k" for r in load_cpu.values()]
+    bf16 = load("mismatch_bf16_cpu")["results"]["bf16-tis"]
     return {
-        "README.md": [f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
+        "README.md": [f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
+                      f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
                       f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble"],
         "docs/performance.md": [
             f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's (on_policy)",
