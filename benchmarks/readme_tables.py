@@ -248,6 +248,7 @@ def prose_figures() -> dict[str, list[str]]:
                       f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
                       f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble"],
         "docs/performance.md": [
+            f"stays near {bf16['mismatch_kl_mean']:.0e}",
             f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's (on_policy)",
             f"held the straggler rate at {tight['straggler_rate']:.3f}",
             f"Time per sample {staleness_time_gain()}",
