@@ -12,11 +12,16 @@ EngineStats = Callable[[tuple[float, float]], list[dict]]  # the engines' stats,
 
 
 class StepStats:
-    def __init__(self, kappa: float, capacity: int, engine_stats: EngineStats):
+    def __init__(self, kappa: float, capacity: int, engine_stats: EngineStats,
+                 step_clock: Callable[[], float] | None = None):
         self.kappa, self.capacity, self.engine_stats = kappa, capacity, engine_stats
+        # step_s is read on it; the controller's training clock leaves eval and checkpoints out
+        self.step_clock = step_clock or (lambda: time.time())
+        step_clock = self.step_clock
         self.completions: list[Completion] = []
         self.finished: list[Completion] = []  # the last handed-over step's, for its totals and timeline
-        self.t_step = self.t_handover = time.time()  # the last weights publish; the last handover to training
+        self.t_handover = time.time()  # the last handover to training
+        self.t_step = step_clock()  # the last weights publish
         self.start_step()
 
     def start_step(self) -> None:
@@ -79,10 +84,17 @@ class StepStats:
 
     def step_totals(self) -> dict[str, float]:
         """Called once the step's weights are published: its full wall time and token throughput."""
-        now = time.time()
+        now = self.step_clock()
         step_s, self.t_step = now - self.t_step, now  # publish to publish: overlapped training counts once
         generated = sum(c.num_tokens for c in self.finished)
         return {"timing/step_s": step_s, "throughput/tokens_per_s": generated / max(step_s, 1e-9)}
+
+    def generating_share(self, start: float, end: float) -> float:
+        """The share of [start, end] the engines spent decoding, averaged over engines: during a train step, how
+        much rollout overlapped it (0 in sync; the asynchronous schedule's aim is 1)."""
+        engines = self.engine_stats((start, end))
+        busy = sum(e.get("busy_s_in_window", 0.0) for e in engines)
+        return busy / max((end - start) * len(engines), 1e-9) if engines else 0.0
 
     def timeline_rows(self, step: int, t0: float) -> list[dict]:
         return [{"step": step, "request_id": c.request_id, "worker": c.worker, "slot": c.slot,

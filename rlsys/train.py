@@ -90,7 +90,7 @@ class Controller:
         if resume:
             self._restore()
         self.t0 = time.time() - self.elapsed_before
-        self.stats = StepStats(cfg.control.straggler_kappa, self.rollout.capacity, self.rollout.stats)
+        self.stats = StepStats(cfg.control.straggler_kappa, self.rollout.capacity, self.rollout.stats, self.now)
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> dict:
@@ -201,6 +201,7 @@ class Controller:
         step, self.training = self.training, None
         train_metrics = self.trainer.finish_train_step(step.refs)
         t_train = time.time() - step.started
+        overlap = self.stats.generating_share(step.started, time.time())
         self.version += 1
         t = time.time()
         self.publish()
@@ -210,6 +211,7 @@ class Controller:
         metrics = dict(step.rollout_metrics, **self.stats.step_totals())
         self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
+                        "timing/generating_during_train": overlap,
                         "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors,
                         "rollout/restarts": self.rollout.restarts})
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})

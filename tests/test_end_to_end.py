@@ -21,7 +21,7 @@ SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=1
 STEP_KEYS = ["step", "time_s", "policy_version", "samples", "reward/mean", "response_length/mean",
              "response_length/max", "response_length/p99", "group_size", "rollout/bubble_ratio",
              "rollout/straggler_rate", "timing/rollout_s", "timing/reward_s", "timing/train_s",
-             "timing/weight_sync_s", "throughput/tokens_per_s", "reward/errors"]
+             "timing/weight_sync_s", "timing/generating_during_train", "throughput/tokens_per_s", "reward/errors"]
 
 
 def rows(run_dir, name="metrics.jsonl"):
@@ -99,3 +99,14 @@ def test_tail_with_streamed_training_trains_every_announced_group(tmp_path, ray_
     steps = [r for r in rows(out) if "timing/train_s" in r]
     assert [r["policy_version"] for r in steps] == [1, 2]
     assert all(r["train/sequences"] == 16 and r["train/tokens"] > 0 and "train/loss" in r for r in steps)
+
+
+def test_async_generates_while_the_trainer_trains(tmp_path, ray_cluster):
+    """The asynchronous schedule's point, measured: the engines decode during train steps (sync: never)."""
+    out = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=4", f"output_dir={out}", "control.eval_every=0",
+                 "control.save_every=0", "control.scheduler=async", "trainer.loss=decoupled_ppo", *SMALL]) == 0
+    steps = [r for r in rows(out) if "timing/train_s" in r]
+    assert len(steps) == 4 and max(r["staleness/max"] for r in steps) <= 1
+    assert all(0.0 <= r["timing/generating_during_train"] <= 1.0 for r in steps)
+    assert sum(r["timing/generating_during_train"] for r in steps) > 0, steps

@@ -45,7 +45,8 @@ class Engine:
             t += dt
 
     def stats(self, window):
-        return [{"saturated_tokens_per_s": self.tokens_per_s, "occupied_slot_s": self.counters.occupied_slot_s(*window)}]
+        return [{"saturated_tokens_per_s": self.tokens_per_s, "occupied_slot_s": self.counters.occupied_slot_s(*window),
+                 "busy_s_in_window": self.counters.busy_s_within(*window)}]
 
 
 def test_occupancy_counts_only_the_part_of_each_step_inside_the_window(clock):
@@ -118,3 +119,20 @@ def test_a_sample_collected_after_the_handover_but_finished_before_it_does_not_c
     clock.t = 105
     stats.start_step()
     assert stats.t_start == 105
+
+
+def test_generating_share_is_the_decoding_time_inside_a_train_step(clock):
+    engine = Engine(clock)
+    engine.decode(100, 102, active=2, dt=1.0)  # busy 100-102, idle after
+    engine.decode(103, 104, active=1, dt=1.0)  # busy again 103-104, one slot only: still busy
+    assert engine.counters.busy_s_within(101.5, 103.5) == pytest.approx(0.5 + 0.5)
+    stats = StepStats(kappa=2.0, capacity=2, engine_stats=engine.stats)
+    assert stats.generating_share(101.5, 103.5) == pytest.approx(0.5)
+    assert stats.generating_share(104.0, 106.0) == 0.0  # sync: the engines sat idle while the trainer ran
+
+
+def test_step_time_is_read_on_the_step_clock_which_leaves_evaluation_out(clock):
+    training_clock = Clock()
+    stats = StepStats(kappa=2.0, capacity=2, engine_stats=Engine(clock).stats, step_clock=training_clock)
+    clock.t, training_clock.t = 110, 102  # 10 s of wall time, 8 of them an evaluation
+    assert stats.step_totals()["timing/step_s"] == pytest.approx(2.0)

@@ -194,11 +194,18 @@ class EngineCounters:
 
     def occupied_slot_s(self, start: float, end: float) -> float:
         """Slot-seconds spent decoding within the wall-clock window [start, end] (call it where `record` runs)."""
+        return self._within(start, end, by_slot=True)
+
+    def busy_s_within(self, start: float, end: float) -> float:
+        """Seconds spent decoding within the wall-clock window [start, end], however many slots were busy."""
+        return self._within(start, end, by_slot=False)
+
+    def _within(self, start: float, end: float, by_slot: bool) -> float:
         total = 0.0
         for t_end, elapsed, active in reversed(self.steps):  # newest first: only the window's steps are read
             if t_end <= start:
                 break
-            total += active * max(0.0, min(t_end, end) - max(t_end - elapsed, start))
+            total += (active if by_slot else 1) * max(0.0, min(t_end, end) - max(t_end - elapsed, start))
         return total
 
     def report(self) -> dict:
