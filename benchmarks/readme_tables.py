@@ -243,8 +243,11 @@ def prose_figures() -> dict[str, list[str]]:
     load_cpu = load("controller_load_cpu")["results"]
     rate = [f"{r['events_per_s'] / 1000:.0f}k" for r in load_cpu.values()]
     bf16 = load("mismatch_bf16_cpu")["results"]["bf16-tis"]
+    run = load("default_run_cpu")
     return {
         "README.md": [f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
+                      f"lifts the default task by {100 * (run['evals'][-1]['eval/accuracy'] - run['evals'][0]['eval/accuracy']):.0f} points",
+                      f"load average {run['machine']['load_average_at_start']:.1f} at its start",
                       f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
                       f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble"],
         "docs/performance.md": [
