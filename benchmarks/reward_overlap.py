@@ -6,7 +6,7 @@
 The workload is the embedded default on the `math` task (worked fraction sums; warm start on it),
 scored by math_verify. Two modes of the real controller, interleaved and repeated:
   overlapped   the default: each completion goes to the reward pool as it arrives;
-  after_round  reward.after_round=true: the pool holds a round's completions until it has generated.
+  after_round  the baseline (ScoreAfterRound): a round's completions go to the pool once it has generated.
 Also times math_verify itself per call on this task's answers. Writes
 benchmarks/results/reward_overlap_cpu.json.
 """
@@ -22,16 +22,36 @@ from pathlib import Path
 
 from rlsys.bench import machine, run_preset
 from rlsys.config import load_config
+from rlsys.train import Controller
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reward_overlap_cpu.json"
 WORKLOAD = ["data.task=math", "reward.fn=math_verify", "control.eval_every=0", "control.save_every=0",
             "data.eval_size=50", "logging.progress=false"]
-MODES = {"overlapped": [], "after_round": ["reward.after_round=true"]}
 METRICS = ("timing/step_s", "timing/reward_s", "timing/rollout_s", "timing/train_s", "reward/mean")
 
 
+class ScoreAfterRound(Controller):
+    """The baseline that overlap is measured against: completions wait, unscored, until none of the run's requests
+    is generating, then all go to the reward pool at once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held = []
+
+    def score(self, completion) -> None:
+        self.held.append(completion)
+        # `prompts` holds every request not yet scored: generating, held here, or with the pool (`in_flight`)
+        if len(self.prompts) == len(self.held) + len(self.in_flight):
+            held, self.held = self.held, []
+            for c in held:
+                super().score(c)
+
+
+MODES = {"overlapped": Controller, "after_round": ScoreAfterRound}
+
+
 def run(mode: str, steps: int, out_dir: Path) -> dict:
-    rows = run_preset(None, WORKLOAD + MODES[mode] + [f"trainer.total_steps={steps}"], out_dir)
+    rows = run_preset(None, WORKLOAD + [f"trainer.total_steps={steps}"], out_dir, MODES[mode])
     rows = [r for r in rows if "timing/step_s" in r][1:]  # the first step warms up
     means = {k: statistics.mean(r[k] for r in rows) for k in METRICS}
     # The phase that overlap acts on: from the step's first submit to the groups handed to the trainer.

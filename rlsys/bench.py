@@ -167,14 +167,14 @@ def speedups(results: dict) -> dict:
     return out
 
 
-def run_preset(config: str | None, overrides: list[str], out_dir: Path) -> list[dict]:
-    from rlsys.train import train
+def run_preset(config: str | None, overrides: list[str], out_dir: Path, controller_class=None) -> list[dict]:
+    from rlsys.train import Controller, train
 
     cfg = load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
     if out_dir.exists():
         import shutil
         shutil.rmtree(out_dir)
-    train(cfg)
+    train(cfg, controller_class=controller_class or Controller)
     return read_metrics(out_dir)
 
 

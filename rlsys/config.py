@@ -166,7 +166,6 @@ class RewardConfig(Section):
     timeout_s: float = Field(5.0, gt=0)
     fallback: float = 0.0  # reward given to a sample whose reward function raised, hung or returned junk
     valid_range: tuple[float, float] = (-1.0, 1.0)  # a function's value outside it is junk (before overlong)
-    after_round: bool = False  # score a round's completions only once it has all generated (a baseline)
     overlong: OverlongConfig = OverlongConfig()
     sandbox: SandboxConfig = SandboxConfig()  # code_tests only
 
@@ -427,9 +426,9 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _engine_known(self):
-        from rlsys.rollout.engine import engine_factory  # the registry (here: it imports this module's users)
+        from rlsys.rollout.engine import engine_entry  # the registry (here: it imports this module's users)
 
-        engine_factory(self.rollout.engine)  # a ValueError naming rollout.engine and the known ones
+        engine_entry(self.rollout.engine)  # a ValueError naming rollout.engine and the known ones
         return self
 
     @model_validator(mode="after")

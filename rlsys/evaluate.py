@@ -11,33 +11,64 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from rlsys.types import Request, SamplingParams
+from rlsys.types import Completion, Request, SamplingParams
+
+
+class Evaluation:
+    """One evaluation's requests, tagged by their ids, and the collector of their rewards: a driver may run it
+    beside other work, routing to it what comes back for the ids it `owns`."""
+
+    def __init__(self, tokenizer, prompts, rollout_cfg):
+        r = rollout_cfg
+        temperature = r.temperature if r.eval_temperature is None else r.eval_temperature
+        runs = {"eval/accuracy": (temperature, r.eval_samples if temperature > 0 else 1)}  # greedy: k alike
+        if r.eval_greedy and temperature > 0:
+            runs["eval/greedy_accuracy"] = (0.0, 1)
+        prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
+        self.asked: dict[str, tuple[str, str, str]] = {}  # request id -> (metric, prompt uid, answer)
+        self.requests: list[Request] = []
+        for name, (temp, k) in runs.items():
+            for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
+                for j in range(k):
+                    params = SamplingParams(r.max_new_tokens, temp, r.top_p, seed=i * 1009 + j)
+                    self.requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
+                    self.asked[self.requests[-1].request_id] = (name, p.uid, p.answer)
+        # metric -> prompt uid -> solved flags of its samples, in prompt order whatever order rewards come in:
+        # the same sums, so two evaluations of the same weights agree to the last bit
+        self.solved = {name: {p.uid: [] for p in prompts} for name in runs}
+        self.unscored = len(self.requests)
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.asked
+
+    def to_score(self, completion: Completion) -> tuple[str, str, str, int]:
+        """The reward pool's item for one of its completions: (key, response, answer, num_tokens)."""
+        return completion.request_id, completion.text, self.asked[completion.request_id][2], completion.num_tokens
+
+    def add(self, key: str, reward: float) -> None:
+        name, uid, _ = self.asked[key]
+        self.solved[name][uid].append(reward > 0.5)
+        self.unscored -= 1
+
+    @property
+    def done(self) -> bool:
+        return self.unscored == 0
+
+    def metrics(self) -> dict[str, float]:
+        metrics = {}
+        for name, by_prompt in self.solved.items():
+            metrics[name], metrics[f"{name}_se"] = mean_and_se([sum(v) / len(v) for v in by_prompt.values()])
+        return metrics
 
 
 def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> dict[str, float]:
-    temperature = rollout_cfg.temperature if rollout_cfg.eval_temperature is None else rollout_cfg.eval_temperature
-    runs = {"eval/accuracy": (temperature, rollout_cfg.eval_samples if temperature > 0 else 1)}  # greedy: k alike
-    if rollout_cfg.eval_greedy and temperature > 0:
-        runs["eval/greedy_accuracy"] = (0.0, 1)
-    prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
-    asked = {}  # request id -> (metric, prompt uid, answer)
-    requests = []
-    for name, (temp, k) in runs.items():
-        for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
-            for j in range(k):
-                params = SamplingParams(rollout_cfg.max_new_tokens, temp, rollout_cfg.top_p, seed=i * 1009 + j)
-                requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
-                asked[requests[-1].request_id] = (name, p.uid, p.answer)
-    completions = rollout.generate(requests)
-    results = rewards.score_all([(c.request_id, c.text, asked[c.request_id][2], c.num_tokens) for c in completions])
-    per_prompt = {name: {} for name in runs}  # metric -> prompt uid -> solved flags of its samples
-    for r in results:
-        name, uid, _ = asked[r.key]
-        per_prompt[name].setdefault(uid, []).append(r.reward > 0.5)
-    metrics = {}
-    for name, by_prompt in per_prompt.items():
-        metrics[name], metrics[f"{name}_se"] = mean_and_se([sum(v) / len(v) for v in by_prompt.values()])
-    return metrics
+    """Evaluate alone (`rlsys eval`): the engines and the reward pool have no other work. The controller runs
+    an `Evaluation` through its own pump instead, beside training's requests."""
+    evaluation = Evaluation(tokenizer, prompts, rollout_cfg)
+    completions = rollout.generate(evaluation.requests)
+    for result in rewards.score_all([evaluation.to_score(c) for c in completions]):
+        evaluation.add(result.key, result.reward)
+    return evaluation.metrics()
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.events import Aborted, Event, Generated, Scored
 from rlsys.data import load_prompts
 from rlsys.data.cursor import PromptCursor
-from rlsys.evaluate import eval_accuracy
+from rlsys.evaluate import Evaluation
 from rlsys.friction import Friction
 from rlsys.logger import RunLogger
 from rlsys.placement import Placement, format_plan, plan_from_config
@@ -82,11 +83,13 @@ class Controller:
         self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
         self.training: RunningStep | None = None
+        self.evaluation: Evaluation | None = None  # running: the pump routes its completions and rewards to it
         self.temperature = cfg.rollout.temperature or 1.0  # the trainer scores tokens as sampled (greedy: 1)
         self.top_p = cfg.rollout.top_p if cfg.rollout.temperature > 0 else 1.0  # greedy: no nucleus (as vLLM)
         self.streamed_groups = 0  # groups whose gradients the trainer is accumulating (trainer.streamed)
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
+        self.paused_at: float | None = None  # when the running eval or checkpoint began
         if resume:
             self._restore()
         self.t0 = time.time() - self.elapsed_before
@@ -102,14 +105,17 @@ class Controller:
         self.stats.start_step()
         self.apply(self.scheduler.start(self.now()))
         while not self.done:
-            for event in self.next_events():
-                if isinstance(event, Generated):
-                    self.score(event.completion)
-                else:
-                    self.apply(self.scheduler.handle(event, self.now()))
+            self.handle(self.next_events())
             if self.training and self.training.done():
                 self.apply(self.finish_training())
         return self.finish()
+
+    def handle(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Generated):
+                self.score(event.completion)
+            else:
+                self.apply(self.scheduler.handle(event, self.now()))
 
     def apply(self, actions) -> None:
         for action in actions:
@@ -125,16 +131,20 @@ class Controller:
                 raise TypeError(f"scheduler {self.cfg.control.scheduler!r} asked for an unknown action {action!r}")
 
     def next_events(self) -> list[Event]:
-        """Wait for the engines, the reward pool or the train step; what they gave back, as events."""
+        """Wait for the engines, the reward pool or the train step; what they gave back for training, as events.
+        What comes back for the running evaluation goes to it (its rewards are its own: no friction, no stats)."""
         rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
         training = self.training.refs if self.training else []
-        waiting = self.rollout.undelivered or self.rewards.undelivered  # results that came back while evaluating
+        waiting = self.rollout.undelivered  # completions cut by a worker's death outside collect()
         ready, _ = ray.wait(rollout_refs + reward_refs + training, num_returns=1, timeout=0 if waiting else 1.0)
         if ready:
             ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=len(rollout_refs + reward_refs), timeout=0)
         ready = set(ready)
         events: list[Event] = []
         for completion in self.rollout.collect([r for r in rollout_refs if r in ready]):
+            if self.evaluation and self.evaluation.owns(completion.request_id):
+                self.rewards.submit(*self.evaluation.to_score(completion))
+                continue
             self.stats.add_completion(completion)
             if completion.finish_reason == "abort":
                 self.prompts.pop(completion.request_id, None)
@@ -142,6 +152,9 @@ class Controller:
             else:
                 events.append(Generated(completion))
         for result in self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap():
+            if self.evaluation and self.evaluation.owns(result.key):
+                self.evaluation.add(result.key, result.reward)
+                continue
             self.stats.add_reward(result.error)
             self.prompts.pop(result.key, None)
             reward = self.friction.reward(result.key, result.reward)  # the testbed's flips (off by default)
@@ -153,8 +166,6 @@ class Controller:
         rid = completion.request_id
         self.in_flight[rid] = completion
         self.rewards.submit(rid, completion.text, self.prompts[rid].answer, completion.num_tokens)
-        if self.cfg.reward.after_round and not self.rollout.worker_of:  # the round has generated: score it now
-            self.rewards.end_round()
 
     def submit(self, action: Submit) -> None:
         prompt_ids = self.tokenizer(action.prompt.text)["input_ids"]
@@ -207,7 +218,6 @@ class Controller:
         self.publish()
         t_sync = time.time() - t
         self.step += 1
-        self.scheduler.on_trained(self.version, step.groups)
         metrics = dict(step.rollout_metrics, **self.stats.step_totals())
         self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
@@ -215,12 +225,15 @@ class Controller:
                         "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors,
                         "rollout/restarts": self.rollout.restarts})
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        every = self.cfg.control.eval_every
+        if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:
+            # Before on_trained: to the scheduler the step is still training, so it starts none meanwhile
+            # and the engines keep these weights until the evaluation is done.
+            metrics.update(self.evaluate())
+        self.scheduler.on_trained(self.version, step.groups)
         metrics.update(self.scheduler.metrics())
         if self.cfg.friction.on:
             metrics.update(self.friction.counts)
-        every = self.cfg.control.eval_every
-        if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:
-            metrics.update(self.evaluate())
         self.log.write(self.step, self.now(), metrics)
         every = self.cfg.control.save_every
         self.done = self.step >= self.cfg.trainer.total_steps or self.stop_requested
@@ -233,22 +246,27 @@ class Controller:
 
     # --- eval, checkpoints, end -------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        t = time.time()
-        metrics = eval_accuracy(self.rollout, self.rewards, self.tokenizer, self.eval_prompts, self.cfg.rollout)
-        self.paused_s += time.time() - t
-        return {**metrics, "timing/eval_s": time.time() - t}
+        """Eval's requests go through the pump beside training's, which goes on meanwhile (async keeps generating
+        and scoring); once the run is done, training's results are left unread."""
+        with self.paused():
+            t = time.time()
+            self.evaluation = Evaluation(self.tokenizer, self.eval_prompts, self.cfg.rollout)
+            self.rollout.submit(self.evaluation.requests)
+            while not self.evaluation.done:
+                events = self.next_events()
+                if not self.done:
+                    self.handle(events)
+            metrics, self.evaluation = self.evaluation.metrics(), None
+            return {**metrics, "timing/eval_s": time.time() - t}
 
     def save(self) -> Path:
-        t = time.time()
-
         def write(folder: Path) -> None:
             self.trainer.save(str(folder / "trainer"))
             write_json_atomic(folder / STATE_FILE, {
                 "step": self.step, "version": self.version, "elapsed_s": self.now(),
                 "scheduler": self.scheduler.state_dict(), "reward_errors": self.rewards.errors})
-        path = self.checkpoints.save(self.step, write)
-        self.paused_s += time.time() - t
-        return path
+        with self.paused():
+            return self.checkpoints.save(self.step, write)
 
     def _restore(self) -> None:
         latest = self.checkpoints.latest()
@@ -288,7 +306,17 @@ class Controller:
     # --- small helpers ----------------------------------------------------------------------
     def now(self) -> float:
         """The training clock: wall time since the start, less evaluation and checkpoint time."""
-        return time.time() - self.t0 - self.paused_s
+        return (self.paused_at or time.time()) - self.t0 - self.paused_s
+
+    @contextmanager
+    def paused(self):
+        """The training clock stands still while an evaluation or a checkpoint runs."""
+        self.paused_at = time.time()
+        try:
+            yield
+        finally:
+            self.paused_s += time.time() - self.paused_at
+            self.paused_at = None
 
     def publish(self) -> None:
         """The trainer's weights, as `self.version`, to every engine. Sleeping engines wake in vLLM's order: the
@@ -314,8 +342,9 @@ class Controller:
         return f"trainer rank {death.rank} died in step {self.step + 1} ({death.why}). The run stopped; {how}."
 
 
-def train(cfg: Config, resume: bool = False) -> dict:
-    controller = Controller(cfg, resume=resume)
+def train(cfg: Config, resume: bool = False, controller_class: type[Controller] = Controller) -> dict:
+    """One run; a benchmark may pass a Controller subclass that changes one of its jobs (a baseline)."""
+    controller = controller_class(cfg, resume=resume)
     try:
         return controller.run()
     except TrainerDied as death:

@@ -40,9 +40,3 @@ def compute_logprobs(trainer, samples, temperature, top_p=1.0) -> list[list[floa
     results = ray.get([w.__ray_call__.remote(score, mine) for w, mine in zip(trainer.workers, per_rank)])
     found = {id(s): lp for part, lps in zip(per_rank, results) for s, lp in zip(part, lps)}
     return [found[id(s)] for s in samples]
-
-
-# --- the reward pool ----------------------------------------------------------------------------
-def unscored(pool) -> int:
-    """Items submitted to a RewardPool whose results have not come back: queued or in a call."""
-    return len(pool._round) + len(pool._queue) + sum(len(c.items) for c in pool._calls.values())

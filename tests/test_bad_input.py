@@ -10,7 +10,7 @@ from rlsys.config import ConfigError, DataConfig, RewardConfig, load_config
 from rlsys.data import DataError, load_prompts, read_prompts
 from rlsys.models.tiny import build_char_tokenizer
 from rlsys.reward import RewardPool, register_reward, score
-from rlsys.reward.pool import _worth_logging
+from rlsys.reward.pool import worth_logging
 from rlsys.reward.registry import BadReward, as_reward
 
 
@@ -90,7 +90,7 @@ def test_nan_inf_and_out_of_range_rewards_get_the_fallback_counted_and_logged(ra
 
 
 def test_reward_errors_are_logged_as_a_trickle_not_a_flood():
-    logged = [n for n in range(1, 2001) if _worth_logging(n)]
+    logged = [n for n in range(1, 2001) if worth_logging(n)]
     assert logged[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 30] and logged[-3:] == [900, 1000, 2000]
     assert len(logged) == 29
 

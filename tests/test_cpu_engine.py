@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from rlsys.rollout import cpu_engine
 from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.engine import register_engine
 from rlsys.types import Request, SamplingParams
 
 SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -385,6 +386,23 @@ def test_device_and_dtype_come_from_the_rollout_config():
     assert options("rollout.engine=vllm") == (None, "bfloat16", 1)
     with pytest.raises(ConfigError, match="rollout.device"):
         load_config(None, ["rollout.device=tpu"])
+
+
+def two_gpu_engine(model_dir, slots, **kwargs):
+    raise AssertionError("never built here")
+
+
+register_engine("two-gpu", options=lambda rollout: {"lanes": rollout.slots},
+                gpus=lambda options: 2 * bool(options["lanes"]))(two_gpu_engine)
+
+
+def test_an_engine_registry_entry_says_what_its_workers_take():
+    """A registered engine's options and GPUs come from its entry, not from branches on engine names."""
+    from rlsys.config import load_config
+    from rlsys.rollout.manager import engine_options, worker_gpus
+
+    options = engine_options(load_config(None, ["rollout.engine=two-gpu", "rollout.slots=8"]))
+    assert options["lanes"] == 8 and "device" not in options and worker_gpus("two-gpu", options) == 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ from safetensors.torch import load_file
 
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.engine import register_engine
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
 
 # Small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
 SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=16", "rollout.slots=16",
@@ -110,3 +114,70 @@ def test_async_generates_while_the_trainer_trains(tmp_path, ray_cluster):
     assert len(steps) == 4 and max(r["staleness/max"] for r in steps) <= 1
     assert all(0.0 <= r["timing/generating_during_train"] <= 1.0 for r in steps)
     assert sum(r["timing/generating_during_train"] for r in steps) > 0, steps
+
+
+@register_engine("unhurried")
+class UnhurriedEngine(CPUEngine):
+    """The built-in engine, 20 ms slower a step while it runs training requests: they are still generating when a
+    step's weights are published, so a mid-run eval runs beside them."""
+
+    def step(self):
+        if any("#" in rid for rid in self.running):
+            time.sleep(0.02)
+        return super().step()
+
+
+def test_an_eval_runs_beside_async_training_on_its_steps_weights(tmp_path, ray_cluster, monkeypatch):
+    """Eval mid-run goes through the controller's pump: async generates and scores meanwhile and loses none of
+    it, the training clock stands still, and each eval equals `rlsys eval` of its step's checkpoint."""
+    from rlsys.evaluate import evaluate_path
+    from rlsys.train import Controller
+
+    seen = []  # (evaluating mid-run, training events, training clock) at each turn of the pump
+    next_events = Controller.next_events
+
+    def spy(self):
+        events = next_events(self)
+        seen.append((self.evaluation is not None and not self.done, len(events), self.now()))
+        return events
+    monkeypatch.setattr(Controller, "next_events", spy)
+    ray_cluster.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the engine, to the Ray workers
+    out = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=3", f"output_dir={out}", "control.eval_every=1",
+                 "control.save_every=1", "control.scheduler=async", "control.staleness.eta=2", "rollout.eval_samples=2",
+                 "rollout.engine=unhurried", *SMALL]) == 0
+    steps = [r for r in rows(out) if "timing/train_s" in r]
+    assert [r["policy_version"] for r in steps] == [1, 2, 3] and all(r["samples"] == 16 for r in steps)
+    assert sum(n for evaluating, n, _ in seen if evaluating) > 0, "no training work during an eval: a weak test"
+    clock = [t for *_, t in seen]
+    assert clock == sorted(clock)  # it never runs back
+    assert all(a[2] == b[2] for a, b in zip(seen, seen[1:]) if a[0] and b[0])  # and stands still in an eval
+    collected = [r["request_id"] for r in rows(out, "timeline.jsonl")]
+    assert len(collected) == len(set(collected))  # each sample once (the ledger balanced at every step)
+    again, _ = evaluate_path(str(out / "checkpoints" / "step_000002"), [])  # the last two are kept
+    assert set(again) == {"eval/accuracy", "eval/accuracy_se"}
+    assert again == {key: steps[1][key] for key in again}
+
+
+def test_the_after_round_baseline_scores_a_round_only_once_it_has_generated(tmp_path, ray_cluster, monkeypatch):
+    """benchmarks/reward_overlap.py's baseline: no completion reaches the reward pool while a training request of
+    the run is still generating."""
+    import importlib.util
+
+    from rlsys.bench import run_preset
+    from rlsys.train import Controller
+
+    spec = importlib.util.spec_from_file_location("reward_overlap", REPO / "benchmarks" / "reward_overlap.py")
+    overlap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(overlap)
+    generating = []  # training requests in the engines at each completion sent to the reward pool
+    score = Controller.score
+
+    def spy(self, completion):
+        generating.append(sum("#" in rid for rid in self.rollout.worker_of))
+        score(self, completion)
+    monkeypatch.setattr(Controller, "score", spy)
+    metrics = run_preset(None, ["trainer.total_steps=2", "control.eval_every=0", *SMALL], tmp_path / "run",
+                         overlap.ScoreAfterRound)
+    assert [r["samples"] for r in metrics if "timing/train_s" in r] == [16, 16]
+    assert len(generating) == 32 and set(generating) == {0}

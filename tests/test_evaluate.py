@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlsys.config import RolloutConfig
-from rlsys.evaluate import eval_accuracy, mean_and_se
+from rlsys.evaluate import Evaluation, eval_accuracy, mean_and_se
 from rlsys.models.tiny import build_char_tokenizer
 from rlsys.types import Completion, Prompt
 
@@ -45,3 +45,24 @@ def test_eval_standard_error_counts_prompts_not_samples():
     assert metrics["eval/accuracy_se"] == pytest.approx(math.sqrt((4 * 0.25) / 3 / 4))  # per-prompt 1,1,0,0
     assert metrics["eval/greedy_accuracy"] == 0.25
     assert metrics["eval/greedy_accuracy_se"] == pytest.approx(math.sqrt((0.75 ** 2 + 3 * 0.25 ** 2) / 3 / 4))
+
+
+def test_an_evaluation_gives_the_same_figures_whatever_order_its_rewards_come_in():
+    """The controller's pump hands rewards over as they are scored: the per-prompt means must still be summed in
+    prompt order, or two evaluations of the same weights could differ in the last bit."""
+    solved = [3, 3, 0, 2, 3, 3, 2]  # of 3 samples per prompt; these means sum differently in another order
+    prompts = [Prompt(uid=f"p{i}", text="q", answer="yes") for i in range(len(solved))]
+    cfg = RolloutConfig(eval_samples=3, temperature=1.0, eval_greedy=False)
+
+    def metrics(order):
+        evaluation = Evaluation(build_char_tokenizer(), prompts, cfg)
+        ids = [r.request_id for r in evaluation.requests]
+        assert all(evaluation.owns(i) for i in ids) and not evaluation.owns("p0#0")  # a training request's id
+        for i in order(ids):
+            evaluation.add(i, float(int(i.rsplit("/", 1)[1]) < solved[int(i.split("/")[2][1:])]))
+        assert evaluation.done
+        return evaluation.metrics()
+
+    in_order = metrics(list)
+    assert in_order["eval/accuracy"] == pytest.approx(16 / 21)
+    assert metrics(lambda ids: sorted(ids, key=lambda i: "p0 p1 p4 p5 p3 p6 p2".index(i.split("/")[2]))) == in_order

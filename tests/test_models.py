@@ -103,11 +103,11 @@ def test_model_path_is_validated_with_the_field_named(tmp_path):
 
 def test_cache_key_covers_the_module_that_defines_the_task_family():
     """Editing a family's module must give a new warm-start cache entry, never a stale hit."""
-    from rlsys.models import _task_sources
+    from rlsys.models import task_sources
 
-    assert [p.name for p in _task_sources("math")] == ["math_tasks.py"]
-    assert [p.name for p in _task_sources("code")] == ["code_tasks.py"]
-    assert _task_sources("synthetic") == [] and _task_sources("rev") == []  # synthetic.py is always hashed
+    assert [p.name for p in task_sources("math")] == ["math_tasks.py"]
+    assert [p.name for p in task_sources("code")] == ["code_tasks.py"]
+    assert task_sources("synthetic") == [] and task_sources("rev") == []  # synthetic.py is always hashed
 
 
 def test_near_miss_is_one_edit_away_and_never_the_answer():

@@ -11,8 +11,6 @@ from rlsys.config import OverlongConfig, RewardConfig
 from rlsys.reward import REWARDS, RewardPool, overlong_penalty, register_reward, score
 from rlsys.reward.registry import BadReward, as_reward
 
-from helpers import unscored
-
 
 @register_reward("test_faulty")
 def faulty(response: str, answer: str) -> float:
@@ -126,9 +124,9 @@ def test_pool_streams_many_items(ray_cluster):
     try:
         for i in range(300):
             pool.submit(f"k{i}", str(i % 7), "3", num_tokens=5)
-        assert unscored(pool) == 300
+        assert pool.unscored() == 300
         results, rounds = {}, 0
-        while unscored(pool):
+        while pool.unscored():
             ready, _ = ray_cluster.wait(pool.refs(), num_returns=1, timeout=10)
             assert ready, "no reward call finished within 10 s"
             rounds += 1
@@ -151,12 +149,14 @@ def test_pool_score_all_with_math_verify(ray_cluster):
         pool.shutdown()
 
 
-def test_score_all_while_other_items_are_in_flight(ray_cluster):
-    """Evaluation mid-run: score_all returns its own items; the others come back through collect()."""
+def test_score_all_refuses_while_other_items_are_in_flight(ray_cluster):
+    """score_all would take the others' results and drop them: it refuses, and the others come back through
+    collect(). (Evaluation mid-run goes through the controller's pump: test_end_to_end.py.)"""
     pool = RewardPool(RewardConfig(fn="exact_match", num_workers=1))
     try:
         pool.submit("train-1", "ab", "ab", 2)
-        assert [r.key for r in pool.score_all([("eval-1", "x", "y", 1)])] == ["eval-1"]
+        with pytest.raises(RuntimeError, match="score_all: 1 other items are being scored"):
+            pool.score_all([("eval-1", "x", "y", 1)])
         got = pool.collect([])
         while not got:
             ready, _ = ray.wait(pool.refs(), num_returns=1, timeout=5)
@@ -204,7 +204,7 @@ def test_a_killed_worker_is_replaced_and_its_items_resubmitted(faulty_pool, ray_
     for worker in faulty_pool.workers:
         ray_cluster.kill(worker)
     results = []
-    while unscored(faulty_pool):
+    while faulty_pool.unscored():
         ready, _ = ray_cluster.wait(faulty_pool.refs(), num_returns=1, timeout=30)
         results += faulty_pool.collect(ready) + faulty_pool.reap()
     assert sorted((r.key, r.reward, r.error) for r in results) == [("a", 1.0, None), ("b", 1.0, None)]

@@ -149,9 +149,13 @@ def test_abort_through_the_manager(manager):
     assert manager.outstanding == [0, 0] and manager.worker_of == {}
 
 
-def test_generate_matches_the_engine_and_keeps_other_completions(manager, models):
+def test_generate_matches_the_engine_and_refuses_while_other_requests_are_in_flight(manager, models):
+    """generate would take the others' completions and drop them: it refuses; they come back through collect()."""
     path, _ = models
     manager.submit([req("background", 50)])
+    with pytest.raises(RuntimeError, match="generate: 1 other requests are in flight"):
+        manager.generate([req("g0", 12)])
+    assert [c.request_id for c in collect(manager, 1)] == ["background"]
     prompts = [(1, 2, 3), (4, 5), (6, 7, 8, 9), (10,)]
     got = manager.generate([req(f"g{i}", 12, p) for i, p in enumerate(prompts)])
     assert [c.request_id for c in got] == [f"g{i}" for i in range(4)]
@@ -162,7 +166,6 @@ def test_generate_matches_the_engine_and_keeps_other_completions(manager, models
     while engine.has_work():
         expected.update((c.request_id, c.token_ids) for c in engine.step())
     assert all(c.token_ids == expected[c.request_id] for c in got)
-    assert [c.request_id for c in collect(manager, 1)] == ["background"]
 
 
 def test_update_weights_reaches_every_worker(manager, models):
@@ -183,5 +186,5 @@ def test_a_refused_batch_is_raised_from_submit_and_forgotten(manager):
         manager.submit([req("new", 3), req("ok", 3)])
     # Requests are checked per worker batch: worker 1's batch (with "bad") was refused and forgotten.
     assert manager.worker_of == {"ok": 0, "ok2": 0} and manager.outstanding == [2, 0]
-    assert manager.generate([req("fine", 3)])[0].num_tokens == 3
     assert {c.request_id for c in collect(manager, 2)} == {"ok", "ok2"}
+    assert manager.generate([req("fine", 3)])[0].num_tokens == 3

@@ -101,13 +101,13 @@ def cache_key(cfg: Config) -> str:
         parts["data"].update(train_path=data.train_path, eval_path=data.eval_path, eval_size=data.eval_size,
                              train_file=_file_stamp(data.train_path))
     package = Path(__file__).resolve().parent.parent
-    sources = [package / rel for rel in BUILDER_SOURCES] + _task_sources(data.task)
+    sources = [package / rel for rel in BUILDER_SOURCES] + task_sources(data.task)
     parts["code"] = [hashlib.sha256(path.read_bytes()).hexdigest() for path in sources]
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return f"{cfg.model.arch}-h{cfg.model.hidden_size}-l{cfg.model.num_layers}-{digest}"
 
 
-def _task_sources(task: str) -> list[Path]:
+def task_sources(task: str) -> list[Path]:
     """The files defining the task's families beyond synthetic.py (a family may live in its own module)."""
     import inspect
 

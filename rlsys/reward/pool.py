@@ -62,7 +62,7 @@ class _Call:
     deadline: float = 0.0
 
 
-def _worth_logging(n: int) -> bool:
+def worth_logging(n: int) -> bool:
     """The first 10 errors, then 20, 30, ..., 100, 200, ...: a trickle that never floods the log."""
     return n <= 10 or n % 10 ** (len(str(n)) - 1) == 0
 
@@ -126,8 +126,6 @@ class RewardPool:
         self.errors = 0  # samples that got the fallback: logged as reward/errors
         self.restarts = 0  # workers killed or lost and replaced
         self._queue: deque[_Item] = deque()
-        self._round: list[_Item] = []  # reward.after_round: completions held until end_round()
-        self.undelivered: list[RewardResult] = []  # results that arrived during score_all, for the next collect
         self._calls: dict[ray.ObjectRef, _Call] = {}
         self._idle: set[int] = set()
         self._start_failures = [0] * cfg.num_workers  # in a row, per worker slot
@@ -145,17 +143,7 @@ class RewardPool:
     # -- the streaming API the controller uses --------------------------------------------------
 
     def submit(self, key: str, response: str, answer: str, num_tokens: int) -> None:
-        item = _Item(key, response, answer, num_tokens)
-        if self.cfg.after_round:  # the baseline that overlap is measured against: hold it
-            self._round.append(item)
-            return
-        self._queue.append(item)
-        self._dispatch()
-
-    def end_round(self) -> None:
-        """reward.after_round: the round has finished generating; score what it produced."""
-        self._queue.extend(self._round)
-        self._round.clear()
+        self._queue.append(_Item(key, response, answer, num_tokens))
         self._dispatch()
 
     def refs(self) -> list[ray.ObjectRef]:
@@ -163,9 +151,8 @@ class RewardPool:
         return list(self._calls)
 
     def collect(self, ready_refs: list) -> list[RewardResult]:
-        """Results of the given finished calls (and any kept aside by score_all); refs that are not the
-        pool's are ignored."""
-        results, self.undelivered = self.undelivered, []
+        """Results of the given finished calls; refs that are not the pool's are ignored."""
+        results = []
         for ref in ready_refs:
             call = self._calls.pop(ref, None)
             if call is None:
@@ -205,24 +192,27 @@ class RewardPool:
     # -- conveniences --------------------------------------------------------------------------
 
     def score_all(self, items: list[tuple[str, str, str, int]]) -> list[RewardResult]:
-        """Score (key, response, answer, num_tokens) items and wait: results in input order (eval)."""
+        """Score (key, response, answer, num_tokens) items and wait: results in input order (`rlsys eval`).
+        Only on an otherwise idle pool: results of other items would come back here and be lost."""
         keys = [item[0] for item in items]
         if len(set(keys)) != len(keys):
             raise ValueError("score_all: keys must be unique")
-        self._queue.extend(_Item(*item) for item in items)  # scored now, even under reward.after_round
+        if self.unscored():
+            raise RuntimeError(f"score_all: {self.unscored()} other items are being scored; collect them first (a "
+                               "run's controller scores evaluation through its own pump)")
+        self._queue.extend(_Item(*item) for item in items)
         self._dispatch()
-        wanted, by_key, others = set(keys), {}, []
-        while len(by_key) < len(wanted):
+        by_key = {}
+        while len(by_key) < len(keys):
             next_deadline = min(c.deadline for c in self._calls.values())
             ready, _ = ray.wait(self.refs(), num_returns=1,
                                 timeout=max(0.01, next_deadline - time.monotonic()))
-            for result in self.collect(ready) + self.reap():
-                if result.key in wanted:
-                    by_key[result.key] = result
-                else:
-                    others.append(result)
-        self.undelivered = others + self.undelivered
+            by_key.update((r.key, r) for r in self.collect(ready) + self.reap())
         return [by_key[k] for k in keys]
+
+    def unscored(self) -> int:
+        """Items submitted whose results have not come back: queued or in a call."""
+        return len(self._queue) + sum(len(call.items) for call in self._calls.values())
 
     def shutdown(self) -> None:
         for worker in self.workers:
@@ -297,7 +287,7 @@ class RewardPool:
             if r.error is None:
                 continue
             self.errors += 1
-            if _worth_logging(self.errors):
+            if worth_logging(self.errors):
                 log.warning("reward error %d (sample %s): %s; it gets the fallback reward %g",
                             self.errors, r.key, r.error, self.cfg.fallback)
         return results

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from typing import Callable
+from typing import Any, Callable
 
 from torch import Tensor
 
@@ -236,12 +236,35 @@ def read_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
+def device_options(rollout) -> dict:
+    """An engine on `rollout.device` (the built-in one, and by default one a user registers) takes that device."""
+    return {"device": rollout.device}
 
 
-def register_engine(name: str):
+def device_gpus(options: dict) -> int:
+    return 1 if options.get("device") == "cuda" else 0
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """A registered engine: its factory, the options it takes from `cfg.rollout` beside the common ones
+    (rlsys/rollout/manager.py engine_options), and the GPUs a worker of it asks Ray for, given those options,
+    where no placement plan gives it a bundle."""
+    build: Callable[..., RolloutEngine]
+    options: Callable[[Any], dict] = device_options
+    gpus: Callable[[dict], int] = device_gpus
+
+
+ENGINES: Registry[EngineEntry] = Registry("rollout engine")
+
+
+def register_engine(name: str, options: Callable[[Any], dict] = device_options,
+                    gpus: Callable[[dict], int] = device_gpus):
     """`@register_engine("mine")` on an engine class (or factory) makes `rollout.engine=mine` build it."""
-    return ENGINES.register(name)
+    def add(build):
+        ENGINES.register(name)(EngineEntry(build, options, gpus))
+        return build
+    return add
 
 
 @register_engine("cpu")
@@ -250,13 +273,22 @@ def _cpu_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
     return CPUEngine(model_dir, slots, **kwargs)
 
 
-@register_engine("vllm")
+def _vllm_options(rollout) -> dict:
+    return {"tensor_parallel_size": rollout.tensor_parallel_size,
+            "gpu_memory_utilization": rollout.gpu_memory_utilization, "enable_sleep_mode": rollout.enable_sleep_mode}
+
+
+def _vllm_gpus(options: dict) -> int:
+    return options.get("tensor_parallel_size", 1)
+
+
+@register_engine("vllm", options=_vllm_options, gpus=_vllm_gpus)
 def _vllm_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
     from rlsys.rollout.vllm_engine import VLLMEngine  # imported only when chosen: vLLM needs a GPU
     return VLLMEngine(model_dir, slots, **kwargs)
 
 
-def engine_factory(kind: str) -> Callable[..., RolloutEngine]:
+def engine_entry(kind: str) -> EngineEntry:
     if kind not in ENGINES:
         raise ValueError(f"rollout.engine: unknown engine {kind!r} ({' or '.join(ENGINES.names())})")
     return ENGINES.get(kind)
@@ -265,5 +297,5 @@ def engine_factory(kind: str) -> Callable[..., RolloutEngine]:
 def make_engine(kind: str | Callable[..., RolloutEngine], model_dir: str, slots: int, **kwargs) -> RolloutEngine:
     """The engine named by `rollout.engine`, or built by `kind` itself: the rollout manager resolves the name on the
     driver and sends the factory, so an engine registered there (by a plugin or a test) reaches Ray workers."""
-    factory = engine_factory(kind) if isinstance(kind, str) else kind
+    factory = engine_entry(kind).build if isinstance(kind, str) else kind
     return factory(model_dir, slots, **kwargs)

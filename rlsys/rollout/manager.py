@@ -24,30 +24,23 @@ from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 
 from rlsys.cluster import actor_id, death_reason
 from rlsys.placement import ROLLOUT
-from rlsys.rollout.engine import SLEEP_TAGS, engine_factory
+from rlsys.rollout.engine import SLEEP_TAGS, engine_entry
 from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request, RunStopped
 from rlsys.weights import WeightUpdate
 
 
 def engine_options(cfg) -> dict:
-    """Engine options from a run's Config: the KV cache sized to the longest prompt plus response."""
+    """Engine options from a run's Config: the KV cache sized to the longest prompt plus response, and the
+    engine's own (its registry entry says which)."""
     r = cfg.rollout
-    kwargs = {"max_len": cfg.data.max_prompt_tokens + r.max_new_tokens, "dtype": r.engine_dtype, "seed": cfg.seed,
-              "running_requests": cfg.weights.running_requests}
-    if r.engine == "vllm":
-        kwargs.update(tensor_parallel_size=r.tensor_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-                      enable_sleep_mode=r.enable_sleep_mode)
-    else:
-        kwargs["device"] = r.device
-    return kwargs
+    return {"max_len": cfg.data.max_prompt_tokens + r.max_new_tokens, "dtype": r.engine_dtype, "seed": cfg.seed,
+            "running_requests": cfg.weights.running_requests, **engine_entry(r.engine).options(r)}
 
 
 def worker_gpus(engine: str, engine_kwargs: dict) -> int:
     """The GPUs a rollout worker asks Ray for where no placement plan gives it a bundle."""
-    if engine == "vllm":
-        return engine_kwargs.get("tensor_parallel_size", 1)
-    return 1 if engine_kwargs.get("device") == "cuda" else 0
+    return engine_entry(engine).gpus(engine_kwargs)
 
 
 class RolloutManager:
@@ -69,11 +62,12 @@ class RolloutManager:
         gpus = worker_gpus(engine, engine_kwargs or {})
         have = ray.cluster_resources().get("GPU", 0) if gpus and not placement else gpus
         if have < gpus:  # else Ray would wait for them forever
-            why = "rollout.engine=vllm" if engine == "vllm" else "rollout.device=cuda"
+            device = (engine_kwargs or {}).get("device")
+            why = f"rollout.engine={engine}" + (f", rollout.device={device}" if device else "")
             raise ValueError(f"{why}: each rollout worker needs {gpus} GPU(s) and the Ray cluster has {have:g}")
         self._options = ((lambda i: placement.actor_options(ROLLOUT, i)) if placement
                          else (lambda i: {"num_gpus": gpus}))
-        self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine_factory(engine))
+        self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine_entry(engine).build)
         self.asleep: tuple[str, ...] = ()  # what every engine has given back (sleep) and not yet taken back
         self.sleep_level = 0
         self.workers = [self._new_worker(i) for i in range(num_workers)]
@@ -88,7 +82,7 @@ class RolloutManager:
         self.restarts = 0
         self.deaths = [0] * num_workers  # per worker, in a row: reset when it finishes a request
         self._drains: dict[ObjectRef, int] = {self._arm(i): i for i in range(num_workers)}
-        self.undelivered: list[Completion] = []  # for the next collect(): kept by generate(), cut by a death
+        self.undelivered: list[Completion] = []  # cut by a death outside collect(): for the next collect()
 
     @property
     def capacity(self) -> int:
@@ -167,19 +161,17 @@ class RolloutManager:
         return out
 
     def generate(self, requests: list[Request]) -> list[Completion]:
-        """Run requests to completion and return them in order; other completions are kept for collect()."""
-        wanted = {r.request_id for r in requests}
+        """Run requests to completion and return them in order (`rlsys eval`). Only on otherwise idle workers:
+        completions of other requests would come back here and be lost."""
+        busy = len(self.worker_of) + len(self.undelivered)
+        if busy:
+            raise RuntimeError(f"generate: {busy} other requests are in flight or not yet collected; collect them "
+                               "first (a run's controller generates evaluation through its own pump)")
         self.submit(requests)
         got: dict[str, Completion] = {}
-        others: list[Completion] = []
-        while len(got) < len(wanted):
+        while len(got) < len(requests):
             ready, _ = ray.wait(self.refs(), num_returns=1)
-            for c in self.collect(ready):
-                if c.request_id in wanted:
-                    got[c.request_id] = c
-                else:
-                    others.append(c)
-        self.undelivered = others + self.undelivered
+            got.update((c.request_id, c) for c in self.collect(ready))
         return [got[r.request_id] for r in requests]
 
     def update_weights(self, weights, version: int) -> None:
