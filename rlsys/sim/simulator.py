@@ -12,7 +12,6 @@ import heapq
 import math
 import time
 from collections import Counter, deque
-from itertools import groupby
 from types import SimpleNamespace
 from typing import Optional
 
@@ -24,7 +23,7 @@ from rlsys.data.cursor import PromptCursor
 from rlsys.sim.cluster import GPUS, makespan, sync_seconds, train_gpu_seconds
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest
-from rlsys.sim.runs import Runs
+from rlsys.sim.runs import Runs, run_lengths
 from rlsys.sim.workload import Workload
 from rlsys.types import Completion, ScoredSample
 
@@ -209,7 +208,7 @@ class Simulation:
                 draw = self.workload.resumed(prompt, first + j, done)
             req = SimRequest(rid, prompt, traits.prompt_tokens, draw, self.now, done)
             if resume:
-                req.versions = [(v, len(list(run))) for v, run in groupby(resume.resume_versions)]
+                req.versions = run_lengths(resume.resume_versions)
             if j == 0 or not self.per_prompt:  # least-loaded dispatch, as OpenRLHF does
                 load, index = loads[0]
                 heapq.heapreplace(loads, (load + (len(action.request_ids) if self.per_prompt else 1), index))
