@@ -4,7 +4,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, groupby
 
 
 class Runs(Sequence):
@@ -62,3 +62,11 @@ class Runs(Sequence):
 
 
 _REPEATS: dict[tuple, Runs] = {}
+
+
+def run_lengths(values) -> list[tuple[object, int]]:
+    """The (value, count) runs of a sequence: read off a Runs (iterating one costs a step per token,
+    millions for resumed long samples), counted on anything else."""
+    if isinstance(values, Runs):
+        return list(values.runs)
+    return [(v, sum(1 for _ in run)) for v, run in groupby(values)]

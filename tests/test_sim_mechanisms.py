@@ -1,13 +1,16 @@
 """Simulator mechanisms for the calibration: reward overlap, streamed training, H20, the elastic planner under
 tail batching and async with its own trainer GPUs. Each: accounting holds, time never goes back, same seed same run."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from rlsys.config import ConfigError
 from rlsys.sim.cluster import GPUS, makespan
 from rlsys.sim.config import load_sim_config
+from rlsys.sim.engine import replica_idle_gpu_s
 from rlsys.sim.run import simulate
+from rlsys.sim.runs import Runs, run_lengths
 from rlsys.sim.simulator import Simulation
 
 SLOW_REWARD = {"kinds": {"code": {"share": 1, "median_s": 2.0, "sigma": 0.5}}, "workers": 8}
@@ -92,3 +95,57 @@ def test_a_run_may_not_redefine_reward_kinds():
 def test_run_overrides_name_their_field():
     with pytest.raises(ConfigError, match=r"schedulers\[0\].trainer"):
         load_sim_config(small({"x": {"name": "sync", "trainer": {"streemed": True}}}))
+
+
+def test_idle_gpus_are_lent_only_in_whole_trainer_replicas():
+    a = SimpleNamespace(gpus=1, idle_spans=[(0.0, 10.0)])
+    b = SimpleNamespace(gpus=1, idle_spans=[(5.0, 10.0), (12.0, 20.0)])
+    assert replica_idle_gpu_s([a, b], 0.0, 20.0, 1) == 10 + 5 + 8
+    assert replica_idle_gpu_s([a, b], 0.0, 20.0, 2) == 2 * 5  # both idle only in [5, 10)
+    assert replica_idle_gpu_s([a, b], 6.0, 8.0, 2) == 2 * 2  # clipped to the window
+    assert replica_idle_gpu_s([a, b], 0.0, 20.0, 4) == 0
+
+
+def test_a_replica_larger_than_the_cluster_streams_nothing():
+    plain = one({"name": "tail"})
+    lent = one({"name": "tail", "trainer": {"streamed": True, "replica_gpus": 2}})
+    whole = one({"name": "tail", "trainer": {"streamed": True, "replica_gpus": 8}})  # 4 GPUs in all
+    assert whole["train_time_s"] == plain["train_time_s"] > lent["train_time_s"]
+
+
+def test_resumed_versions_are_read_off_runs_not_token_by_token(monkeypatch):
+    def refuse(self):
+        raise AssertionError("iterated a Runs token by token")
+    partial = {"name": "sorted", "control": {"sorted": {"mode": "partial", "max_versions": 2}}}
+    busy = {"engine": {"max_seqs": 4}}  # requests wait and run long: updates abort some, resumed later
+    expected = one(partial, **busy)
+    assert expected["prompts"]["sorted/resumed"] > 0
+    monkeypatch.setattr(Runs, "__iter__", refuse)
+    r = one(partial, **busy)
+    assert r["prompts"] == expected["prompts"] and r["step_time_s"] == expected["step_time_s"]
+    assert run_lengths([3, 3, 4]) == [(3, 2), (4, 1)] and run_lengths(Runs([(1, 10**12)])) == [(1, 10**12)]
+
+
+# 60 GB of weights and 1 MiB of KV a token: ~11k tokens of KV an engine at TP1, ~80k at TP2
+KV_HUNGRY = {"params": 30e9, "layers": 64, "kv_heads": 32}
+
+
+def test_planner_raises_tp_under_kv_pressure_and_preempts_less():
+    cfg = {"model": KV_HUNGRY, "steps": 6, "workload": {"max_tokens": 8192, "median_tokens": 2000, "sigma": 0.2},
+           "reward": {"kinds": {"rule": {"share": 1, "median_s": 0.005}}}}
+    fixed = one({"name": "sync"}, **cfg)
+    elastic = one({"name": "sync", "control": {"elastic_tp": {"enabled": True, "max_tp": 2}}}, **cfg)
+    assert fixed["tp_per_step"] == [1] * 6 and min(fixed["preemptions_by_step"]) > 0
+    tp = elastic["tp_per_step"]
+    assert tp[0] == 1 and 2 in tp  # raised after a preempting round (and lowered again after calm ones)
+    at_tp2 = [p for size, p in zip(tp, elastic["preemptions_by_step"]) if size == 2]
+    assert max(at_tp2) < min(fixed["preemptions_by_step"])
+
+
+def test_async_on_its_own_gpus_overlaps_rollout_and_training():
+    own = {"cluster": {"gpus": 4, "tp": 1, "trainer_gpus": 2}, "trainer": {"overhead_s": 20.0}}
+    lockstep = one({"name": "async", "control": {"staleness": {"eta": 0}}}, **own)
+    overlapped = one({"name": "async", "control": {"staleness": {"eta": 1}}}, **own)
+    # eta 0 waits for training before the next rollout; eta 1 rolls out meanwhile, hiding most of the 20 s
+    assert lockstep["step_time_s"] >= lockstep["rollout_time_s"] + 20
+    assert overlapped["step_time_s"] < lockstep["step_time_s"] - 10

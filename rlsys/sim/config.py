@@ -115,6 +115,8 @@ class TrainerSpec(Section):
     # Gradients of the groups a scheduler streams (Accumulate) are computed on GPUs idle during the rollout
     # (RollPacker's stream trainer); only the rest is left for after the round.
     streamed: bool = False
+    # GPUs of one trainer replica (TP x PP x CP): a streamed trainer borrows idle rollout GPUs in such blocks
+    replica_gpus: int = Field(1, ge=1)
 
 
 class WeightSyncSpec(Section):

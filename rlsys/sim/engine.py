@@ -59,6 +59,7 @@ class SimEngine:
         self.mark_at, self.mark_versions = [0.0], [0]  # progress at which each weight version arrived
         self.busy_slot_s = self.alloc_s = self.kv_token_s = self.generated = 0.0
         self.idle_s = 0.0  # allocated to rollout with nothing running: room for a streamed trainer
+        self.idle_spans: list[tuple[float, float]] = []  # when it was so, for counting whole trainer replicas
         self.preemptions = 0
         self.recomputed_tokens = 0.0  # prompt + generated tokens of preempted sequences, prefilled again
 
@@ -82,6 +83,10 @@ class SimEngine:
         self.alloc_s += span
         if not self.n:
             self.idle_s += span
+            if self.idle_spans and self.idle_spans[-1][1] == self.clock:
+                self.idle_spans[-1] = (self.idle_spans[-1][0], t)
+            else:
+                self.idle_spans.append((self.clock, t))
         self.busy_slot_s += min(self.n, self.slots) * span
         kv0 = self.live_kv()
         if self.clock < self.prefill_until:
@@ -229,3 +234,20 @@ class SimEngine:
             req.versions[-1] = (version, req.versions[-1][1] + tokens)
         else:
             req.versions.append((version, tokens))
+
+
+def replica_idle_gpu_s(engines: list[SimEngine], since: float, until: float, replica_gpus: int) -> float:
+    """GPU-seconds in [since, until] that idle engines could lend a trainer whose replica needs
+    `replica_gpus` GPUs: at each moment the idle GPUs, rounded down to whole replicas."""
+    edges = []
+    for engine in engines:
+        for start, end in engine.idle_spans:
+            start, end = max(start, since), min(end, until)
+            if end > start:
+                edges += [(start, engine.gpus), (end, -engine.gpus)]
+    edges.sort()
+    total, idle, last = 0.0, 0, since
+    for t, change in edges:
+        total += idle // replica_gpus * replica_gpus * (t - last)
+        idle, last = idle + change, t
+    return total

@@ -12,7 +12,6 @@ import heapq
 import math
 import time
 from collections import Counter, deque
-from itertools import groupby
 from types import SimpleNamespace
 from typing import Optional
 
@@ -23,8 +22,8 @@ from rlsys.control.metrics import idle_share, percentile, straggler_rate
 from rlsys.data.cursor import PromptCursor
 from rlsys.sim.cluster import GPUS, makespan, sync_seconds, train_gpu_seconds
 from rlsys.sim.config import SchedulerRun, SimConfig
-from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest
-from rlsys.runs import Runs
+from rlsys.runs import Runs, run_lengths
+from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_gpu_s
 from rlsys.sim.workload import Workload
 from rlsys.types import Completion, ScoredSample
 
@@ -186,7 +185,7 @@ class Simulation:
                 self._train(action, touched)
             elif isinstance(action, Accumulate):
                 if self.trainer.streamed:
-                    self.stream.add(self._tokens(action.groups), self._idle_gpu_s())
+                    self.stream.add(self._tokens(action.groups), self.now, self._trainer_idle_s())
             else:
                 raise SimulationError(f"unknown action {action!r}")
         for engine in touched.values():
@@ -209,7 +208,7 @@ class Simulation:
                 draw = self.workload.resumed(prompt, first + j, done)
             req = SimRequest(rid, prompt, traits.prompt_tokens, draw, self.now, done)
             if resume:
-                req.versions = [(v, len(list(run))) for v, run in groupby(resume.resume_versions)]
+                req.versions = run_lengths(resume.resume_versions)
             if j == 0 or not self.per_prompt:  # least-loaded dispatch, as OpenRLHF does
                 load, index = loads[0]
                 heapq.heapreplace(loads, (load + (len(action.request_ids) if self.per_prompt else 1), index))
@@ -243,13 +242,21 @@ class Simulation:
         t = self.trainer
         return train_gpu_seconds(self.shape, self.gpu, tokens, t.mfu, t.flops_per_param_token)
 
-    def _idle_gpu_s(self) -> float:
-        """GPU-seconds a streamed trainer could have used so far: rollout GPUs with nothing to decode when
-        colocated, else the trainer's own GPUs while it had nothing to train."""
-        if self.colocated:
-            return sum(e.idle_s * e.gpus for e in self._all_engines())
+    def _trainer_idle_s(self) -> float:
+        """Seconds the separate trainer has had nothing to train, up to now."""
         free = self.now - self.trainer_free_at if self.training is None and not self.train_queue else 0.0
-        return self.trainer_gpus * (self.trainer_idle_s + free)
+        return self.trainer_idle_s + free
+
+    def _streamable_gpu_s(self) -> float:
+        """GPU-seconds the step's streamed groups could have used: when colocated, rollout GPUs with nothing
+        to decode, in whole trainer replicas (a replica spans trainer.replica_gpus); else the trainer's own
+        GPUs while it had nothing to train."""
+        since, trainer_idle = self.stream.since, self.stream.trainer_idle
+        if since is None:
+            return 0.0
+        if not self.colocated:
+            return self.trainer_gpus * (self._trainer_idle_s() - trainer_idle)
+        return replica_idle_gpu_s(self._all_engines(), since, self.now, self.trainer.replica_gpus)
 
     def _train(self, action: Train, touched: dict) -> None:
         for group in action.groups:
@@ -265,8 +272,10 @@ class Simulation:
         if self.trainer.streamed:
             for engine in self.engines:  # bring their idle time up to now
                 engine.advance_to(self.now)
-        tokens, idle = self.stream.take(self._idle_gpu_s())
-        streamed = min(self._gpu_s(tokens), idle)  # GPU-seconds of gradient work done during the rollout
+        idle = self._streamable_gpu_s()
+        for engine in self._all_engines():  # idle spans before now serve no later step
+            engine.idle_spans = engine.idle_spans[-1:]
+        streamed = min(self._gpu_s(self.stream.take()), idle)  # gradient GPU-seconds done during the rollout
         work = max(0.0, self._gpu_s(self._tokens(action.groups)) - streamed)
         self.train_s.append(work / self.trainer_gpus + self.trainer.overhead_s)
         self.train_queue.append((action.groups, reward_s + self.train_s[-1]))
@@ -414,20 +423,18 @@ class Simulation:
 
 
 class Stream:
-    """Streamed training's ledger for one step: the gradient work of the groups streamed so far, and the
-    idle GPU-seconds seen since the first of them, which that work may fill."""
+    """Streamed training's ledger for one step: the tokens of the groups streamed so far, when the first
+    of them came, and the separate trainer's idle total then."""
 
     def __init__(self):
-        self.tokens, self.idle_at_start = 0, None
+        self.tokens, self.since, self.trainer_idle = 0, None, 0.0
 
-    def add(self, tokens: int, idle_gpu_s: float) -> None:
-        if self.idle_at_start is None:
-            self.idle_at_start = idle_gpu_s
+    def add(self, tokens: int, now: float, trainer_idle: float) -> None:
+        if self.since is None:
+            self.since, self.trainer_idle = now, trainer_idle
         self.tokens += tokens
 
-    def take(self, idle_gpu_s: float) -> tuple[int, float]:
-        """Closes the step: the streamed tokens, and the idle GPU-seconds their work could fill."""
-        idle = 0.0 if self.idle_at_start is None else idle_gpu_s - self.idle_at_start
-        out = (self.tokens, idle)
-        self.tokens, self.idle_at_start = 0, None
-        return out
+    def take(self) -> int:
+        """Closes the step: the streamed tokens."""
+        tokens, self.tokens, self.since = self.tokens, 0, None
+        return tokens

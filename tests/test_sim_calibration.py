@@ -1,0 +1,28 @@
+"""benchmarks/sim_calibration.py on a reduced run: the JSON has the issue's schema (figures are not checked)."""
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sim_calibration.py"
+
+
+def test_quick_calibration_writes_the_issue_schema(tmp_path):
+    spec = importlib.util.spec_from_file_location("sim_calibration", SCRIPT)
+    calibration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibration)
+    out = tmp_path / "sub" / "calibration.json"
+    assert calibration.main(["--quick", "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["rows"] and all({"name", "published", "simulated", "ratio"} <= set(r) for r in report["rows"])
+    assert all("note" in r for r in report["rows"] if not r["within"])  # every miss says why
+    best = report["best_128"]
+    assert set(best) == {"schedule", "speedup_vs_sync"} and best["schedule"] != "veRL-sync"
+    found = report["search_128"]
+    screened, ranked = found["screened"], found["ranked"]
+    assert len(screened) == 1 + 3 * 2 and {e["schedule"] for e in ranked} <= {e["schedule"] for e in screened}
+    for table in (screened, ranked):
+        assert [e["speedup_vs_sync"] for e in table] == sorted((e["speedup_vs_sync"] for e in table), reverse=True)
+    assert best == next({"schedule": e["schedule"], "speedup_vs_sync": e["speedup_vs_sync"]} for e in ranked
+                        if e["schedule"] != "veRL-sync" and e["complete"])
+    assert {v["schedule"] for v in found["sagc"]} == {"sync", "tail", "async-eta1"}
+    assert {"cpus", "python", "load_average_at_start"} <= set(report["machine"]) and report["wall_s"] > 0
