@@ -10,7 +10,7 @@ from rlsys.sim.cluster import GPUS, makespan
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.engine import replica_idle_gpu_s
 from rlsys.sim.run import simulate
-from rlsys.sim.runs import Runs, run_lengths
+from rlsys.runs import Runs, run_lengths
 from rlsys.sim.simulator import Simulation
 
 SLOW_REWARD = {"kinds": {"code": {"share": 1, "median_s": 2.0, "sigma": 0.5}}, "workers": 8}
