@@ -253,8 +253,12 @@ def prose_figures() -> dict[str, list[str]]:
     bf16 = load("mismatch_bf16_cpu")["results"]["bf16-tis"]
     run = load("default_run_cpu")
     best = load("sim_calibration")["best_128"]
+    cal = load("sim_calibration")["rows"]
     return {
         "README.md": [f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
+                      f"reproduces {sum(r['within'] for r in cal)} of {len(cal)} published figures within 15% "
+                      f"({sum(r['within'] and not r['fitted'] for r in cal)} of the {sum(not r['fitted'] for r in cal)}",
+                      f"is {best['speedup_vs_sync']:.2f}x sync, short of",
                       f"lifts the default task by {100 * (run['evals'][-1]['eval/accuracy'] - run['evals'][0]['eval/accuracy']):.0f} points",
                       f"load average {run['machine']['load_average_at_start']:.1f} at its start",
                       f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
