@@ -7,11 +7,10 @@ of them at once, one run each on the default task, final accuracy with its eval 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from rlsys.bench import machine, run_preset, summarise_run
+from rlsys.bench import machine, run_preset, summarise_run, write_report
 
 LOSSES = ("dg", "dg_clipped", "decoupled_ppo", "ppo_naive")
 ASYNC = ["control.scheduler=async"]
@@ -35,6 +34,9 @@ def main(argv=None) -> int:
     p.add_argument("--output")
     args = p.parse_args(argv)
     start, results = machine(), {}
+    report = {"command": f"python benchmarks/friction_sweep.py --steps {args.steps}",
+              "workload": {"config": "configs/tiny.yaml", "steps": args.steps, "conditions": CONDITIONS},
+              "machine": start, "results": results}
     for condition in args.conditions.split(","):  # condition outer: machine drift hits the losses alike
         for loss in args.losses.split(","):
             t = time.time()
@@ -44,13 +46,9 @@ def main(argv=None) -> int:
             summary = summarise_run(rows, target=1.0)
             results[f"{condition}/{loss}"] = {k: summary[k] for k in (
                 "initial_accuracy", "final_accuracy", "final_accuracy_se", "eval_curve", "samples", "wall_s")}
+            write_report(args.output, report)
             print(f"{condition} {loss}: {time.time() - t:.0f}s, final {summary['final_accuracy']:.3f} "
                   f"± {summary['final_accuracy_se']:.3f}", flush=True)
-    report = {"command": f"python benchmarks/friction_sweep.py --steps {args.steps}",
-              "workload": {"config": "configs/tiny.yaml", "steps": args.steps, "conditions": CONDITIONS},
-              "machine": start, "results": results}
-    if args.output:
-        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 

@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from rlsys.bench import accuracy_difference, machine, run_preset, summarise_run
+from rlsys.bench import accuracy_difference, machine, run_preset, summarise_run, write_report
 
 VARIANTS = {
     "bf16-uncorrected": ["rollout.dtype=bfloat16"],
@@ -51,8 +51,7 @@ def main(argv=None) -> int:
     report = {"command": "python benchmarks/mismatch_bf16.py " + " ".join(args.overrides),
               "workload": {"config": "configs/tiny.yaml", "overrides": args.overrides, "variants": VARIANTS},
               "machine": start, "results": results}
-    if args.output:
-        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    write_report(args.output, report)
     return 0
 
 

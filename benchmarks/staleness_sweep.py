@@ -6,12 +6,11 @@ on the default task. Writes wall time to a target accuracy and final accuracy pe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
-from rlsys.bench import machine, run_preset, summarise_run
+from rlsys.bench import machine, run_preset, summarise_run, write_report
 
 LOSSES = ("decoupled_ppo", "dg", "ppo_naive")
 ETAS = (0, 1, 2, 4)
@@ -25,6 +24,9 @@ def main() -> None:
     p.add_argument("--output", default="benchmarks/results/staleness_sweep_cpu.json")
     args = p.parse_args()
     results, start = {}, machine()
+    report = {"command": f"python benchmarks/staleness_sweep.py --steps {args.steps} --target {args.target}",
+              "workload": {"config": "configs/tiny.yaml", "steps": args.steps, "target_accuracy": args.target},
+              "machine": start, "results": results}
     for eta in ETAS:  # eta outer, so machine drift hits the losses alike
         for loss in LOSSES:
             t = time.time()
@@ -34,12 +36,10 @@ def main() -> None:
             summary = summarise_run(rows, args.target)
             summary["staleness_mean"] = next((r["staleness/mean"] for r in reversed(rows) if "staleness/mean" in r), None)
             results[f"{loss}/eta={eta}"] = summary
+            report["machine"]["load_average_at_end"] = os.getloadavg()[0]
+            write_report(args.output, report)
             print(f"{loss} eta={eta}: {time.time() - t:.0f}s, final {summary['final_accuracy']}, "
                   f"to target {summary['time_to_target_s']}", flush=True)
-    report = {"workload": {"config": "configs/tiny.yaml", "steps": args.steps, "target_accuracy": args.target},
-              "machine": start | {"load_average_at_end": os.getloadavg()[0]},
-              "results": results}
-    Path(args.output).write_text(json.dumps(report, indent=1))
     print(f"wrote {args.output}")
 
 

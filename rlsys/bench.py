@@ -75,6 +75,12 @@ def machine() -> dict:
             "load_average_at_start": os.getloadavg()[0]}
 
 
+def write_report(path: str | None, report: dict) -> None:
+    """A sweep's report as JSON; sweeps rewrite it after every run, so an interrupted one keeps what it measured."""
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "metrics.jsonl")
 
