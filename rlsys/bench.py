@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsys.config import DEFAULT_CONFIG, load_config
+from rlsys.config import DEFAULT_CONFIG, load_config, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.logger import read_jsonl
 
@@ -302,7 +302,6 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(args) -> int:
-    from rlsys.cli import split_config_and_overrides
 
     config, overrides = split_config_and_overrides(args.items)
     overrides = (QUICK if args.quick else []) + overrides

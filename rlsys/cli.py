@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlsys.config import DEFAULT_CONFIG
+from rlsys.config import DEFAULT_CONFIG, split_config_and_overrides
 from rlsys.errors import UserError
 
 EPILOG = """examples:
@@ -17,14 +17,6 @@ EPILOG = """examples:
   rlsys simulate configs/sim/qwen7b_8k.yaml --output sim.json
   rlsys prepare smollm2                          fetch SmolLM2-135M-Instruct, convert once (configs/smollm2_math.yaml)
 """
-
-
-def split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
-    """`[config.yaml] key=value ...` (train, bench): the config file, the default one if none is named, and the
-    overrides."""
-    if items and "=" not in items[0]:
-        return items[0], items[1:]
-    return str(DEFAULT_CONFIG), items
 
 
 def cmd_train(args) -> int:

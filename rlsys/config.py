@@ -598,6 +598,14 @@ def _refuse_repeated_keys(node, path: Path) -> None:
             _refuse_repeated_keys(item, path)
 
 
+def split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
+    """`[config.yaml] key=value ...` (train, bench): the config file, the default one if none is named, and the
+    overrides."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return str(DEFAULT_CONFIG), items
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     path = Path(path) if path else DEFAULT_CONFIG
     raw, text = read_yaml_mapping(path)

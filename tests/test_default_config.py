@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # What `rlsys train trainer.total_steps=2` loads: the default config and the override.
 LOAD_DEFAULT = """
-from rlsys.cli import split_config_and_overrides
+from rlsys.config import split_config_and_overrides
 from rlsys.config import load_config
 path, overrides = split_config_and_overrides(["trainer.total_steps=2"])
 cfg = load_config(path, overrides)
