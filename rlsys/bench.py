@@ -302,7 +302,6 @@ def add_arguments(p) -> None:
 
 
 def run_from_args(args) -> int:
-
     config, overrides = split_config_and_overrides(args.items)
     overrides = (QUICK if args.quick else []) + overrides
     out_dir = Path(args.out_dir)
