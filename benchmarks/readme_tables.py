@@ -154,6 +154,17 @@ def bench_async() -> str:
                  "final avg@1, sync / async"], body)
 
 
+@table("friction")
+def friction() -> str:
+    j = load("friction_sweep_cpu")
+    conditions = list(dict.fromkeys(k.split("/")[0] for k in j["results"]))
+    losses = list(dict.fromkeys(k.split("/")[1] for k in j["results"]))
+    start = next(iter(j["results"].values()))["initial_accuracy"]
+    cell = lambda key: acc_se(j["results"][key]) if key in j["results"] else "-"  # noqa: E731
+    return rows(["loss (avg@1 at step 0: " + f"{start:.3f})", *(f"`{c}`" for c in conditions)],
+                [[f"`{loss}`", *(cell(f"{c}/{loss}") for c in conditions)] for loss in losses])
+
+
 @table("mismatch_bf16")
 def mismatch_bf16() -> str:
     j = load("mismatch_bf16_cpu")
