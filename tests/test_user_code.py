@@ -63,14 +63,15 @@ def test_a_reward_function_in_the_users_file_trains_through_the_ray_reward_actor
 
     out = tmp_path / "run"
     assert main(["train", "trainer.total_steps=2", "control.eval_every=0", f"output_dir={out}",
-                 f"reward.fn={user_file}:constant_reward", "reward.num_workers=2", *SMALL]) == 0
+                 f"reward.fn={user_file}:constant_reward", "reward.num_workers=2", *SMALL,
+                 "rollout.eval_samples=2", "rollout.eval_greedy=true"]) == 0
     metrics = rows(out)
     steps = [r for r in metrics if "timing/train_s" in r]
     assert [r["reward/mean"] for r in steps] == [0.75, 0.75]  # exact_match would give a spread of 0s and 1s
     assert metrics[0]["eval/accuracy"] == metrics[-1]["eval/accuracy"] == 1.0  # 0.75 counts as solved
     callers = (user_file.parent / "calls.txt").read_text().split()
-    # 2 steps x 16 samples, and 2 evals of 16 prompts x (4 samples + 1 greedy)
-    assert len(callers) == 2 * 16 + 2 * 16 * 5
+    # 2 steps x 16 samples, and 2 evals of 16 prompts x (2 samples + 1 greedy)
+    assert len(callers) == 2 * 16 + 2 * 16 * 3
     assert str(os.getpid()) not in callers and 1 <= len(set(callers)) <= 2  # the two reward actors, not the driver
 
 
