@@ -165,6 +165,17 @@ def friction() -> str:
                 [[f"`{loss}`", *(cell(f"{c}/{loss}") for c in conditions)] for loss in losses])
 
 
+@table("staleness_ablation")
+def staleness_ablation() -> str:
+    r = load("staleness_ablation_cpu")["results"]
+    losses = list(dict.fromkeys(k.split("/")[0] for k in r))
+    etas = list(dict.fromkeys(k.split("/")[1] for k in r))
+    cell = lambda key: acc_se(r[key]) if key in r else "-"  # noqa: E731
+    body = [[f"`{loss}`", *(cell(f"{loss}/{eta}") for eta in etas)] for loss in losses]
+    body.append(["mean staleness", *(num(r[f"{losses[0]}/{eta}"]["staleness_mean"]) for eta in etas)])
+    return rows(["loss", *(e.replace("=", " ") for e in etas)], body)
+
+
 @table("mismatch_bf16")
 def mismatch_bf16() -> str:
     j = load("mismatch_bf16_cpu")
@@ -285,6 +296,7 @@ def prose_figures() -> dict[str, list[str]]:
     bf16 = load("mismatch_bf16_cpu")["results"]["bf16-tis"]
     run = load("default_run_cpu")
     best = load("sim_calibration")["best_128"]
+    stale = load("staleness_ablation_cpu")["results"]
     cal = load("sim_calibration")["rows"]
     overlap = load("bench_async_cpu")
     per_sample, to_target = paired(overlap, "time_per_sample_s"), paired(overlap, "time_to_target_s")
@@ -304,6 +316,9 @@ def prose_figures() -> dict[str, list[str]]:
                       f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble"],
         "docs/performance.md": [
             f"stays near {bf16['mismatch_kl_mean']:.0e}",
+            f"({stale['ppo_naive/eta=0']['final_accuracy']:.3f} at eta 0, {stale['ppo_naive/eta=4']['final_accuracy']:.3f} at eta 4)",
+            f"here {stale['decoupled_ppo/eta=0']['final_accuracy']:.3f} and in the friction sweep "
+            f"{load('friction_sweep_cpu')['results']['none/decoupled_ppo']['final_accuracy']:.3f}",
             f"is {best['speedup_vs_sync']:.2f}x sync: {100 * (1 - best['speedup_vs_sync'] / 2.5):.0f}% short of the 2.5x target",
             f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's (on_policy)",
             f"held the straggler rate at {tight['straggler_rate']:.3f}",
