@@ -9,6 +9,7 @@ Seeds are fixed per prompt and sample, so two evaluations of the same weights ag
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
 from rlsys.types import Completion, Request, SamplingParams
@@ -73,14 +74,10 @@ def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> dict[str
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
     """Mean and its standard error (sample standard deviation over sqrt(n); 0 for fewer than 2 values)."""
-    n = len(values)
-    if n == 0:
+    if not values:
         return 0.0, 0.0
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return statistics.fmean(values), se
 
 
 def resolve_model(path: Path) -> tuple[Path | None, Path | None]:

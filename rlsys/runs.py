@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import Counter
 from collections.abc import Sequence
 from itertools import accumulate, groupby
 
@@ -30,13 +29,6 @@ class Runs(Sequence):
 
     def __len__(self) -> int:
         return self._len
-
-    def counts(self) -> Counter:
-        """{value: how many times}, read run by run."""
-        out: Counter = Counter()
-        for value, n in self.runs:
-            out[value] += n
-        return out
 
     def __getitem__(self, i):
         if isinstance(i, slice):

@@ -211,8 +211,9 @@ class Controller:
     def finish_training(self) -> list:
         step, self.training = self.training, None
         train_metrics = self.trainer.finish_train_step(step.refs)
-        t_train = time.time() - step.started
-        overlap = self.stats.generating_share(step.started, time.time())
+        ended = time.time()
+        t_train = ended - step.started
+        overlap = self.stats.generating_share(step.started, ended)
         self.version += 1
         t = time.time()
         self.publish()

@@ -17,7 +17,7 @@ from rlsys.control.ledger import Ledger
 from rlsys.control.sizing import GroupSizer
 from rlsys.data.cursor import PromptCursor
 from rlsys.registry import Registry
-from rlsys.runs import Runs
+from rlsys.runs import run_lengths
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 Action = Submit | Abort | Accumulate | Train
@@ -30,7 +30,10 @@ def informative(group: Group) -> bool:
 
 def version_counts(versions) -> Counter:
     """{policy version: tokens} of a sample's per-token versions (a list, or Runs as the simulator's are)."""
-    return versions.counts() if isinstance(versions, Runs) else Counter(versions)
+    counts: Counter = Counter()
+    for version, n in run_lengths(versions):
+        counts[version] += n
+    return counts
 
 
 class GroupBuilder:
