@@ -28,6 +28,7 @@ PRESETS: dict[str, list[str]] = {
     "G4": ["control.group_size=4", "control.prompts_per_step=32"],  # static groups, 128 samples a step
     "G16": ["control.group_size=16", "control.prompts_per_step=8"],
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
+    "async-eta2": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.staleness.eta=2"],
     "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
     "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc",
                    "control.sagc.prompt_rule=constant_prompts"],  # async keeps B prompts per update
