@@ -113,22 +113,6 @@ def presets() -> str:
                  for name, overrides in PRESETS.items()])
 
 
-@table("staleness")
-def staleness() -> str:
-    one, two = load("staleness_sweep_cpu")["results"], load("staleness_sweep_cpu_run2")["results"]
-    losses = list(dict.fromkeys(k.split("/")[0] for k in one))
-    etas = list(dict.fromkeys(k.split("/")[1] for k in one))
-
-    def cell(key: str) -> str:
-        a, b = one[key], two[key]
-        ttt = lambda r: "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.0f} s"  # noqa: E731
-        return f"{num(a['final_accuracy'], 3)}, {num(b['final_accuracy'], 3)} / {ttt(a)}, {ttt(b)}"
-
-    body = [[f"`{loss}`", *(cell(f"{loss}/{eta}") for eta in etas)] for loss in losses]
-    body.append(["mean staleness (run 1)", *(num(one[f"{losses[0]}/{eta}"]["staleness_mean"]) for eta in etas)])
-    return rows(["loss", *(e.replace("=", " ") for e in etas)], body)
-
-
 def acc_se(r: dict) -> str:
     """A final accuracy with its eval standard error."""
     return f"{r['final_accuracy']:.3f} ± {r['final_accuracy_se']:.3f}"
@@ -154,26 +138,31 @@ def bench_async() -> str:
                  "final avg@1, sync / async"], body)
 
 
+def loss_grid(conditions: dict[str, str], first_column: str) -> str:
+    """Losses x conditions from the loss sweep: each cell the mean final avg@1 over its runs ± its error; the
+    losses are those run under every one of the conditions."""
+    r = load("loss_sweep_cpu")["results"]
+    losses = [loss for loss in dict.fromkeys(k.split("/")[1] for k in r) if all(f"{c}/{loss}" in r for c in conditions)]
+    body = [[f"`{loss}`", *(acc_se(r[f"{c}/{loss}"]) for c in conditions)] for loss in losses]
+    counts = [sorted({r[f"{c}/{loss}"]["n"] for loss in losses}) for c in conditions]
+    body.append(["runs per cell", *("-".join(map(str, dict.fromkeys([n[0], n[-1]]))) for n in counts)])
+    return rows([first_column, *conditions.values()], body)
+
+
 @table("friction")
 def friction() -> str:
-    j = load("friction_sweep_cpu")
-    conditions = list(dict.fromkeys(k.split("/")[0] for k in j["results"]))
-    losses = list(dict.fromkeys(k.split("/")[1] for k in j["results"]))
-    start = next(iter(j["results"].values()))["initial_accuracy"]
-    cell = lambda key: acc_se(j["results"][key]) if key in j["results"] else "-"  # noqa: E731
-    return rows(["loss (avg@1 at step 0: " + f"{start:.3f})", *(f"`{c}`" for c in conditions)],
-                [[f"`{loss}`", *(cell(f"{c}/{loss}") for c in conditions)] for loss in losses])
+    start = load("loss_sweep_cpu")["results"]["eta0/dg"]["runs"][0]["initial_accuracy"]
+    return loss_grid({"eta0": "`none`", "flipped_rewards": "`flipped_rewards`",
+                      "wrong_temperature": "`wrong_temperature`", "all": "`all`"},
+                     f"loss (avg@1 at step 0: {start:.3f})")
 
 
 @table("staleness_ablation")
 def staleness_ablation() -> str:
-    r = load("staleness_ablation_cpu")["results"]
-    losses = list(dict.fromkeys(k.split("/")[0] for k in r))
-    etas = list(dict.fromkeys(k.split("/")[1] for k in r))
-    cell = lambda key: acc_se(r[key]) if key in r else "-"  # noqa: E731
-    body = [[f"`{loss}`", *(cell(f"{loss}/{eta}") for eta in etas)] for loss in losses]
-    body.append(["mean staleness", *(num(r[f"{losses[0]}/{eta}"]["staleness_mean"]) for eta in etas)])
-    return rows(["loss", *(e.replace("=", " ") for e in etas)], body)
+    r = load("loss_sweep_cpu")["results"]
+    etas = {f"eta{e}": f"eta {e}" for e in (0, 1, 2, 4)}
+    text = loss_grid(etas, "loss")
+    return text + "| mean staleness | " + " | ".join(num(r[f"{c}/dg"]["staleness_mean"]) for c in etas) + " |\n"
 
 
 @table("mismatch_bf16")
@@ -279,14 +268,6 @@ def sim_sagc_verdict() -> str:
          "yes" if v["equal_utility"] else "no", "yes" if v["sagc_wins"] else "no"] for v in verdicts])
 
 
-def staleness_time_gain() -> str:
-    """How much less time per sample eta 1-4 took than eta 0, per loss, in the sweep's first run."""
-    r = load("staleness_sweep_cpu")["results"]
-    gains = [100 * (1 - r[k]["time_per_sample_s"] / r[k.split("/")[0] + "/eta=0"]["time_per_sample_s"])
-             for k in r if not k.endswith("eta=0")]
-    return f"fell {min(gains):.0f}-{max(gains):.0f}%"
-
-
 def prose_figures() -> dict[str, list[str]]:
     """Figures quoted in prose, as each document must spell them: a changed file or a changed digit fails."""
     s = load("bench_schedulers_cpu")["results"]
@@ -296,7 +277,6 @@ def prose_figures() -> dict[str, list[str]]:
     bf16 = load("mismatch_bf16_cpu")["results"]["bf16-tis"]
     run = load("default_run_cpu")
     best = load("sim_calibration")["best_128"]
-    stale = load("staleness_ablation_cpu")["results"]
     cal = load("sim_calibration")["rows"]
     overlap = load("bench_async_cpu")
     per_sample, to_target = paired(overlap, "time_per_sample_s"), paired(overlap, "time_to_target_s")
@@ -316,13 +296,9 @@ def prose_figures() -> dict[str, list[str]]:
                       f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble"],
         "docs/performance.md": [
             f"stays near {bf16['mismatch_kl_mean']:.0e}",
-            f"({stale['ppo_naive/eta=0']['final_accuracy']:.3f} at eta 0, {stale['ppo_naive/eta=4']['final_accuracy']:.3f} at eta 4)",
-            f"here {stale['decoupled_ppo/eta=0']['final_accuracy']:.3f} and in the friction sweep "
-            f"{load('friction_sweep_cpu')['results']['none/decoupled_ppo']['final_accuracy']:.3f}",
             f"is {best['speedup_vs_sync']:.2f}x sync: {100 * (1 - best['speedup_vs_sync'] / 2.5):.0f}% short of the 2.5x target",
             f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's (on_policy)",
             f"held the straggler rate at {tight['straggler_rate']:.3f}",
-            f"Time per sample {staleness_time_gain()}",
             f"{min(rate, key=lambda x: int(x[:-1]))} to {max(rate, key=lambda x: int(x[:-1]))} completion events"],
     }
 
