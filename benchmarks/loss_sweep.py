@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
 
-from rlsys.bench import machine, run_preset, summarise_run, write_report
+from rlsys.bench import machine, repeated_accuracy, run_preset, summarise_run, write_report
 
 LOSSES = ("decoupled_ppo", "ppo_naive", "dg", "dg_clipped")
 FLIP = ["friction.reward_flip=0.2"]
@@ -39,15 +38,12 @@ RUN_KEYS = ("seed", "eval_every", "initial_accuracy", "final_accuracy", "final_a
 
 
 def cell_summary(runs: list[dict]) -> dict:
-    """A cell's mean final accuracy over its runs, with a standard error that covers both the spread between
-    training runs and each eval's own error: the larger of the runs' standard error and the evals' (with
-    three runs the spread's estimate can come out small by chance)."""
+    """A cell's mean final accuracy over its runs with its standard error (rlsys.bench.repeated_accuracy)."""
     finals = [r["final_accuracy"] for r in runs]
     staleness = [r["staleness_mean"] for r in runs if r.get("staleness_mean") is not None]
-    spread_se = statistics.stdev(finals) / math.sqrt(len(finals)) if len(finals) > 1 else 0.0
-    eval_se = math.sqrt(statistics.fmean(r["final_accuracy_se"] ** 2 for r in runs) / len(runs))
-    return {"runs": runs, "n": len(runs), "final_accuracy": statistics.fmean(finals),
-            "final_accuracy_se": max(spread_se, eval_se), "final_accuracy_range": [min(finals), max(finals)],
+    mean, se = repeated_accuracy(runs)
+    return {"runs": runs, "n": len(runs), "final_accuracy": mean, "final_accuracy_se": se,
+            "final_accuracy_range": [min(finals), max(finals)],
             "staleness_mean": statistics.fmean(staleness) if staleness else None}
 
 

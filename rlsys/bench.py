@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from rlsys.config import DEFAULT_CONFIG, load_config, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
+from rlsys.evaluate import mean_and_se
 from rlsys.logger import read_jsonl
 
 # name -> config overrides on top of the workload. Presets whose scheduler or sizer is not
@@ -139,19 +141,33 @@ def median_of(runs: list[dict], key: str):
     return statistics.median(values) if values else None
 
 
+def repeated_accuracy(runs: list[dict]) -> tuple[float, float]:
+    """The mean final accuracy of repeated runs, and its standard error: the larger of the runs' own (their
+    spread over sqrt(n)) and the evals' (each run's eval error, averaged in quadrature, over sqrt(n)). The
+    spread covers training noise as well as the eval's, but from three runs it can come out small by chance."""
+    finals = [r["final_accuracy"] for r in runs]
+    _, spread_se = mean_and_se(finals)
+    eval_se = math.sqrt(statistics.fmean((r.get("final_accuracy_se") or 0.0) ** 2 for r in runs) / len(runs))
+    return statistics.fmean(finals), max(spread_se, eval_se)
+
+
 def aggregate(runs: list[dict]) -> dict:
-    """Median over repeats, with [min, max] spreads for the figures that vary."""
+    """Median over repeats, with [min, max] spreads for the figures that vary; the final accuracy is the
+    mean over repeats with its standard error (`repeated_accuracy`)."""
     out: dict = {"repeats": len(runs)}
     for key in (k for k in runs[0] if k != "eval_curve"):
         out[key] = median_of(runs, key)
         values = [r[key] for r in runs if r[key] is not None]
         if len(values) > 1:
             out[f"{key}_spread"] = [min(values), max(values)]
+    if all(r.get("final_accuracy") is not None for r in runs):
+        out["final_accuracy"], out["final_accuracy_se"] = repeated_accuracy(runs)
+        out.pop("final_accuracy_se_spread", None)
     return out
 
 
 def accuracy_difference(a: dict, b: dict) -> dict | None:
-    """a's final accuracy minus b's, with the standard error of the difference (independent evals): the
+    """a's final accuracy minus b's, with the standard error of the difference (independent runs): the
     difference counts as real only beyond two of them."""
     if a.get("final_accuracy") is None or b.get("final_accuracy") is None:
         return None

@@ -40,6 +40,18 @@ def test_aggregate_reports_the_median_and_spread_and_no_time_to_target_unless_ev
     assert "eval_curve" not in out
 
 
+def test_repeats_final_accuracy_is_their_mean_with_an_error_from_the_spread_or_the_evals_whichever_is_larger():
+    def run(acc, se=0.01):
+        return {**summarise_run(rows(1.0, [(0, 0.1), (4, acc)]), target=0.3), "final_accuracy_se": se}
+
+    spread = aggregate([run(0.20), run(0.30), run(0.25)])
+    assert spread["final_accuracy"] == pytest.approx(0.25) and spread["final_accuracy_spread"] == [0.20, 0.30]
+    assert spread["final_accuracy_se"] == pytest.approx(0.05 / 3 ** 0.5)  # stdev 0.05 over sqrt(3)
+    alike = aggregate([run(0.25), run(0.25), run(0.25)])
+    assert alike["final_accuracy_se"] == pytest.approx(0.01 / 3 ** 0.5)  # identical runs keep the evals' error
+    assert aggregate([run(0.25, se=0.02)])["final_accuracy_se"] == pytest.approx(0.02)
+
+
 def test_an_accuracy_difference_counts_only_beyond_two_standard_errors():
     from rlsys.bench import accuracy_difference, cell
 

@@ -1,6 +1,6 @@
 """benchmarks/loss_sweep.py: repeat r runs seed r, an existing report is topped up rather than redone, and a
-cell's error covers both the spread between runs and the evals' own error. The runs themselves are replaced
-by a stand-in here (each is a whole training run); the friction and async paths they drive have live tests."""
+cell keeps its runs. The runs are replaced by a stand-in (each is a whole training run); the friction and
+async paths they drive have live tests, and the error over repeats its own in test_bench.py."""
 import importlib.util
 import json
 from pathlib import Path
@@ -43,12 +43,10 @@ def test_repeats_run_one_seed_each_and_a_rerun_tops_up(sweep, tmp_path, monkeypa
         sweep.main(["--steps", "5", "--repeats", "4", "--conditions", "eta1", "--output", str(out)])
 
 
-def test_a_cells_error_is_the_larger_of_the_spread_and_the_evals(sweep):
-    run = lambda acc, se: {"final_accuracy": acc, "final_accuracy_se": se, "staleness_mean": 1.0}  # noqa: E731
-    spread = sweep.cell_summary([run(0.20, 0.01), run(0.30, 0.01), run(0.25, 0.01)])
-    assert spread["final_accuracy"] == pytest.approx(0.25)
-    assert spread["final_accuracy_se"] == pytest.approx(0.05 / 3 ** 0.5)  # stdev 0.05 over sqrt(3)
-    assert spread["final_accuracy_range"] == [0.20, 0.30]
-    alike = sweep.cell_summary([run(0.25, 0.01), run(0.25, 0.01), run(0.25, 0.01)])
-    assert alike["final_accuracy_se"] == pytest.approx(0.01 / 3 ** 0.5)  # identical runs keep the evals' error
-    assert sweep.cell_summary([run(0.25, 0.01)])["final_accuracy_se"] == pytest.approx(0.01)
+def test_a_cell_keeps_its_runs_their_mean_and_its_staleness(sweep):
+    runs = [{"final_accuracy": a, "final_accuracy_se": 0.01, "staleness_mean": s}
+            for a, s in ((0.2, 1.0), (0.3, None), (0.25, 3.0))]
+    cell = sweep.cell_summary(runs)
+    assert cell["runs"] == runs and cell["n"] == 3 and cell["final_accuracy_range"] == [0.2, 0.3]
+    assert cell["final_accuracy"] == pytest.approx(0.25) and cell["final_accuracy_se"] == pytest.approx(0.05 / 3 ** 0.5)
+    assert cell["staleness_mean"] == pytest.approx(2.0)  # a run that did not record it does not count as 0

@@ -1,0 +1,84 @@
+"""Why DG collapses under flipped rewards (docs/performance.md): where each loss's push goes.
+
+Samples the default task's warm-started policy (B prompts x G samples), scores them, flips a share of the
+rewards as `friction.reward_flip` does, and takes each token's weight in the policy gradient at the first
+mini-batch, where the importance ratio is 1: A for PPO's surrogate, sigmoid(A * surprisal / eta) * A for
+DG's. It sums those weights over the tokens of right and of wrong answers (by the true reward), upward
+(A > 0) and downward (A < 0). The question: does DG's gate hand the flipped samples more of the push than
+PPO does?
+
+    python benchmarks/dg_flip_diagnostic.py --output benchmarks/results/dg_flip_diagnostic_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+from rlsys.bench import machine, write_report
+from rlsys.config import load_config
+from rlsys.data import load_datasets
+from rlsys.models import load_tokenizer, prepare_model
+from rlsys.reward.registry import reward_fn
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.trainer.advantages import group_advantages
+from rlsys.types import Request, SamplingParams
+
+
+def sample(cfg, prompts, group_size: int, seed: int) -> list[list[tuple[list[float], float]]]:
+    """Per prompt, its G samples as (token log-probs, true reward)."""
+    model_dir = prepare_model(cfg)
+    tokenizer, score = load_tokenizer(model_dir), reward_fn(cfg.reward.fn)
+    engine = CPUEngine(str(model_dir), slots=64, seed=seed)
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
+    for p, ids in zip(prompts, tokenizer([p.text for p in prompts])["input_ids"]):
+        for g in range(group_size):
+            engine.add(Request(f"{p.uid}/{g}", p.uid, ids, params))
+    done = {}
+    while len(done) < len(prompts) * group_size:
+        done.update((c.request_id, c) for c in engine.step())
+    return [[(done[f"{p.uid}/{g}"].logprobs, score(done[f"{p.uid}/{g}"].text, p.answer))
+             for g in range(group_size)] for p in prompts]
+
+
+def pushes(groups, flip: float, dg_eta: float, advantage: str, seed: int) -> dict:
+    """Summed |token weight| per (loss, direction, answer), over the batch, as shares of the loss's total."""
+    rng = random.Random(seed)
+    sums = {loss: {f"{d} on {a}": 0.0 for d in ("up", "down") for a in ("right", "wrong")} for loss in ("ppo", "dg")}
+    for group in groups:
+        seen = [1.0 - r if rng.random() < flip else r for _, r in group]
+        for (logprobs, truth), a in zip(group, group_advantages(seen, advantage)):
+            if a == 0:
+                continue
+            key = f"{'up' if a > 0 else 'down'} on {'right' if truth > 0.5 else 'wrong'}"
+            sums["ppo"][key] += abs(a) * len(logprobs)
+            sums["dg"][key] += sum(abs(a) / (1 + math.exp(a * lp / dg_eta)) for lp in logprobs)  # sigmoid(-a*lp/eta)
+    return {loss: {k: v / sum(s.values()) for k, v in s.items()} for loss, s in sums.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--flip", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output")
+    args = p.parse_args(argv)
+    cfg = load_config(None)
+    train, _ = load_datasets(cfg.data)
+    prompts = random.Random(args.seed).sample(train, args.prompts)
+    groups = sample(cfg, prompts, cfg.control.group_size, args.seed)
+    right = sum(r > 0.5 for g in groups for _, r in g) / sum(len(g) for g in groups)
+    report = {"command": f"python benchmarks/dg_flip_diagnostic.py --prompts {args.prompts} --flip {args.flip}",
+              "machine": machine(), "samples": len(groups) * cfg.control.group_size, "right_share": right,
+              "dg_eta": cfg.trainer.dg_eta, "advantage": cfg.trainer.advantage,
+              "clean": pushes(groups, 0.0, cfg.trainer.dg_eta, cfg.trainer.advantage, args.seed),
+              "flipped": pushes(groups, args.flip, cfg.trainer.dg_eta, cfg.trainer.advantage, args.seed)}
+    write_report(args.output, report)
+    for name in ("clean", "flipped"):
+        for loss, shares in report[name].items():
+            print(name, loss, {k: round(v, 3) for k, v in shares.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
