@@ -66,20 +66,27 @@ def default_run() -> str:
         ["whole command, s", "", num(j["whole_command_s"], 0)]])
 
 
+def acc_se(r: dict) -> str:
+    """A final accuracy with its eval standard error."""
+    return f"{r['final_accuracy']:.3f} ± {r['final_accuracy_se']:.3f}"
+
+
+def versus_sync(j: dict, preset: str) -> str:
+    """The preset's final accuracy minus sync's, ± the difference's error; starred beyond two of them."""
+    d = j["speedup_vs_sync"][preset]["final_accuracy_vs_sync"]
+    return "" if preset == "sync" else f"{d['diff']:+.3f} ± {d['se']:.3f}" + (" *" if d["beyond_error"] else "")
+
+
 def bench_rows(name: str, presets: list[str] | None = None) -> list[list]:
     j = load(name)
-    out = []
-    for preset, r in j["results"].items():
-        if presets and preset not in presets:
-            continue
-        out.append([f"`{preset}`", num(r["group_size"], 1), num(r["step_time_s"]), num(1000 * r["time_per_sample_s"]),
-                    spread(r, "bubble_ratio"), spread(r, "straggler_rate"), spread(r, "final_accuracy"),
-                    spread(r, "accuracy_at_equal_time"), f"{j['speedup_vs_sync'][preset]['per_sample']:.2f}x"])
-    return out
+    return [[f"`{preset}`", num(r["group_size"], 1), num(r["step_time_s"]), num(1000 * r["time_per_sample_s"]),
+             spread(r, "bubble_ratio"), spread(r, "straggler_rate"), acc_se(r), versus_sync(j, preset),
+             spread(r, "accuracy_at_equal_time"), f"{j['speedup_vs_sync'][preset]['per_sample']:.2f}x"]
+            for preset, r in j["results"].items() if not presets or preset in presets]
 
 
-BENCH_HEADER = ["preset", "mean G", "step s", "ms / sample", "bubble", "straggler", "final avg@4",
-                "avg@4 at equal time", "speed per sample vs sync"]
+BENCH_HEADER = ["preset", "mean G", "step s", "ms / sample", "bubble", "straggler", "final avg@1",
+                "final vs sync", "avg@1 at equal time", "speed per sample vs sync"]
 
 
 @table("schedulers")
@@ -92,17 +99,6 @@ def schedulers_summary() -> str:
     return rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu", ["sync", "sorted", "tail", "sagc"]))
 
 
-@table("tail")
-def tail() -> str:
-    return rows(["file", *BENCH_HEADER], [[f"`{f}`", *row] for f in ("bench_tail_cpu", "bench_tail_mb1_cpu")
-                                          for row in bench_rows(f)])
-
-
-@table("sagc_tight")
-def sagc_tight() -> str:
-    return rows(BENCH_HEADER, bench_rows("bench_sagc_cpu"))
-
-
 @table("presets")
 def presets() -> str:
     sys.path.insert(0, str(ROOT))
@@ -113,11 +109,6 @@ def presets() -> str:
                  for name, overrides in PRESETS.items()])
 
 
-def acc_se(r: dict) -> str:
-    """A final accuracy with its eval standard error."""
-    return f"{r['final_accuracy']:.3f} ± {r['final_accuracy_se']:.3f}"
-
-
 def paired(j: dict, key: str, base: str = "sync", other: str = "async") -> list[float | None]:
     """base / other for each interleaved repeat: repeats ran side by side, so machine load cancels in a pair."""
     return [b[key] / o[key] if b[key] and o[key] else None for b, o in zip(j["runs"][base], j["runs"][other])]
@@ -126,16 +117,22 @@ def paired(j: dict, key: str, base: str = "sync", other: str = "async") -> list[
 @table("bench_async")
 def bench_async() -> str:
     j = load("bench_async_cpu")
-    per_sample, to_target = paired(j, "time_per_sample_s"), paired(j, "time_to_target_s")
     body = []
-    for i, (s, a) in enumerate(zip(j["runs"]["sync"], j["runs"]["async"])):
-        body.append([f"repeat {i}", f"{1000 * s['time_per_sample_s']:.2f} / {1000 * a['time_per_sample_s']:.2f}",
-                     f"{per_sample[i]:.2f}x", f"{num(s['time_to_target_s'], 0)} / {num(a['time_to_target_s'], 0)}",
-                     f"{to_target[i]:.2f}x" if to_target[i] else "-", f"{acc_se(s)} / {acc_se(a)}"])
-    med = lambda xs: statistics.median(x for x in xs if x is not None)  # noqa: E731
-    body.append(["median of the pairs", "", f"{med(per_sample):.2f}x", "", f"{med(to_target):.2f}x", ""])
-    return rows(["", "ms / sample, sync / async", "speed-up", "s to target, sync / async", "sooner",
-                 "final avg@1, sync / async"], body)
+    for preset in (p for p in j["runs"] if p != "sync"):
+        per_sample, to_target = paired(j, "time_per_sample_s", other=preset), paired(j, "time_to_target_s", other=preset)
+        for i, (s, a) in enumerate(zip(j["runs"]["sync"], j["runs"][preset])):
+            body.append([f"`{preset}`", f"repeat {i}",
+                         f"{1000 * s['time_per_sample_s']:.2f} / {1000 * a['time_per_sample_s']:.2f}",
+                         f"{per_sample[i]:.2f}x", f"{num(s['time_to_target_s'], 0)} / {num(a['time_to_target_s'], 0)}",
+                         f"{to_target[i]:.2f}x" if to_target[i] else "-", f"{acc_se(s)} / {acc_se(a)}"])
+        body.append([f"`{preset}`", "median of the pairs; mean final", "", f"{median(per_sample):.2f}x", "",
+                     f"{median(to_target):.2f}x", f"{acc_se(j['results']['sync'])} / {acc_se(j['results'][preset])}"])
+    return rows(["preset", "", "ms / sample, sync / preset", "speed-up", "s to target, sync / preset", "sooner",
+                 "final avg@1, sync / preset"], body)
+
+
+def median(xs: list[float | None]) -> float:
+    return statistics.median(x for x in xs if x is not None)
 
 
 def loss_grid(conditions: dict[str, str], first_column: str) -> str:
@@ -280,11 +277,10 @@ def prose_figures() -> dict[str, list[str]]:
     cal = load("sim_calibration")["rows"]
     overlap = load("bench_async_cpu")
     per_sample, to_target = paired(overlap, "time_per_sample_s"), paired(overlap, "time_to_target_s")
-    med = lambda xs: statistics.median(x for x in xs if x is not None)  # noqa: E731
     return {
         "README.md": [f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
-                      f"trained {med(per_sample):.2f}x faster per sample than `sync` and reached the target "
-                      f"{med(to_target):.2f}x sooner",
+                      f"trained {median(per_sample):.2f}x faster per sample than `sync` and reached the target "
+                      f"{median(to_target):.2f}x sooner",
                       f"(the pairs range {min(per_sample):.2f}-{max(per_sample):.2f}x and "
                       f"{min(x for x in to_target if x):.2f}-{max(x for x in to_target if x):.2f}x)",
                       f"reproduces {sum(r['within'] for r in cal)} of {len(cal)} published figures within 15% "

@@ -31,6 +31,7 @@ PRESETS: dict[str, list[str]] = {
     "G16": ["control.group_size=16", "control.prompts_per_step=8"],
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
     "async-eta2": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.staleness.eta=2"],
+    "async-loglinear": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "trainer.proximal=loglinear"],
     "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
     "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc",
                    "control.sagc.prompt_rule=constant_prompts"],  # async keeps B prompts per update

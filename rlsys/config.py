@@ -230,6 +230,10 @@ class TrainerConfig(Section):
     micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one micro-batch (padding counted)
     logprob_chunk_tokens: int = Field(1024, ge=1)  # tokens whose full-vocabulary logits exist at a time
     mini_batches: int = Field(1, ge=1)  # optimizer steps per rollout batch (veRL's PPO mini-batches)
+    # pi_prox of the later mini-batches of stale samples: recompute (a forward under the step's starting
+    # weights) or loglinear (AReaL's interpolation by version between the behaviour log-probs and the
+    # mini-batch's own forward: no extra forward; trainer/losses.py)
+    proximal: Literal["recompute", "loglinear"] = "recompute"
     streamed: bool = False  # gradients of completed prompts while the round generates (trainer/streamed.py)
     advantage: str = "grpo"
     loss: str = "dapo"
@@ -245,6 +249,14 @@ class TrainerConfig(Section):
     mismatch: MismatchConfig = MismatchConfig()
     kl: KLConfig = KLConfig()
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _loglinear_without_a_correction(self):
+        if self.proximal == "loglinear" and self.mismatch.mode != "none":
+            raise ValueError(f"trainer.proximal=loglinear interpolates pi_old from the engine's log-probs, and "
+                             f"trainer.mismatch.mode={self.mismatch.mode} corrects against the trainer's own: "
+                             "use trainer.proximal=recompute with a correction")
+        return self
 
     @model_validator(mode="after")
     def _precision_and_offload(self):

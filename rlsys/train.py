@@ -118,10 +118,17 @@ class Controller:
                 self.apply(self.scheduler.handle(event, self.now()))
 
     def apply(self, actions) -> None:
+        """In order; consecutive Submits go to the engines as one batch of requests (one call per engine, not
+        one per prompt), sent before the next action of another kind."""
+        requests: list[Request] = []
         for action in actions:
             if isinstance(action, Submit):
-                self.submit(action)
-            elif isinstance(action, Abort):
+                requests += self.requests_for(action)
+                continue
+            if requests:
+                self.submit(requests)
+                requests = []
+            if isinstance(action, Abort):
                 self.rollout.abort(action.request_ids)
             elif isinstance(action, Accumulate):
                 self.accumulate(action.groups)
@@ -129,6 +136,8 @@ class Controller:
                 self.start_training(action.groups)
             else:
                 raise TypeError(f"scheduler {self.cfg.control.scheduler!r} asked for an unknown action {action!r}")
+        if requests:
+            self.submit(requests)
 
     def next_events(self) -> list[Event]:
         """Wait for the engines, the reward pool or the train step; what they gave back for training, as events.
@@ -167,7 +176,7 @@ class Controller:
         self.in_flight[rid] = completion
         self.rewards.submit(rid, completion.text, self.prompts[rid].answer, completion.num_tokens)
 
-    def submit(self, action: Submit) -> None:
+    def requests_for(self, action: Submit) -> list[Request]:
         prompt_ids = self.tokenizer(action.prompt.text)["input_ids"]
         requests = []
         for rid in action.request_ids:
@@ -178,6 +187,9 @@ class Controller:
             resume = action.resume.get(rid)  # a partial rollout continues with this run's sampling params
             requests.append(replace(resume, params=params) if resume
                             else Request(rid, action.prompt.uid, prompt_ids, params))
+        return requests
+
+    def submit(self, requests: list[Request]) -> None:
         self.stats.submitted(len(requests))
         self.rollout.submit(requests)
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from rlsys.config import Config, TrainerConfig
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step, split_mini_batches
+from rlsys.trainer.losses import loglinear_proximal
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
@@ -329,6 +330,39 @@ def test_fresh_samples_use_their_behaviour_logprobs_as_the_proximal_policy(model
     # Not fresh, the first part takes its own forward as pi_prox: the same values up to the float rounding of
     # another batch shape, which Adam's normalisation amplifies in near-zero-gradient weights.
     assert max_diff(*results) < 1e-4
+
+
+def test_loglinear_proximal_interpolates_by_version_between_behaviour_and_current():
+    behaviour, current = torch.tensor([[-2.0, -2.0, -2.0, -2.0]]), torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    versions = torch.tensor([[5, 4, 3, 1]])  # the step starts at version 5 and trains toward 6
+    got = loglinear_proximal(behaviour, current, versions, 5)
+    # alpha = (5 - v) / (6 - v): 0 for tokens the starting weights sampled, 1/2 one version older, 2/3, 4/5
+    assert got[0].tolist() == pytest.approx([-2.0, -1.5, -2.0 + 2 / 3, -2.0 + 4 / 5])
+
+
+def test_loglinear_runs_no_proximal_forward_and_is_exact_for_tokens_the_starting_weights_sampled(model_dir):
+    """alpha is 0 for such tokens, so pi_prox is their behaviour log-prob: with behaviour log-probs that are the
+    starting weights' own, the interpolated step equals the recomputed one. Staler tokens then move off it."""
+    cfg = trainer_config(lr=3e-2)
+    samples = build_samples(make_groups(5, prompts=6), cfg.advantage)
+    for sample, logprobs in zip(samples, TorchBackend(cfg, model_dir).compute_logprobs(samples, TEMPERATURE)):
+        sample.logprobs = logprobs  # what the engine recorded, sampling with the weights the step starts from
+    parts = [(part, plan_step(part, 1, cfg.micro_batch_tokens)[1]) for part in split_mini_batches(samples, 3)]
+    recomputed = TorchBackend(cfg, model_dir)
+    recomputed.train_mini_batches(parts, TEMPERATURE, fresh=False, version=0)
+    interpolated = TorchBackend(cfg.model_copy(update={"proximal": "loglinear"}), model_dir)
+    interpolated.compute_logprobs = None  # the point: no forward beside the training ones
+    interpolated.train_mini_batches(parts, TEMPERATURE, fresh=False, version=0)
+    assert max_diff(recomputed.state_dict_for_rollout(), interpolated.state_dict_for_rollout()) < 1e-4
+
+    stale = TorchBackend(cfg.model_copy(update={"proximal": "loglinear"}), model_dir)
+    stale.train_mini_batches(parts, TEMPERATURE, fresh=False, version=1)  # every token one version old
+    assert max_diff(stale.state_dict_for_rollout(), interpolated.state_dict_for_rollout()) > 1e-5
+
+
+def test_loglinear_is_refused_with_a_mismatch_correction_naming_both_fields():
+    with pytest.raises(ValueError, match="trainer.proximal=loglinear.*trainer.mismatch.mode=tis"):
+        TrainerConfig(proximal="loglinear", mismatch={"mode": "tis"})
 
 
 def test_mini_batches_are_contiguous_and_cover_every_sample():

@@ -62,7 +62,8 @@ class AsyncScheduler(Scheduler):
     def start(self, now: float) -> list[Action]:
         self.group_size = self.sizer.next_shape().group_size
         restored, self.restored = self.restored, []
-        return [self._admit(p) for p in restored] + self._fill() + self._train()
+        train = self._train()  # first, so the trainer starts before the engines are sent the new prompts
+        return train + [self._admit(p) for p in restored] + self._fill()
 
     def on_sample(self, sample: ScoredSample, now: float) -> list[Action]:
         rid = sample.completion.request_id

@@ -28,7 +28,7 @@ from rlsys.config import TrainerConfig
 from rlsys.registry import Registry
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import head_logprobs
-from rlsys.trainer.losses import LossInputs, compute_loss, token_mean
+from rlsys.trainer.losses import LossInputs, compute_loss, loglinear_proximal, token_mean
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
 LAYOUT_FILE = "trainer.json"
@@ -140,7 +140,7 @@ class TrainerBackend(ABC):
         return [found[id(s)] for s in samples]
 
     def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float = 1.0,
-                   top_p: float = 1.0) -> dict:
+                   top_p: float = 1.0, interpolate_at: int | None = None) -> dict:
         """Accumulate gradients over this rank's micro-batches, then take exactly one optimizer step.
 
         Returned statistics are this rank's shares of the step's values (sum them over ranks);
@@ -148,7 +148,7 @@ class TrainerBackend(ABC):
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
-        stats = self.accumulate_gradients(samples, totals, temperature, top_p=top_p)
+        stats = self.accumulate_gradients(samples, totals, temperature, top_p=top_p, interpolate_at=interpolate_at)
         return self.close_step(stats, sum(s.response_len for s in samples), len(samples))
 
     def skip_step(self) -> dict:
@@ -164,22 +164,31 @@ class TrainerBackend(ABC):
         return dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps, tokens=tokens, sequences=sequences)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
-                           fresh: bool, proximal_micro_batches: int = 0, top_p: float = 1.0) -> dict:
+                           fresh: bool, proximal_micro_batches: int = 0, top_p: float = 1.0,
+                           version: int | None = None) -> dict:
         """One optimizer step per part (veRL's PPO mini-batches) on a rollout batch. From the second part
         on the weights have moved, so every part is scored against the proximal policy (the weights at
         the start): the behaviour log-probs when `fresh` (every token sampled by these very weights),
-        else recomputed here. Statistics are means over the parts; tokens and sequences are sums."""
+        else recomputed here, or with `trainer.proximal=loglinear` interpolated from each part's own
+        forward (`version` is the weights' at the start). Statistics are means over the parts; tokens
+        and sequences are sums."""
+        interpolate_at = None
         if len(parts) > 1:
             # The first part runs on the proximal weights themselves: its own forward is pi_prox, exactly, so
             # only the later parts need one recomputed (a quarter of that forward saved at 4 mini-batches).
             later = [s for part, _ in parts[1:] for s in part]
-            proximal = ([s.logprobs for s in later] if fresh else
-                        self.compute_logprobs(later, temperature, proximal_micro_batches, top_p))
+            if fresh:
+                proximal = [s.logprobs for s in later]
+            elif self.cfg.proximal == "loglinear" and version is not None:
+                proximal, interpolate_at = [None] * len(later), version
+            else:
+                proximal = self.compute_logprobs(later, temperature, proximal_micro_batches, top_p)
             for sample, logprobs in zip(later, proximal):
-                sample.proximal_logprobs = list(logprobs)
+                sample.proximal_logprobs = None if logprobs is None else list(logprobs)
             for sample in parts[0][0]:  # fresh: pi_old is the engine's for every part alike (losses.py)
                 sample.proximal_logprobs = list(sample.logprobs) if fresh else None
-        per_part = [self.train_step(samples, totals, temperature, top_p) for samples, totals in parts]
+        per_part = [self.train_step(samples, totals, temperature, top_p, interpolate_at if i else None)
+                    for i, (samples, totals) in enumerate(parts)]
         keys = set().union(*per_part)
         merged = {k: sum(m.get(k, 0.0) for m in per_part) / len(per_part) for k in keys}
         merged.update(tokens=sum(m["tokens"] for m in per_part), sequences=sum(m["sequences"] for m in per_part),
@@ -187,8 +196,11 @@ class TrainerBackend(ABC):
         return merged
 
     def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float,
-                             closes_step: bool = True, top_p: float = 1.0) -> dict:
-        """`closes_step=False`: more parts follow (a streamed step, streamed.py), so no micro-batch is the last."""
+                             closes_step: bool = True, top_p: float = 1.0, interpolate_at: int | None = None) -> dict:
+        """`closes_step=False`: more parts follow (a streamed step, streamed.py), so no micro-batch is the last.
+        `interpolate_at`: pi_prox is `loglinear_proximal` from this forward, for weights that started the
+        step at that version; otherwise the samples' own proximal log-probs, or this forward where they have
+        none (the weights have not moved)."""
         if totals.micro_batches < 1:
             raise ValueError("a train step needs at least one sample with response tokens")
         stats: dict[str, float] = defaultdict(float)
@@ -197,7 +209,12 @@ class TrainerBackend(ABC):
             self._start_micro_batch(last=closes_step and i == len(batches) - 1)
             mb = collate(batch).to(self.device)
             logprobs, entropy = self._score(self.model, mb, temperature, top_p)
-            proximal = logprobs.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs
+            if mb.proximal_logprobs is not None:
+                proximal = mb.proximal_logprobs
+            elif interpolate_at is not None:
+                proximal = loglinear_proximal(mb.behaviour_logprobs, logprobs.detach(), mb.versions, interpolate_at)
+            else:
+                proximal = logprobs.detach()
             inp = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.response_mask,
                              float(totals.tokens), float(totals.sequences),
                              self._reference_logprobs(mb, temperature, top_p),

@@ -27,6 +27,9 @@ Conventions (where they differ from, or are not written down by, veRL):
   staleness weight *is* this weight (bounded by its `is_cap` when trainer.mismatch.mode is none),
   never a second factor. ppo_naive compares to the behaviour policy itself, so it refuses a
   correction.
+- pi_old of a stale sample in a later mini-batch (the weights have moved since the step began) is
+  recomputed by default; `trainer.proximal=loglinear` takes AReaL's approximation instead
+  (`loglinear_proximal`), which needs no extra forward.
 - pi_old is always the trainer's own when a correction is on: with fresh samples and several
   mini-batches rlsys otherwise reuses the engine's log-probs as pi_old (no extra forward), and
   then rho = 1 and `mismatch_kl` reads 0 by construction.
@@ -60,6 +63,16 @@ class LossInputs:
     step_sequences: float  # sequences in the whole step
     ref_logprobs: Optional[Tensor] = None  # frozen initial policy, when a KL term is on
     versions: Optional[Tensor] = None  # policy version that sampled each token
+
+
+def loglinear_proximal(behaviour: Tensor, current: Tensor, versions: Tensor, version: int) -> Tensor:
+    """AReaL's log-linear pi_prox: the log-probs taken as linear in the policy version between the token's
+    behaviour policy (version v) and the step's target (version + 1), read at the step's start (version):
+    log pi_prox = log pi_behav + alpha (log pi - log pi_behav), alpha = (version - v) / (version + 1 - v).
+    A token sampled by the starting weights keeps its behaviour log-prob (alpha 0), one a version older
+    lies halfway. `current` is the mini-batch's own forward, detached."""
+    alpha = ((version - versions) / (version + 1 - versions).clamp(min=1)).clamp(0.0, 1.0)
+    return torch.lerp(behaviour, current, alpha.to(current.dtype))
 
 
 PerTokenLoss = Callable[[LossInputs, TrainerConfig], tuple[Tensor, dict[str, Tensor]]]

@@ -100,8 +100,9 @@ class TrainerWorker:
         return stream.finish(tokens, sequences)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
-                           fresh: bool, proximal_micro_batches: int, top_p: float = 1.0) -> dict:
-        return self.backend.train_mini_batches(parts, temperature, fresh, proximal_micro_batches, top_p)
+                           fresh: bool, proximal_micro_batches: int, top_p: float = 1.0,
+                           version: int | None = None) -> dict:
+        return self.backend.train_mini_batches(parts, temperature, fresh, proximal_micro_batches, top_p, version)
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> None:
@@ -200,7 +201,7 @@ class TrainerGroup:
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
                                      for mine in parts)  # the first part needs none (backend.train_mini_batches)
-        return [w.train_mini_batches.remote(mine, temperature, fresh, proximal_micro_batches, top_p)
+        return [w.train_mini_batches.remote(mine, temperature, fresh, proximal_micro_batches, top_p, version)
                 for w, mine in zip(self.workers, parts)]
 
     def finish_train_step(self, refs: list[ray.ObjectRef]) -> dict:
