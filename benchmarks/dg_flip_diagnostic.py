@@ -8,12 +8,15 @@ DG's. It sums those weights over the tokens of right and of wrong answers (by th
 PPO does?
 
     python benchmarks/dg_flip_diagnostic.py --output benchmarks/results/dg_flip_diagnostic_cpu.json
+
+Shares are means over --seeds draws of prompts, samples and flips; each draw's own are in the file.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import random
+import statistics
 
 from rlsys.bench import machine, write_report
 from rlsys.config import load_config
@@ -60,23 +63,28 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--flip", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=4, help="draws of prompts, samples and flips: 0 .. seeds-1")
     p.add_argument("--output")
     args = p.parse_args(argv)
     cfg = load_config(None)
     train, _ = load_datasets(cfg.data)
-    prompts = random.Random(args.seed).sample(train, args.prompts)
-    groups = sample(cfg, prompts, cfg.control.group_size, args.seed)
-    right = sum(r > 0.5 for g in groups for _, r in g) / sum(len(g) for g in groups)
-    report = {"command": f"python benchmarks/dg_flip_diagnostic.py --prompts {args.prompts} --flip {args.flip}",
-              "machine": machine(), "samples": len(groups) * cfg.control.group_size, "right_share": right,
-              "dg_eta": cfg.trainer.dg_eta, "advantage": cfg.trainer.advantage,
-              "clean": pushes(groups, 0.0, cfg.trainer.dg_eta, cfg.trainer.advantage, args.seed),
-              "flipped": pushes(groups, args.flip, cfg.trainer.dg_eta, cfg.trainer.advantage, args.seed)}
+    per_seed = []
+    for seed in range(args.seeds):
+        groups = sample(cfg, random.Random(seed).sample(train, args.prompts), cfg.control.group_size, seed)
+        per_seed.append({"seed": seed,
+                         "right_share": sum(r > 0.5 for g in groups for _, r in g) / sum(len(g) for g in groups),
+                         "clean": pushes(groups, 0.0, cfg.trainer.dg_eta, cfg.trainer.advantage, seed),
+                         "flipped": pushes(groups, args.flip, cfg.trainer.dg_eta, cfg.trainer.advantage, seed)})
+    mean = lambda case, loss, k: statistics.fmean(r[case][loss][k] for r in per_seed)  # noqa: E731
+    report = {"command": f"python benchmarks/dg_flip_diagnostic.py --prompts {args.prompts} --flip {args.flip} "
+                         f"--seeds {args.seeds}",
+              "machine": machine(), "samples_per_seed": args.prompts * cfg.control.group_size,
+              "dg_eta": cfg.trainer.dg_eta, "advantage": cfg.trainer.advantage, "seeds": per_seed,
+              **{case: {loss: {k: mean(case, loss, k) for k in per_seed[0][case][loss]} for loss in ("ppo", "dg")}
+                 for case in ("clean", "flipped")}}
     write_report(args.output, report)
-    for name in ("clean", "flipped"):
-        for loss, shares in report[name].items():
-            print(name, loss, {k: round(v, 3) for k, v in shares.items()})
+    for r in per_seed:
+        print(r["seed"], {loss: round(v["up on wrong"] - v["down on wrong"], 3) for loss, v in r["flipped"].items()})
     return 0
 
 

@@ -143,12 +143,13 @@ def median_of(runs: list[dict], key: str):
 
 
 def repeated_accuracy(runs: list[dict]) -> tuple[float, float]:
-    """The mean final accuracy of repeated runs, and its standard error: the larger of the runs' own (their
-    spread over sqrt(n)) and the evals' (each run's eval error, averaged in quadrature, over sqrt(n)). The
-    spread covers training noise as well as the eval's, but from three runs it can come out small by chance."""
+    """The mean final accuracy of repeated runs, and its standard error: the larger of the runs' spread over
+    sqrt(n), which holds training noise as well as the eval's, and one eval's own error (the root mean
+    square of the runs'). Every run is evaluated on the same prompts with the same seeds, so the eval's
+    error does not average out over runs: identical runs (a deterministic sync schedule) keep it whole."""
     finals = [r["final_accuracy"] for r in runs]
     _, spread_se = mean_and_se(finals)
-    eval_se = math.sqrt(statistics.fmean((r.get("final_accuracy_se") or 0.0) ** 2 for r in runs) / len(runs))
+    eval_se = math.sqrt(statistics.fmean((r.get("final_accuracy_se") or 0.0) ** 2 for r in runs))
     return statistics.fmean(finals), max(spread_se, eval_se)
 
 

@@ -48,8 +48,9 @@ def test_repeats_final_accuracy_is_their_mean_with_an_error_from_the_spread_or_t
     assert spread["final_accuracy"] == pytest.approx(0.25) and spread["final_accuracy_spread"] == [0.20, 0.30]
     assert spread["final_accuracy_se"] == pytest.approx(0.05 / 3 ** 0.5)  # stdev 0.05 over sqrt(3)
     alike = aggregate([run(0.25), run(0.25), run(0.25)])
-    assert alike["final_accuracy_se"] == pytest.approx(0.01 / 3 ** 0.5)  # identical runs keep the evals' error
-    assert aggregate([run(0.25, se=0.02)])["final_accuracy_se"] == pytest.approx(0.02)
+    assert alike["final_accuracy_se"] == pytest.approx(0.01)  # identical runs: one eval's error, not divided by 3
+    mixed = aggregate([run(0.25, se=0.01), run(0.26, se=0.02)])
+    assert mixed["final_accuracy_se"] == pytest.approx(((0.01 ** 2 + 0.02 ** 2) / 2) ** 0.5)  # rms of the two
 
 
 def test_an_accuracy_difference_counts_only_beyond_two_standard_errors():
