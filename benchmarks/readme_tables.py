@@ -276,6 +276,19 @@ def sim_sagc_verdict() -> str:
          "yes" if v["equal_utility"] else "no", "yes" if v["sagc_wins"] else "no"] for v in verdicts])
 
 
+def loss_sweep_figures() -> list[str]:
+    """The staleness ablation's differences as docs/performance.md quotes them."""
+    sys.path.insert(0, str(ROOT))
+    from rlsys.bench import accuracy_difference
+
+    r = load("loss_sweep_cpu")["results"]
+    d = lambda a, b: "{diff:+.3f} ± {se:.3f}".format(**accuracy_difference(r[a], r[b]))  # noqa: E731
+    return [f"eta 4 against eta 0 is {d('eta4/ppo_naive', 'eta0/ppo_naive')}",
+            f"against eta 0: {d('eta4/decoupled_ppo', 'eta0/decoupled_ppo')}; against naive PPO at eta 4: "
+            f"{d('eta4/decoupled_ppo', 'eta4/ppo_naive')}",
+            f"({r['all/decoupled_ppo']['final_accuracy']:.3f} against {r['all/ppo_naive']['final_accuracy']:.3f})"]
+
+
 def dg_net(loss: str) -> str:
     """The range over the diagnostic's draws of the net push on wrong answers under flipped rewards."""
     nets = [r["flipped"][loss]["up on wrong"] - r["flipped"][loss]["down on wrong"]
@@ -311,6 +324,7 @@ def prose_figures() -> dict[str, list[str]]:
                       f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
                       f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble"],
         "docs/performance.md": [
+            *loss_sweep_figures(),
             f"zero or upward in every draw ({dg_net('dg')}; PPO's {dg_net('ppo')})",
             f"reaches the target {fast['time_to_target_s']:.2f}x sooner with final accuracy within the error, but is "
             f"{fast['time_per_sample_s']:.2f}x per sample, {100 * (1 - fast['time_per_sample_s'] / 1.4):.0f}% short",
