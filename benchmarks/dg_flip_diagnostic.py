@@ -14,9 +14,10 @@ Shares are means over --seeds draws of prompts, samples and flips; each draw's o
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import statistics
+
+import torch
 
 from rlsys.bench import machine, write_report
 from rlsys.config import load_config
@@ -25,15 +26,12 @@ from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.trainer.advantages import group_advantages
+from rlsys.trainer.losses import delight_gate
 from rlsys.types import Request, SamplingParams
 
 
-def sample(cfg, prompts, group_size: int, seed: int) -> list[list[tuple[list[float], float]]]:
+def sample(engine: CPUEngine, tokenizer, score, params: SamplingParams, prompts, group_size: int):
     """Per prompt, its G samples as (token log-probs, true reward)."""
-    model_dir = prepare_model(cfg)
-    tokenizer, score = load_tokenizer(model_dir), reward_fn(cfg.reward.fn)
-    engine = CPUEngine(str(model_dir), slots=64, seed=seed)
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
     for p, ids in zip(prompts, tokenizer([p.text for p in prompts])["input_ids"]):
         for g in range(group_size):
             engine.add(Request(f"{p.uid}/{g}", p.uid, ids, params))
@@ -55,7 +53,7 @@ def pushes(groups, flip: float, dg_eta: float, advantage: str, seed: int) -> dic
                 continue
             key = f"{'up' if a > 0 else 'down'} on {'right' if truth > 0.5 else 'wrong'}"
             sums["ppo"][key] += abs(a) * len(logprobs)
-            sums["dg"][key] += sum(abs(a) / (1 + math.exp(a * lp / dg_eta)) for lp in logprobs)  # sigmoid(-a*lp/eta)
+            sums["dg"][key] += abs(a) * delight_gate(torch.tensor(a), torch.tensor(logprobs), dg_eta).sum().item()
     return {loss: {k: v / sum(s.values()) for k, v in s.items()} for loss, s in sums.items()}
 
 
@@ -68,9 +66,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = load_config(None)
     train, _ = load_datasets(cfg.data)
+    model_dir = prepare_model(cfg)
+    tokenizer, score = load_tokenizer(model_dir), reward_fn(cfg.reward.fn)
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)
     per_seed = []
-    for seed in range(args.seeds):
-        groups = sample(cfg, random.Random(seed).sample(train, args.prompts), cfg.control.group_size, seed)
+    for seed in range(args.seeds):  # an engine per seed: it draws each request from (its seed, request id)
+        engine = CPUEngine(str(model_dir), slots=64, seed=seed)
+        prompts = random.Random(seed).sample(train, args.prompts)
+        groups = sample(engine, tokenizer, score, params, prompts, cfg.control.group_size)
         per_seed.append({"seed": seed,
                          "right_share": sum(r > 0.5 for g in groups for _, r in g) / sum(len(g) for g in groups),
                          "clean": pushes(groups, 0.0, cfg.trainer.dg_eta, cfg.trainer.advantage, seed),

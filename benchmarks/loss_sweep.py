@@ -33,8 +33,7 @@ CONDITIONS = {
 # condition -> the losses it compares: staleness alone leaves out the clipped DG, the frictions take all four
 GRID = {condition: LOSSES if condition in ("eta0", "flipped_rewards", "wrong_temperature", "all") else LOSSES[:3]
         for condition in CONDITIONS}
-RUN_KEYS = ("seed", "eval_every", "initial_accuracy", "final_accuracy", "final_accuracy_se", "samples", "wall_s",
-            "staleness_mean")
+RUN_KEYS = ("initial_accuracy", "final_accuracy", "final_accuracy_se", "samples", "wall_s", "staleness_mean")
 
 
 def cell_summary(runs: list[dict]) -> dict:
@@ -53,7 +52,7 @@ def run_cell(condition: str, loss: str, seed: int, steps: int, out_dir: Path) ->
     rows = run_preset(None, overrides, out_dir / f"{condition}-{loss}-seed{seed}")
     summary = summarise_run(rows, target=1.0)
     summary["staleness_mean"] = next((r["staleness/mean"] for r in reversed(rows) if "staleness/mean" in r), None)
-    return {"seed": seed, "eval_every": steps, **{k: summary[k] for k in RUN_KEYS if k in summary}}
+    return {"seed": seed, "eval_every": steps, **{k: summary[k] for k in RUN_KEYS}}
 
 
 def main(argv=None) -> int:

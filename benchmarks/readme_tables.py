@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # rlsys, when run as a script from anywhere
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = [ROOT / "README.md", ROOT / "docs" / "performance.md"]
 MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
@@ -101,7 +102,6 @@ def schedulers_summary() -> str:
 
 @table("presets")
 def presets() -> str:
-    sys.path.insert(0, str(ROOT))
     from rlsys.bench import PRESETS
 
     return rows(["preset", "overrides on top of the workload"],
@@ -278,7 +278,6 @@ def sim_sagc_verdict() -> str:
 
 def loss_sweep_figures() -> list[str]:
     """The staleness ablation's differences as docs/performance.md quotes them."""
-    sys.path.insert(0, str(ROOT))
     from rlsys.bench import accuracy_difference
 
     r = load("loss_sweep_cpu")["results"]

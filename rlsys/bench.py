@@ -157,14 +157,14 @@ def aggregate(runs: list[dict]) -> dict:
     """Median over repeats, with [min, max] spreads for the figures that vary; the final accuracy is the
     mean over repeats with its standard error (`repeated_accuracy`)."""
     out: dict = {"repeats": len(runs)}
-    for key in (k for k in runs[0] if k != "eval_curve"):
+    for key in (k for k in runs[0] if k not in ("eval_curve", "final_accuracy_se")):
         out[key] = median_of(runs, key)
         values = [r[key] for r in runs if r[key] is not None]
         if len(values) > 1:
             out[f"{key}_spread"] = [min(values), max(values)]
+    out["final_accuracy_se"] = None
     if all(r.get("final_accuracy") is not None for r in runs):
         out["final_accuracy"], out["final_accuracy_se"] = repeated_accuracy(runs)
-        out.pop("final_accuracy_se_spread", None)
     return out
 
 

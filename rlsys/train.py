@@ -12,6 +12,7 @@ import signal
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import groupby
 from pathlib import Path
 
 import ray
@@ -118,26 +119,22 @@ class Controller:
                 self.apply(self.scheduler.handle(event, self.now()))
 
     def apply(self, actions) -> None:
-        """In order; consecutive Submits go to the engines as one batch of requests (one call per engine, not
-        one per prompt), sent before the next action of another kind."""
-        requests: list[Request] = []
-        for action in actions:
-            if isinstance(action, Submit):
-                requests += self.requests_for(action)
+        """In order; a run of consecutive Submits goes to the engines as one batch of requests (one call per
+        engine, not one per prompt)."""
+        for submits, run in groupby(actions, key=lambda a: isinstance(a, Submit)):
+            if submits:
+                self.submit([r for action in run for r in self.requests_for(action)])
                 continue
-            if requests:
-                self.submit(requests)
-                requests = []
-            if isinstance(action, Abort):
-                self.rollout.abort(action.request_ids)
-            elif isinstance(action, Accumulate):
-                self.accumulate(action.groups)
-            elif isinstance(action, Train):
-                self.start_training(action.groups)
-            else:
-                raise TypeError(f"scheduler {self.cfg.control.scheduler!r} asked for an unknown action {action!r}")
-        if requests:
-            self.submit(requests)
+            for action in run:
+                if isinstance(action, Abort):
+                    self.rollout.abort(action.request_ids)
+                elif isinstance(action, Accumulate):
+                    self.accumulate(action.groups)
+                elif isinstance(action, Train):
+                    self.start_training(action.groups)
+                else:
+                    raise TypeError(f"scheduler {self.cfg.control.scheduler!r} asked for an unknown action "
+                                    f"{action!r}")
 
     def next_events(self) -> list[Event]:
         """Wait for the engines, the reward pool or the train step; what they gave back for training, as events.

@@ -172,21 +172,20 @@ class TrainerBackend(ABC):
         else recomputed here, or with `trainer.proximal=loglinear` interpolated from each part's own
         forward (`version` is the weights' at the start). Statistics are means over the parts; tokens
         and sequences are sums."""
-        interpolate_at = None
+        interpolate = not fresh and self.cfg.proximal == "loglinear" and version is not None
         if len(parts) > 1:
             # The first part runs on the proximal weights themselves: its own forward is pi_prox, exactly, so
-            # only the later parts need one recomputed (a quarter of that forward saved at 4 mini-batches).
+            # only the later parts need one recomputed (a quarter of that forward saved at 4 mini-batches),
+            # or interpolated from their own forwards (accumulate_gradients).
             later = [s for part, _ in parts[1:] for s in part]
-            if fresh:
-                proximal = [s.logprobs for s in later]
-            elif self.cfg.proximal == "loglinear" and version is not None:
-                proximal, interpolate_at = [None] * len(later), version
-            else:
-                proximal = self.compute_logprobs(later, temperature, proximal_micro_batches, top_p)
-            for sample, logprobs in zip(later, proximal):
-                sample.proximal_logprobs = None if logprobs is None else list(logprobs)
+            if not interpolate:
+                proximal = ([s.logprobs for s in later] if fresh else
+                            self.compute_logprobs(later, temperature, proximal_micro_batches, top_p))
+            for i, sample in enumerate(later):
+                sample.proximal_logprobs = None if interpolate else list(proximal[i])
             for sample in parts[0][0]:  # fresh: pi_old is the engine's for every part alike (losses.py)
                 sample.proximal_logprobs = list(sample.logprobs) if fresh else None
+        interpolate_at = version if interpolate else None
         per_part = [self.train_step(samples, totals, temperature, top_p, interpolate_at if i else None)
                     for i, (samples, totals) in enumerate(parts)]
         keys = set().union(*per_part)

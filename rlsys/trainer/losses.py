@@ -220,10 +220,9 @@ def ppo_naive_loss(inp: LossInputs, cfg: TrainerConfig):
                              cfg.clip_ratio_c)
 
 
-def delight_gate(inp: LossInputs, eta: float) -> Tensor:
+def delight_gate(advantages: Tensor, logprobs: Tensor, eta: float) -> Tensor:
     """sigmoid(A * l / eta), l = -log pi (detached): rare successes pass, rare failures are damped."""
-    surprisal = -inp.logprobs.detach()
-    return torch.sigmoid(inp.advantages * surprisal / eta)
+    return torch.sigmoid(advantages * -logprobs.detach() / eta)
 
 
 def gate_stats(gate: Tensor) -> dict[str, Tensor]:
@@ -234,7 +233,7 @@ def gate_stats(gate: Tensor) -> dict[str, Tensor]:
 @register_policy_loss("dg", aggregation="token_mean")
 def dg_loss(inp: LossInputs, cfg: TrainerConfig):
     """Delightful Policy Gradient: -gate * A * log pi per token; needs no behaviour log-probs."""
-    gate = delight_gate(inp, cfg.dg_eta)
+    gate = delight_gate(inp.advantages, inp.logprobs, cfg.dg_eta)
     return -gate * inp.advantages * inp.logprobs, gate_stats(gate)
 
 
@@ -246,7 +245,7 @@ def dg_clipped_loss(inp: LossInputs, cfg: TrainerConfig):
     act on different things, so they multiply. At ratio 1 (one optimizer step per train step) the
     gradient is exactly `dg`'s; the clip only bites when a batch takes several steps.
     """
-    gate = delight_gate(inp, cfg.dg_eta)
+    gate = delight_gate(inp.advantages, inp.logprobs, cfg.dg_eta)
     loss, stats = clipped_surrogate(inp, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
     stats.update(gate_stats(gate))
     return gate * loss, stats
