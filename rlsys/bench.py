@@ -178,17 +178,25 @@ def accuracy_difference(a: dict, b: dict) -> dict | None:
     return {"diff": diff, "se": se, "beyond_error": abs(diff) > 2 * se}
 
 
-def speedups(results: dict) -> dict:
-    base = results.get("sync")
-    if not base:
+def pair_ratios(base: list[dict], other: list[dict], key: str) -> list[float | None]:
+    """base / other for each repeat: the repeats ran interleaved, so the machine's load in one cancels in its pair."""
+    return [b[key] / o[key] if b.get(key) and o.get(key) else None for b, o in zip(base, other)]
+
+
+def speedups(runs: dict[str, list[dict]], results: dict) -> dict:
+    """Each preset against sync: the median and [min, max] of the per-repeat ratios (time to target only if
+    every repeat of both reached it), and the final accuracy's difference with its error."""
+    if "sync" not in runs:
         return {}
+
     out = {}
-    for name, r in results.items():
-        out[name] = {"per_sample": base["time_per_sample_s"] / r["time_per_sample_s"]
-                     if r["time_per_sample_s"] else None,
-                     "time_to_target": (base["time_to_target_s"] / r["time_to_target_s"]
-                                        if base["time_to_target_s"] and r["time_to_target_s"] else None),
-                     "final_accuracy_vs_sync": accuracy_difference(r, base)}
+    for name in runs:
+        out[name] = {"final_accuracy_vs_sync": accuracy_difference(results[name], results["sync"])}
+        for label, key in (("per_sample", "time_per_sample_s"), ("time_to_target", "time_to_target_s")):
+            ratios = pair_ratios(runs["sync"], runs[name], key)
+            whole = ratios and None not in ratios
+            out[name][label] = statistics.median(ratios) if whole else None
+            out[name][f"{label}_spread"] = [min(ratios), max(ratios)] if whole else None
     return out
 
 
@@ -232,7 +240,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
         "machine": machine(),
         "equal_time_s": equal_time_s,
         "results": results,
-        "speedup_vs_sync": speedups(results),
+        "speedup_vs_sync": speedups(runs, results),
         "runs": runs,
     }
 

@@ -40,6 +40,23 @@ def test_aggregate_reports_the_median_and_spread_and_no_time_to_target_unless_ev
     assert "eval_curve" not in out
 
 
+def test_speed_up_is_the_median_of_each_repeats_pair_not_a_ratio_of_medians():
+    """Repeat 1 ran on a quieter machine for both presets: its pair still reads 1.25x, while the medians of
+    each preset alone (sync 4.0, other 3.5 ms) would mix repeats and read 1.14x."""
+    from rlsys.bench import speedups
+
+    def run(ms, to_target):
+        return {"time_per_sample_s": ms / 1000, "time_to_target_s": to_target, "final_accuracy": 0.3,
+                "final_accuracy_se": 0.01}
+
+    runs = {"sync": [run(4.0, 40), run(2.5, 25), run(5.0, 50)],
+            "other": [run(3.5, 30), run(2.0, None), run(4.0, 40)]}
+    out = speedups(runs, {name: aggregate(rs) for name, rs in runs.items()})["other"]
+    assert out["per_sample"] == pytest.approx(1.25) and out["per_sample_spread"] == pytest.approx([1.1429, 1.25], abs=1e-4)
+    assert out["time_to_target"] is None and out["time_to_target_spread"] is None  # one repeat never reached it
+    assert out["final_accuracy_vs_sync"]["diff"] == 0
+
+
 def test_repeats_final_accuracy_is_their_mean_with_an_error_from_the_spread_or_the_evals_whichever_is_larger():
     def run(acc, se=0.01):
         return {**summarise_run(rows(1.0, [(0, 0.1), (4, acc)]), target=0.3), "final_accuracy_se": se}
