@@ -299,6 +299,30 @@ def dg_net(loss: str) -> str:
     return f"{min(nets):+.3f} to {max(nets):+.3f}"
 
 
+def async_profile_shares() -> tuple[float, float]:
+    """How much longer a train step runs beside the engine than alone, and the trainer's wait between steps,
+    each in % (of the step alone, of the async step)."""
+    r = load("async_profile_cpu")["results"]
+    fast, alone = r["async-loglinear"], r["sync"]["median"]["train_s"]
+    return (100 * (fast["median"]["train_s"] / alone - 1),
+            100 * fast["trainer_idle_between_steps_s"] / fast["median"]["step_s"])
+
+
+def async_profile_figures() -> list[str]:
+    """docs/performance.md's reading of benchmarks/async_profile.py."""
+    r = load("async_profile_cpu")["results"]
+    fast, sync = r["async-loglinear"], r["sync"]
+    cores, train, alone = fast["cores_in_window"], fast["median"]["train_s"], sync["median"]["train_s"]
+    longer, waiting = async_profile_shares()
+    return [f"processes use {fast['cores_total']:.2f} of the 2 cores (trainer {cores['ray::TrainerWorker']:.2f}, "
+            f"rollout worker {cores['ray::RolloutWorker']:.2f}, controller {cores['controller']:.2f}, reward actor "
+            f"{cores['ray::RewardWorker']:.2f})",
+            f"takes {train:.3f} s beside the engine against {alone:.3f} s alone under `sync` ({longer:.0f}% longer)",
+            f"the trainer waits {fast['trainer_idle_between_steps_s']:.3f} s",
+            f"{waiting:.0f}% of the step",
+            f"about {sync['median']['step_s'] / train:.2f}x sync per sample in this run"]
+
+
 def prose_figures() -> dict[str, list[str]]:
     """Figures quoted in prose, as each document must spell them: a changed file or a changed digit fails."""
     s, speed = load("bench_schedulers_cpu")["results"], load("bench_schedulers_cpu")["speedup_vs_sync"]
@@ -317,6 +341,8 @@ def prose_figures() -> dict[str, list[str]]:
                       f"target {fast['time_to_target']:.2f}x sooner",
                       f"recomputed it was {plain['per_sample']:.2f}x",
                       f"is missed by {100 * (1 - fast['per_sample'] / 1.4):.0f}%",
+                      "the engine the train step runs {:.0f}% longer".format(*async_profile_shares()),
+                      "published, the next step launched), {:.0f}% of each step".format(async_profile_shares()[1]),
                       f"wastes nothing ({fast['per_sample']:.2f}x per sample",
                       f"reproduces {sum(r['within'] for r in cal)} of {len(cal)} published figures within 15% "
                       f"({sum(r['within'] and not r['fitted'] for r in cal)} of the {sum(not r['fitted'] for r in cal)}",
@@ -329,6 +355,7 @@ def prose_figures() -> dict[str, list[str]]:
         "docs/performance.md": [
             *loss_sweep_figures(),
             f"zero or upward in every draw ({dg_net('dg')}; PPO's {dg_net('ppo')})",
+            *async_profile_figures(),
             f"reaches the target {fast['time_to_target']:.2f}x sooner with final accuracy within the error, but is "
             f"{fast['per_sample']:.2f}x per sample, {100 * (1 - fast['per_sample'] / 1.4):.0f}% short",
             f"is {plain['per_sample']:.2f}x per sample, {100 * (1 - plain['per_sample'] / 1.4):.0f}% short, and "
