@@ -38,13 +38,12 @@ class ScoreAfterRound(Controller):
         super().__init__(*args, **kwargs)
         self.held = []
 
-    def score(self, completion) -> None:
-        self.held.append(completion)
+    def score(self, completions) -> None:
+        self.held += completions
         # `prompts` holds every request not yet scored: generating, held here, or with the pool (`in_flight`)
-        if len(self.prompts) == len(self.held) + len(self.in_flight):
+        if self.held and len(self.prompts) == len(self.held) + len(self.in_flight):
             held, self.held = self.held, []
-            for c in held:
-                super().score(c)
+            super().score(held)
 
 
 MODES = {"overlapped": Controller, "after_round": ScoreAfterRound}

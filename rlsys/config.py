@@ -113,6 +113,9 @@ class RolloutConfig(Section):
     # Weights and activations of either engine. auto: float32 for the built-in engine on the CPU, else bfloat16.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_restarts: int = Field(3, ge=0)  # a dead worker is replaced up to this many times in a row (none finished)
+    # A worker holds finished completions up to this long while its engine runs others: fewer, larger hand-overs
+    # leave its decoding the CPU that each call costs (docs/performance.md). 0: each as soon as it is ready.
+    handoff_s: float = Field(0.05, ge=0)
 
     @property
     def engine_dtype(self) -> str:

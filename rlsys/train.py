@@ -112,10 +112,9 @@ class Controller:
         return self.finish()
 
     def handle(self, events: list[Event]) -> None:
+        self.score([e.completion for e in events if isinstance(e, Generated)])
         for event in events:
-            if isinstance(event, Generated):
-                self.score(event.completion)
-            else:
+            if not isinstance(event, Generated):
                 self.apply(self.scheduler.handle(event, self.now()))
 
     def apply(self, actions) -> None:
@@ -147,9 +146,10 @@ class Controller:
             ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=len(rollout_refs + reward_refs), timeout=0)
         ready = set(ready)
         events: list[Event] = []
+        evaluated = []
         for completion in self.rollout.collect([r for r in rollout_refs if r in ready]):
             if self.evaluation and self.evaluation.owns(completion.request_id):
-                self.rewards.submit(*self.evaluation.to_score(completion))
+                evaluated.append(self.evaluation.to_score(completion))
                 continue
             self.stats.add_completion(completion)
             if completion.finish_reason == "abort":
@@ -157,6 +157,7 @@ class Controller:
                 events.append(Aborted(completion))
             else:
                 events.append(Generated(completion))
+        self.rewards.submit(evaluated)
         for result in self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap():
             if self.evaluation and self.evaluation.owns(result.key):
                 self.evaluation.add(result.key, result.reward)
@@ -167,11 +168,12 @@ class Controller:
             events.append(Scored(ScoredSample(self.in_flight.pop(result.key), reward, result.error)))
         return events
 
-    def score(self, completion: Completion) -> None:
-        """A finished completion to the reward pool, with the answer of the prompt it was asked for."""
-        rid = completion.request_id
-        self.in_flight[rid] = completion
-        self.rewards.submit(rid, completion.text, self.prompts[rid].answer, completion.num_tokens)
+    def score(self, completions: list[Completion]) -> None:
+        """Finished completions to the reward pool, each with the answer of the prompt it was asked for."""
+        for c in completions:
+            self.in_flight[c.request_id] = c
+        self.rewards.submit([(c.request_id, c.text, self.prompts[c.request_id].answer, c.num_tokens)
+                             for c in completions])
 
     def requests_for(self, action: Submit) -> list[Request]:
         prompt_ids = self.tokenizer(action.prompt.text)["input_ids"]

@@ -173,9 +173,9 @@ def test_the_after_round_baseline_scores_a_round_only_once_it_has_generated(tmp_
     generating = []  # training requests in the engines at each completion sent to the reward pool
     score = Controller.score
 
-    def spy(self, completion):
-        generating.append(sum("#" in rid for rid in self.rollout.worker_of))
-        score(self, completion)
+    def spy(self, completions):
+        generating.extend([sum("#" in rid for rid in self.rollout.worker_of)] * len(completions))
+        score(self, completions)
     monkeypatch.setattr(Controller, "score", spy)
     metrics = run_preset(None, ["trainer.total_steps=2", "control.eval_every=0", *SMALL], tmp_path / "run",
                          overlap.ScoreAfterRound)

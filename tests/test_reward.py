@@ -122,8 +122,7 @@ def faulty_pool(ray_cluster):
 def test_pool_streams_many_items(ray_cluster):
     pool = RewardPool(RewardConfig(fn="exact_match", num_workers=2))
     try:
-        for i in range(300):
-            pool.submit(f"k{i}", str(i % 7), "3", num_tokens=5)
+        pool.submit([(f"k{i}", str(i % 7), "3", 5) for i in range(300)])
         assert pool.unscored() == 300
         results, rounds = {}, 0
         while pool.unscored():
@@ -154,7 +153,7 @@ def test_score_all_refuses_while_other_items_are_in_flight(ray_cluster):
     collect(). (Evaluation mid-run goes through the controller's pump: test_end_to_end.py.)"""
     pool = RewardPool(RewardConfig(fn="exact_match", num_workers=1))
     try:
-        pool.submit("train-1", "ab", "ab", 2)
+        pool.submit([("train-1", "ab", "ab", 2)])
         with pytest.raises(RuntimeError, match="score_all: 1 other items are being scored"):
             pool.score_all([("eval-1", "x", "y", 1)])
         got = pool.collect([])
@@ -199,8 +198,7 @@ def test_a_worker_hung_holding_the_gil_is_killed_from_the_driver(faulty_pool):
 
 def test_a_killed_worker_is_replaced_and_its_items_resubmitted(faulty_pool, ray_cluster):
     restarts = faulty_pool.restarts
-    faulty_pool.submit("a", "nap", "", 1)
-    faulty_pool.submit("b", "nap", "", 1)  # two workers, two items: one each
+    faulty_pool.submit([("a", "nap", "", 1), ("b", "nap", "", 1)])  # two workers, two items: one each
     for worker in faulty_pool.workers:
         ray_cluster.kill(worker)
     results = []

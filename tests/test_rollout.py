@@ -55,6 +55,24 @@ def test_worker_applies_new_weights_between_steps(models):
         worker.stop()
 
 
+def test_worker_hands_completions_over_together_and_at_once_when_it_runs_out_of_work(models):
+    """rollout.handoff_s: finished completions wait for the others finishing soon after, while the engine still
+    runs something; once it runs nothing, the drain returns without waiting out the hand-off time."""
+    path, _ = models
+    worker = RolloutWorker(path, slots=8, torch_threads=1)
+    step = worker.engine.step
+    worker.engine.step = lambda: time.sleep(0.005) or step()  # steps of 5 ms at least: the shorts end 15 ms apart
+    try:
+        worker.submit([req(f"short{n}", n) for n in (1, 2, 3, 4)] + [req("long", 300)])
+        first = worker.drain(10, handoff_s=0.3)
+        assert sorted(c.request_id for c in first) == ["short1", "short2", "short3", "short4"]
+        t = time.time()
+        assert [c.request_id for c in worker.drain(10, handoff_s=30)] == ["long"]  # the last: nothing left to run
+        assert time.time() - t < 15
+    finally:
+        worker.stop()
+
+
 def test_worker_reports_bad_input_and_keeps_going(models):
     path, _ = models
     worker = RolloutWorker(path, slots=2, torch_threads=1)

@@ -142,8 +142,10 @@ class RewardPool:
 
     # -- the streaming API the controller uses --------------------------------------------------
 
-    def submit(self, key: str, response: str, answer: str, num_tokens: int) -> None:
-        self._queue.append(_Item(key, response, answer, num_tokens))
+    def submit(self, items: list[tuple[str, str, str, int]]) -> None:
+        """Queue (key, response, answer, num_tokens) items, then dispatch once: items handed over together
+        leave in as few calls as the idle workers allow, not the first alone and the rest after it."""
+        self._queue.extend(_Item(*item) for item in items)
         self._dispatch()
 
     def refs(self) -> list[ray.ObjectRef]:
@@ -200,8 +202,7 @@ class RewardPool:
         if self.unscored():
             raise RuntimeError(f"score_all: {self.unscored()} other items are being scored; collect them first (a "
                                "run's controller scores evaluation through its own pump)")
-        self._queue.extend(_Item(*item) for item in items)
-        self._dispatch()
+        self.submit(items)
         by_key = {}
         while len(by_key) < len(keys):
             next_deadline = min(c.deadline for c in self._calls.values())

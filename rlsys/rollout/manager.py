@@ -51,14 +51,15 @@ class RolloutManager:
         """The run's engines, as `cfg.rollout` and `cfg.cluster` describe them (in `placement`'s groups)."""
         return cls(str(model_dir), cfg.rollout.num_workers, cfg.rollout.slots, torch_threads=cfg.cluster.torch_threads,
                    engine_kwargs=engine_options(cfg), engine=cfg.rollout.engine, max_restarts=cfg.rollout.max_restarts,
-                   placement=placement)
+                   placement=placement, handoff_s=cfg.rollout.handoff_s)
 
     def __init__(self, model_dir: str, num_workers: int, slots: int, torch_threads: int | None = None,
                  engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0, engine: str = "cpu",
-                 max_restarts: int = 3, placement=None):
+                 max_restarts: int = 3, placement=None, handoff_s: float = 0.0):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         self.slots, self.drain_timeout_s, self.max_restarts = slots, drain_timeout_s, max_restarts
+        self.handoff_s = handoff_s
         gpus = worker_gpus(engine, engine_kwargs or {})
         have = ray.cluster_resources().get("GPU", 0) if gpus and not placement else gpus
         if have < gpus:  # else Ray would wait for them forever
@@ -231,7 +232,7 @@ class RolloutManager:
         self.workers, self._drains = [], {}
 
     def _arm(self, i: int) -> ObjectRef:
-        return self.workers[i].drain.remote(self.drain_timeout_s)
+        return self.workers[i].drain.remote(self.drain_timeout_s, self.handoff_s)
 
     def _new_worker(self, i: int):
         model_dir, slots, torch_threads, engine_kwargs, engine = self._worker_args
