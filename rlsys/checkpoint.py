@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
+from rlsys.errors import UserError
+
 STATE_FILE = "controller.json"
+RUN_RECORDS = ("metrics.jsonl", "timeline.jsonl", "checkpoints", "export")  # what a started run leaves
 
 
 def _fsync_tree(path: Path) -> None:
@@ -70,3 +74,26 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
         for tmp in self.root.glob("step_*.tmp"):
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def claim_run_dir(run_dir: str | Path, resume: bool, overwrite: bool = False) -> None:
+    """Refuse what would mix two runs in one folder, before anything starts: a second run appended to the
+    first's metrics, its checkpoints pruned as older than the first's. `overwrite` moves the old run aside."""
+    run_dir = Path(run_dir)
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    if resume:
+        if latest is None:
+            raise UserError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}; start the run "
+                            f"without --resume (or set output_dir to the run to continue)")
+        return
+    used = [name for name in RUN_RECORDS if (run_dir / name).exists()]
+    if not used:
+        return
+    if overwrite:
+        aside = run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(run_dir, aside)
+        print(f"moved the earlier run in {run_dir} to {aside}")
+        return
+    last = f"its last checkpoint is step {CheckpointManager.read_state(latest)['step']}" if latest else "no checkpoint"
+    raise UserError(f"output_dir {run_dir} holds a run ({', '.join(used)}; {last}). Continue it with --resume, "
+                    f"choose another output_dir, or add --overwrite to move it aside and start again")

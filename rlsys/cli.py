@@ -26,13 +26,17 @@ def cmd_train(args) -> int:
 
     path, overrides = split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)
+    go_on = " ".join(["rlsys train", *args.items, "--resume"])
     try:
-        final = train(cfg, resume=args.resume)
+        final = train(cfg, resume=args.resume, overwrite=args.overwrite)
     except RunStopped as e:  # a clear message, not a traceback
         print(f"rlsys: {e}", file=sys.stderr)
         return 1
-    if "eval/accuracy" not in final:  # stopped by SIGTERM: no final eval
-        print(f"stopped at step {final['step']}; --resume continues (run folder {cfg.output_dir})")
+    except KeyboardInterrupt:  # a second Ctrl-C: the last checkpoint written is where to go on from
+        print(f"\ninterrupted; `{go_on}` continues from the last checkpoint in {cfg.output_dir}", file=sys.stderr)
+        return 130
+    if "eval/accuracy" not in final:  # stopped by SIGTERM or Ctrl-C: no final eval
+        print(f"stopped at step {final['step']}; `{go_on}` continues (run folder {cfg.output_dir})")
         return 0
     print(f"done: step {final['step']}, eval accuracy {final['eval/accuracy']:.3f} ± {final['eval/accuracy_se']:.3f}; "
           f"run folder {cfg.output_dir} (rlsys plot {cfg.output_dir})")
@@ -73,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help=f"a YAML config (default {DEFAULT_CONFIG.name}) then overrides like trainer.total_steps=2")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    p.add_argument("--overwrite", action="store_true",
+                   help="output_dir holds an earlier run: move it aside (to OUTPUT_DIR.replaced-TIME) and start anew")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="eval accuracy of a run folder, an exported model or a checkpoint")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 
-from rlsys.checkpoint import STATE_FILE, CheckpointManager, write_json_atomic
+from rlsys.checkpoint import STATE_FILE, CheckpointManager, claim_run_dir, write_json_atomic
 from rlsys.cluster import init_ray
 from rlsys.config import Config, save_config
 from rlsys.control import build_scheduler
@@ -98,7 +98,8 @@ class Controller:
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> dict:
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        for signum in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops as a pre-emption notice does
+            signal.signal(signum, self._on_stop_signal)
         if self.rollout.asleep:  # slept at start: the first wake brings the trainer's weights
             self.publish()
         if self.step == 0:
@@ -341,8 +342,12 @@ class Controller:
             self.trainer.release_cached_memory()  # the trainer's cached activations would crowd the KV cache out
             self.rollout.wake_up(["kv_cache"])
 
-    def _on_sigterm(self, *_):
-        print("SIGTERM: finishing the current step, saving a checkpoint, then exiting")
+    def _on_stop_signal(self, signum, _frame):
+        if signum == signal.SIGINT and self.stop_requested:  # a second Ctrl-C: stop at once, no checkpoint
+            raise KeyboardInterrupt
+        hint = " (Ctrl-C again stops at once, without a checkpoint)" if signum == signal.SIGINT else ""
+        print(f"{signal.Signals(signum).name}: finishing the current step, saving a checkpoint, then exiting{hint}",
+              flush=True)
         self.stop_requested = True
 
     def stopped_by(self, death: TrainerDied) -> str:
@@ -354,8 +359,10 @@ class Controller:
         return f"trainer rank {death.rank} died in step {self.step + 1} ({death.why}). The run stopped; {how}."
 
 
-def train(cfg: Config, resume: bool = False, controller_class: type[Controller] = Controller) -> dict:
+def train(cfg: Config, resume: bool = False, controller_class: type[Controller] = Controller,
+          overwrite: bool = False) -> dict:
     """One run; a benchmark may pass a Controller subclass that changes one of its jobs (a baseline)."""
+    claim_run_dir(cfg.output_dir, resume, overwrite)
     controller = controller_class(cfg, resume=resume)
     try:
         return controller.run()

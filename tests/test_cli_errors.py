@@ -9,6 +9,7 @@ import pytest
 from rlsys.cli import main, user_error
 from rlsys.config import ConfigError
 from rlsys.data import DataError
+from rlsys.errors import UserError
 
 
 def test_a_missing_config_file_is_one_message_and_exit_status_2(tmp_path, capsys):
@@ -66,3 +67,28 @@ def test_training_on_prompts_longer_than_max_prompt_tokens_prints_the_reason_alo
     assert done.returncode == 2, done.stderr[-2000:]
     assert "rlsys: all 4 training prompts are longer than data.max_prompt_tokens=64 tokens" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_resume_without_a_checkpoint_is_one_message_before_anything_starts(tmp_path, capsys):
+    assert main(["train", f"output_dir={tmp_path / 'run'}", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"--resume: no complete checkpoint under {tmp_path / 'run' / 'checkpoints'}" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_overwrite_moves_the_earlier_run_aside_whole(tmp_path):
+    from rlsys.checkpoint import claim_run_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_000003" / "controller.json").write_text('{"step": 3}')
+    (run / "metrics.jsonl").write_text('{"step": 3}\n')
+    with pytest.raises(UserError, match=r"holds a run \(metrics.jsonl, checkpoints; its last checkpoint is step 3\)"):
+        claim_run_dir(run, resume=False)
+    claim_run_dir(run, resume=True)  # a run to continue: nothing moves
+    assert (run / "metrics.jsonl").exists()
+    claim_run_dir(run, resume=False, overwrite=True)
+    [aside] = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert not run.exists() and (aside / "metrics.jsonl").read_text() == '{"step": 3}\n'
+    assert (aside / "checkpoints" / "step_000003" / "controller.json").exists()
+    claim_run_dir(tmp_path / "new", resume=False)  # an unused folder: nothing to say

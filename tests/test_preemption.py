@@ -70,9 +70,12 @@ def test_sigkill_mid_checkpoint_write_leaves_the_previous_checkpoint_loadable(tm
 
 
 @pytest.mark.slow
-def test_sigterm_ends_the_step_saves_a_checkpoint_and_resume_goes_on(tmp_path):
-    """SIGTERM to the driver once a step is logged: it finishes the step it is in, checkpoints it
-    (save_every=0: no other checkpoint before the end), skips the final eval and export, exits 0.
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_the_step_saves_a_checkpoint_and_resume_goes_on(tmp_path, signum):
+    """SIGTERM (a pre-emption notice) or SIGINT (Ctrl-C) to the driver once a step is logged: it finishes the
+    step it is in, checkpoints it (save_every=0: no other checkpoint before the end), skips the final eval and
+    export, exits 0 and prints the command that continues. Starting again without --resume is refused, losing
+    nothing; --resume finishes the run.
     Steps take well under a second here, so the bounds allow for the time between reading the log and the
     signal landing, and the run is long enough that the signal always lands before its end."""
     out, total = tmp_path / "run", 8
@@ -88,7 +91,7 @@ def test_sigterm_ends_the_step_saves_a_checkpoint_and_resume_goes_on(tmp_path):
             assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
             time.sleep(0.05)
         logged = max(r["step"] for r in rows(out) if "timing/train_s" in r)
-        proc.send_signal(signal.SIGTERM)  # the driver only, as a pre-emption notice reaches it
+        proc.send_signal(signum)  # the driver only, as a pre-emption notice reaches it
         log, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -97,10 +100,19 @@ def test_sigterm_ends_the_step_saves_a_checkpoint_and_resume_goes_on(tmp_path):
     steps = [r["step"] for r in rows(out) if "timing/train_s" in r]
     stopped = steps[-1]
     # The step running at the signal is logged + 1, or logged + 2 if that one ended between the read and the send.
-    assert steps == list(range(1, stopped + 1)) and logged < stopped <= logged + 2 < total and "SIGTERM" in log
+    assert steps == list(range(1, stopped + 1)) and logged < stopped <= logged + 2 < total
+    assert signal.Signals(signum).name in log and "Traceback" not in log
+    assert f"stopped at step {stopped}; `rlsys train {' '.join(cmd[4:])} --resume` continues" in log
     assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped:06d}"]
     assert json.loads((out / "checkpoints" / f"step_{stopped:06d}" / STATE_FILE).read_text())["step"] == stopped
     assert not (out / "export").exists() and not any(r.get("final") for r in rows(out))
+
+    logged_before = (out / "metrics.jsonl").read_text()
+    again = subprocess.run(cmd, env=env, timeout=120, capture_output=True, text=True)  # --resume forgotten
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert f"last checkpoint is step {stopped}). Continue it with --resume" in again.stderr
+    assert (out / "metrics.jsonl").read_text() == logged_before
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped:06d}"]
 
     resumed = subprocess.run(cmd + ["--resume"], env=env, timeout=300, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
