@@ -125,8 +125,19 @@ def user_error(error: BaseException) -> UserError | None:
     return error if isinstance(error, UserError) else None
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command's config, overrides and options in any order (`bench CONFIG --presets sync key=value`)."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # words after an option: argparse's intermixed parsing, which subcommands do not support
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        known = argparse.Namespace(command=args.command, traceback=args.traceback)
+        args = command.parse_intermixed_args(argv[argv.index(args.command) + 1:], namespace=known)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except Exception as e:  # a mistake in the user's config, data or model files reads as one message

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from rlsys.cli import main, user_error
+from rlsys.config import DEFAULT_CONFIG
 from rlsys.config import ConfigError
 from rlsys.data import DataError
 from rlsys.errors import UserError
@@ -92,3 +93,12 @@ def test_overwrite_moves_the_earlier_run_aside_whole(tmp_path):
     assert not run.exists() and (aside / "metrics.jsonl").read_text() == '{"step": 3}\n'
     assert (aside / "checkpoints" / "step_000003" / "controller.json").exists()
     claim_run_dir(tmp_path / "new", resume=False)  # an unused folder: nothing to say
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--presets", "sync", str(DEFAULT_CONFIG), "trainer.total_steps=-3"],
+    ["bench", str(DEFAULT_CONFIG), "--presets", "sync", "trainer.total_steps=-3"],
+    ["train", str(DEFAULT_CONFIG), "--resume", "trainer.total_steps=-3"]])
+def test_config_overrides_and_options_in_any_order(argv, capsys):
+    assert main(argv) == 2  # the override after the option reached the config: its error, not argparse's
+    assert "trainer.total_steps: Input should be greater than or equal to 1" in capsys.readouterr().err

@@ -21,3 +21,15 @@ def test_every_make_command_in_the_docs_names_a_target():
              for target in re.findall(r"`make ([\w-]+)", path.read_text())}
     missing = sorted((where, t) for where, t in named if t not in rules())
     assert named and not missing, f"`make X` in the docs without a rule X: {missing}"
+
+
+def test_a_hanging_test_fails_at_the_suites_time_limit_instead_of_hanging(pytestconfig, tmp_path):
+    """`make test` sets a per-test limit (pyproject.toml); a test that waits forever fails with a stack dump."""
+    import subprocess
+    import sys
+
+    assert float(pytestconfig.getini("timeout")) > 0
+    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_waits_forever():\n    time.sleep(3600)\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "timeout=2", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_hang.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Timeout (>2.0s) from pytest-timeout" in done.stdout, done.stdout[-2000:]
