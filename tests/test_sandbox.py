@@ -330,3 +330,20 @@ return True
         with pytest.raises(socket.timeout):
             server.accept()
     assert not result.passed and "OSError" in result.reason, result
+
+
+@needs_isolation
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("unshare") is None, reason="reruns this file as a user; needs root")
+def test_the_escapes_are_contained_in_the_unprivileged_users_branch_too():
+    """Tests run as root, so the sandbox's other branch (a user namespace of its own, taken when rlsys does not
+    run as root) would go untested: this file runs again as uid 1000 in a user namespace. Its uid maps to the
+    host's root, which RLIMIT_NPROC exempts, so the two process-limit tests cannot hold there and are left out."""
+    left_out = ["test_fork_bomb_is_contained", "test_process_limit_stops_many_forks"]
+    done = subprocess.run(
+        ["unshare", "--user", "--map-user=1000", "--map-group=1000", sys.executable, "-m", "pytest", "-rA", "-q",
+         "-p", "no:cacheprovider", __file__, "-k", " and ".join(f"not {name}" for name in left_out)],
+        env={**os.environ, "RLSYS_REQUIRE_SANDBOX": "1"}, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    skipped = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 2 and all("needs root" in line for line in skipped), skipped  # no escape skipped
+    assert "PASSED tests/test_sandbox.py::test_network_connections_fail" in done.stdout, done.stdout[-4000:]
