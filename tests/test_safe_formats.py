@@ -179,3 +179,24 @@ def test_a_model_folder_with_only_pickled_weights_is_refused_by_name(tmp_path):
         (tmp_path / name).write_text("{}")
     with pytest.raises(ModelDirError, match="model.path: .*pytorch_model.bin is a pickle"):
         validate_model_dir(tmp_path)
+
+
+def test_the_trainer_never_unpickles_weights_a_folder_holds_only_as_a_pickle(tmp_path):
+    """A folder past the name check (validate_model_dir) still meets the trainer's loader, which takes
+    safetensors only: transformers would otherwise unpickle pytorch_model.bin."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlsys.config import ModelConfig
+    from rlsys.models.tiny import build_tiny_model
+    from rlsys.trainer.backend import load_model
+
+    built = build_tiny_model(ModelConfig(), tmp_path / "built")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((built / "config.json").read_text())
+    torch.save(AutoModelForCausalLM.from_pretrained(built).state_dict(), pickled / "pytorch_model.bin")
+    assert (pickled / "pytorch_model.bin").exists() and not list(pickled.glob("*.safetensors"))
+    assert AutoModelForCausalLM.from_pretrained(pickled) is not None  # loadable by unpickling: what is refused
+    with pytest.raises(OSError, match="safetensors"):
+        load_model(str(pickled), torch.float32)
