@@ -10,7 +10,7 @@ from rlsys.config import ConfigError
 from rlsys.control.actions import Abort, Train
 from rlsys.control.metrics import bubble_ratio
 from rlsys.control.scheduler import GroupBuilder, Scheduler
-from rlsys.sim.cluster import GPUS, MODELS, EngineCost
+from rlsys.costs import GPUS, MODELS, EngineCost
 from rlsys.sim.config import RewardSpec, WorkloadSpec, load_sim_config
 from rlsys.sim.engine import SimEngine, SimRequest
 from rlsys.sim.run import format_table, main, simulate

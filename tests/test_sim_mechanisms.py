@@ -6,12 +6,12 @@ from types import SimpleNamespace
 import pytest
 
 from rlsys.config import ConfigError
-from rlsys.sim.cluster import GPUS, makespan
+from rlsys.costs import GPUS
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.engine import replica_idle_gpu_s
 from rlsys.sim.run import simulate
 from rlsys.runs import Runs, run_lengths
-from rlsys.sim.simulator import Simulation
+from rlsys.sim.simulator import Simulation, makespan
 
 SLOW_REWARD = {"kinds": {"code": {"share": 1, "median_s": 2.0, "sigma": 0.5}}, "workers": 8}
 MECHANISMS = {

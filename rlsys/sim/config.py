@@ -8,7 +8,8 @@ from pydantic import Field, ValidationError, model_validator
 
 from rlsys.config import ConfigError, ControlConfig, Section, format_errors, read_yaml_mapping
 from rlsys.control.elastic_tp import tp_sizes
-from rlsys.sim.cluster import GPUS, MODELS, EngineCost, ModelShape
+from rlsys import costs
+from rlsys.costs import GPUS, MODELS, EngineCost, ModelShape
 
 
 class ElasticTPConfig(Section):
@@ -65,12 +66,12 @@ class ClusterSpec(Section):
 class EngineSpec(Section):
     max_seqs: int = Field(256, ge=1)  # vLLM max_num_seqs
     dispatch: Literal["request", "prompt"] = "request"  # least-loaded engine per request or per prompt
-    memory_fraction: float = Field(0.9, gt=0, le=1)  # vLLM gpu_memory_utilization
+    memory_fraction: float = Field(costs.MEMORY_FRACTION, gt=0, le=1)  # vLLM gpu_memory_utilization
     kv_watermark: float = Field(0.01, ge=0, lt=1)  # KV share kept free when admitting
-    step_overhead_ms: float = Field(1.0, ge=0)  # scheduling and sampling on the CPU, per step
-    allreduce_us: float = Field(10.0, ge=0)  # latency of one tensor-parallel all-reduce (two per layer)
-    decode_mfu: float = Field(0.5, gt=0, le=1)
-    prefill_mfu: float = Field(0.45, gt=0, le=1)
+    step_overhead_ms: float = Field(costs.STEP_OVERHEAD_S * 1e3, ge=0)  # scheduling and sampling on the CPU, per step
+    allreduce_us: float = Field(costs.ALLREDUCE_S * 1e6, ge=0)  # latency of one tensor-parallel all-reduce (two per layer)
+    decode_mfu: float = Field(costs.DECODE_MFU, gt=0, le=1)
+    prefill_mfu: float = Field(costs.PREFILL_MFU, gt=0, le=1)
 
 
 class WorkloadSpec(Section):
@@ -109,8 +110,9 @@ class RewardSpec(Section):
 
 
 class TrainerSpec(Section):
-    mfu: float = Field(0.35, gt=0, le=1)  # CALIBRATION §4: ~0.33 on H100 in RL frameworks
-    flops_per_param_token: float = Field(8.0, gt=0)  # 6 forward+backward, 2 old log-probs
+    mfu: float = Field(costs.TRAIN_MFU, gt=0, le=1)
+    # forward+backward, and a forward for the old log-probs
+    flops_per_param_token: float = Field(costs.TRAIN_FLOPS + costs.FORWARD_FLOPS, gt=0)
     overhead_s: float = Field(2.0, ge=0)
     # Gradients of the groups a scheduler streams (Accumulate) are computed on GPUs idle during the rollout
     # (RollPacker's stream trainer); only the rest is left for after the round.
@@ -120,8 +122,8 @@ class TrainerSpec(Section):
 
 
 class WeightSyncSpec(Section):
-    bandwidth_gbps: float = Field(25.0, gt=0)  # GB/s of full weights
-    latency_s: float = Field(0.2, ge=0)
+    bandwidth_gbps: float = Field(costs.LINK_GBPS, gt=0)  # GB/s of full weights
+    latency_s: float = Field(costs.SYNC_LATENCY_S, ge=0)
 
 
 class SchedulerRun(Section):

@@ -19,7 +19,7 @@ from bisect import bisect_right
 from collections import deque
 from typing import Optional
 
-from rlsys.sim.cluster import EngineCost
+from rlsys.costs import EngineCost
 
 QUEUED, RUNNING, DONE, ABORTED = "queued", "running", "done", "aborted"
 EPS = 1e-6  # tokens

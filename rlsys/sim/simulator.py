@@ -19,8 +19,8 @@ from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.elastic_tp import ElasticTP
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
+from rlsys.costs import GPUS, sync_seconds, train_gpu_seconds
 from rlsys.data.cursor import PromptCursor
-from rlsys.sim.cluster import GPUS, makespan, sync_seconds, train_gpu_seconds
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_gpu_s
@@ -32,6 +32,18 @@ ENGINE, SAMPLE, ABORTED_OUT, SYNC, TRAINED = "engine", "sample", "aborted", "syn
 
 class SimulationError(AssertionError):
     pass
+
+
+def makespan(durations: list[float], workers: int | None) -> float:
+    """Wall time for a pool of `workers` (None: unbounded) to run these jobs, longest first."""
+    if not durations:
+        return 0.0
+    if workers is None or workers >= len(durations):
+        return max(durations)
+    free = [0.0] * workers
+    for d in sorted(durations, reverse=True):
+        heapq.heapreplace(free, free[0] + d)
+    return max(free)
 
 
 def mean(xs: list) -> float:

@@ -1,15 +1,29 @@
 """Cost model of an H100-class cluster: vLLM decode and prefill, the trainer, and weight sync.
 
+One model, two users: the simulator (rlsys/sim/) and live runs on an emulated clock (rlsys/emulate.py),
+so both take their seconds from the functions and defaults here. It imports nothing of rlsys.
+
 Constants and formulas follow CALIBRATION.md: §1 "D - per-model constants" for decode (weights read
 at 75% of HBM bandwidth, KV reads at 90%, 90% of memory usable), §1 "Prefill" for prefill at about
 45% of BF16 peak, §3 for weight sync, §4 for trainer MFU. Qwen2.5 shapes from arXiv 2412.15115 Table 1.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 BF16 = 2  # bytes
+
+# Defaults of both users (the simulator's config fields start from them)
+MEMORY_FRACTION = 0.9  # vLLM gpu_memory_utilization
+STEP_OVERHEAD_S = 1e-3  # scheduling and sampling on the CPU, per decode step
+DECODE_MFU = 0.5
+PREFILL_MFU = 0.45
+ALLREDUCE_S = 10e-6  # one tensor-parallel all-reduce (two per layer)
+TRAIN_MFU = 0.35  # CALIBRATION §4: ~0.33 on H100 in RL frameworks
+FORWARD_FLOPS = 2  # per parameter and token: one forward pass
+TRAIN_FLOPS = 6  # forward and backward
+LINK_GBPS = 25.0  # GB/s of full weights, trainer to engines
+SYNC_LATENCY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -64,9 +78,9 @@ class EngineCost:
     kv_capacity: float  # tokens of KV cache per engine
 
     @classmethod
-    def build(cls, model: ModelShape, gpu: GPU, tp: int, memory_fraction: float = 0.9,
-              overhead_s: float = 1e-3, decode_mfu: float = 0.5, prefill_mfu: float = 0.45,
-              allreduce_s: float = 10e-6) -> "EngineCost":
+    def build(cls, model: ModelShape, gpu: GPU, tp: int, memory_fraction: float = MEMORY_FRACTION,
+              overhead_s: float = STEP_OVERHEAD_S, decode_mfu: float = DECODE_MFU, prefill_mfu: float = PREFILL_MFU,
+              allreduce_s: float = ALLREDUCE_S) -> "EngineCost":
         weights = model.params * BF16 / tp
         kv_token = model.kv_bytes_per_token / tp
         free = memory_fraction * gpu.memory - weights
@@ -93,18 +107,6 @@ def train_gpu_seconds(model: ModelShape, gpu: GPU, tokens: float, mfu: float, fl
     return flops_per_param_token * model.params * tokens / (gpu.peak_flops * mfu)
 
 
-def makespan(durations: list[float], workers: int | None) -> float:
-    """Wall time for a pool of `workers` (None: unbounded) to run these jobs, longest first."""
-    if not durations:
-        return 0.0
-    if workers is None or workers >= len(durations):
-        return max(durations)
-    free = [0.0] * workers
-    for d in sorted(durations, reverse=True):
-        heapq.heapreplace(free, free[0] + d)
-    return max(free)
-
-
-def sync_seconds(model: ModelShape, bandwidth_gbps: float, latency_s: float) -> float:
+def sync_seconds(model: ModelShape, bandwidth_gbps: float = LINK_GBPS, latency_s: float = SYNC_LATENCY_S) -> float:
     """Broadcast the full BF16 weights once (CALIBRATION §3: 7B in 0.55-0.8 s over NCCL)."""
     return model.params * BF16 / (bandwidth_gbps * 1e9) + latency_s
