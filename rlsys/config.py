@@ -408,6 +408,23 @@ class FrictionConfig(Section):
         return self.reward_flip > 0 or self.wrong_temperature_share > 0
 
 
+class EmulateConfig(Section):
+    """Live runs on a GPU's clock (rlsys/emulate.py): the built-in engine, the trainer and the weight publish hold
+    each step until the cost model's time (rlsys/costs.py) for `model` on `gpu`, times `time_scale`, has passed.
+    Tokens, rewards and gradients stay real. Off while `gpu` is None."""
+    gpu: Optional[Literal["h100", "h800", "h200", "h20"]] = None  # the names of rlsys.costs.GPUS
+    model: Literal["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"] = "qwen2.5-7b"  # rlsys.costs.MODELS
+    time_scale: float = Field(1.0, gt=0)  # wall seconds per emulated second: room for the real compute to fit
+    tokens_per_token: int = Field(1, ge=1)  # k: a token of the run's model stands for k of the emulated one
+    tp: int = Field(1, ge=1)  # GPUs per emulated rollout engine
+    trainer_gpus: int = Field(8, ge=1)  # emulated GPUs the trainer's ranks share
+    overrun_limit: float = Field(0.05, ge=0, le=1)  # a run whose overrun share passes this is not emulating
+
+    @property
+    def on(self) -> bool:
+        return self.gpu is not None
+
+
 class Config(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -419,6 +436,7 @@ class Config(Section):
     weights: WeightsConfig = WeightsConfig()
     logging: LoggingConfig = LoggingConfig()
     friction: FrictionConfig = FrictionConfig()
+    emulate: EmulateConfig = EmulateConfig()
     output_dir: str = "runs/tiny"
     seed: int = 0
 
@@ -437,6 +455,13 @@ class Config(Section):
         if f.wrong_temperature_share and (r.engine != "cpu" or r.temperature == 0 or r.top_p < 1):
             raise ValueError("friction.wrong_temperature_share needs rollout.engine=cpu, rollout.temperature > 0 "
                              f"and rollout.top_p=1 (got {r.engine}, {r.temperature}, {r.top_p})")
+        return self
+
+    @model_validator(mode="after")
+    def _emulated_engine_paces(self):
+        if self.emulate.on and self.rollout.engine != "cpu":
+            raise ValueError(f"emulate.gpu={self.emulate.gpu} paces the built-in engine only: it needs "
+                             f"rollout.engine=cpu (got {self.rollout.engine})")
         return self
 
     @model_validator(mode="after")

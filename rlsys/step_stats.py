@@ -96,9 +96,10 @@ class StepStats:
         busy = sum(e.get("busy_s_in_window", 0.0) for e in engines)
         return busy / max((end - start) * len(engines), 1e-9) if engines else 0.0
 
-    def timeline_rows(self, step: int, t0: float) -> list[dict]:
+    def timeline_rows(self, step: int, t0: float, scale: float = 1.0) -> list[dict]:
+        """Times in seconds since t0, over `scale` (emulate.time_scale: the run's emulated seconds)."""
         return [{"step": step, "request_id": c.request_id, "worker": c.worker, "slot": c.slot,
-                 "start": round(c.start_time - t0, 4), "end": round(c.end_time - t0, 4),
+                 "start": round((c.start_time - t0) / scale, 4), "end": round((c.end_time - t0) / scale, 4),
                  "tokens": c.num_tokens, "finish_reason": c.finish_reason} for c in self.finished]
 
 

@@ -25,6 +25,7 @@ from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.events import Aborted, Event, Generated, Scored
 from rlsys.data import load_prompts
 from rlsys.data.cursor import PromptCursor
+from rlsys.emulate import Emulation, Overruns
 from rlsys.evaluate import Evaluation
 from rlsys.friction import Friction
 from rlsys.logger import RunLogger
@@ -60,6 +61,11 @@ class Controller:
         self.run_dir = Path(cfg.output_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
+        # emulate: every part paced to the cost model, and the run's clock in emulated seconds
+        self.emulation = Emulation(cfg.emulate) if cfg.emulate.on else None
+        self.clock_scale = cfg.emulate.time_scale if self.emulation else 1.0
+        self.sync_pacer = self.emulation.sync_pacer() if self.emulation else None
+        self.overruns = Overruns(cfg.emulate.overrun_limit)
         init_ray(cfg.cluster)
         plan = plan_from_config(cfg)
         self.placement = None
@@ -94,7 +100,7 @@ class Controller:
         if resume:
             self._restore()
         self.t0 = time.time() - self.elapsed_before
-        self.stats = StepStats(cfg.control.straggler_kappa, self.rollout.capacity, self.rollout.stats, self.now)
+        self.stats = StepStats(cfg.control.straggler_kappa, self.rollout.capacity, self.rollout.stats, self.wall_now)
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> dict:
@@ -103,7 +109,7 @@ class Controller:
         if self.rollout.asleep:  # slept at start: the first wake brings the trainer's weights
             self.publish()
         if self.step == 0:
-            self.log.write(0, self.now(), {**self.evaluate(), "policy_version": 0})
+            self.log.write(0, self.now(), {**self.emulated(self.evaluate()), "policy_version": 0, **self.describe()})
         self.stats.start_step()
         self.apply(self.scheduler.start(self.now()))
         while not self.done:
@@ -232,12 +238,12 @@ class Controller:
         t_sync = time.time() - t
         self.step += 1
         metrics = dict(step.rollout_metrics, **self.stats.step_totals())
-        self.log.timeline(self.stats.timeline_rows(self.step, self.t0))
+        self.log.timeline(self.stats.timeline_rows(self.step, self.t0, self.clock_scale))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
                         "timing/generating_during_train": overlap,
                         "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors,
                         "rollout/restarts": self.rollout.restarts})
-        metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        metrics.update({f"train/{k}": v for k, v in train_metrics.items() if not k.startswith("emulate_")})
         every = self.cfg.control.eval_every
         if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:
             # Before on_trained: to the scheduler the step is still training, so it starts none meanwhile
@@ -247,7 +253,9 @@ class Controller:
         metrics.update(self.scheduler.metrics())
         if self.cfg.friction.on:
             metrics.update(self.friction.counts)
-        self.log.write(self.step, self.now(), metrics)
+        if self.emulation:
+            metrics.update(self.overruns.step(self.pacer_counts(train_metrics)))
+        self.log.write(self.step, self.now(), self.emulated(metrics))
         every = self.cfg.control.save_every
         self.done = self.step >= self.cfg.trainer.total_steps or self.stop_requested
         if (every and self.step % every == 0) or self.done:
@@ -276,7 +284,7 @@ class Controller:
         def write(folder: Path) -> None:
             self.trainer.save(str(folder / "trainer"))
             write_json_atomic(folder / STATE_FILE, {
-                "step": self.step, "version": self.version, "elapsed_s": self.now(),
+                "step": self.step, "version": self.version, "elapsed_s": self.wall_now(),
                 "scheduler": self.scheduler.state_dict(), "reward_errors": self.rewards.errors})
         with self.paused():
             return self.checkpoints.save(self.step, write)
@@ -298,7 +306,9 @@ class Controller:
         """The last step's checkpoint is already written; evaluate and export unless pre-empted."""
         final = {"policy_version": self.version, "step": self.step}
         if not self.stop_requested:
-            final.update(self.evaluate())
+            final.update(self.emulated(self.evaluate()), **self.describe())
+            if self.emulation:
+                final.update(self.overruns.summary())
             self.log.write(self.step, self.now(), final, final=True)
             self.trainer.export_hf(str(self.run_dir / "export"), str(self.model_dir))
         self.log.close()
@@ -317,9 +327,32 @@ class Controller:
             self.placement.remove()
 
     # --- small helpers ----------------------------------------------------------------------
-    def now(self) -> float:
+    def wall_now(self) -> float:
         """The training clock: wall time since the start, less evaluation and checkpoint time."""
         return (self.paused_at or time.time()) - self.t0 - self.paused_s
+
+    def now(self) -> float:
+        """The training clock in the run's seconds: emulated ones under `emulate`."""
+        return self.wall_now() / self.clock_scale
+
+    def emulated(self, metrics: dict) -> dict:
+        """Times and rates on the run's clock: wall seconds (`timing/*_s`) over emulate.time_scale."""
+        if not self.emulation:
+            return metrics
+        out = {k: v / self.clock_scale if k.startswith("timing/") and k.endswith("_s") else v
+               for k, v in metrics.items()}
+        if "throughput/tokens_per_s" in out:
+            out["throughput/tokens_per_s"] *= self.clock_scale
+        return out
+
+    def describe(self) -> dict:
+        return self.emulation.describe() if self.emulation else {}
+
+    def pacer_counts(self, train_metrics: dict) -> list[dict]:
+        """Every pacer's cumulative counts: the engines', the trainer ranks' (summed) and the publish's."""
+        engines = [e["emulate"] for e in self.rollout.stats() if "emulate" in e]
+        trainer = {"held": train_metrics.get("emulate_held", 0), "overruns": train_metrics.get("emulate_overruns", 0)}
+        return engines + [trainer, self.sync_pacer.counts()]
 
     @contextmanager
     def paused(self):
@@ -334,6 +367,7 @@ class Controller:
     def publish(self) -> None:
         """The trainer's weights, as `self.version`, to every engine. Sleeping engines wake in vLLM's order: the
         weights, then the new ones load, then the KV cache, which is thus never held beside two weight copies."""
+        started = time.perf_counter()
         asleep = self.rollout.asleep
         if asleep:
             self.rollout.wake_up(["weights"])
@@ -341,6 +375,8 @@ class Controller:
         if asleep:
             self.trainer.release_cached_memory()  # the trainer's cached activations would crowd the KV cache out
             self.rollout.wake_up(["kv_cache"])
+        if self.sync_pacer:
+            self.sync_pacer.hold(started, self.emulation.sync_s)
 
     def _on_stop_signal(self, signum, _frame):
         if signum == signal.SIGINT and self.stop_requested:  # a second Ctrl-C: stop at once, no checkpoint

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
+from rlsys.emulate import EnginePacer
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
                                   resume_finish_reason)
 from rlsys.types import Completion, Request
@@ -247,7 +248,7 @@ class CPUEngine(RolloutEngine):
     def __init__(self, model_dir: str, slots: int, eos_token_id: int | None = None,
                  max_len: int | None = None, dtype: torch.dtype | str = torch.float32,
                  device: torch.device | str = "cpu", name: str = "cpu engine", seed: int = 0,
-                 running_requests: str = "recompute"):
+                 running_requests: str = "recompute", pacer: EnginePacer | None = None):
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
         self.device = torch.device(device)
@@ -276,6 +277,7 @@ class CPUEngine(RolloutEngine):
         self.claimed_temperature = torch.zeros(S, device=dev)  # SamplingParams.logprob_temperature
         self.uniforms = torch.zeros(S, L, device=dev)  # pre-drawn per request from its own seeded generator
         self.counters = EngineCounters()
+        self.pacer = pacer  # emulate: each step held until its modelled time on the emulated GPU
 
     # --- interface --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -298,6 +300,9 @@ class CPUEngine(RolloutEngine):
         # An admitted request decodes in the same step unless its budget is spent. Whether its prefill token
         # was an EOS is known only after the fetch: then the decoded token is dropped.
         decoding = [e for e in self.running.values() if not self._spent(e, e.sampled)]
+        if self.pacer:  # what the step prefills and the KV cache its decoding reads, before either runs
+            prefilled = sum(len(e.request.prompt_ids) + len(e.request.resume_ids) for e in admitted[0]) if admitted else 0
+            live_kv = sum(len(e.request.prompt_ids) + e.sampled for e in decoding)
         batches = [b for b in (admitted, self._decode_batch(decoding)) if b]
         new_tokens = 0
         if batches:
@@ -307,8 +312,16 @@ class CPUEngine(RolloutEngine):
                 if self.slot_owner[e.slot] is e:
                     new_tokens += 1
                     self._record(e, token, logprob, done)
+        if self.pacer and batches:
+            self.pacer.step(t0, prefilled, len(decoding), live_kv)
         self.counters.record(len(decoding), self.slots, new_tokens, time.perf_counter() - t0)
         return done
+
+    def stats(self) -> dict:
+        out = super().stats()
+        if self.pacer:
+            out["emulate"] = self.pacer.counts()
+        return out
 
     def abort(self, request_ids: list[str]) -> list[Completion]:
         out = []

@@ -23,6 +23,7 @@ from ray import ObjectRef
 from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 
 from rlsys.cluster import actor_id, death_reason
+from rlsys.emulate import Emulation
 from rlsys.placement import ROLLOUT
 from rlsys.rollout.engine import SLEEP_TAGS, engine_entry
 from rlsys.rollout.worker import RemoteRolloutWorker
@@ -34,8 +35,11 @@ def engine_options(cfg) -> dict:
     """Engine options from a run's Config: the KV cache sized to the longest prompt plus response, and the
     engine's own (its registry entry says which)."""
     r = cfg.rollout
-    return {"max_len": cfg.data.max_prompt_tokens + r.max_new_tokens, "dtype": r.engine_dtype, "seed": cfg.seed,
-            "running_requests": cfg.weights.running_requests, **engine_entry(r.engine).options(r)}
+    options = {"max_len": cfg.data.max_prompt_tokens + r.max_new_tokens, "dtype": r.engine_dtype, "seed": cfg.seed,
+               "running_requests": cfg.weights.running_requests, **engine_entry(r.engine).options(r)}
+    if cfg.emulate.on:  # the built-in engine only (Config refuses others)
+        options["pacer"] = Emulation(cfg.emulate).engine_pacer()
+    return options
 
 
 def worker_gpus(engine: str, engine_kwargs: dict) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from pathlib import Path
@@ -24,7 +25,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from rlsys import costs
 from rlsys.config import TrainerConfig
+from rlsys.emulate import TrainerPacer
 from rlsys.registry import Registry
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import head_logprobs
@@ -118,6 +121,7 @@ class TrainerBackend(ABC):
     name = "base"
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    pacer: TrainerPacer | None = None  # emulate: each micro-batch held until its modelled time
 
     def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1, device="cpu"):
         self.cfg, self.model_dir = cfg, model_dir
@@ -133,8 +137,10 @@ class TrainerBackend(ABC):
         found: dict[int, list[float]] = {}
         with torch.no_grad():
             for batch in self._micro_batches(samples, micro_batches):
+                started = time.perf_counter()
                 mb = collate(batch).to(self.device)
                 logprobs, _ = self._score(self.model, mb, temperature, top_p)
+                self._pace(started, batch, costs.FORWARD_FLOPS)
                 for row, sample in enumerate(batch):
                     found[id(sample)] = logprobs[row, sample.prompt_len - 1:sample.num_tokens - 1].tolist()
         return [found[id(s)] for s in samples]
@@ -161,7 +167,12 @@ class TrainerBackend(ABC):
         and `train_step`'s metrics: `stats` plus this rank's `tokens` and `sequences`."""
         grad_norm, applied = self._optimizer_step() if divisor is None else self._rescaled_optimizer_step(divisor)
         self.skipped_steps += not applied
-        return dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps, tokens=tokens, sequences=sequences)
+        out = dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps, tokens=tokens, sequences=sequences)
+        return out | self.pacer_counts()
+
+    def pacer_counts(self) -> dict:
+        """The pacer's cumulative counts, as train metrics (summed over ranks)."""
+        return {f"emulate_{k}": v for k, v in self.pacer.counts().items()} if self.pacer else {}
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
                            fresh: bool, proximal_micro_batches: int = 0, top_p: float = 1.0,
@@ -191,7 +202,7 @@ class TrainerBackend(ABC):
         keys = set().union(*per_part)
         merged = {k: sum(m.get(k, 0.0) for m in per_part) / len(per_part) for k in keys}
         merged.update(tokens=sum(m["tokens"] for m in per_part), sequences=sum(m["sequences"] for m in per_part),
-                      skipped_steps=per_part[-1]["skipped_steps"])
+                      skipped_steps=per_part[-1]["skipped_steps"], **self.pacer_counts())
         return merged
 
     def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float,
@@ -205,6 +216,7 @@ class TrainerBackend(ABC):
         stats: dict[str, float] = defaultdict(float)
         batches = self._micro_batches(samples, totals.micro_batches)
         for i, batch in enumerate(batches):
+            started = time.perf_counter()
             self._start_micro_batch(last=closes_step and i == len(batches) - 1)
             mb = collate(batch).to(self.device)
             logprobs, entropy = self._score(self.model, mb, temperature, top_p)
@@ -221,9 +233,14 @@ class TrainerBackend(ABC):
             loss, mb_stats = compute_loss(inp, self.cfg)
             mb_stats["entropy"] = token_mean(entropy, inp).item()
             self._backward(loss)
+            self._pace(started, batch, costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if self.reference else 0))
             for k, v in mb_stats.items():
                 stats[k] += v
         return dict(stats)
+
+    def _pace(self, started: float, batch: list[TrainSample], flops_per_param_token: float) -> None:
+        if self.pacer:
+            self.pacer.micro_batch(started, sum(s.num_tokens for s in batch), flops_per_param_token)
 
     def _micro_batches(self, samples: list[TrainSample], count: int) -> list[list[TrainSample]]:
         batches = pack_micro_batches(samples, self.cfg.micro_batch_tokens)

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayError
 
 from rlsys.cluster import actor_id, death_reason, get_each
 from rlsys.config import Config, TrainerConfig
+from rlsys.emulate import Emulation, TrainerPacer
 from rlsys.placement import TRAINER
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
@@ -70,7 +71,7 @@ class TrainerWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def setup(self, master_addr: str, master_port: int, torch_threads: int) -> None:
+    def setup(self, master_addr: str, master_port: int, torch_threads: int, pacer: TrainerPacer | None = None) -> None:
         # Each actor owns one device (Ray narrows CUDA_VISIBLE_DEVICES), hence LOCAL_RANK 0.
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
@@ -81,6 +82,7 @@ class TrainerWorker:
         torch.set_num_threads(torch_threads)
         from rlsys.trainer.backend import BACKENDS
         self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.rank, self.world_size)
+        self.backend.pacer = pacer
 
     def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
         if self.stream is not None:
@@ -182,7 +184,8 @@ class TrainerGroup:
                         for rank in range(world)]
         ips = ray.get([w.node_ip.remote() for w in self.workers])
         port = ray.get(self.workers[0].free_port.remote())
-        self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads) for w in self.workers])
+        pacer = Emulation(cfg.emulate).trainer_pacer(world) if cfg.emulate.on else None
+        self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads, pacer) for w in self.workers])
         self.stream: RunningStream | None = None
 
     # --- training -----------------------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""Live runs on a GPU's clock: one cost model for the simulator and the pacers, paced steps never end before their
+modelled time, and the overrun share that says whether a run emulated."""
+import json
+import time
+import typing
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rlsys import costs
+from rlsys.config import ConfigError, EmulateConfig, load_config
+from rlsys.emulate import Emulation, EnginePacer, Overruns, Pacer
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.sim.config import load_sim_config
+from rlsys.sim.simulator import Simulation
+from rlsys.trainer.backend import TorchBackend
+from rlsys.trainer.batching import build_samples, pack_micro_batches, plan_step
+from rlsys.types import Request, SamplingParams
+
+from test_trainer import make_groups, model_dir, trainer_config  # noqa: F401 - the module fixture
+
+H100_7B = EmulateConfig(gpu="h100", model="qwen2.5-7b", time_scale=2.0, tokens_per_token=4, trainer_gpus=8)
+
+
+def test_the_config_names_the_cost_models_gpus_and_models():
+    assert set(typing.get_args(typing.get_args(EmulateConfig.model_fields["gpu"].annotation)[0])) == set(costs.GPUS)
+    assert set(typing.get_args(EmulateConfig.model_fields["model"].annotation)) == set(costs.MODELS)
+
+
+def test_the_simulator_and_the_pacers_take_the_same_costs():
+    cfg = load_sim_config({"model": "qwen2.5-7b", "cluster": {"gpu": "h100", "gpus": 8, "tp": 1}})
+    sim = Simulation(cfg, cfg.runs()[0])
+    emulation = Emulation(H100_7B)
+    assert cfg.engine_cost(cfg.cluster) == emulation.engine_cost  # every field: weights, KV, prefill, overhead
+    assert sim.sync_s == emulation.sync_s
+    # The simulator's step of 1,000 tokens on 8 GPUs is the pacer's micro-batch of 1,000 / k tokens on them
+    pacer = emulation.trainer_pacer(world_size=1)
+    flops = cfg.trainer.flops_per_param_token
+    assert sim._gpu_s(1000) / 8 == pytest.approx(pacer.micro_batch_s(1000 / H100_7B.tokens_per_token, flops))
+    # A decode step of the engine pacer with k = 1 is the simulated engine's step at the same batch and KV
+    one = EnginePacer(1.0, cost=emulation.engine_cost, k=1)
+    assert one.step_s(0, 32, 20_000) == emulation.engine_cost.step_s(32, 20_000)
+    assert one.step_s(100, 0, 0) == 100 * emulation.engine_cost.prefill_s_per_token
+
+
+def test_k_tokens_per_token_are_k_decode_steps_of_the_emulated_model():
+    cost = Emulation(H100_7B).engine_cost
+    k, n, kv = 4, 8, 1000
+    steps = sum(cost.step_s(n, k * kv + j * n) for j in range(k))  # its KV grows by n a step
+    assert EnginePacer(1.0, cost=cost, k=k).step_s(0, n, kv) == pytest.approx(steps)
+
+
+def test_a_hold_never_ends_before_its_modelled_time_and_counts_overruns():
+    pacer = Pacer(time_scale=3.0)
+    for modelled in (0.001, 0.01, 0.02):
+        started = time.perf_counter()
+        pacer.hold(started, modelled)
+        assert time.perf_counter() - started >= modelled * 3.0
+    assert pacer.counts() == {"held": 3, "overruns": 0}
+    started = time.perf_counter() - 1.0  # the real work took a second
+    pacer.hold(started, 0.1)
+    assert pacer.counts() == {"held": 4, "overruns": 1}
+
+
+def test_overrun_share_per_step_and_over_the_run():
+    tally = Overruns(limit=0.05)
+    step = tally.step([{"held": 90, "overruns": 0}, {"held": 10, "overruns": 1}])
+    assert step == {"emulate/overrun_share": 0.01, "emulate/held": 100}
+    assert tally.summary() == {"emulate/overrun_share": 0.01, "emulate/emulating": True}
+    step = tally.step([{"held": 100, "overruns": 10}, {"held": 100, "overruns": 1}])  # cumulative counts
+    assert step == {"emulate/overrun_share": 0.1, "emulate/held": 100}
+    assert tally.summary() == {"emulate/overrun_share": 11 / 200, "emulate/emulating": False}
+
+
+def test_config_refuses_emulation_it_cannot_pace(tmp_path):
+    with pytest.raises(ConfigError, match="emulate.gpu"):
+        load_config(None, ["emulate.gpu=a100"])
+    with pytest.raises(ConfigError, match="rollout.engine=cpu"):
+        load_config(None, ["emulate.gpu=h100", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="emulate.time_scale"):
+        load_config(None, ["emulate.gpu=h100", "emulate.time_scale=0"])
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("engine") / "model"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
+                     ).save_pretrained(path)
+    return str(path)
+
+
+def test_each_engine_step_lasts_its_modelled_time(engine_dir):
+    pacer = Emulation(H100_7B).engine_pacer()
+    engine = CPUEngine(engine_dir, slots=4, pacer=pacer)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]]
+    for i, p in enumerate(prompts):
+        engine.add(Request(f"r{i}", "p", p, SamplingParams(max_new_tokens=6, temperature=0.0)))
+    cost, k, scale = pacer.cost, pacer.k, pacer.time_scale
+    # Step 1 prefills every prompt and decodes each once; then each step decodes the three over a KV one longer.
+    expected = [k * sum(map(len, prompts)) * cost.prefill_s_per_token
+                + k * cost.step_s(3, k * sum(len(p) + 1 for p in prompts) + 3 * (k - 1) / 2)]
+    expected += [k * cost.step_s(3, k * sum(len(p) + s for p in prompts) + 3 * (k - 1) / 2) for s in range(2, 6)]
+    for modelled in expected:
+        started = time.perf_counter()
+        engine.step()
+        assert time.perf_counter() - started >= modelled * scale
+    assert engine.stats()["emulate"]["held"] == 5  # overruns depend on the machine: the run reports them
+    assert not engine.step() and not engine.has_work()  # the sixth token ended every request last step
+
+
+def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F811
+    backend = TorchBackend(trainer_config(), model_dir)
+    emulated = EmulateConfig(gpu="h100", model="qwen2.5-7b", time_scale=1.0, tokens_per_token=8, trainer_gpus=1)
+    backend.pacer = Emulation(emulated).trainer_pacer(world_size=1)
+    samples = build_samples(make_groups(0), "grpo")
+    _, totals = plan_step(samples, 1, 48)
+    batches = pack_micro_batches(samples, 48)
+    modelled = [backend.pacer.micro_batch_s(sum(s.num_tokens for s in b), costs.TRAIN_FLOPS) for b in batches]
+    assert len(batches) > 1 and min(modelled) > 0.01
+    started = time.perf_counter()
+    metrics = backend.train_step(samples, totals, 1.0)
+    assert time.perf_counter() - started >= sum(modelled)
+    assert metrics["emulate_held"] == len(batches) and 0 <= metrics["emulate_overruns"] <= len(batches)
+
+
+@pytest.mark.slow
+def test_an_emulated_run_reports_its_overrun_share_and_label(tmp_path, ray_cluster):
+    from rlsys.cli import main
+    from rlsys.config import DEFAULT_CONFIG
+
+    out = tmp_path / "run"
+    # A time scale far too small for this machine: real compute overruns nearly every modelled step.
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}",
+                 "control.prompts_per_step=4", "control.group_size=4", "data.eval_size=8", "rollout.slots=16",
+                 "rollout.max_new_tokens=32", "model.warm_start.steps=30", "logging.progress=false",
+                 "emulate.gpu=h100", "emulate.time_scale=0.001", "control.eval_every=0"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "timing/train_s" in r]
+    assert len(steps) == 2 and all(r["emulate/overrun_share"] > 0.5 and r["emulate/held"] > 0 for r in steps)
+    final = rows[-1]
+    assert final["final"] and final["emulate/emulating"] is False and final["emulate/overrun_share"] > 0.05
+    assert final["emulate/label"] == rows[0]["emulate/label"] == "emulated h100/qwen2.5-7b"
+    assert final["emulate/time_scale"] == 0.001 and final["emulate/tokens_per_token"] == 1
+    # The run's clock is emulated: wall seconds over the time scale
+    assert steps[-1]["time_s"] > 100
