@@ -14,6 +14,7 @@ from pathlib import Path
 
 from rlsys.config import DEFAULT_CONFIG, load_config, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
+from rlsys.emulate import clock_label
 from rlsys.evaluate import mean_and_se
 from rlsys.logger import read_jsonl
 
@@ -115,6 +116,7 @@ def summarise_run(rows: list[dict], target: float | Target) -> dict:
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
         "response_length": mean("response_length/mean"),
         "group_size": mean("group_size"),
+        **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/emulating") if k in rows[-1]},
     }
 
 
@@ -236,7 +238,9 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
                      "model": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers", "path"}),
                      "task": cfg.data.task, "seed": cfg.seed, "prompts_per_step": cfg.control.prompts_per_step,
                      "group_size": cfg.control.group_size, "total_steps": cfg.trainer.total_steps,
-                     "max_new_tokens": cfg.rollout.max_new_tokens, "slots": cfg.rollout.slots},
+                     "max_new_tokens": cfg.rollout.max_new_tokens, "slots": cfg.rollout.slots,
+                     "clock": clock_label(cfg.emulate),
+                     **({"emulate": cfg.emulate.model_dump()} if cfg.emulate.on else {})},
         "machine": machine(),
         "equal_time_s": equal_time_s,
         "results": results,
@@ -254,6 +258,7 @@ def cell(result: dict, key: str, fmt: str) -> str:
 
 
 def print_table(report: dict) -> None:
+    print(f"times in {report['workload'].get('clock', 'wall')} seconds")
     cols = [("step_time_s", "step s", "{:.2f}"), ("time_per_sample_s", "s/sample", "{:.4f}"),
             ("bubble_ratio", "bubble", "{:.3f}"), ("straggler_rate", "straggler", "{:.2f}"),
             ("efficiency", "effic.", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.0f}"),
@@ -286,7 +291,8 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
             ax.plot([x["time_s"] for x in rows], [x["eval/accuracy"] for x in rows], "o-", color=colors[name],
                     alpha=0.8, label=name if r == 0 else None)
     ax.axhline(report["workload"]["target_accuracy"], ls="--", color="grey", lw=1)
-    ax.set(xlabel="training wall time (s)", ylabel="eval accuracy", title="Accuracy against wall time")
+    clock = report["workload"].get("clock", "wall")
+    ax.set(xlabel=f"training {clock} time (s)", ylabel="eval accuracy", title=f"Accuracy against {clock} time")
     ax.legend(), ax.grid(alpha=0.3)
     paths = [out_dir / "accuracy_vs_time.png"]
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")

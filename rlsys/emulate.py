@@ -69,6 +69,11 @@ class TrainerPacer(Pacer):
         self.hold(started, self.micro_batch_s(tokens, flops_per_param_token))
 
 
+def clock_label(cfg) -> str:
+    """What a run's times are (`cfg`: its EmulateConfig): "emulated <gpu>/<model>", or wall time."""
+    return f"emulated {cfg.gpu}/{cfg.model}" if cfg.on else "wall"
+
+
 class Emulation:
     """The run's emulated GPU and model (`cfg`: an EmulateConfig that is on) and its pacers."""
 
@@ -80,7 +85,7 @@ class Emulation:
         except ValueError as e:
             raise UserError(f"emulate.tp={cfg.tp}: {e} (emulate.model={cfg.model}, emulate.gpu={cfg.gpu})") from None
         self.sync_s = costs.sync_seconds(self.model)
-        self.label = f"emulated {cfg.gpu}/{cfg.model}"
+        self.label = clock_label(cfg)
 
     def engine_pacer(self) -> EnginePacer:
         return EnginePacer(self.cfg.time_scale, cost=self.engine_cost, k=self.cfg.tokens_per_token)

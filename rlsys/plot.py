@@ -12,14 +12,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 from rlsys.logger import read_jsonl  # noqa: E402
 
 
+def clock_name(rows: list[dict]) -> str:
+    """What the run's times are: wall seconds, or emulated ones (`emulate`) with the GPU and model they follow."""
+    emulated = next((r["emulate/label"] for r in rows if "emulate/label" in r), None)
+    return f"{emulated} time (s)" if emulated else "training wall time (s)"
+
+
 def plot_progress(rows: list[dict], out: Path, label: str = "") -> Path:
     fig, (acc_ax, rew_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    clock = clock_name(rows)
     evals = [r for r in rows if "eval/accuracy" in r]
     acc_ax.plot([r["time_s"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label=label or None)
-    acc_ax.set(xlabel="training wall time (s)", ylabel="eval accuracy", title="Eval accuracy")
+    acc_ax.set(xlabel=clock, ylabel="eval accuracy", title="Eval accuracy")
     steps = [r for r in rows if "reward/mean" in r]
     rew_ax.plot([r["time_s"] for r in steps], [r["reward/mean"] for r in steps], ".-")
-    rew_ax.set(xlabel="training wall time (s)", ylabel="mean reward", title="Training reward")
+    rew_ax.set(xlabel=clock, ylabel="mean reward", title="Training reward")
     for ax in (acc_ax, rew_ax):
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -28,7 +35,7 @@ def plot_progress(rows: list[dict], out: Path, label: str = "") -> Path:
     return out
 
 
-def draw_timeline(ax, rows: list[dict], title: str = "") -> None:
+def draw_timeline(ax, rows: list[dict], title: str = "", clock: str = "seconds") -> None:
     """One row per engine slot; bars are requests, coloured by step, aborted ones hatched."""
     if not rows:
         ax.set_title(f"{title} (no requests)")
@@ -41,15 +48,15 @@ def draw_timeline(ax, rows: list[dict], title: str = "") -> None:
         aborted = r.get("finish_reason") == "abort"
         ax.barh(lane, r["end"] - r["start"], left=r["start"] - t0, height=0.8,
                 color=colors(r["step"] % 10), hatch="//" if aborted else None, alpha=0.5 if aborted else 0.9)
-    ax.set(xlabel="seconds", ylabel="engine slot", title=title or "Rollout timeline (gaps are bubbles)")
+    ax.set(xlabel=clock, ylabel="engine slot", title=title or "Rollout timeline (gaps are bubbles)")
     ax.invert_yaxis()
 
 
-def plot_timeline(rows: list[dict], out: Path, last_steps: int = 4) -> Path:
+def plot_timeline(rows: list[dict], out: Path, last_steps: int = 4, clock: str = "seconds") -> Path:
     steps = sorted({r["step"] for r in rows})[-last_steps:]
     rows = [r for r in rows if r["step"] in steps]
     fig, ax = plt.subplots(figsize=(12, 5))
-    draw_timeline(ax, rows, f"Rollout timeline, steps {steps[0]}-{steps[-1]}" if steps else "")
+    draw_timeline(ax, rows, f"Rollout timeline, steps {steps[0]}-{steps[-1]}" if steps else "", clock)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -60,8 +67,9 @@ def plot_run(run_dir: str | Path, last_steps: int = 4) -> list[Path]:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: is it a run folder?")
-    out = [plot_progress(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "progress.png")]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    out = [plot_progress(metrics, run_dir / "progress.png")]
     timeline = read_jsonl(run_dir / "timeline.jsonl")
     if timeline:
-        out.append(plot_timeline(timeline, run_dir / "timeline.png", last_steps))
+        out.append(plot_timeline(timeline, run_dir / "timeline.png", last_steps, clock_name(metrics)))
     return out

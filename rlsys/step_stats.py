@@ -100,7 +100,8 @@ class StepStats:
         """Times in seconds since t0, over `scale` (emulate.time_scale: the run's emulated seconds)."""
         return [{"step": step, "request_id": c.request_id, "worker": c.worker, "slot": c.slot,
                  "start": round((c.start_time - t0) / scale, 4), "end": round((c.end_time - t0) / scale, 4),
-                 "tokens": c.num_tokens, "finish_reason": c.finish_reason} for c in self.finished]
+                 "tokens": c.num_tokens, "prompt_tokens": len(c.prompt_ids), "finish_reason": c.finish_reason}
+                for c in self.finished]
 
 
 def tokens_within(completions: list[Completion], start: float, end: float) -> float:

@@ -146,3 +146,27 @@ def test_an_emulated_run_reports_its_overrun_share_and_label(tmp_path, ray_clust
     assert final["emulate/time_scale"] == 0.001 and final["emulate/tokens_per_token"] == 1
     # The run's clock is emulated: wall seconds over the time scale
     assert steps[-1]["time_s"] > 100
+
+
+def test_the_simulator_replays_a_live_runs_lengths(tmp_path):
+    from pathlib import Path
+
+    from rlsys.config import save_config
+    from rlsys.sim.replay import replay_config
+
+    repo = Path(__file__).resolve().parent.parent
+    save_config(load_config(repo / "configs" / "emulated_h100_7b.yaml", ["trainer.total_steps=2"]),
+                tmp_path / "config.yaml")
+    k, prompts, group = 64, 16, 8
+    timeline = [{"step": 1 + p // prompts, "request_id": f"p{p}#{i}", "tokens": 1 + (p * 7 + i) % 40,
+                 "prompt_tokens": 9, "finish_reason": "stop"} for p in range(2 * prompts) for i in range(group)]
+    timeline.append({"step": 2, "request_id": "p0#99", "tokens": 3, "prompt_tokens": 9, "finish_reason": "abort"})
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
+    cfg, workload = replay_config(tmp_path)
+    assert cfg.steps == 2 and cfg.workload.max_tokens == k * 128 and cfg.workload.prompt_tokens == k * 9
+    assert cfg.cluster.gpu == "h100" and cfg.cluster.trainer_gpus == 2 and cfg.engine.max_seqs == 32
+    first = workload.prompts()[0]
+    assert [d.length for d in workload.samples(first, 0, group)] == [k * (1 + i % 40) for i in range(group)]
+    result = Simulation(cfg, cfg.runs()[0], workload).run()
+    live = [r["tokens"] for r in timeline if r["finish_reason"] != "abort"]
+    assert result["response_tokens"]["mean"] == pytest.approx(k * sum(live) / len(live))  # sync trains them all

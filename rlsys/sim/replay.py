@@ -1,0 +1,83 @@
+"""The simulator fed a live run's own response lengths, to check it against the live system on an emulated
+clock (rlsys/emulate.py): same schedule, same cost model, the lengths the run's engines produced.
+
+`replay_config(run_dir)` turns a live run's config into the simulator's (the emulated GPU and model, the
+engines' slots, the trainer's GPUs, the schedule) and its `timeline.jsonl` into a `Replay` workload: simulated
+prompt i answers with the lengths of the i-th prompt the run finished, each token k tokens of the emulated
+model. Rewards and reward latencies stay the simulator's own draws.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from rlsys import costs
+from rlsys.config import Config, load_config
+from rlsys.logger import read_jsonl
+from rlsys.sim.config import SimConfig, load_sim_config
+from rlsys.sim.workload import SampleDraw, Workload
+from rlsys.types import Prompt
+
+
+class Replay(Workload):
+    """A workload whose prompt i answers with `lengths[i]` in turn (emulated tokens), whatever the sample."""
+
+    def __init__(self, cfg: SimConfig, lengths: list[list[int]]):
+        super().__init__(cfg.workload, cfg.reward, cfg.seed)
+        self.lengths = lengths
+
+    def samples(self, prompt: Prompt, first: int, n: int) -> list[SampleDraw]:
+        return [self._replayed(d, prompt, first + j) for j, d in enumerate(super().samples(prompt, first, n))]
+
+    def resumed(self, prompt: Prompt, first: int, done: int) -> SampleDraw:
+        draw = self._replayed(super().resumed(prompt, first, done), prompt, first)
+        length = min(self.spec.max_tokens, max(draw.length, done + 1))
+        return draw._replace(length=length, truncated=length >= self.spec.max_tokens)
+
+    def _replayed(self, draw: SampleDraw, prompt: Prompt, ordinal: int) -> SampleDraw:
+        known = self.lengths[prompt.index]
+        length = known[ordinal % len(known)]
+        truncated = length >= self.spec.max_tokens
+        return draw._replace(length=length, truncated=truncated, reward=0.0 if truncated else draw.reward)
+
+
+def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[int]], float]:
+    """Per prompt, in the order the run first finished one of its samples: its finished samples' lengths times k;
+    and the mean prompt length times k."""
+    by_prompt: dict[str, list[int]] = {}
+    prompt_tokens = []
+    for row in timeline:
+        if row["finish_reason"] == "abort":
+            continue
+        by_prompt.setdefault(row["request_id"].rsplit("#", 1)[0], []).append(k * row["tokens"])
+        prompt_tokens.append(k * row["prompt_tokens"])
+    return list(by_prompt.values()), statistics.mean(prompt_tokens)
+
+
+def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimConfig, Replay]:
+    """The simulator's config and workload for the live emulated run in `run_dir`."""
+    run_dir = Path(run_dir)
+    live: Config = load_config(run_dir / "config.yaml")
+    e = live.emulate
+    if not e.on:
+        raise ValueError(f"{run_dir}: not an emulated run (emulate.gpu is unset in its config.yaml)")
+    timeline = read_jsonl(run_dir / "timeline.jsonl")
+    if not timeline:
+        raise ValueError(f"{run_dir}: timeline.jsonl is empty or missing")
+    k = e.tokens_per_token
+    lengths, prompt_tokens = live_lengths(timeline, k)
+    engines = live.rollout.num_workers * e.tp
+    # the live trainer's forward passes per token: forward and backward, a forward more against the reference
+    flops = costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if live.trainer.kl.enabled else 0)
+    cfg = load_sim_config({
+        "name": f"replay of {run_dir.name}", "seed": live.seed,
+        "steps": steps or max(r["step"] for r in timeline),
+        "schedulers": [live.control.scheduler], "model": e.model,
+        "cluster": {"gpu": e.gpu, "gpus": engines + e.trainer_gpus, "tp": e.tp, "trainer_gpus": e.trainer_gpus},
+        "engine": {"max_seqs": live.rollout.slots},
+        "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
+                     "max_prompt_tokens": k * live.data.max_prompt_tokens, "dataset_size": len(lengths)},
+        "trainer": {"flops_per_param_token": flops, "overhead_s": 0.0, "streamed": live.trainer.streamed},
+        "control": live.control.model_dump(),
+    })
+    return cfg, Replay(cfg, lengths)
