@@ -3,12 +3,13 @@
 (rlsys/sim/replay.py); their step time, rollout time and bubble ratio side by side. The report is rewritten
 after every preset, so a sweep cut short keeps what it measured.
 
-    python benchmarks/emulated_vs_sim.py --presets sync,tail --steps 6 \
-        --output benchmarks/results/emulated_vs_sim_cpu.json
+    python benchmarks/emulated_vs_sim.py --presets sync,tail --steps 6
+    python benchmarks/emulated_vs_sim.py --presets sorted,async --steps 6 --top-up   # more presets, same file
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsys.bench import PRESETS, machine, run_preset, write_report  # noqa: E402
 from rlsys.config import load_config  # noqa: E402
+from rlsys.logger import read_jsonl  # noqa: E402
 from rlsys.sim.replay import replay_config  # noqa: E402
 from rlsys.sim.simulator import Simulation  # noqa: E402
 
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--runs", default="runs/emulated_vs_sim", help="folder for the live runs")
     p.add_argument("--output", default="benchmarks/results/emulated_vs_sim_cpu.json")
+    p.add_argument("--top-up", action="store_true", help="keep the output's other presets, rerun only these")
+    p.add_argument("--replay-only", action="store_true", help="simulate the live runs already in --runs again")
     p.add_argument("overrides", nargs="*", help="key=value on top of the config")
     args = p.parse_args(argv)
     common = [f"trainer.total_steps={args.steps}", "control.eval_every=0", "control.save_every=0",
@@ -61,10 +65,17 @@ def main(argv=None) -> int:
               "config": args.config, "overrides": common, "machine": machine(),
               "clock": f"emulated {cfg.emulate.gpu}/{cfg.emulate.model}", "emulate": cfg.emulate.model_dump(),
               "results": {}}
+    if args.top_up and Path(args.output).exists():
+        before = json.loads(Path(args.output).read_text())
+        if before["overrides"] != common:
+            p.error(f"--top-up: {args.output} was measured with other overrides ({before['overrides']})")
+        report["results"] = before["results"]
+        report["command"] = before["command"] + "; then " + report["command"]
     for name in args.presets.split(","):
         t = time.time()
         run_dir = Path(args.runs) / name
-        rows = run_preset(args.config, common + PRESETS[name], run_dir)
+        rows = (read_jsonl(run_dir / "metrics.jsonl") if args.replay_only
+                else run_preset(args.config, common + PRESETS[name], run_dir))
         report["results"][name] = dict(compare(run_dir, rows), wall_s=time.time() - t)
         write_report(args.output, report)
         r = report["results"][name]

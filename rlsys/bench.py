@@ -83,6 +83,7 @@ def machine() -> dict:
 def write_report(path: str | None, report: dict) -> None:
     """A sweep's report as JSON; sweeps rewrite it after every run, so an interrupted one keeps what it measured."""
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=1) + "\n")
 
 
@@ -214,39 +215,48 @@ def run_preset(config: str | None, overrides: list[str], out_dir: Path, controll
 
 
 def bench(config: str, overrides: list[str], presets: list[str], repeats: int, target: Target,
-          out_dir: Path) -> dict:
+          out_dir: Path, output: str | None = None, vary_seed: bool = False) -> dict:
+    """The report; with `output`, rewritten there after every run, so a sweep cut short keeps what it measured.
+    `vary_seed`: repeat r runs with seed=r (training noise), else every repeat with the config's seed."""
     names = [p for p in presets if available(p)]
     skipped = [p for p in presets if p not in names]
     if skipped:
         print(f"skipping presets not available yet: {', '.join(skipped)}")
     runs: dict[str, list[dict]] = {n: [] for n in names}
+    cfg = load_config(config, overrides)
+
+    def report() -> dict:
+        done = {n: v for n, v in runs.items() if v}
+        equal_time_s = add_equal_time(done) if done else None
+        results = {n: aggregate(v) for n, v in done.items()}
+        return {
+            "workload": {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides,
+                         "target": str(target),
+                         "target_accuracy": median_of([r for rs in done.values() for r in rs], "target_accuracy"),
+                         "model": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers", "path"}),
+                         "task": cfg.data.task, "seed": cfg.seed, "prompts_per_step": cfg.control.prompts_per_step,
+                         "group_size": cfg.control.group_size, "total_steps": cfg.trainer.total_steps,
+                         "max_new_tokens": cfg.rollout.max_new_tokens, "slots": cfg.rollout.slots,
+                         "clock": clock_label(cfg.emulate),
+                         **({"emulate": cfg.emulate.model_dump()} if cfg.emulate.on else {})},
+            "machine": machine(),
+            "equal_time_s": equal_time_s,
+            "results": results,
+            "speedup_vs_sync": speedups(done, results),
+            "runs": done,
+        }
+
     for r in range(repeats):
         order = names[r % len(names):] + names[: r % len(names)]  # rotate so no preset always runs first
         for name in order:
             t = time.time()
-            rows = run_preset(config, overrides + PRESETS[name], out_dir / f"{name}-r{r}")
+            seed = [f"seed={r}"] if vary_seed else []
+            rows = run_preset(config, overrides + PRESETS[name] + seed, out_dir / f"{name}-r{r}")
             runs[name].append(summarise_run(rows, target))
             print(f"[bench] {name} repeat {r}: {time.time() - t:.0f}s, "
                   f"final accuracy {runs[name][-1]['final_accuracy']}", flush=True)
-    cfg = load_config(config, overrides)
-    equal_time_s = add_equal_time(runs) if runs else None
-    results = {n: aggregate(v) for n, v in runs.items()}
-    return {
-        "workload": {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides,
-                     "target": str(target),
-                     "target_accuracy": median_of([r for rs in runs.values() for r in rs], "target_accuracy"),
-                     "model": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers", "path"}),
-                     "task": cfg.data.task, "seed": cfg.seed, "prompts_per_step": cfg.control.prompts_per_step,
-                     "group_size": cfg.control.group_size, "total_steps": cfg.trainer.total_steps,
-                     "max_new_tokens": cfg.rollout.max_new_tokens, "slots": cfg.rollout.slots,
-                     "clock": clock_label(cfg.emulate),
-                     **({"emulate": cfg.emulate.model_dump()} if cfg.emulate.on else {})},
-        "machine": machine(),
-        "equal_time_s": equal_time_s,
-        "results": results,
-        "speedup_vs_sync": speedups(runs, results),
-        "runs": runs,
-    }
+            write_report(output, report())
+    return report()
 
 
 def cell(result: dict, key: str, fmt: str) -> str:
@@ -329,6 +339,7 @@ def add_arguments(p) -> None:
     p.add_argument("--target", type=Target.parse, default=Target.parse(DEFAULT_TARGET),
                    help="eval accuracy for time-to-target (0.3), or a gain over each run's first eval "
                         f"(+0.025; default {DEFAULT_TARGET})")
+    p.add_argument("--vary-seed", action="store_true", help="repeat r runs with seed=r")
     p.add_argument("--quick", action="store_true", help="a short workload: " + " ".join(QUICK))
     p.add_argument("--out-dir", default="runs/bench", help="where the runs and figures go")
     p.add_argument("--output", help="write the report JSON here")
@@ -338,12 +349,11 @@ def run_from_args(args) -> int:
     config, overrides = split_config_and_overrides(args.items)
     overrides = (QUICK if args.quick else []) + overrides
     out_dir = Path(args.out_dir)
-    report = bench(config, overrides, args.presets.split(","), args.repeats, args.target, out_dir)
+    report = bench(config, overrides, args.presets.split(","), args.repeats, args.target, out_dir, args.output,
+                   args.vary_seed)
     print_table(report)
     for path in plot_bench(report, out_dir):
         print(f"wrote {path}")
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=1))
         print(f"wrote {args.output}")
     return 0

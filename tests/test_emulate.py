@@ -164,7 +164,8 @@ def test_the_simulator_replays_a_live_runs_lengths(tmp_path):
     (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
     cfg, workload = replay_config(tmp_path)
     assert cfg.steps == 2 and cfg.workload.max_tokens == k * 128 and cfg.workload.prompt_tokens == k * 9
-    assert cfg.cluster.gpu == "h100" and cfg.cluster.trainer_gpus == 2 and cfg.engine.max_seqs == 32
+    assert cfg.cluster.gpu == "h100" and cfg.engine.max_seqs == 32
+    assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus is None  # the trainer on the two engines' GPUs
     first = workload.prompts()[0]
     assert [d.length for d in workload.samples(first, 0, group)] == [k * (1 + i % 40) for i in range(group)]
     result = Simulation(cfg, cfg.runs()[0], workload).run()

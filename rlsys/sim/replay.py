@@ -67,13 +67,19 @@ def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimCon
     k = e.tokens_per_token
     lengths, prompt_tokens = live_lengths(timeline, k)
     engines = live.rollout.num_workers * e.tp
+    # A trainer on as many GPUs as the engines is on theirs (colocated): the simulator pauses the engines while
+    # it trains and leaves that time out of the bubble, as the live metric does. Generating while training
+    # (async, streamed gradients) needs GPUs of its own.
+    overlaps = live.control.scheduler == "async" or live.trainer.streamed
+    colocated = e.trainer_gpus == engines and not overlaps
+    cluster = ({"gpus": engines} if colocated else {"gpus": engines + e.trainer_gpus, "trainer_gpus": e.trainer_gpus})
     # the live trainer's forward passes per token: forward and backward, a forward more against the reference
     flops = costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if live.trainer.kl.enabled else 0)
     cfg = load_sim_config({
         "name": f"replay of {run_dir.name}", "seed": live.seed,
         "steps": steps or max(r["step"] for r in timeline),
         "schedulers": [live.control.scheduler], "model": e.model,
-        "cluster": {"gpu": e.gpu, "gpus": engines + e.trainer_gpus, "tp": e.tp, "trainer_gpus": e.trainer_gpus},
+        "cluster": {"gpu": e.gpu, "tp": e.tp, **cluster},
         "engine": {"max_seqs": live.rollout.slots},
         "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
                      "max_prompt_tokens": k * live.data.max_prompt_tokens, "dataset_size": len(lengths)},
