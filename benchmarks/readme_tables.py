@@ -249,7 +249,9 @@ def controller_load() -> str:
 @table("emulated_vs_sim")
 def emulated_vs_sim() -> str:
     j = load("emulated_vs_sim_cpu")
-    cell = lambda f: f"{f['live']:.{2 if f['live'] < 1 else 1}f} / {f['sim']:.{2 if f['live'] < 1 else 1}f} ({f['sim_over_live']:.2f})"  # noqa: E731,E501
+    def cell(f: dict) -> str:
+        digits = 2 if f["live"] < 1 else 1
+        return f"{f['live']:.{digits}f} / {f['sim']:.{digits}f} ({f['sim_over_live']:.2f})"
     return rows(["preset", "overrun share", "step s, live / sim (sim/live)", "rollout s", "bubble ratio"], [
         [f"`{name}`", f"{r['overrun_share']:.3f}", cell(r["step_time_s"]), cell(r["rollout_time_s"]),
          cell(r["bubble_ratio"])] for name, r in j["results"].items()])

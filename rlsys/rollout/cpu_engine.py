@@ -300,9 +300,6 @@ class CPUEngine(RolloutEngine):
         # An admitted request decodes in the same step unless its budget is spent. Whether its prefill token
         # was an EOS is known only after the fetch: then the decoded token is dropped.
         decoding = [e for e in self.running.values() if not self._spent(e, e.sampled)]
-        if self.pacer:  # what the step prefills and the KV cache its decoding reads, before either runs
-            prefilled = sum(len(e.request.prompt_ids) + len(e.request.resume_ids) for e in admitted[0]) if admitted else 0
-            live_kv = sum(len(e.request.prompt_ids) + e.sampled for e in decoding)
         batches = [b for b in (admitted, self._decode_batch(decoding)) if b]
         new_tokens = 0
         if batches:
@@ -313,9 +310,16 @@ class CPUEngine(RolloutEngine):
                     new_tokens += 1
                     self._record(e, token, logprob, done)
         if self.pacer and batches:
-            self.pacer.step(t0, prefilled, len(decoding), live_kv)
+            self._pace(t0, admitted, decoding)
         self.counters.record(len(decoding), self.slots, new_tokens, time.perf_counter() - t0)
         return done
+
+    def _pace(self, t0: float, admitted: tuple | None, decoding: list[_Running]) -> None:
+        """emulate: hold the step until the modelled time of its prefill and of its decoding over the KV cache it
+        read (each decoding entry's keys before this step's token)."""
+        prefilled = sum(len(e.request.prompt_ids) + len(e.request.resume_ids) for e in admitted[0]) if admitted else 0
+        read_kv = sum(len(e.request.prompt_ids) + e.sampled - 1 for e in decoding)
+        self.pacer.step(t0, prefilled, len(decoding), read_kv)
 
     def stats(self) -> dict:
         out = super().stats()

@@ -73,8 +73,14 @@ def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimCon
     overlaps = live.control.scheduler == "async" or live.trainer.streamed
     colocated = e.trainer_gpus == engines and not overlaps
     cluster = ({"gpus": engines} if colocated else {"gpus": engines + e.trainer_gpus, "trainer_gpus": e.trainer_gpus})
-    # the live trainer's forward passes per token: forward and backward, a forward more against the reference
-    flops = costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if live.trainer.kl.enabled else 0)
+    # The live trainer's passes per token: forward and backward; a forward more against a KL reference; and where
+    # samples may be stale (partial rollouts, async), pi_prox recomputed for every mini-batch but the first.
+    t = live.trainer
+    c = live.control
+    stale = c.scheduler == "async" or (c.scheduler == "sorted" and c.sorted.mode == "partial")
+    recompute = stale and t.proximal == "recompute" and t.mini_batches > 1
+    flops = (costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if t.kl.enabled else 0)
+             + (costs.FORWARD_FLOPS * (t.mini_batches - 1) / t.mini_batches if recompute else 0))
     cfg = load_sim_config({
         "name": f"replay of {run_dir.name}", "seed": live.seed,
         "steps": steps or max(r["step"] for r in timeline),
@@ -84,6 +90,6 @@ def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimCon
         "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
                      "max_prompt_tokens": k * live.data.max_prompt_tokens, "dataset_size": len(lengths)},
         "trainer": {"flops_per_param_token": flops, "overhead_s": 0.0, "streamed": live.trainer.streamed},
-        "control": live.control.model_dump(),
+        "control": c.model_dump(),
     })
     return cfg, Replay(cfg, lengths)
