@@ -171,3 +171,20 @@ def test_the_simulator_replays_a_live_runs_lengths(tmp_path):
     result = Simulation(cfg, cfg.runs()[0], workload).run()
     live = [r["tokens"] for r in timeline if r["finish_reason"] != "abort"]
     assert result["response_tokens"]["mean"] == pytest.approx(k * sum(live) / len(live))  # sync trains them all
+
+
+def test_a_replay_of_async_gives_the_trainer_its_own_gpus_and_its_proximal_forwards(tmp_path):
+    from pathlib import Path
+
+    from rlsys.config import save_config
+    from rlsys.sim.replay import replay_config
+
+    repo = Path(__file__).resolve().parent.parent
+    save_config(load_config(repo / "configs" / "emulated_h100_7b.yaml",
+                            ["control.scheduler=async", "trainer.loss=decoupled_ppo"]), tmp_path / "config.yaml")
+    (tmp_path / "timeline.jsonl").write_text(json.dumps(
+        {"step": 1, "request_id": "p0#0", "tokens": 5, "prompt_tokens": 9, "finish_reason": "stop"}) + "\n")
+    cfg, _ = replay_config(tmp_path)
+    assert cfg.cluster.gpus == 4 and cfg.cluster.trainer_gpus == 2  # it generates while the trainer trains
+    # 4 mini-batches of stale samples: pi_prox recomputed for the last 3 (trainer.proximal=recompute)
+    assert cfg.trainer.flops_per_param_token == costs.TRAIN_FLOPS + costs.FORWARD_FLOPS * 3 / 4
