@@ -241,7 +241,11 @@ class TrainerConfig(Section):
     advantage: str = "grpo"
     loss: str = "dapo"
     eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.28, ge=0)
+    # None: the loss's own (trainer/losses.py clip_range): DAPO's clip-higher 0.28, or eps_low for grpo and drgrpo
+    eps_high: Optional[float] = Field(None, ge=0)
+    # gspo with a token-level mismatch weight: "mean" puts the mean of the sequence's token weights on each
+    # token's gradient (TRL), "own" each token's own weight (veRL)
+    gspo_token_weights: Literal["mean", "own"] = "mean"
     is_cap: float = Field(5.0, ge=1)  # decoupled_ppo: tokens with pi_prox / pi_behav above this are dropped
     dg_eta: float = Field(1.0, gt=0)  # dg, dg_clipped: temperature of the delight gate
     clip_ratio_c: Optional[float] = Field(None, gt=1)  # dual-clip: A < 0 loses at most -A * c (veRL: 3); None: off
@@ -252,6 +256,13 @@ class TrainerConfig(Section):
     mismatch: MismatchConfig = MismatchConfig()
     kl: KLConfig = KLConfig()
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _loss_options(self):
+        from rlsys.trainer.losses import check_loss_options  # reads the loss registry, which imports this module
+
+        check_loss_options(self)  # a ValueError naming the option the loss gives no meaning
+        return self
 
     @model_validator(mode="after")
     def _loglinear_without_a_correction(self):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlsys.config import CONFIG_DIR, Config, ConfigError, TrainerConfig, load_config
-from rlsys.trainer.losses import AGGREGATIONS, POLICY_LOSSES, LossInputs, compute_loss, kl_penalty
+from rlsys.trainer.losses import (AGGREGATIONS, GSPO_LOG_RATIO_BOUND, LOG_RATIO_BOUND, POLICY_LOSSES, LossInputs,
+                                  clip_range, compute_loss, kl_penalty)
 from rlsys.trainer.worker import TrainerGroup
 
 from helpers import train_step
@@ -143,6 +144,49 @@ def test_gspo_clips_whole_sequences():
     assert stats["clip_fraction_low"] == pytest.approx(1 / 3)
 
 
+def test_gspo_clamps_the_sequence_log_ratio_at_10_with_no_gradient_beyond():
+    # Two tokens at log ratio 12 (each inside the token bound of 20): log s = 12 is clamped to 10, as veRL's GSPO.
+    far = inputs([[12.0, 12.0]], [[0.0, 0.0]], [[0.0, 0.0]], [[-1.0, -1.0]])
+    for weights in ("mean", "own"):
+        loss, grad, _ = loss_and_grad(far, loss="gspo", gspo_token_weights=weights)
+        assert loss == pytest.approx(math.exp(GSPO_LOG_RATIO_BOUND), rel=1e-5) and grad == [0.0, 0.0]
+    # Below the bound the gradient is s A / |y| on each token.
+    near = inputs([[9.0, 9.0]], [[0.0, 0.0]], [[0.0, 0.0]], [[-1.0, -1.0]])
+    assert loss_and_grad(near, loss="gspo")[1] == pytest.approx([math.exp(9) / 2] * 2, rel=1e-5)
+
+
+@pytest.mark.parametrize("weights, expected", [("mean", [0.75, 0.75]), ("own", [1.0, 0.5])])
+def test_gspo_with_token_weights_follows_the_chosen_convention(weights, expected):
+    # On-policy (s = 1), A = 1, token mismatch weights rho = 2 and 1 (tis at 2): the value is the same,
+    # -(2 + 1) / 2; the gradient on each token is -s A / |y| times the mean weight 1.5 (TRL) or its own (veRL).
+    behaviour = [[-LN(2), 0.0]]
+    inp = inputs([[0.0, 0.0]], [[0.0, 0.0]], behaviour, [[1.0, 1.0]])
+    loss, grad, _ = loss_and_grad(inp, loss="gspo", gspo_token_weights=weights, mismatch={"mode": "tis"})
+    assert loss == pytest.approx(-1.5) and grad == pytest.approx([-g for g in expected])
+
+
+# --- eps_high ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_name", ["grpo", "drgrpo"])
+def test_grpo_and_drgrpo_honour_eps_high_and_are_symmetric_without_it(loss_name):
+    # Ratio 1.25, A = 1, one token: eps 0.2 on both sides clips it (loss -1.2, no gradient); eps_high 0.3 does not.
+    def run(**cfg):
+        return loss_and_grad(inputs([[LN(1.25)]], [[0.0]], [[0.0]], [[1.0]]), loss=loss_name, loss_scale_tokens=1,
+                             **cfg)[:2]
+    assert run() == (pytest.approx(-1.2), [0.0])
+    assert run(eps_high=0.3) == (pytest.approx(-1.25), [pytest.approx(-1.25)])
+    assert run(eps_low=0.1) == (pytest.approx(-1.1), [0.0])  # the symmetric default follows eps_low
+
+
+def test_dapo_keeps_its_clip_higher_default():
+    assert clip_range(TrainerConfig(loss="dapo")) == (0.2, 0.28)
+    assert clip_range(TrainerConfig(loss="dapo", eps_high=0.4)) == (0.2, 0.4)
+
+
+def test_eps_high_is_refused_where_the_loss_has_no_clip():
+    with pytest.raises(ConfigError, match=r"trainer.eps_high=0.3: trainer.loss=dg clips no ratio"):
+        load_config(None, ["trainer.loss=dg", "trainer.eps_high=0.3"])
+
+
 # --- rollout-trainer mismatch -------------------------------------------------------------------------
 # On-policy for the trainer (pi = pi_old, ratio 1), A = 1, rho = pi_old / pi_behav = 4, 1/2, 3/2.
 RHO = [4.0, 0.5, 1.5]
@@ -232,6 +276,21 @@ def test_the_log_ratio_is_clamped_so_a_far_token_costs_no_step():
     # a finite loss and no gradient.
     loss, grad, _ = loss_and_grad(inputs([[100.0]], [[0.0]], [[0.0]], [[-1.0]]), loss="dapo")
     assert loss == pytest.approx(math.exp(20), rel=1e-5) and grad == [0.0]
+
+
+@pytest.mark.parametrize("loss_name", POLICY_LOSSES.names())
+@pytest.mark.parametrize("log_ratio", [100.0, -100.0])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_every_loss_bounds_a_far_ratio(loss_name, log_ratio, adv):
+    # One token 100 nats from pi_old (sequence 0 of two tokens, so a sequence ratio is e^50, finite in float32),
+    # beside an on-policy sequence: every loss clamps before exp, so its value and gradient stay within e^20 |A|
+    # per token, whatever ratio it takes (token or sequence) and whichever way it is aggregated.
+    old = [[-1.0 - log_ratio, -1.0], [-1.0, -1.0]]
+    inp = inputs([[-1.0, -1.0], [-1.0, -1.0]], old, old, [[adv, adv], [adv, adv]], [[1.0, 1.0], [1.0, 0.0]])
+    loss, grad, _ = loss_and_grad(inp, loss=loss_name, loss_scale_tokens=2)
+    bound = math.exp(LOG_RATIO_BOUND) * (1 + 1e-5)
+    assert math.isfinite(loss) and abs(loss) <= bound, loss
+    assert all(math.isfinite(g) and abs(g) <= bound for g in grad), grad
 
 
 def test_kl_k1_k2_keep_their_gradient_beyond_20_nats_and_k3_is_bounded():

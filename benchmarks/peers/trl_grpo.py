@@ -58,6 +58,7 @@ from rlsys.data.cursor import PromptCursor  # noqa: E402
 from rlsys.models import load_tokenizer, prepare_model  # noqa: E402
 from rlsys.models.warm_start import exact_match_accuracy  # noqa: E402
 from rlsys.reward.registry import exact_match  # noqa: E402
+from rlsys.trainer.losses import clip_range  # noqa: E402
 
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "bench_quick_cpu.json"
 
@@ -131,7 +132,7 @@ def build_trainer(cfg, model_dir: Path, tokenizer, ordered, work: Path, steps: i
         max_completion_length=ro.max_new_tokens,
         temperature=ro.temperature, top_p=ro.top_p, top_k=0,
         loss_type=tr.loss, epsilon=tr.eps_low,  # rlsys's grpo loss clips at eps_low on both sides
-        epsilon_high=tr.eps_high if tr.loss == "dapo" else tr.eps_low,
+        epsilon_high=clip_range(tr)[1],
         scale_rewards="group", beta=0.0, mask_truncated_completions=False,
         learning_rate=tr.lr, lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
@@ -397,7 +398,7 @@ def differences(cfg, per_device: int) -> list[str]:
         "completions and their accuracy curves differ by chance as well as by design.",
         "Prompts: the same train split in the same order (TRL is fed rlsys's data cursor order with its own "
         f"shuffle off), {ctl.prompts_per_step} prompts x {ctl.group_size} samples per step.",
-        f"Loss: both use the {tr.loss.upper()} clipped surrogate (eps {tr.eps_low}/{tr.eps_high}) with "
+        f"Loss: both use the {tr.loss.upper()} clipped surrogate (eps {tr.eps_low}/{clip_range(tr)[1]}) with "
         f"{'token-level aggregation' if tr.loss == 'dapo' else 'sequence-then-batch mean aggregation'} and GRPO "
         "advantages (group mean, sample std); TRL adds 1e-4 to the std, rlsys 1e-6.",
     ]
@@ -506,7 +507,7 @@ def main() -> int:
             "prompts_per_step": ctl.prompts_per_step, "group_size": ctl.group_size,
             "samples_per_step": samples, "steps": steps, "max_new_tokens": cfg.rollout.max_new_tokens,
             "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "lr": cfg.trainer.lr,
-            "loss": cfg.trainer.loss, "eps_low": cfg.trainer.eps_low, "eps_high": cfg.trainer.eps_high,
+            "loss": cfg.trainer.loss, "eps_low": cfg.trainer.eps_low, "eps_high": clip_range(cfg.trainer)[1],
             "mini_batches": cfg.trainer.mini_batches, "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
             "trl_per_device_batch": per_device,
             "trl_gradient_accumulation": samples // cfg.trainer.mini_batches // per_device,

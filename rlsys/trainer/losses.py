@@ -33,6 +33,13 @@ Conventions (where they differ from, or are not written down by, veRL):
 - pi_old is always the trainer's own when a correction is on: with fresh samples and several
   mini-batches rlsys otherwise reuses the engine's log-probs as pi_old (no extra forward), and
   then rho = 1 and `mismatch_kl` reads 0 by construction.
+- GSPO's sequence log-ratio (the mean of its token log-ratios, not clamped one by one) is clamped from
+  above at 10 before exp, with no gradient beyond, as veRL's GSPO. With a token-level mismatch weight its
+  gradient on each token carries the sequence's mean weight by default (`trainer.gspo_token_weights=mean`,
+  TRL's); `own` gives each token its own weight (veRL's). The loss value is the same either way.
+- trainer.eps_high unset means the loss's own upper clip: 0.28 (DAPO's clip-higher) for the DAPO family,
+  eps_low (symmetric) for grpo and drgrpo; set, every clipped loss honours it (as veRL's vanilla loss and
+  TRL's grpo do), and a loss with no ratio clip (dg) refuses it at config load.
 - Dual-clip (trainer.clip_ratio_c) bounds the loss of a token with A < 0 at -A * c, for every
   clipped loss; off by default (veRL's default is on, c = 3).
 - seq_mean_token_sum_norm divides the step's token sum by (sequences x trainer.loss_scale_tokens),
@@ -50,6 +57,8 @@ from rlsys.config import MismatchConfig, TrainerConfig
 from rlsys.registry import Registry
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| beyond this is clamped before exp (veRL's bound)
+GSPO_LOG_RATIO_BOUND = 10.0  # GSPO's sequence log-ratio is clamped from above at this (veRL's GSPO)
+DAPO_EPS_HIGH = 0.28  # the clip-higher upper eps, where the loss's own and trainer.eps_high is not set
 
 
 @dataclass
@@ -85,6 +94,9 @@ class PolicyLoss:
     # The correction it always takes when trainer.mismatch.mode is none (decoupled_ppo's capped weight).
     default_correction: Optional[Callable[[TrainerConfig], MismatchConfig]] = None
     ratio_to_behaviour: bool = False  # pi_old is the behaviour policy itself: nothing left to correct
+    # Its upper clip when trainer.eps_high is not set: a number, or None for eps_low (a symmetric clip).
+    eps_high: Optional[float] = DAPO_EPS_HIGH
+    clipped: bool = True  # False: no ratio clip, so trainer.eps_high has no meaning and is refused
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
@@ -136,6 +148,23 @@ def aggregation_of(cfg: TrainerConfig) -> str:
     return cfg.loss_aggregation or POLICY_LOSSES.get(cfg.loss).aggregation
 
 
+def clip_range(cfg: TrainerConfig) -> tuple[float, float]:
+    """(eps_low, eps_high) of the loss: trainer.eps_high where set, else the loss's own upper eps."""
+    if cfg.eps_high is not None:
+        return cfg.eps_low, cfg.eps_high
+    own = POLICY_LOSSES.get(cfg.loss).eps_high
+    return cfg.eps_low, cfg.eps_low if own is None else own
+
+
+def check_loss_options(cfg: TrainerConfig) -> None:
+    """Refuse an option the chosen loss gives no meaning (a loss not registered yet is checked when it runs)."""
+    if cfg.loss not in POLICY_LOSSES:
+        return
+    if cfg.eps_high is not None and not POLICY_LOSSES.get(cfg.loss).clipped:
+        raise ValueError(f"trainer.eps_high={cfg.eps_high}: trainer.loss={cfg.loss} clips no ratio, so it has "
+                         "no upper clip to set; leave trainer.eps_high out")
+
+
 # --- losses -------------------------------------------------------------------------------------
 def bounded_exp(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
@@ -157,28 +186,33 @@ def clipped_objective(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: floa
                   "clip_fraction_dual": clipped_dual.float()}
 
 
-def clipped_surrogate(inp: LossInputs, eps_low: float, eps_high: float,
-                      clip_ratio_c: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The PPO objective with rho = pi / pi_old per token."""
+def clipped_ppo(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The PPO objective with rho = pi / pi_old per token, the loss's clip range and trainer.clip_ratio_c."""
     ratio = bounded_exp(inp.logprobs - inp.old_logprobs)
-    return clipped_objective(ratio, inp.advantages, eps_low, eps_high, clip_ratio_c)
+    return clipped_objective(ratio, inp.advantages, *clip_range(cfg), cfg.clip_ratio_c)
 
 
-@register_policy_loss("grpo", aggregation="seq_mean_token_mean")
+@register_policy_loss("grpo", aggregation="seq_mean_token_mean", eps_high=None)
 def grpo_loss(inp: LossInputs, cfg: TrainerConfig):
-    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_low, cfg.clip_ratio_c)
+    """GRPO's clipped surrogate: symmetric unless trainer.eps_high is set (as veRL's vanilla loss, TRL's grpo)."""
+    return clipped_ppo(inp, cfg)
 
 
 @register_policy_loss("dapo", aggregation="token_mean")
 def dapo_loss(inp: LossInputs, cfg: TrainerConfig):
-    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
+    return clipped_ppo(inp, cfg)
 
 
-@register_policy_loss("drgrpo", aggregation="seq_mean_token_sum_norm")
+@register_policy_loss("drgrpo", aggregation="seq_mean_token_sum_norm", eps_high=None)
 def drgrpo_loss(inp: LossInputs, cfg: TrainerConfig):
-    """Dr.GRPO: GRPO's symmetric clip, aggregated without the 1 / |y| that favours long wrong answers
+    """Dr.GRPO: GRPO's clip, aggregated without the 1 / |y| that favours long wrong answers
     (pair it with trainer.advantage=drgrpo, which drops the std division)."""
-    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_low, cfg.clip_ratio_c)
+    return clipped_ppo(inp, cfg)
+
+
+def sequence_log_ratio(inp: LossInputs) -> Tensor:
+    """[B, 1]: mean over each sequence's tokens of log(pi / pi_old), the log of GSPO's and GMPO's ratio."""
+    return (inp.logprobs - inp.old_logprobs).mul(inp.mask).sum(-1, keepdim=True) / inp.mask.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 @register_policy_loss("gspo", aggregation="seq_mean_token_mean")
@@ -186,13 +220,17 @@ def gspo_loss(inp: LossInputs, cfg: TrainerConfig):
     """GSPO: one ratio per sequence, s = (prod_t pi / pi_old)^(1 / |y|), clipped as a whole.
 
     Every token of a sequence carries the sequence's loss, so d loss / d log pi_t = s A / |y| under
-    seq_mean_token_mean (GSPO's gradient). Its clip range is far narrower than PPO's: the paper
-    uses eps_low 3e-4, eps_high 4e-4.
+    seq_mean_token_mean (GSPO's gradient). log s is clamped from above at 10 before exp, with no
+    gradient beyond (veRL's GSPO). Its clip range is far narrower than PPO's: the paper uses eps_low
+    3e-4, eps_high 4e-4. With a token-level mismatch weight, trainer.gspo_token_weights decides whose
+    weight a token's gradient carries: the sequence's mean (`mean`, TRL) or its own (`own`, veRL, which
+    writes s_t = sg[s] pi_t / sg[pi_t]: the same value and, unweighted, the same gradient).
     """
-    token_log_ratio = (inp.logprobs - inp.old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND) * inp.mask
-    seq_log_ratio = token_log_ratio.sum(-1, keepdim=True) / inp.mask.sum(-1, keepdim=True).clamp(min=1.0)
-    ratio = seq_log_ratio.exp().expand_as(inp.logprobs)
-    return clipped_objective(ratio, inp.advantages, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
+    log_s = sequence_log_ratio(inp)
+    if cfg.gspo_token_weights == "own":
+        log_s = inp.logprobs - inp.logprobs.detach() + log_s.detach()
+    ratio = log_s.clamp(max=GSPO_LOG_RATIO_BOUND).exp().expand_as(inp.logprobs)
+    return clipped_objective(ratio, inp.advantages, *clip_range(cfg), cfg.clip_ratio_c)
 
 
 # --- staleness-robust losses (docs/design.md "Decoupled PPO", "Delightful Policy Gradient") -------------
@@ -209,15 +247,14 @@ def decoupled_ppo_loss(inp: LossInputs, cfg: TrainerConfig):
     A dropped token adds zero but stays in the step's token count (as AReaL does), so dropping does
     not inflate the weight of the others. With behaviour == proximal, w = 1 and this is `dapo`.
     """
-    return clipped_surrogate(inp, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
+    return clipped_ppo(inp, cfg)
 
 
 @register_policy_loss("ppo_naive", aggregation="token_mean", ratio_to_behaviour=True)
 def ppo_naive_loss(inp: LossInputs, cfg: TrainerConfig):
     """Standard PPO that ignores staleness: the behaviour policy plays pi_old, there is no proximal
     policy and no importance weight (the "naive PPO" of AReaL's ablation). DAPO's clip-higher eps."""
-    return clipped_surrogate(replace(inp, old_logprobs=inp.behaviour_logprobs), cfg.eps_low, cfg.eps_high,
-                             cfg.clip_ratio_c)
+    return clipped_ppo(replace(inp, old_logprobs=inp.behaviour_logprobs), cfg)
 
 
 def delight_gate(advantages: Tensor, logprobs: Tensor, eta: float) -> Tensor:
@@ -230,7 +267,7 @@ def gate_stats(gate: Tensor) -> dict[str, Tensor]:
     return {"dg_gate": gate, "dg_gate_low": (gate < 0.1).float(), "dg_gate_high": (gate > 0.9).float()}
 
 
-@register_policy_loss("dg", aggregation="token_mean")
+@register_policy_loss("dg", aggregation="token_mean", clipped=False)
 def dg_loss(inp: LossInputs, cfg: TrainerConfig):
     """Delightful Policy Gradient: -gate * A * log pi per token; needs no behaviour log-probs."""
     gate = delight_gate(inp.advantages, inp.logprobs, cfg.dg_eta)
@@ -246,7 +283,7 @@ def dg_clipped_loss(inp: LossInputs, cfg: TrainerConfig):
     gradient is exactly `dg`'s; the clip only bites when a batch takes several steps.
     """
     gate = delight_gate(inp.advantages, inp.logprobs, cfg.dg_eta)
-    loss, stats = clipped_surrogate(inp, cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c)
+    loss, stats = clipped_ppo(inp, cfg)
     stats.update(gate_stats(gate))
     return gate * loss, stats
 
