@@ -192,6 +192,7 @@ class RewardConfig(Section):
 class KLConfig(Section):
     estimator: Optional[Literal["k1", "k2", "k3"]] = None
     coef: float = Field(0.0, ge=0)
+    bias_correction: bool = False  # the KL term times pi / pi_old (TRL's use_bias_correction_kl)
 
     @property
     def enabled(self) -> bool:
@@ -206,6 +207,18 @@ class MismatchConfig(Section):
     threshold: float = Field(2.0, ge=1)
     threshold_low: float = Field(0.0, ge=0)  # mis: tokens (sequences) with rho below this are masked too
     warn_kl: Optional[float] = Field(0.01, gt=0)  # warn when a step's k3 KL(pi_behav || pi_old) is above; None: never
+    # Rejection sampling (veRL's rollout_rs): drop tokens (level=token) or whole sequences (level=sequence, the
+    # sequence's mean) whose estimate of KL(pi_behav || pi_old) is above reject_threshold; k1 by its size.
+    reject: Optional[Literal["k1", "k2", "k3"]] = None
+    reject_threshold: float = Field(0.01, gt=0)
+
+    @property
+    def active(self) -> bool:
+        """A weight or a rejection is on: the trainer needs its own pi_old."""
+        return self.mode != "none" or self.reject is not None
+
+    def describe(self) -> str:
+        return f"trainer.mismatch.mode={self.mode}" + (f", reject={self.reject}" if self.reject else "")
 
     @model_validator(mode="after")
     def _bounds(self):
@@ -249,6 +262,17 @@ class TrainerConfig(Section):
     is_cap: float = Field(5.0, ge=1)  # decoupled_ppo: tokens with pi_prox / pi_behav above this are dropped
     dg_eta: float = Field(1.0, gt=0)  # dg, dg_clipped: temperature of the delight gate
     clip_ratio_c: Optional[float] = Field(None, gt=1)  # dual-clip: A < 0 loses at most -A * c (veRL: 3); None: off
+    delta: Optional[float] = Field(None, gt=1)  # two-sided cap: the unclipped ratio at most delta (TRL, INTELLECT-2)
+    entropy_coeff: float = Field(0.0, ge=0)  # entropy bonus: - coeff x the policy's entropy per token
+    # Train only this share of each micro-batch's response tokens, those of highest entropy (TRL's
+    # top_entropy_quantile, "Beyond the 80/20 rule"); None: all.
+    top_entropy_share: Optional[float] = Field(None, gt=0, le=1)
+    # Off-policy sequence masking (DeepSeek-V3.2): a sequence with A < 0 whose mean log(pi_behav / pi) is above
+    # this is dropped; None: off.
+    off_policy_mask: Optional[float] = Field(None, ge=0)
+    cov_ratio: float = Field(2e-4, gt=0, le=1)  # clip_cov, kl_cov: share of tokens picked by covariance
+    clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # clip_cov: covariance range a token is picked from
+    kl_cov_coef: float = Field(1.0, ge=0)  # kl_cov: coefficient of |log pi / pi_old| on the picked tokens
     # None: the loss's own. token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
                                        "seq_mean_token_sum_norm"]] = None
@@ -258,17 +282,10 @@ class TrainerConfig(Section):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _loss_options(self):
-        from rlsys.trainer.losses import check_loss_options  # reads the loss registry, which imports this module
-
-        check_loss_options(self)  # a ValueError naming the option the loss gives no meaning
-        return self
-
-    @model_validator(mode="after")
     def _loglinear_without_a_correction(self):
-        if self.proximal == "loglinear" and self.mismatch.mode != "none":
+        if self.proximal == "loglinear" and self.mismatch.active:
             raise ValueError(f"trainer.proximal=loglinear interpolates pi_old from the engine's log-probs, and "
-                             f"trainer.mismatch.mode={self.mismatch.mode} corrects against the trainer's own: "
+                             f"{self.mismatch.describe()} corrects against the trainer's own: "
                              "use trainer.proximal=recompute with a correction")
         return self
 
@@ -473,6 +490,13 @@ class Config(Section):
         if self.emulate.on and self.rollout.engine != "cpu":
             raise ValueError(f"emulate.gpu={self.emulate.gpu} paces the built-in engine only: it needs "
                              f"rollout.engine=cpu (got {self.rollout.engine})")
+        return self
+
+    @model_validator(mode="after")
+    def _loss_options(self):
+        from rlsys.trainer.losses import check_loss_options  # the loss registry (it imports this module)
+
+        check_loss_options(self.trainer)  # a ValueError naming the option the loss gives no meaning
         return self
 
     @model_validator(mode="after")

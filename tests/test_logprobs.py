@@ -34,23 +34,28 @@ class Head(torch.nn.Linear):
         self.weight = torch.nn.Parameter(weight.clone())
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])  # a loss without and with an entropy term
 @pytest.mark.parametrize("temperature, top_p, chunk", [(1.0, 1.0, 7), (0.7, 1.0, 1000), (0.7, 0.6, 5), (1.3, 0.9, 3)])
-def test_chunked_head_matches_full_logits_in_values_and_gradients(temperature, top_p, chunk):
+def test_chunked_head_matches_full_logits_in_values_and_gradients(temperature, top_p, chunk, with_entropy):
     torch.manual_seed(0)
     hidden = torch.randn(3, 11, HIDDEN, requires_grad=True)
     weight = torch.randn(VOCAB, HIDDEN, requires_grad=True)
     input_ids = torch.randint(0, VOCAB, (3, 11))
     upstream = torch.randn(3, 10)  # a loss that weighs tokens differently
+    entropy_upstream = torch.randn(3, 10) if with_entropy else torch.zeros(3, 10)
+
+    def loss(logprobs, entropy):
+        return (logprobs * upstream).sum() + ((entropy * entropy_upstream).sum() if with_entropy else 0.0)
 
     want, want_entropy = plain_scores(hidden, weight, input_ids, temperature, top_p)
-    want_grads = torch.autograd.grad((want * upstream).sum(), [hidden, weight])
+    want_grads = torch.autograd.grad(loss(want, want_entropy), [hidden, weight])
     head = Head(weight.detach())
     mine = hidden.detach().requires_grad_(True)
     got, entropy = head_logprobs(mine, head, input_ids, temperature, top_p, chunk)
-    (got * upstream).sum().backward()
+    loss(got, entropy).backward()
 
     assert torch.allclose(got, want, atol=1e-5) and torch.isfinite(got).all()
-    assert torch.allclose(entropy, want_entropy, atol=1e-5) and not entropy.requires_grad
+    assert torch.allclose(entropy, want_entropy, atol=1e-5)
     assert torch.allclose(mine.grad, want_grads[0], atol=1e-5)
     assert torch.allclose(head.weight.grad, want_grads[1], atol=1e-5)
 

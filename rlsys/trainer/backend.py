@@ -31,7 +31,7 @@ from rlsys.emulate import TrainerPacer
 from rlsys.registry import Registry
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import head_logprobs
-from rlsys.trainer.losses import LossInputs, compute_loss, loglinear_proximal, token_mean
+from rlsys.trainer.losses import LossInputs, compute_loss, loglinear_proximal
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
 LAYOUT_FILE = "trainer.json"
@@ -229,9 +229,8 @@ class TrainerBackend(ABC):
             inp = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.response_mask,
                              float(totals.tokens), float(totals.sequences),
                              self._reference_logprobs(mb, temperature, top_p),
-                             mb.versions)
+                             mb.versions, entropy)
             loss, mb_stats = compute_loss(inp, self.cfg)
-            mb_stats["entropy"] = token_mean(entropy, inp).item()
             self._backward(loss)
             self._pace(started, batch, costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if self.reference else 0))
             for k, v in mb_stats.items():

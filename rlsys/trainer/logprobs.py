@@ -3,7 +3,8 @@
 At 32k tokens x 152k vocabulary one fp32 copy of the logits is ~20 GB. `head_logprobs` applies the LM
 head to `chunk` tokens at a time and keeps only each token's log-prob and entropy; its backward
 recomputes each chunk's logits (the way fused linear-cross-entropy kernels do), so the extra memory is
-a few [chunk, vocab] fp32 tensors, whatever the sequence length.
+a few [chunk, vocab] fp32 tensors, whatever the sequence length. Both outputs carry a gradient (the
+entropy's for trainer.entropy_coeff); one that the loss does not use costs no backward work.
 
 Tokens are scored as the engines record them: log softmax(logits / T), and with top_p < 1 under the
 top-p nucleus renormalised (vLLM's processed log-probs; the rule of the built-in engine: a token is in
@@ -60,17 +61,24 @@ def target_logprobs(z: Tensor, targets: Tensor) -> Tensor:
     return z.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
 
 
-@torch.no_grad()
 def entropy_of(z: Tensor) -> Tensor:
     """The entropy of softmax(z) per row; -inf logits (outside the nucleus) add nothing."""
     probs = z.softmax(-1)
     return -torch.special.xlogy(probs, probs).sum(-1)
 
 
+def entropy_logit_grad(z: Tensor, grad_entropy: Tensor) -> Tensor:
+    """g * dH / dz for rows z [N, V] and g [N, 1]: dH / dz_j = -p_j (log p_j + H); 0 where p_j = 0."""
+    probs = z.softmax(-1)
+    p_log_p = torch.special.xlogy(probs, probs)
+    entropy = -p_log_p.sum(-1, keepdim=True)
+    return (p_log_p + probs * entropy).mul_(-grad_entropy)
+
+
 def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool = False,
                    top_p: float = 1.0):
     """Log-prob of each next token, [B, L-1], from full logits [B, L, V] (no chunking: for small models
-    and checks). With `with_entropy`, also the detached entropy at each position."""
+    and checks). With `with_entropy`, also the entropy at each position."""
     B, L, V = logits.shape
     rows, targets = logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1)
     z, _ = score(rows, targets, temperature, top_p)
@@ -96,12 +104,11 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         floors = torch.cat(floors) if top_p < 1 else None
         ctx.save_for_backward(hidden, weight, bias, targets, floors)
         ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
-        entropy = torch.cat(entropy)
-        ctx.mark_non_differentiable(entropy)
-        return torch.cat(logprobs), entropy
+        ctx.set_materialize_grads(False)  # an output the loss does not use comes back as None: no work for it
+        return torch.cat(logprobs), torch.cat(entropy)
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
+    def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, targets, floors = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -113,8 +120,13 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             floor = None if floors is None else floors[rows:rows + ctx.chunk]
             z = scored_logits(scaled_logits(F.linear(h, weight, bias), ctx.temperature), mine, floor)
             # d logprob / d logit = (onehot(target) - softmax over the scored distribution) / T
-            g = grad_logprobs[rows:rows + ctx.chunk, None]
-            grad_logits = z.softmax(-1).mul_(-g).scatter_add_(-1, mine[:, None], g).div_(scale).to(weight.dtype)
+            grad_z = torch.zeros_like(z)
+            if grad_logprobs is not None:
+                g = grad_logprobs[rows:rows + ctx.chunk, None]
+                grad_z = z.softmax(-1).mul_(-g).scatter_add_(-1, mine[:, None], g)
+            if grad_entropy is not None:  # + the entropy's
+                grad_z.add_(entropy_logit_grad(z, grad_entropy[rows:rows + ctx.chunk, None]))
+            grad_logits = grad_z.div_(scale).to(weight.dtype)
             if want_hidden:
                 grad_hidden[rows:rows + ctx.chunk] = grad_logits @ weight
             if want_weight:

@@ -72,6 +72,7 @@ class LossInputs:
     step_sequences: float  # sequences in the whole step
     ref_logprobs: Optional[Tensor] = None  # frozen initial policy, when a KL term is on
     versions: Optional[Tensor] = None  # policy version that sampled each token
+    entropy: Optional[Tensor] = None  # the current policy's entropy at each position; carries a gradient
 
 
 def loglinear_proximal(behaviour: Tensor, current: Tensor, versions: Tensor, version: int) -> Tensor:
@@ -170,26 +171,30 @@ def bounded_exp(log_ratio: Tensor) -> Tensor:
     return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
 
 
-def clipped_objective(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float,
-                      clip_ratio_c: float | None) -> tuple[Tensor, dict[str, Tensor]]:
-    """-min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A); with dual-clip, at most -A * c when A < 0."""
-    loss = -torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+def clipped_objective(ratio: Tensor, adv: Tensor, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """-min(rho' A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho' = min(rho, delta) with trainer.delta (TRL's
+    two-sided cap: with A < 0 no token loses more than -A delta); with dual-clip, at most -A c when A < 0."""
+    eps_low, eps_high = clip_range(cfg)
+    capped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
+    loss = -torch.minimum(capped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
     # Tokens whose gradient the clip removed, split by side (clip-higher only moves the upper one).
     clipped_low = (ratio < 1 - eps_low) & (adv < 0)
     clipped_high = (ratio > 1 + eps_high) & (adv > 0)
     clipped_dual = torch.zeros_like(clipped_low)
-    if clip_ratio_c is not None:
-        clipped_dual = (ratio > clip_ratio_c) & (adv < 0)
-        loss = torch.where(clipped_dual, -adv * clip_ratio_c, loss)
-    return loss, {"clip_fraction": (clipped_low | clipped_high | clipped_dual).float(),
-                  "clip_fraction_low": clipped_low.float(), "clip_fraction_high": clipped_high.float(),
-                  "clip_fraction_dual": clipped_dual.float()}
+    if cfg.clip_ratio_c is not None:
+        clipped_dual = (ratio > cfg.clip_ratio_c) & (adv < 0)
+        loss = torch.where(clipped_dual, -adv * cfg.clip_ratio_c, loss)
+    stats = {"clip_fraction": (clipped_low | clipped_high | clipped_dual).float(),
+             "clip_fraction_low": clipped_low.float(), "clip_fraction_high": clipped_high.float(),
+             "clip_fraction_dual": clipped_dual.float()}
+    if cfg.delta is not None:
+        stats["clip_fraction_delta"] = ((ratio > cfg.delta) & (adv < 0)).float()
+    return loss, stats
 
 
 def clipped_ppo(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """The PPO objective with rho = pi / pi_old per token, the loss's clip range and trainer.clip_ratio_c."""
-    ratio = bounded_exp(inp.logprobs - inp.old_logprobs)
-    return clipped_objective(ratio, inp.advantages, *clip_range(cfg), cfg.clip_ratio_c)
+    """The PPO objective with rho = pi / pi_old per token, the loss's clip range, trainer.delta and clip_ratio_c."""
+    return clipped_objective(bounded_exp(inp.logprobs - inp.old_logprobs), inp.advantages, cfg)
 
 
 @register_policy_loss("grpo", aggregation="seq_mean_token_mean", eps_high=None)
@@ -210,9 +215,9 @@ def drgrpo_loss(inp: LossInputs, cfg: TrainerConfig):
     return clipped_ppo(inp, cfg)
 
 
-def sequence_log_ratio(inp: LossInputs) -> Tensor:
-    """[B, 1]: mean over each sequence's tokens of log(pi / pi_old), the log of GSPO's and GMPO's ratio."""
-    return (inp.logprobs - inp.old_logprobs).mul(inp.mask).sum(-1, keepdim=True) / inp.mask.sum(-1, keepdim=True).clamp(min=1.0)
+def sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """[B, 1]: the mean of x over each sequence's response tokens."""
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 @register_policy_loss("gspo", aggregation="seq_mean_token_mean")
@@ -226,17 +231,91 @@ def gspo_loss(inp: LossInputs, cfg: TrainerConfig):
     weight a token's gradient carries: the sequence's mean (`mean`, TRL) or its own (`own`, veRL, which
     writes s_t = sg[s] pi_t / sg[pi_t]: the same value and, unweighted, the same gradient).
     """
-    log_s = sequence_log_ratio(inp)
+    log_s = sequence_mean(inp.logprobs - inp.old_logprobs, inp.mask)
     if cfg.gspo_token_weights == "own":
         log_s = inp.logprobs - inp.logprobs.detach() + log_s.detach()
     ratio = log_s.clamp(max=GSPO_LOG_RATIO_BOUND).exp().expand_as(inp.logprobs)
-    return clipped_objective(ratio, inp.advantages, *clip_range(cfg), cfg.clip_ratio_c)
+    return clipped_objective(ratio, inp.advantages, cfg)
+
+
+@register_policy_loss("gmpo", aggregation="seq_mean_token_mean", eps_high=None)
+def gmpo_loss(inp: LossInputs, cfg: TrainerConfig):
+    """GMPO (Zhao et al., 2025): -A exp(mean_t clip'(log rho_t)) per sequence, the geometric mean of the token
+    ratios, each log-ratio clipped to [-eps_low, eps_high] on the side its advantage pushes it (PPO's min, taken
+    in log space). eps are log-space bounds: the paper's range (e^-0.4, e^0.4) is eps_low = eps_high = 0.4."""
+    eps_low, eps_high = clip_range(cfg)
+    log_ratio = inp.logprobs - inp.old_logprobs
+    sign = inp.advantages.sign()
+    kept = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-eps_low, eps_high))
+    clipped = (kept != log_ratio) & (sign != 0)
+    return -inp.advantages * bounded_exp(sequence_mean(kept, inp.mask)), {
+        "clip_fraction": clipped.float(), "clip_fraction_low": (clipped & (sign < 0)).float(),
+        "clip_fraction_high": (clipped & (sign > 0)).float()}
+
+
+@register_policy_loss("cispo", aggregation="token_mean")
+def cispo_loss(inp: LossInputs, cfg: TrainerConfig):
+    """CISPO (MiniMax-M1): -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A log pi. The clip bounds a token's weight
+    and never removes its gradient (the paper clips above only: eps_low 1 leaves the weight unbounded below)."""
+    eps_low, eps_high = clip_range(cfg)
+    ratio = bounded_exp(inp.logprobs - inp.old_logprobs).detach()
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -weight * inp.advantages * inp.logprobs, {
+        "clip_fraction": (weight != ratio).float(), "clip_fraction_high": (ratio > 1 + eps_high).float()}
+
+
+# --- entropy-collapse control by covariance (Cui et al., 2025, "The Entropy Mechanism of RL for LLMs") ----
+def covariance(inp: LossInputs) -> Tensor:
+    """Per token (A - mean A)(log pi - mean log pi), detached; the means over the micro-batch's response tokens."""
+    tokens = inp.mask.sum().clamp(min=1.0)
+    logprobs = inp.logprobs.detach()
+    mean_adv, mean_logprob = (inp.advantages * inp.mask).sum() / tokens, (logprobs * inp.mask).sum() / tokens
+    return (inp.advantages - mean_adv) * (logprobs - mean_logprob)
+
+
+def top_tokens(score: Tensor, eligible: Tensor, count: int) -> Tensor:
+    """A mask of the `count` eligible tokens of highest score (fewer if fewer are eligible)."""
+    score = score.masked_fill(~eligible, float("-inf")).flatten()
+    count = min(count, int(eligible.sum()))
+    picked = torch.zeros_like(score, dtype=torch.bool)
+    picked[score.topk(count).indices] = True
+    return picked.view_as(eligible)
+
+
+def picked_count(inp: LossInputs, cfg: TrainerConfig) -> int:
+    return max(int(cfg.cov_ratio * inp.mask.sum().item()), 1)
+
+
+@register_policy_loss("clip_cov", aggregation="token_mean")
+def clip_cov_loss(inp: LossInputs, cfg: TrainerConfig):
+    """Clip-Cov: the clipped surrogate, with the gradient of a share `cov_ratio` of tokens removed, those of
+    highest covariance among the unclipped ones with covariance inside `clip_cov_bounds` (veRL draws them at
+    random among those; rlsys takes the highest, so a step is reproducible)."""
+    loss, stats = clipped_ppo(inp, cfg)
+    cov, (low, high) = covariance(inp), cfg.clip_cov_bounds
+    eligible = (inp.mask > 0) & (stats["clip_fraction"] == 0) & (cov > low) & (cov < high)
+    picked = top_tokens(cov, eligible, picked_count(inp, cfg))
+    stats["cov_picked_fraction"] = picked.float()
+    return torch.where(picked, torch.zeros_like(loss), loss), stats
+
+
+@register_policy_loss("kl_cov", aggregation="token_mean", clipped=False)
+def kl_cov_loss(inp: LossInputs, cfg: TrainerConfig):
+    """KL-Cov: the unclipped surrogate -rho A, plus kl_cov_coef |log rho| on a share `cov_ratio` of tokens, those
+    of highest covariance."""
+    log_ratio = inp.logprobs - inp.old_logprobs
+    loss = -bounded_exp(log_ratio) * inp.advantages
+    picked = top_tokens(covariance(inp), inp.mask > 0, picked_count(inp, cfg))
+    loss = torch.where(picked, loss + cfg.kl_cov_coef * log_ratio.abs(), loss)
+    return loss, {"cov_picked_fraction": picked.float()}
 
 
 # --- staleness-robust losses (docs/design.md "Decoupled PPO", "Delightful Policy Gradient") -------------
 def areal_cap(cfg: TrainerConfig) -> MismatchConfig:
-    """AReaL's weight: rho per token, tokens with rho > `is_cap` dropped (token-level mis)."""
-    return MismatchConfig(mode="mis", level="token", threshold=cfg.is_cap, warn_kl=None)
+    """AReaL's weight: rho per token, tokens with rho > `is_cap` dropped (token-level mis); trainer.mismatch's
+    rejection on top, if set."""
+    return MismatchConfig(mode="mis", level="token", threshold=cfg.is_cap, warn_kl=None,
+                          reject=cfg.mismatch.reject, reject_threshold=cfg.mismatch.reject_threshold)
 
 
 @register_policy_loss("decoupled_ppo", aggregation="token_mean", default_correction=areal_cap)
@@ -289,25 +368,43 @@ def dg_clipped_loss(inp: LossInputs, cfg: TrainerConfig):
 
 
 # --- rollout-trainer mismatch ---------------------------------------------------------------------
+def mismatch_rejected(inp: LossInputs, m: MismatchConfig) -> Tensor:
+    """Tokens rejected for their estimate of KL(pi_behav || pi_old) (k1 by its size): per token, or with
+    level=sequence every token of a sequence whose mean estimate is above the threshold."""
+    kl = kl_penalty(inp.behaviour_logprobs, inp.old_logprobs.detach(), m.reject).abs()
+    if m.level == "sequence":
+        kl = sequence_mean(kl, inp.mask).expand_as(kl)
+    return kl > m.reject_threshold
+
+
 def mismatch_weight(inp: LossInputs, m: MismatchConfig) -> tuple[Tensor, Tensor]:
-    """The detached weight per token from rho = pi_old / pi_behav, and which tokens it truncated or masked."""
+    """The detached weight per token from rho = pi_old / pi_behav, and which tokens it truncated or masked
+    (rejected ones included)."""
     log_rho = (inp.old_logprobs - inp.behaviour_logprobs).detach() * inp.mask
     if m.level == "sequence":  # the product of the sequence's token ratios, on each of its tokens
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
     rho = bounded_exp(log_rho)
     if m.mode == "tis":
-        bounded = rho > m.threshold
-        return rho.clamp(max=m.threshold), bounded
-    bounded = (rho > m.threshold) | (rho < m.threshold_low)
-    return torch.where(bounded, torch.zeros_like(rho), rho), bounded  # also zeroes an overflowed weight
+        weight, bounded = rho.clamp(max=m.threshold), rho > m.threshold
+    elif m.mode == "mis":
+        bounded = (rho > m.threshold) | (rho < m.threshold_low)
+        weight = torch.where(bounded, torch.zeros_like(rho), rho)  # also zeroes an overflowed weight
+    else:  # rejection alone
+        weight, bounded = torch.ones_like(rho), torch.zeros_like(rho, dtype=torch.bool)
+    if m.reject is not None:
+        rejected = mismatch_rejected(inp, m)
+        weight, bounded = torch.where(rejected, torch.zeros_like(weight), weight), bounded | rejected
+    return weight, bounded
 
 
 def correction_for(policy: PolicyLoss, cfg: TrainerConfig) -> MismatchConfig | None:
     """The mismatch correction this loss takes under `cfg`, or None."""
-    if cfg.mismatch.mode == "none":
-        return policy.default_correction(cfg) if policy.default_correction else None
+    if cfg.mismatch.mode == "none" and policy.default_correction:
+        return policy.default_correction(cfg)
+    if not cfg.mismatch.active:
+        return None
     if policy.ratio_to_behaviour:
-        raise ValueError(f"trainer.mismatch.mode={cfg.mismatch.mode}: trainer.loss={cfg.loss} already takes the "
+        raise ValueError(f"{cfg.mismatch.describe()}: trainer.loss={cfg.loss} already takes the "
                          "behaviour policy as pi_old, so a mismatch weight would count the mismatch twice; "
                          "use trainer.loss=decoupled_ppo or dapo")
     return cfg.mismatch
@@ -337,6 +434,25 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
     raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
 
 
+def dropped_tokens(inp: LossInputs, cfg: TrainerConfig) -> dict[str, Tensor]:
+    """Tokens whose policy loss the options drop, by the statistic that counts them. A dropped token keeps its
+    place in the step's counts, as a mismatch mask does.
+    - off_policy_masked: every token of a sequence with A < 0 and mean log(pi_behav / pi) above
+      trainer.off_policy_mask (DeepSeek-V3.2's sequence mask; pi detached, as TRL's).
+    - low_entropy_dropped: tokens below the (1 - trainer.top_entropy_share) quantile of the micro-batch's
+      response-token entropies (TRL takes the quantile over its whole batch)."""
+    dropped = {}
+    if cfg.off_policy_mask is not None:
+        drift = sequence_mean(inp.behaviour_logprobs - inp.logprobs.detach(), inp.mask)
+        dropped["off_policy_masked"] = ((inp.advantages < 0) & (drift > cfg.off_policy_mask)).expand_as(inp.mask)
+    if cfg.top_entropy_share is not None and inp.entropy is not None:
+        entropy = inp.entropy.detach()
+        response = entropy[inp.mask > 0]
+        floor = torch.quantile(response.float(), 1 - cfg.top_entropy_share) if response.numel() else 0.0
+        dropped["low_entropy_dropped"] = entropy < floor
+    return dropped
+
+
 def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss, and its share of each statistic."""
     policy = POLICY_LOSSES.get(cfg.loss)
@@ -346,14 +462,25 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         weight, bounded = mismatch_weight(inp, correction)
         per_token = weight * per_token
         token_stats.update(mismatch_weight=weight, mismatch_corrected_fraction=bounded.float())
+    for name, dropped in dropped_tokens(inp, cfg).items():
+        per_token = torch.where(dropped, torch.zeros_like(per_token), per_token)
+        token_stats[name] = dropped.float()
     aggregation = AGGREGATIONS[aggregation_of(cfg)]
     stats = {"pg_loss": aggregation(per_token.detach(), inp, cfg).item()}
     if cfg.kl.enabled:
         if inp.ref_logprobs is None:
             raise ValueError("trainer.kl is on but the backend gave no reference log-probs")
         kl = kl_penalty(inp.logprobs, inp.ref_logprobs, cfg.kl.estimator)
+        if cfg.kl.bias_correction:  # TRL: the KL of samples from pi_old, reweighted to pi (the weight keeps its gradient)
+            kl = kl * bounded_exp(inp.logprobs - inp.old_logprobs)
         per_token = per_token + cfg.kl.coef * kl
         token_stats["kl"] = kl
+    if inp.entropy is not None:
+        token_stats["entropy"] = inp.entropy
+        if cfg.entropy_coeff > 0:
+            per_token = per_token - cfg.entropy_coeff * inp.entropy
+    elif cfg.entropy_coeff > 0 or cfg.top_entropy_share is not None:
+        raise ValueError("trainer.entropy_coeff and trainer.top_entropy_share need the entropy, and the backend gave none")
     token_stats["behaviour_logprob_diff"] = (inp.logprobs - inp.behaviour_logprobs).abs()
     token_stats["mismatch_kl"] = kl_penalty(inp.behaviour_logprobs, inp.old_logprobs.detach(), "k3")
     loss = aggregation(per_token, inp, cfg)

@@ -199,7 +199,7 @@ class TrainerGroup:
         world, budget = self.cfg.world_size, self.cfg.micro_batch_tokens
         plans = [plan_step(part, world, budget) for part in split_mini_batches(samples, self.cfg.mini_batches)]
         fresh = version is not None and all(v == version for s in samples for v in s.versions)
-        fresh &= self.cfg.mismatch.mode == "none"  # a correction needs the trainer's own pi_old, not the engine's
+        fresh &= not self.cfg.mismatch.active  # a correction needs the trainer's own pi_old, not the engine's
         parts = [[(per_rank[rank], totals) for per_rank, totals in plans] for rank in range(world)]
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
