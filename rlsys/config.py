@@ -193,11 +193,32 @@ class KLConfig(Section):
     estimator: Optional[Literal["k1", "k2", "k3"]] = None
     coef: float = Field(0.0, ge=0)
     bias_correction: bool = False  # the KL term times pi / pi_old (TRL's use_bias_correction_kl)
+    # In the reward instead of the loss (veRL's use_kl_in_reward): each sample's reward loses coef x its KL
+    # summed over its tokens before the group's advantages; coef is adapted towards `target` when set.
+    in_reward: bool = False
+    target: Optional[float] = Field(None, gt=0)  # per-token KL the adaptive controller steers to (veRL: target_kl)
+    horizon: int = Field(10000, ge=1)  # sequences over which the controller moves coef by up to 20%
 
     @property
     def enabled(self) -> bool:
-        """A KL term is in the loss (and the trainer keeps a frozen reference model for it)."""
+        """A KL term is on, in the loss or the reward (and the trainer keeps a frozen reference model for it)."""
         return bool(self.estimator) and self.coef > 0
+
+    @property
+    def in_loss(self) -> bool:
+        return self.enabled and not self.in_reward
+
+    @model_validator(mode="after")
+    def _reward_options(self):
+        if (self.in_reward or self.target is not None) and not self.enabled:
+            raise ValueError("trainer.kl.in_reward and trainer.kl.target need trainer.kl.estimator and "
+                             "trainer.kl.coef > 0 (the initial coefficient)")
+        if self.target is not None and not self.in_reward:
+            raise ValueError("trainer.kl.target adapts the KL coefficient in the reward: set trainer.kl.in_reward")
+        if self.bias_correction and self.in_reward:
+            raise ValueError("trainer.kl.bias_correction weights the KL term of the loss; with trainer.kl.in_reward "
+                             "there is none")
+        return self
 
 
 class MismatchConfig(Section):
@@ -301,6 +322,9 @@ class TrainerConfig(Section):
             raise ValueError("trainer.offload_optimizer needs trainer.zero_stage of 1, 2 or 3 (got 0)")
         if self.streamed and self.mini_batches != 1:  # a streamed step ends in exactly one update
             raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {self.mini_batches})")
+        if self.streamed and self.kl.in_reward:  # the reward's KL needs a reference forward before the gradients
+            raise ValueError("trainer.streamed takes gradients as groups complete; trainer.kl.in_reward needs the "
+                             "whole batch's reference forward first: use one or the other")
         return self
 
 

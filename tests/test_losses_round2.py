@@ -6,8 +6,19 @@ import math
 import pytest
 import torch
 
-from rlsys.config import ConfigError, TrainerConfig, load_config
+from transformers import AutoModelForCausalLM
+
+from rlsys.config import Config, ConfigError, TrainerConfig, load_config
+from rlsys.trainer.advantages import KLController
+from rlsys.trainer.backend import TorchBackend
+from rlsys.trainer.batching import build_samples
+from rlsys.trainer.logprobs import token_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss
+from rlsys.trainer.worker import TrainerGroup
+
+from helpers import train_step
+
+from test_trainer import TEMPERATURE, make_groups, model_dir, trainer_config  # noqa: F401
 
 LN = math.log
 
@@ -256,3 +267,64 @@ def test_far_ratios_stay_finite_under_every_option(options):
     inp.ref_logprobs = torch.tensor([[-100.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
     loss, grads, _ = run(inp, **options)
     assert math.isfinite(loss) and all(math.isfinite(g) for grad in grads for g in grad)
+
+
+# --- KL in the reward with an adaptive controller -------------------------------------------------------------
+def test_the_adaptive_controller_moves_the_coefficient_by_the_clipped_error():
+    c = KLController(0.1, target=0.02, horizon=1000)
+    c.update(0.03, 100)  # error 0.5 clipped to 0.2: x (1 + 0.2 x 100 / 1000)
+    assert c.coef == pytest.approx(0.1 * 1.02)
+    c.update(0.018, 500)  # error -0.1: x (1 - 0.1 x 0.5)
+    assert c.coef == pytest.approx(0.1 * 1.02 * 0.95)
+    fixed = KLController(0.1, target=None, horizon=1000)
+    fixed.update(5.0, 100)
+    assert fixed.coef == 0.1
+
+
+def test_penalties_come_off_the_rewards_before_the_advantages():
+    groups = make_groups(3, prompts=1, group_size=3)
+    groups[0].samples[1].completion.token_ids = []  # an empty response: no sample, no penalty, still in the group
+    rewards = groups[0].rewards
+    samples = build_samples(groups, "drgrpo", penalties=[0.5, 0.25])
+    penalised = [rewards[0] - 0.5, rewards[1], rewards[2] - 0.25]
+    mean = sum(penalised) / 3
+    assert [s.advantage for s in samples] == pytest.approx([penalised[0] - mean, penalised[2] - mean])
+
+
+def test_kl_in_the_reward_is_not_in_the_loss_and_needs_an_estimator():
+    inp = inputs([[-1.0]], adv=[[0.0]])
+    inp.ref_logprobs = torch.tensor([[-3.0]], dtype=torch.float64)
+    assert "kl" not in run(inp, kl={"estimator": "k1", "coef": 0.1, "in_reward": True})[2]
+    with pytest.raises(ValueError, match="trainer.kl.in_reward and trainer.kl.target need trainer.kl.estimator"):
+        TrainerConfig(kl={"in_reward": True})
+    with pytest.raises(ValueError, match="trainer.kl.target adapts the KL coefficient in the reward"):
+        TrainerConfig(kl={"estimator": "k1", "coef": 0.1, "target": 0.1})
+
+
+def test_the_backend_sums_each_samples_kl_to_the_reference(model_dir):  # noqa: F811
+    cfg = trainer_config(backend="torch", kl={"estimator": "k2", "coef": 0.1, "in_reward": True})
+    backend = TorchBackend(cfg, model_dir)
+    samples = build_samples(make_groups(1, prompts=2, group_size=2), "grpo")
+    got = backend.sequence_kl(samples, 0, TEMPERATURE, 1.0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    for sample, kl in zip(samples, got):
+        ids = torch.tensor([sample.input_ids])
+        with torch.no_grad():
+            ref = token_logprobs(model(input_ids=ids).logits, ids, TEMPERATURE)[0, sample.prompt_len - 1:]
+        behaviour = torch.tensor(sample.logprobs)
+        assert kl == pytest.approx((0.5 * (ref - behaviour) ** 2).sum().item(), rel=1e-4)
+
+
+def test_a_step_with_kl_in_the_reward_reports_and_adapts_the_coefficient(model_dir, ray_cluster):  # noqa: F811
+    kl = {"estimator": "k1", "coef": 0.1, "in_reward": True, "target": 1e-6, "horizon": 16}
+    trainer = TrainerGroup(Config(trainer=trainer_config(backend="torch", kl=kl)), model_dir)
+    try:
+        first = train_step(trainer, make_groups(0), TEMPERATURE, version=0)
+        second = train_step(trainer, make_groups(1), TEMPERATURE, version=1)
+    finally:
+        trainer.shutdown()
+    # The behaviour log-probs (-log V) are far from the model's: the KL is well above the target, so after a
+    # step of 16 sequences the coefficient grows by the capped 20% x 16 / 16.
+    assert first["reward_kl"] > 1e-3 and first["reward_kl_coef"] == pytest.approx(0.1)
+    assert second["reward_kl_coef"] == pytest.approx(0.1 * 1.2)
+    assert "kl" not in first

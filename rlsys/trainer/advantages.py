@@ -50,3 +50,16 @@ def rloo(rewards: list[float]) -> list[float]:
 
 def group_advantages(rewards: list[float], name: str) -> list[float]:
     return ADVANTAGES.get(name)(rewards) if rewards else []
+
+
+class KLController:
+    """The coefficient of the KL in the reward (trainer.kl.in_reward). With a target it is adaptive (Ziegler et
+    al., 2019, as veRL's AdaptiveKLController): after a step of n sequences whose mean per-token KL is kl,
+    coef *= 1 + clip(kl / target - 1, -0.2, 0.2) n / horizon. Without one it stays fixed."""
+
+    def __init__(self, coef: float, target: float | None, horizon: int):
+        self.coef, self.target, self.horizon = coef, target, horizon
+
+    def update(self, kl: float, sequences: int) -> None:
+        if self.target is not None:
+            self.coef *= 1 + min(max(kl / self.target - 1, -0.2), 0.2) * sequences / self.horizon

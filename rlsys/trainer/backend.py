@@ -31,7 +31,7 @@ from rlsys.emulate import TrainerPacer
 from rlsys.registry import Registry
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import head_logprobs
-from rlsys.trainer.losses import LossInputs, compute_loss, loglinear_proximal
+from rlsys.trainer.losses import LossInputs, compute_loss, kl_penalty, loglinear_proximal
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
 LAYOUT_FILE = "trainer.json"
@@ -132,18 +132,26 @@ class TrainerBackend(ABC):
 
     # --- the shared loop ----------------------------------------------------------------------
     def compute_logprobs(self, samples: list[TrainSample], temperature: float = 1.0,
-                         micro_batches: int = 0, top_p: float = 1.0) -> list[list[float]]:
-        """Log-probs of each sample's response tokens under the current weights, in input order."""
+                         micro_batches: int = 0, top_p: float = 1.0, model=None) -> list[list[float]]:
+        """Log-probs of each sample's response tokens under the current weights (or `model`), in input order."""
         found: dict[int, list[float]] = {}
         with torch.no_grad():
             for batch in self._micro_batches(samples, micro_batches):
                 started = time.perf_counter()
                 mb = collate(batch).to(self.device)
-                logprobs, _ = self._score(self.model, mb, temperature, top_p)
+                logprobs, _ = self._score(model or self.model, mb, temperature, top_p)
                 self._pace(started, batch, costs.FORWARD_FLOPS)
                 for row, sample in enumerate(batch):
                     found[id(sample)] = logprobs[row, sample.prompt_len - 1:sample.num_tokens - 1].tolist()
         return [found[id(s)] for s in samples]
+
+    def sequence_kl(self, samples: list[TrainSample], micro_batches: int, temperature: float,
+                    top_p: float) -> list[float]:
+        """Each sample's KL to the reference, trainer.kl.estimator summed over its response tokens, from its
+        behaviour log-probs (trainer.kl.in_reward; every rank runs `micro_batches` reference forwards)."""
+        reference = self.compute_logprobs(samples, temperature, micro_batches, top_p, self.reference)
+        return [kl_penalty(torch.tensor(s.logprobs), torch.tensor(ref), self.cfg.kl.estimator).sum().item()
+                for s, ref in zip(samples, reference)]
 
     def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float = 1.0,
                    top_p: float = 1.0, interpolate_at: int | None = None) -> dict:
@@ -249,7 +257,7 @@ class TrainerBackend(ABC):
         return scored_forward(model, mb, temperature, top_p, self.cfg.logprob_chunk_tokens)
 
     def _reference_logprobs(self, mb: MicroBatch, temperature: float, top_p: float):
-        if self.reference is None:
+        if not self.cfg.kl.in_loss:
             return None
         with torch.no_grad():
             return self._score(self.reference, mb, temperature, top_p)[0]

@@ -42,11 +42,17 @@ class StepTotals:
     micro_batches: int  # run by every rank
 
 
-def build_samples(groups: list[Group], advantage: str) -> list[TrainSample]:
-    """One sample per completion with a response; empty responses still count in their group's advantages."""
+def build_samples(groups: list[Group], advantage: str, penalties: list[float] | None = None) -> list[TrainSample]:
+    """One sample per completion with a response; empty responses still count in their group's advantages.
+    `penalties`: one per sample returned, in order (trainer.kl.in_reward's coef x KL), taken off its reward
+    before its group's advantages."""
     samples = []
+    penalty = iter(penalties or [])
     for group in groups:
-        for scored, adv in zip(group.samples, group_advantages(group.rewards, advantage)):
+        rewards = group.rewards
+        if penalties is not None:
+            rewards = [r - (next(penalty) if s.completion.token_ids else 0.0) for r, s in zip(rewards, group.samples)]
+        for scored, adv in zip(group.samples, group_advantages(rewards, advantage)):
             c = scored.completion
             if not c.token_ids:
                 continue

@@ -467,7 +467,7 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         token_stats[name] = dropped.float()
     aggregation = AGGREGATIONS[aggregation_of(cfg)]
     stats = {"pg_loss": aggregation(per_token.detach(), inp, cfg).item()}
-    if cfg.kl.enabled:
+    if cfg.kl.in_loss:
         if inp.ref_logprobs is None:
             raise ValueError("trainer.kl is on but the backend gave no reference log-probs")
         kl = kl_penalty(inp.logprobs, inp.ref_logprobs, cfg.kl.estimator)

@@ -24,6 +24,7 @@ from rlsys.cluster import actor_id, death_reason, get_each
 from rlsys.config import Config, TrainerConfig
 from rlsys.emulate import Emulation, TrainerPacer
 from rlsys.placement import TRAINER
+from rlsys.trainer.advantages import KLController
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
 from rlsys.trainer.losses import mismatch_warning
@@ -100,6 +101,10 @@ class TrainerWorker:
             raise RuntimeError("stream_finish: no streamed step is open (stream_begin first)")
         stream, self.stream = self.stream, None
         return stream.finish(tokens, sequences)
+
+    def sequence_kl(self, samples: list[TrainSample], micro_batches: int, temperature: float,
+                    top_p: float) -> list[float]:
+        return self.backend.sequence_kl(samples, micro_batches, temperature, top_p)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
                            fresh: bool, proximal_micro_batches: int, top_p: float = 1.0,
@@ -187,6 +192,9 @@ class TrainerGroup:
         pacer = Emulation(cfg.emulate).trainer_pacer(world) if cfg.emulate.on else None
         self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads, pacer) for w in self.workers])
         self.stream: RunningStream | None = None
+        kl = self.cfg.kl
+        self.kl_in_reward = KLController(kl.coef, kl.target, kl.horizon) if kl.in_reward else None
+        self.reward_kl_metrics: dict = {}  # of the last step started, merged into its metrics
 
     # --- training -----------------------------------------------------------------------------
     def start_train_step(self, groups: list[Group], temperature: float, version: int | None = None,
@@ -196,6 +204,8 @@ class TrainerGroup:
         recomputed proximal log-probs (None: recompute whenever there is more than one mini-batch).
         Tokens are scored as the engines sampled them: at `temperature`, in the `top_p` nucleus."""
         samples = build_samples(groups, self.cfg.advantage)
+        if self.kl_in_reward is not None:
+            samples = self._with_kl_in_reward(groups, samples, temperature, top_p)
         world, budget = self.cfg.world_size, self.cfg.micro_batch_tokens
         plans = [plan_step(part, world, budget) for part in split_mini_batches(samples, self.cfg.mini_batches)]
         fresh = version is not None and all(v == version for s in samples for v in s.versions)
@@ -207,10 +217,26 @@ class TrainerGroup:
         return [w.train_mini_batches.remote(mine, temperature, fresh, proximal_micro_batches, top_p, version)
                 for w, mine in zip(self.workers, parts)]
 
+    def _with_kl_in_reward(self, groups: list[Group], samples: list[TrainSample], temperature: float,
+                           top_p: float) -> list[TrainSample]:
+        """The samples again, their rewards less coef x their KL to the reference (one reference forward on
+        every rank); then the coefficient moves towards its target."""
+        per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
+        found = self._get_all([w.sequence_kl.remote(mine, totals.micro_batches, temperature, top_p)
+                               for w, mine in zip(self.workers, per_rank)])
+        kl_of = {id(s): kl for mine, kls in zip(per_rank, found) for s, kl in zip(mine, kls)}
+        kls = [kl_of[id(s)] for s in samples]
+        controller = self.kl_in_reward
+        penalised = build_samples(groups, self.cfg.advantage, [controller.coef * kl for kl in kls])
+        mean_kl = sum(kl / s.response_len for kl, s in zip(kls, samples)) / max(len(samples), 1)
+        self.reward_kl_metrics = {"reward_kl": mean_kl, "reward_kl_coef": controller.coef}
+        controller.update(mean_kl, len(samples))
+        return penalised
+
     def finish_train_step(self, refs: list[ray.ObjectRef]) -> dict:
         """Merged metrics: sums of the ranks' shares, and grad_norm / skipped_steps from rank 0. The mismatch
         warning is raised here, where the step's KL is first whole (each rank holds a share)."""
-        metrics = merge_metrics(self._get_all(refs))
+        metrics = merge_metrics(self._get_all(refs)) | self.reward_kl_metrics
         warning = mismatch_warning(metrics, self.cfg)
         if warning:
             log.warning(warning)
