@@ -316,11 +316,22 @@ def test_every_registered_loss_takes_every_aggregation_name():
 RECIPES = Path(CONFIG_DIR) / "recipes"
 
 
-@pytest.mark.parametrize("name, expected", [
+RECIPE_EXPECTED = [
     ("dapo", {"loss": "dapo", "advantage": "grpo", "eps_high": 0.28, "clip_ratio_c": 10.0}),
     ("drgrpo", {"loss": "drgrpo", "advantage": "drgrpo", "loss_scale_tokens": 96}),
     ("gspo", {"loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4}),
-])
+    ("cispo", {"loss": "cispo", "eps_low": 1.0, "eps_high": 4.0}),
+    ("gmpo", {"loss": "gmpo", "eps_low": 0.4, "eps_high": 0.4}),
+    ("clip_cov", {"loss": "clip_cov", "cov_ratio": 2e-4, "clip_cov_bounds": (1.0, 5.0)}),
+    ("kl_cov", {"loss": "kl_cov", "cov_ratio": 2e-3, "kl_cov_coef": 1.0}),
+]
+
+
+def test_every_recipe_is_checked():
+    assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(name for name, _ in RECIPE_EXPECTED)
+
+
+@pytest.mark.parametrize("name, expected", RECIPE_EXPECTED)
 def test_recipes_load_and_validate(name, expected):
     cfg = load_config(RECIPES / f"{name}.yaml")
     assert {k: getattr(cfg.trainer, k) for k in expected} == expected

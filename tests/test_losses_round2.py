@@ -328,3 +328,16 @@ def test_a_step_with_kl_in_the_reward_reports_and_adapts_the_coefficient(model_d
     assert first["reward_kl"] > 1e-3 and first["reward_kl_coef"] == pytest.approx(0.1)
     assert second["reward_kl_coef"] == pytest.approx(0.1 * 1.2)
     assert "kl" not in first
+
+
+def test_the_adapted_coefficient_is_saved_and_loaded_with_the_checkpoint(model_dir, ray_cluster, tmp_path):  # noqa: F811
+    kl = {"estimator": "k1", "coef": 0.1, "in_reward": True, "target": 1e-6, "horizon": 16}
+    trainer = TrainerGroup(Config(trainer=trainer_config(backend="torch", kl=kl)), model_dir)
+    try:
+        train_step(trainer, make_groups(0), TEMPERATURE, version=0)
+        trainer.save(str(tmp_path))
+        trainer.kl_in_reward.coef = 0.1
+        trainer.load(str(tmp_path))
+        assert trainer.kl_in_reward.coef == pytest.approx(0.12)
+    finally:
+        trainer.shutdown()

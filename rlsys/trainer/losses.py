@@ -42,6 +42,8 @@ Conventions (where they differ from, or are not written down by, veRL):
   TRL's grpo do), and a loss with no ratio clip (dg) refuses it at config load.
 - Dual-clip (trainer.clip_ratio_c) bounds the loss of a token with A < 0 at -A * c, for every
   clipped loss; off by default (veRL's default is on, c = 3).
+- The round-two options (entropy bonus, cispo, gmpo, clip_cov, kl_cov, delta, bias-corrected and in-reward
+  KL, mismatch rejection, off-policy masking, top-entropy share): docs/design.md "Loss options".
 - seq_mean_token_sum_norm divides the step's token sum by (sequences x trainer.loss_scale_tokens),
   a constant (rollout.max_new_tokens unless set), as Dr.GRPO and TRL's dr_grpo do.
 """

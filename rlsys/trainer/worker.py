@@ -9,6 +9,7 @@ last checkpoint.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -35,6 +36,7 @@ from rlsys.weights import BucketPlan, Receiver, Sender, Transport, WeightGroup, 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
 SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps")  # everything else a rank reports is its share of a sum
+KL_COEF_FILE = "kl_in_reward.json"  # trainer.kl.in_reward's coefficient, beside the weights in a checkpoint
 DEATH_GRACE_S = 5.0  # a dead rank's peers may report the broken connection before Ray reports the death
 log = logging.getLogger(__name__)
 
@@ -318,9 +320,14 @@ class TrainerGroup:
 
     def save(self, folder: str) -> None:
         self._get_all([w.save.remote(folder) for w in self.workers])
+        if self.kl_in_reward is not None:  # the adapted coefficient goes on where it was
+            (Path(folder) / KL_COEF_FILE).write_text(json.dumps({"coef": self.kl_in_reward.coef}))
 
     def load(self, folder: str) -> None:
         self._get_all([w.load.remote(folder) for w in self.workers])
+        saved = Path(folder) / KL_COEF_FILE
+        if self.kl_in_reward is not None and saved.exists():
+            self.kl_in_reward.coef = json.loads(saved.read_text())["coef"]
 
     def export_hf(self, folder: str, tokenizer_dir: str) -> None:
         """A standard HF folder (config, safetensors weights, tokenizer files) loadable by from_pretrained."""
