@@ -1,0 +1,49 @@
+"""benchmarks/losses_round2.py: each new loss runs with its recipe's trainer section over the default config,
+repeat r with seed r, and an existing report is topped up. The runs are replaced by a stand-in (each is a
+whole training run); the recipes' own loading is tested in test_losses_extra.py."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from rlsys.config import load_config, read_yaml_mapping
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "losses_round2.py"
+
+
+@pytest.fixture()
+def bench():
+    spec = importlib.util.spec_from_file_location("losses_round2", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("loss", ["cispo", "gmpo", "clip_cov", "kl_cov"])
+def test_each_loss_runs_its_recipe_over_the_default_config(bench, loss):
+    recipe = load_config(bench.RECIPES / f"{loss}.yaml").trainer
+    cfg = load_config(None, bench.recipe_overrides(loss))
+    keys = read_yaml_mapping(bench.RECIPES / f"{loss}.yaml")[0]["trainer"]
+    assert {k: getattr(cfg.trainer, k) for k in keys} == {k: getattr(recipe, k) for k in keys}
+    assert cfg.trainer.loss == loss
+    assert cfg.model.warm_start.steps == load_config(None).model.warm_start.steps  # the default task's model
+    assert bench.recipe_overrides("dapo") == []
+
+
+def test_repeats_run_one_seed_each_and_a_rerun_tops_up(bench, tmp_path, monkeypatch):
+    calls, out = [], tmp_path / "round2.json"
+
+    def run_loss(loss, seed, steps, out_dir):
+        calls.append((loss, seed))
+        return {"seed": seed, "initial_accuracy": 0.1, "final_accuracy": 0.2 + 0.02 * seed,
+                "final_accuracy_se": 0.01, "samples": 128 * steps, "wall_s": 1.0}
+    monkeypatch.setattr(bench, "run_loss", run_loss)
+    assert bench.main(["--steps", "4", "--repeats", "2", "--losses", "dapo,cispo", "--output", str(out)]) == 0
+    assert calls == [("dapo", 0), ("cispo", 0), ("dapo", 1), ("cispo", 1)]
+    calls.clear()
+    assert bench.main(["--steps", "4", "--repeats", "2", "--losses", "dapo,cispo", "--output", str(out)]) == 0
+    assert calls == []
+    cell = json.loads(out.read_text())["results"]["cispo"]
+    assert cell["n"] == 2 and cell["final_accuracy"] == pytest.approx(0.21)
+    assert cell["final_accuracy_se"] == pytest.approx(0.01)  # the spread's 0.01 and the eval's 0.01
