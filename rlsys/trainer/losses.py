@@ -473,7 +473,7 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         if inp.ref_logprobs is None:
             raise ValueError("trainer.kl is on but the backend gave no reference log-probs")
         kl = kl_penalty(inp.logprobs, inp.ref_logprobs, cfg.kl.estimator)
-        if cfg.kl.bias_correction:  # TRL: the KL of samples from pi_old, reweighted to pi (the weight keeps its gradient)
+        if cfg.kl.bias_correction:  # TRL's: samples of pi_old reweighted to pi (the ratio keeps its gradient)
             kl = kl * bounded_exp(inp.logprobs - inp.old_logprobs)
         per_token = per_token + cfg.kl.coef * kl
         token_stats["kl"] = kl
@@ -482,7 +482,8 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         if cfg.entropy_coeff > 0:
             per_token = per_token - cfg.entropy_coeff * inp.entropy
     elif cfg.entropy_coeff > 0 or cfg.top_entropy_share is not None:
-        raise ValueError("trainer.entropy_coeff and trainer.top_entropy_share need the entropy, and the backend gave none")
+        raise ValueError("trainer.entropy_coeff and trainer.top_entropy_share need the entropy, and the backend "
+                         "gave none")
     token_stats["behaviour_logprob_diff"] = (inp.logprobs - inp.behaviour_logprobs).abs()
     token_stats["mismatch_kl"] = kl_penalty(inp.behaviour_logprobs, inp.old_logprobs.detach(), "k3")
     loss = aggregation(per_token, inp, cfg)
