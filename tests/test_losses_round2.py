@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from rlsys.config import Config, ConfigError, TrainerConfig, load_config
 from rlsys.trainer.advantages import KLController
 from rlsys.trainer.backend import TorchBackend
-from rlsys.trainer.batching import build_samples
+from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.logprobs import token_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss
 from rlsys.trainer.worker import TrainerGroup
@@ -351,3 +351,28 @@ def test_the_adapted_coefficient_is_saved_with_a_checkpoint(model_dir, ray_clust
         assert trainer.kl_in_reward.coef == pytest.approx(0.12)
     finally:
         trainer.shutdown()
+
+
+def test_the_entropy_bonus_reaches_the_weights_as_a_plain_forward_computes_it(model_dir):  # noqa: F811
+    # Every reward equal: zero advantages, so the step's whole gradient is the bonus -c H, token mean.
+    groups = make_groups(0)
+    for group in groups:
+        for s in group.samples:
+            s.reward = 1.0
+    cfg = trainer_config(backend="torch", entropy_coeff=0.5, micro_batch_tokens=40)
+    backend = TorchBackend(cfg, model_dir)
+    samples = build_samples(groups, cfg.advantage)
+    _, totals = plan_step(samples, 1, cfg.micro_batch_tokens)
+    backend.accumulate_gradients(samples, totals, TEMPERATURE)
+    got = {n: p.grad for n, p in backend.model.named_parameters()}
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    bonus = 0.0
+    for s in samples:  # one sequence alone, full logits: position t scores token t + 1
+        logits = model(input_ids=torch.tensor([s.input_ids])).logits[0, s.prompt_len - 1:-1] / TEMPERATURE
+        logp = logits.log_softmax(-1)
+        bonus = bonus - 0.5 * -(logp.exp() * logp).sum() / totals.tokens
+    bonus.backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    assert max((got[n] - want[n]).abs().max().item() for n in want) < 1e-5
+    assert max(g.abs().max().item() for g in want.values()) > 1e-4  # the comparison is not vacuous

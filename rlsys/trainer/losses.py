@@ -60,7 +60,7 @@ from rlsys.registry import Registry
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| beyond this is clamped before exp (veRL's bound)
 GSPO_LOG_RATIO_BOUND = 10.0  # GSPO's sequence log-ratio is clamped from above at this (veRL's GSPO)
-DAPO_EPS_HIGH = 0.28  # the clip-higher upper eps, where the loss's own and trainer.eps_high is not set
+DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher: the upper eps of its family of losses when trainer.eps_high is not set
 
 
 @dataclass
