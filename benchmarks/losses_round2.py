@@ -54,12 +54,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     path = Path(args.output)
     report = json.loads(path.read_text()) if path.exists() else {
-        "command": f"python benchmarks/losses_round2.py --steps {args.steps} --repeats {args.repeats}",
         "workload": {"config": "configs/tiny.yaml", "steps": args.steps,
                      "overrides": {loss: recipe_overrides(loss) for loss in LOSSES}},
         "machines": [], "results": {}}
     if report["workload"]["steps"] != args.steps:
         raise SystemExit(f"{path}: its runs are {report['workload']['steps']} steps, not --steps {args.steps}")
+    report["command"] = f"python benchmarks/losses_round2.py --steps {args.steps} --repeats {args.repeats}"
     report["machines"].append(machine())
     for seed in range(args.repeats):  # seed outer: machine drift hits every loss alike
         for loss in args.losses.split(","):

@@ -192,6 +192,21 @@ def mismatch_bf16() -> str:
                 body)
 
 
+@table("losses_round2")
+def losses_round2() -> str:
+    """Issue 33's new losses beside dapo on the default task: mean final avg@1 over the seeds ± its error."""
+    from rlsys.bench import accuracy_difference
+
+    r = load("losses_round2_cpu")["results"]
+    start = r["dapo"]["runs"][0]["initial_accuracy"]
+    body = []
+    for loss, cell in r.items():
+        d = accuracy_difference(cell, r["dapo"])
+        vs = "" if loss == "dapo" else f"{d['diff']:+.3f} ± {d['se']:.3f}" + (" (beyond error)" if d["beyond_error"] else "")
+        body.append([f"`{loss}`", acc_se(cell), vs, cell["n"]])
+    return rows([f"loss (avg@1 at step 0: {start:.3f})", "final avg@1", "vs dapo", "seeds"], body)
+
+
 @table("peer_trl")
 def peer_trl() -> str:
     body = []
