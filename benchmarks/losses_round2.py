@@ -1,7 +1,7 @@
 """Issue 33's new losses, short live runs on the default task beside dapo: each recipe's trainer section over
 configs/tiny.yaml (sync, 16 prompts x 8 samples per step), several seeds, the final accuracy with its error.
 
-    python benchmarks/losses_round2.py --steps 60 --repeats 2 --output benchmarks/results/losses_round2_cpu.json
+    python benchmarks/losses_round2.py --steps 60 --repeats 3 --output benchmarks/results/losses_round2_cpu.json
 
 Run r uses `seed=r`: the same warm-started model, a different draw of samples. An existing --output is topped
 up: a loss runs only the seeds it lacks.
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         "machines": [], "results": {}}
     if report["workload"]["steps"] != args.steps:
         raise SystemExit(f"{path}: its runs are {report['workload']['steps']} steps, not --steps {args.steps}")
-    report["command"] = f"python benchmarks/losses_round2.py --steps {args.steps} --repeats {args.repeats}"
+    report["command"] = (f"python benchmarks/losses_round2.py --steps {args.steps} --repeats {args.repeats} "
+                         f"--output {args.output}")
     report["machines"].append(machine())
     for seed in range(args.repeats):  # seed outer: machine drift hits every loss alike
         for loss in args.losses.split(","):

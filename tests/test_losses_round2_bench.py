@@ -45,7 +45,8 @@ def test_repeats_run_one_seed_each_and_a_rerun_tops_up(bench, tmp_path, monkeypa
     assert bench.main(["--steps", "4", "--repeats", "2", "--losses", "dapo,cispo", "--output", str(out)]) == 0
     assert calls == []
     report = json.loads(out.read_text())
-    assert report["command"].endswith("--steps 4 --repeats 2") and len(report["machines"]) == 1  # a no-op run writes nothing
+    assert f"--steps 4 --repeats 2 --output {out}" in report["command"]
+    assert len(report["machines"]) == 1  # the second invocation ran nothing, so wrote nothing
     cell = report["results"]["cispo"]
     assert cell["n"] == 2 and cell["final_accuracy"] == pytest.approx(0.21)
     assert cell["final_accuracy_se"] == pytest.approx(0.01)  # the spread's 0.01 and the eval's 0.01
