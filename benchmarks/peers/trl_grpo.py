@@ -36,6 +36,7 @@ os.environ.update(SET_HERE)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -202,7 +203,7 @@ def make_callback(eval_prompts, model_dir: Path, work: Path, every: int, max_new
             acc = exact_match_accuracy(eval_dir, eval_prompts, temperature=0.0, max_new_tokens=max_new_tokens)
             torch.set_num_threads(1)
             model.train(was_training)
-            self.curve.append([step, round(at, 4), acc])
+            self.curve.append([step, round(at, 4), acc, math.sqrt(acc * (1 - acc) / len(eval_prompts))])
             self.paused += time.perf_counter() - t
             self.cpu_paused += time.process_time() - cpu
             print(f"[trl] step {step}: eval accuracy {acc:.3f} at {at:.1f}s of training "
@@ -251,7 +252,7 @@ def tail_split(step_times: list[float], max_lengths: list[float]) -> dict:
 def summarise_trl(cb, generation_s: list[float], target: float) -> dict:
     clock = cb.clock_at_step
     step_times = [b - a for a, b in zip([0.0] + clock[:-1], clock)]
-    reached = [t for step, t, acc in cb.curve if acc >= target]
+    reached = [t for step, t, acc, _ in cb.curve if acc >= target]
     rewards = [r["reward"] for r in cb.logs]
     lengths = [r["completions/mean_length"] for r in cb.logs if "completions/mean_length" in r]
     max_lengths = [r.get("completions/max_length", 0) for r in cb.logs]
@@ -271,7 +272,8 @@ def summarise_trl(cb, generation_s: list[float], target: float) -> dict:
         "accuracy_curve": cb.curve,
         "initial_accuracy": cb.curve[0][2] if cb.curve else None,
         "final_accuracy": cb.curve[-1][2] if cb.curve else None,
-        "best_accuracy": max(a for _, _, a in cb.curve) if cb.curve else None,
+        "final_accuracy_se": cb.curve[-1][3] if cb.curve else None,
+        "best_accuracy": max(a for _, _, a, _ in cb.curve) if cb.curve else None,
         "reward_mean_first_25": statistics.mean(rewards[:head]) if rewards else None,
         "reward_mean_last_25": statistics.mean(rewards[-head:]) if rewards else None,
         "completion_length_mean": statistics.mean(lengths) if lengths else None,
@@ -321,23 +323,23 @@ def run_rlsys(cfg, config: str, overrides: list[str], steps: int, eval_every: in
         out = work / "rlsys_sync"
         snapshot = work / "config.yaml"
         save_config(cfg, snapshot)
+        # rollout.eval_greedy: one greedy sample per eval prompt, the accuracy TRL's side is measured by
         settings = [f"trainer.total_steps={steps}", f"control.eval_every={eval_every}", "control.save_every=0",
-                    "logging.progress=false", "control.scheduler=sync"]
+                    "logging.progress=false", "control.scheduler=sync", "rollout.eval_greedy=true"]
         shown = " ".join(["rlsys", "train", config, *overrides, *settings, "output_dir=<tmp>"])
         print("[rlsys] " + shown + "  (from a snapshot of the resolved config)", flush=True)
         t = time.time()
         env = {k: v for k, v in os.environ.items() if k not in SET_HERE}
-        subprocess.run(["rlsys", "train", str(snapshot), *settings, f"output_dir={out}"], check=True, cwd=REPO,
-                       env=env)
+        # this interpreter's rlsys: no `rlsys` on PATH needed (a virtual environment need not be activated)
+        subprocess.run([sys.executable, "-m", "rlsys.cli", "train", str(snapshot), *settings, f"output_dir={out}"],
+                       check=True, cwd=REPO, env=env)
         wall = time.time() - t
         rows = read_metrics(out)
         steps_rows = [r for r in rows if "timing/step_s" in r]
         step_s = [r["timing/step_s"] for r in steps_rows]
-        # Greedy accuracy, as TRL's is measured: eval/greedy_accuracy where rlsys reports it beside a sampled
-        # eval/accuracy, else eval/accuracy (greedy by default in rlsys versions without the former).
-        key = "eval/greedy_accuracy" if any("eval/greedy_accuracy" in r for r in rows) else "eval/accuracy"
-        evals = [[r["step"], r["time_s"], r[key]] for r in rows if key in r]
-        reached = [t for _, t, acc in evals if acc >= target]
+        key = "eval/greedy_accuracy"  # greedy, as TRL's is measured
+        evals = [[r["step"], r["time_s"], r[key], r[key + "_se"]] for r in rows if key in r]
+        reached = [t for _, t, acc, _ in evals if acc >= target]
         # The exported final model, scored the way TRL's checkpoints are (HF greedy generate, no strip).
         tokenizer = load_tokenizer(out / "export")
         _, eval_prompts, _ = load_prompts(cfg.data, tokenizer)
@@ -353,7 +355,8 @@ def run_rlsys(cfg, config: str, overrides: list[str], steps: int, eval_every: in
             "training_wall_s": steps_rows[-1]["time_s"],
             "time_to_target_s": reached[0] if reached else None, "accuracy_key": key, "accuracy_curve": evals,
             "initial_accuracy": evals[0][2] if evals else None, "final_accuracy": evals[-1][2] if evals else None,
-            "best_accuracy": max(a for _, _, a in evals) if evals else None,
+            "final_accuracy_se": evals[-1][3] if evals else None,
+            "best_accuracy": max(a for _, _, a, _ in evals) if evals else None,
             "final_accuracy_hf_greedy": hf_final,
             "reward_mean_first_25": statistics.mean(r["reward/mean"] for r in steps_rows[:25]),
             "reward_mean_last_25": statistics.mean(r["reward/mean"] for r in steps_rows[-25:]),
@@ -526,8 +529,9 @@ def main() -> int:
             "step_time_s is the training clock (wall time less eval) divided by steps, for both systems; "
             "step_time_s_median is the median single-step time.",
             "Figures over repeats are medians; time_to_target_s is null unless every repeat reached the target.",
-            "Accuracy is greedy exact match on 200 eval prompts: one prompt is 0.005, and two runs with different "
-            "random streams differ by a few points by chance.",
+            "Accuracy on both sides is greedy exact match, one sample per eval prompt, with its standard error "
+            "sqrt(p(1 - p) / n) (the curves' fourth column); two runs with different random streams differ by "
+            "about that much by chance.",
         ],
         "differences": differences(cfg, per_device),
     }
