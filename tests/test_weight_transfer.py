@@ -17,6 +17,7 @@ from rlsys.weights import (WeightGroup, WeightTransferTimeout, WeightUpdate, fil
 from rlsys.weights.buckets import ALIGN
 from rlsys.weights.transfer import (BroadcastReceiver, BroadcastSender, BroadcastTransport, ObjectStoreReceiver,
                                     ObjectStoreSender, wait_for_engines)
+from cuda_standin import cuda_driver  # noqa: F401 (a fixture)
 from test_cpu_engine import SIZES, build
 
 
@@ -303,3 +304,32 @@ def test_cuda_ipc_reuses_two_buffers_and_waits_for_the_engine_before_overwriting
                 child.kill()
         assert got == [fingerprint(name, t) for name, t in weights.items()]
         assert sorted(p.name for p in tmp_path.iterdir()) == ["buffer0", "buffer1"]
+
+
+# --- cuda_ipc's receiving side on "cuda", the device the built-in engine names ----------------------------
+def test_cuda_ipc_receiver_opens_handles_on_a_device_without_an_index(cuda_driver):
+    """torch.device("cuda") has no index; torch's _new_shared_cuda takes an int device (the stand-in checks
+    its arguments as torch's C parser does), so the receiver resolves the current device."""
+    import pickle
+
+    from rlsys.weights.transfer import CudaIpcReceiver, open_store
+
+    weights = state_dict()
+    plans = plan_buckets(weights, 512)
+    size = max(p.nbytes for p in plans)
+    storages = [torch.UntypedStorage(size) for _ in range(2)]
+    store = open_store("127.0.0.1", 0, True, 30)
+    store.set("handles", pickle.dumps([cuda_driver.ipc_handle(s, torch.uint8, (size,)) for s in storages]))
+    store.set("1/ready/0", "1")
+    receiver = CudaIpcReceiver({"GPU-0": ("127.0.0.1", store.port)}, timeout_s=30)
+    got = []
+    for i, (plan, flat) in enumerate(receiver.packed(plans, 1, "engine 0", torch.device("cuda"))):
+        got += [fingerprint(name, t) for name, t in unpack(plan, flat)]  # zeros: no trainer wrote them
+        assert flat.untyped_storage().data_ptr() == storages[i % 2].data_ptr()
+        if i + 1 < len(plans):
+            store.set(f"1/ready/{i + 1}", "1")
+        if i == 0:
+            assert not store.check(["1/done/0"])  # "done" only once the bucket is loaded and synchronised
+    assert [c[0] for c in cuda_driver.calls].count("open_shared") == 2
+    assert ("synchronize", 0) in cuda_driver.calls and store.check([f"1/done/{len(plans) - 1}"])
+    assert len(got) == len(weights)

@@ -321,7 +321,8 @@ def open_shared(handle, device: torch.device) -> Tensor:
     """A CUDA IPC handle (torch's reduce_tensor) opened on this process's numbering of its GPU."""
     rebuild, args = handle
     args = list(args)
-    args[6] = device.index  # the storage's device, as this process numbers it
+    # the storage's device as this process numbers it: an int, as torch's _new_shared_cuda requires
+    args[6] = torch.cuda.current_device() if device.index is None else device.index
     return rebuild(*args)
 
 
