@@ -107,8 +107,8 @@ class RolloutConfig(Section):
     # Engines give their GPU memory back while the trainer trains (rlsys/train.py). None: on where they share GPUs
     # with it (cluster.layout=colocated, cluster.gpus_per_node >= 1), off elsewhere.
     enable_sleep_mode: Optional[bool] = None
-    # The built-in engine's device (rollout.engine=cpu; vllm always runs on GPUs). cuda gives each rollout worker
-    # a GPU of its own where cluster.gpus_per_node=0 (a GPU bundle of the placement plan otherwise).
+    # The built-in engine's device (rollout.engine=cpu; vllm always runs on GPUs). cuda needs
+    # cluster.gpus_per_node >= 1: each rollout worker takes a GPU bundle of the placement plan.
     device: Literal["cpu", "cuda"] = "cpu"
     # Weights and activations of either engine. auto: float32 for the built-in engine on the CPU, else bfloat16.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

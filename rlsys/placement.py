@@ -85,6 +85,11 @@ def plan_placement(nodes: int, gpus_per_node: int, engines: int, tp: int, traine
 def plan_from_config(cfg) -> Plan | None:
     """The plan for a run's Config; None on a machine without GPUs (cluster.gpus_per_node=0)."""
     c = cfg.cluster
+    if not c.gpus_per_node and cfg.rollout.device == "cuda":
+        # unplanned, the engines would take the GPUs Ray sees and the trainer would wait for one forever
+        raise PlacementError("rollout.device=cuda needs cluster.gpus_per_node >= 1 (the GPUs of each node), so "
+                             "that the engines and the trainer ranks are each given theirs; got "
+                             "cluster.gpus_per_node=0")
     if not c.gpus_per_node:
         return None
     return plan_placement(c.nodes, c.gpus_per_node, cfg.rollout.num_workers, cfg.rollout.tensor_parallel_size,

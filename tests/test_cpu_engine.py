@@ -381,7 +381,7 @@ def test_device_and_dtype_come_from_the_rollout_config():
         return kwargs.get("device"), kwargs["dtype"], worker_gpus(cfg.rollout.engine, kwargs)
 
     assert options() == ("cpu", "float32", 0)  # auto: the CPU keeps float32
-    assert options("rollout.device=cuda") == ("cuda", "bfloat16", 1)
+    assert options("rollout.device=cuda", "cluster.gpus_per_node=1") == ("cuda", "bfloat16", 1)
     assert options("rollout.dtype=bfloat16") == ("cpu", "bfloat16", 0)
     assert options("rollout.engine=vllm") == (None, "bfloat16", 1)
     with pytest.raises(ConfigError, match="rollout.device"):

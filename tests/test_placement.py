@@ -149,3 +149,38 @@ def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_g
     # engine 0 and trainer rank 0 share GPU 0 (half each); engine 1 has GPU 1; nothing outside the groups
     assert "ROLLOUT [[0], [1]]" in out.stdout and "TRAINER [[0]]" in out.stdout, out.stdout + out.stderr
     assert "FREE_GPUS 0" in out.stdout
+
+
+def test_an_engine_on_cuda_without_a_plan_is_refused_naming_the_field():
+    """Unplanned, the engine would take the host's GPU and the trainer would wait for one forever."""
+    with pytest.raises(ConfigError, match="rollout.device=cuda needs cluster.gpus_per_node >= 1"):
+        load_config(None, ["rollout.device=cuda"])
+    assert plan_from_config(load_config(None, ["rollout.device=cuda", "cluster.gpus_per_node=1"])).used_gpus == 1
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_ray_cannot_schedule_is_reported_not_waited_for():
+    """A one-GPU Ray whose GPU another actor holds (as an unplanned engine on CUDA did): the trainer's start
+    names what it asked for within its deadline."""
+    script = textwrap.dedent("""
+        import ray
+        from rlsys.config import load_config
+        from rlsys.trainer import worker
+        ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="ERROR")
+
+        @ray.remote(num_gpus=1)
+        class Engine:
+            def ready(self):
+                return True
+
+        engine = Engine.remote()
+        ray.get(engine.ready.remote())
+        worker.START_TIMEOUT_S = 3
+        try:
+            worker.TrainerGroup(load_config(None, []), "no-model")
+        except worker.NotScheduled as e:
+            print("REFUSED", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "REFUSED 1 of 1 trainer rank(s) did not start within 3 s: each asks Ray for {'num_cpus': 1, " \
+           "'num_gpus': 1}" in out.stdout, out.stdout + out.stderr

@@ -21,9 +21,10 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayError
 
-from rlsys.cluster import actor_id, death_reason, get_each
+from rlsys.cluster import NotDone, actor_id, death_reason, get_each
 from rlsys.config import Config, TrainerConfig
 from rlsys.emulate import Emulation, TrainerPacer
+from rlsys.errors import UserError
 from rlsys.placement import TRAINER
 from rlsys.trainer.advantages import KLController
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
@@ -151,6 +152,25 @@ class TrainerWorker:
         self.backend.export_hf(folder)
 
 
+START_TIMEOUT_S = 300.0  # for Ray to find every rank the resources it asks for
+
+
+class NotScheduled(UserError, RuntimeError):
+    """Ray could not give a trainer rank what it asks for."""
+
+
+def started(refs: list[ray.ObjectRef], options: dict) -> list:
+    """The ranks' first calls' results; a clear error where Ray cannot schedule a rank, never a wait forever."""
+    timeout_s = START_TIMEOUT_S
+    try:
+        return get_each(refs, timeout_s)
+    except NotDone as e:
+        asks = {k: v for k, v in options.items() if k in ("num_cpus", "num_gpus")} or "a placement bundle"
+        raise NotScheduled(f"{len(e.pending)} of {len(refs)} trainer rank(s) did not start within {timeout_s:g} s: "
+                           f"each asks Ray for {asks} and the cluster has {ray.available_resources()} free "
+                           "(a rollout worker may hold the GPU: set cluster.gpus_per_node)") from None
+
+
 def done_or_failed(refs: list[ray.ObjectRef]) -> bool:
     """Every rank is done, or one failed: the others may wait for it in a collective until they time out."""
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
@@ -189,7 +209,7 @@ class TrainerGroup:
                    else (lambda rank: {"num_cpus": 1, "num_gpus": gpus}))
         self.workers = [TrainerWorker.options(**options(rank)).remote(self.cfg, model_dir, rank, world)
                         for rank in range(world)]
-        ips = ray.get([w.node_ip.remote() for w in self.workers])
+        ips = started([w.node_ip.remote() for w in self.workers], options(0))
         port = ray.get(self.workers[0].free_port.remote())
         pacer = Emulation(cfg.emulate).trainer_pacer(world) if cfg.emulate.on else None
         self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads, pacer) for w in self.workers])
