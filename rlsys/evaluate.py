@@ -5,13 +5,15 @@ when its reward exceeds 0.5):
   eval/greedy_accuracy  one greedy sample per prompt, when `rollout.eval_greedy` is on;
   <metric>_se           its standard error: prompts are the sampling unit (their k samples are not
                         independent), so it is the standard deviation of the per-prompt means over sqrt(n).
-Seeds are fixed per prompt and sample, so two evaluations of the same weights agree exactly."""
+Seeds are fixed per prompt and sample, so two evaluations of the same weights agree exactly (on engines
+registered with seeded_eval, the built-in one; vLLM's sampled eval is unseeded, its greedy eval exact)."""
 from __future__ import annotations
 
 import math
 import statistics
 from pathlib import Path
 
+from rlsys.rollout.engine import engine_entry
 from rlsys.types import Completion, Request, SamplingParams
 
 
@@ -25,13 +27,14 @@ class Evaluation:
         runs = {"eval/accuracy": (temperature, r.eval_samples if temperature > 0 else 1)}  # greedy: k alike
         if r.eval_greedy and temperature > 0:
             runs["eval/greedy_accuracy"] = (0.0, 1)
+        seeded = engine_entry(r.engine).seeded_eval
         prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
         self.asked: dict[str, tuple[str, str, str]] = {}  # request id -> (metric, prompt uid, answer)
         self.requests: list[Request] = []
         for name, (temp, k) in runs.items():
             for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
                 for j in range(k):
-                    params = SamplingParams(r.max_new_tokens, temp, r.top_p, seed=i * 1009 + j)
+                    params = SamplingParams(r.max_new_tokens, temp, r.top_p, seed=i * 1009 + j if seeded else None)
                     self.requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
                     self.asked[self.requests[-1].request_id] = (name, p.uid, p.answer)
         # metric -> prompt uid -> solved flags of its samples, in prompt order whatever order rewards come in:

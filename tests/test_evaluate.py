@@ -66,3 +66,16 @@ def test_an_evaluation_gives_the_same_figures_whatever_order_its_rewards_come_in
     in_order = metrics(list)
     assert in_order["eval/accuracy"] == pytest.approx(16 / 21)
     assert metrics(lambda ids: sorted(ids, key=lambda i: "p0 p1 p4 p5 p3 p6 p2".index(i.split("/")[2]))) == in_order
+
+
+def test_eval_requests_are_seeded_only_on_engines_where_a_seed_is_cheap():
+    """vLLM runs a generator per seeded row per step: its eval requests carry none; the built-in engine's do."""
+    prompts = [Prompt(uid=f"p{i}", text="q", answer="yes") for i in range(3)]
+
+    def seeds(engine):
+        cfg = RolloutConfig(engine=engine, eval_samples=2, temperature=1.0)
+        return [r.params.seed for r in Evaluation(build_char_tokenizer(), prompts, cfg).requests]
+
+    assert seeds("vllm") == [None] * 9  # 3 x 2 sampled, 3 greedy
+    built_in = seeds("cpu")
+    assert None not in built_in and len(set(built_in)) == len(built_in) - 3  # greedy repeats the sampled seeds

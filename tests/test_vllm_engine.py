@@ -130,3 +130,50 @@ def test_load_weights_changes_outputs_and_tags_the_version(engine, models):
         assert c.versions == [3] * 16 and engine.stats()["version"] == 3
     finally:
         engine.load_weights(model_a.state_dict(), version=0)
+
+
+# --- weight versions: when the prefix cache is reset, on any machine -----------------------------------
+class RecordingLLM:
+    """vLLM's LLMEngine, as far as a weight version and sleep touch it: records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def reset_prefix_cache(self, reset_running_requests=False):
+        self.calls.append(("reset_prefix_cache", reset_running_requests))
+        return True
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags):
+        self.calls.append(("wake_up", tuple(tags)))
+
+
+def bare_vllm_engine(running_requests):
+    """A VLLMEngine around the recorder (no vLLM here): its own sleep, wake and version handling."""
+    from rlsys.rollout.vllm_engine import VLLMEngine, _Sample
+
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.name, engine.version, engine.running_requests, engine.samples = "vllm engine", 0, running_requests, {}
+    engine.llm = RecordingLLM()
+    return engine, _Sample
+
+
+@pytest.mark.parametrize("running_requests", ["recompute", "keep"])
+def test_a_version_preempts_running_requests_only_when_there_are_some_to_recompute(running_requests):
+    engine, sample = bare_vllm_engine(running_requests)
+    engine.has_work = lambda: bool(engine.samples)
+    # colocated: the version loads between waking the weights and the KV cache, which sleep emptied
+    engine.sleep(2)
+    engine.wake_up(["weights"])
+    engine._weights_changed(1)
+    engine.wake_up(["kv_cache"])
+    assert engine.llm.calls == [("sleep", 2), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
+    engine.llm.calls.clear()
+    engine._weights_changed(2)  # awake, nothing held: the prefix cache goes, nothing to preempt
+    engine.samples["r"] = sample(Request("r", "p", [1], greedy(4)), 0.0)
+    engine._weights_changed(3)  # awake with a running request (separate layout, async)
+    assert engine.llm.calls == [("reset_prefix_cache", False),
+                                ("reset_prefix_cache", running_requests == "recompute")]
+    assert engine.samples["r"].kv_version == (3 if running_requests == "recompute" else 0)

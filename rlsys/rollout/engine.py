@@ -249,20 +249,22 @@ def device_gpus(options: dict) -> int:
 class EngineEntry:
     """A registered engine: its factory, the options it takes from `cfg.rollout` beside the common ones
     (rlsys/rollout/manager.py engine_options), and the GPUs a worker of it asks Ray for, given those options,
-    where no placement plan gives it a bundle."""
+    where no placement plan gives it a bundle. `seeded_eval`: eval requests carry per-sample seeds (reproducible
+    eval); off where a seeded request costs the engine a slower sampler (vLLM: a generator per row per step)."""
     build: Callable[..., RolloutEngine]
     options: Callable[[Any], dict] = device_options
     gpus: Callable[[dict], int] = device_gpus
+    seeded_eval: bool = True
 
 
 ENGINES: Registry[EngineEntry] = Registry("rollout engine")
 
 
 def register_engine(name: str, options: Callable[[Any], dict] = device_options,
-                    gpus: Callable[[dict], int] = device_gpus):
+                    gpus: Callable[[dict], int] = device_gpus, seeded_eval: bool = True):
     """`@register_engine("mine")` on an engine class (or factory) makes `rollout.engine=mine` build it."""
     def add(build):
-        ENGINES.register(name)(EngineEntry(build, options, gpus))
+        ENGINES.register(name)(EngineEntry(build, options, gpus, seeded_eval))
         return build
     return add
 
@@ -282,7 +284,7 @@ def _vllm_gpus(options: dict) -> int:
     return options.get("tensor_parallel_size", 1)
 
 
-@register_engine("vllm", options=_vllm_options, gpus=_vllm_gpus)
+@register_engine("vllm", options=_vllm_options, gpus=_vllm_gpus, seeded_eval=False)
 def _vllm_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
     from rlsys.rollout.vllm_engine import VLLMEngine  # imported only when chosen: vLLM needs a GPU
     return VLLMEngine(model_dir, slots, **kwargs)

@@ -42,7 +42,8 @@ back; vLLM turns it on by default for this executor (vllm/config/vllm.py).
 - Weights: `load_weights`, and `receive_weights`: a transport whose receiver is not per worker (the object
   store) is received here and each bucket sent with the RPC; the others receive inside vLLM's workers
   (rollout/vllm_extension.py). After any update, weights.running_requests=recompute calls
-  `reset_prefix_cache(reset_running_requests=True)`, which preempts running requests and drops output still
+  `reset_prefix_cache(reset_running_requests=True)` (only where requests are held, and not while the KV cache
+  sleeps), which preempts running requests and drops output still
   in flight under the old weights (vllm/v1/core/sched/scheduler.py `reset_prefix_cache`,
   `_preempt_request`): they recompute their KV cache, and every later token carries the new version.
   `keep` calls it without: running requests go on over their old KV cache (their later tokens are counted
@@ -56,7 +57,8 @@ back; vLLM turns it on by default for this executor (vllm/config/vllm.py).
   awake. Requests added meanwhile are queued.
 - Seeds (vllm/v1/sample/ops/topk_topp_sampler.py `random_sample`): a batch's unseeded rows share one draw
   from the engine's generator (seeded by EngineArgs.seed), while each seeded row runs its own generator, a
-  kernel per row per step: training requests carry no seed, eval requests do (reproducible eval).
+  kernel per row per step: no request to vLLM carries a seed (the engine is registered with
+  seeded_eval=False), so its sampled eval is not reproducible draw for draw; greedy eval is.
 """
 from __future__ import annotations
 
@@ -230,9 +232,11 @@ class VLLMEngine(RolloutEngine):
     # --- helpers ------------------------------------------------------------------------------
     def _weights_changed(self, version: int) -> None:
         # Cached prefixes hold old-weight keys and values: drop them; with "recompute", running requests
-        # recompute theirs too (vLLM preempts them and keeps their tokens).
+        # recompute theirs too (vLLM preempts them and keeps their tokens). Asleep without its KV cache (a
+        # colocated engine loading a version), it has no cached prefix (sleep reset it) and nothing to preempt.
         recompute = self.running_requests == "recompute"
-        self.llm.reset_prefix_cache(reset_running_requests=recompute)
+        if "kv_cache" not in self.asleep:
+            self.llm.reset_prefix_cache(reset_running_requests=recompute and bool(self.samples))
         self.version = version
         if recompute:
             for sample in self.samples.values():
