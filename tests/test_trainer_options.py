@@ -24,7 +24,7 @@ def test_zero3_bf16_with_offload_builds_every_section():
     ds = deepspeed_config(cfg, world_size=64)
     assert ds["bf16"] == {"enabled": True}
     assert ds["gradient_clipping"] == 0.5 and ds["train_batch_size"] == 64
-    assert ds["zero_optimization"] == {"stage": 3, "compute_grad_norm": True,
+    assert ds["zero_optimization"] == {"stage": 3,
                                        "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                        "offload_param": {"device": "cpu", "pin_memory": True}}
 
@@ -32,7 +32,37 @@ def test_zero3_bf16_with_offload_builds_every_section():
 def test_defaults_are_fp32_without_offload():
     ds = deepspeed_config(TrainerConfig(), world_size=1)
     assert ds["bf16"] == {"enabled": False}
-    assert ds["zero_optimization"] == {"stage": 2, "compute_grad_norm": True}
+    assert ds["zero_optimization"] == {"stage": 2}
+
+
+# DeepSpeedZeroConfig's fields in DeepSpeed 0.16.0, the floor of pyproject.toml's range (its source,
+# deepspeed/runtime/zero/config.py; offload sections in offload_config.py). Its configs forbid unknown keys.
+ZERO_KEYS_0_16 = {
+    "allgather_bucket_size", "allgather_partitions", "contiguous_gradients", "cpu_offload", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "elastic_checkpoint", "gather_16bit_weights_on_model_save",
+    "ignore_unused_parameters", "legacy_stage1", "load_from_fp32_weights", "max_live_parameters",
+    "max_reuse_distance", "memory_efficient_linear", "mics_hierarchical_params_gather", "mics_shard_size",
+    "model_persistence_threshold", "module_granularity_threshold", "offload_optimizer", "offload_param",
+    "overlap_comm", "override_module_apply", "param_persistence_threshold", "pipeline_loading_checkpoint",
+    "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter", "round_robin_gradients", "stage",
+    "stage3_gather_fp16_weights_on_model_save", "sub_group_size", "use_all_reduce_for_fetch_params",
+    "use_multi_rank_bucket_allreduce", "zero_hpz_partition_size", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "zero_quantized_weights"}
+OFFLOAD_KEYS_0_16 = {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                     "fast_init", "ratio", "buffer_size", "max_in_cpu"}
+
+
+@pytest.mark.parametrize("stage, offload", [(0, False), (2, True), (3, True)])
+def test_the_zero_section_is_accepted_by_every_deepspeed_in_the_declared_range(stage, offload):
+    """The oldest DeepSpeed admitted knows every key; the installed one validates the section for real."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    cfg = TrainerConfig(zero_stage=stage, offload_optimizer=offload and stage > 0, offload_params=offload and stage == 3)
+    zero = deepspeed_config(cfg, world_size=1)["zero_optimization"]
+    assert set(zero) <= ZERO_KEYS_0_16, set(zero) - ZERO_KEYS_0_16
+    for section in ("offload_optimizer", "offload_param"):
+        assert set(zero.get(section, {})) <= OFFLOAD_KEYS_0_16
+    assert DeepSpeedZeroConfig(**zero).stage == stage
 
 
 @pytest.mark.parametrize("overrides, field", [

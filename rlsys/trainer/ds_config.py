@@ -5,7 +5,9 @@ from rlsys.config import TrainerConfig
 
 
 def deepspeed_config(cfg: TrainerConfig, world_size: int) -> dict:
-    zero: dict = {"stage": cfg.zero_stage, "compute_grad_norm": True}
+    # Only keys every DeepSpeed of pyproject.toml's range accepts (its configs refuse unknown keys): no
+    # compute_grad_norm, which 0.19 added and defaults to on, as older versions always compute the norm.
+    zero: dict = {"stage": cfg.zero_stage}
     if cfg.offload_optimizer:  # fp32 master weights, Adam moments and the optimizer step on the CPU
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if cfg.offload_params:
