@@ -137,9 +137,18 @@ def test_run_sh_is_valid_bash():
     subprocess.run(["bash", "-n", str(GPU / "run.sh")], check=True)
 
 
-def run_sh(bundle: Path, scratch: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(GPU / "run.sh"), str(bundle)], capture_output=True, text=True,
+def run_sh(bundle: Path, scratch: Path, *args: str) -> subprocess.CompletedProcess:
+    args = args or (str(scratch.parent / "results"),)
+    return subprocess.run(["bash", str(GPU / "run.sh"), str(bundle), *args], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "SCRATCH": str(scratch)})
+
+
+def test_run_sh_takes_the_results_folder_as_an_argument(tmp_path):
+    for args in [(), ("trainer.total_steps=2",)]:  # none, or an override where the folder belongs
+        out = run_sh(tmp_path, tmp_path / "scratch", *args) if args else subprocess.run(
+            ["bash", str(GPU / "run.sh"), str(tmp_path)], capture_output=True, text=True)
+        assert out.returncode == 2 and "usage: benchmarks/gpu/run.sh BUNDLE_DIR RESULTS_DIR" in out.stderr
+    assert not (tmp_path / "scratch").exists()
 
 
 def test_run_sh_refuses_a_folder_without_wheels(tmp_path):
@@ -156,6 +165,7 @@ def test_run_sh_refuses_wheels_that_do_not_match_their_checksums(tmp_path):
     out = run_sh(bundle, tmp_path / "scratch")
     assert out.returncode == 2 and "do not match their SHA256SUMS" in out.stderr
     assert not (tmp_path / "scratch" / "site").exists()  # refused before pip ran
+    assert not (tmp_path / "results").exists()
 
 
 def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):
