@@ -135,3 +135,24 @@ def test_label_noise_replaces_that_share_of_warm_start_answers(tmp_path):
     assert all(ids[-1] == tok.eos_token_id for ids, _ in batch)
     quiet = draw_batch(random.Random(1), examples, kept, WarmStartConfig(batch_size=200), tok)
     assert all(tuple(ids) in clean for ids, _ in quiet)  # no noise: the clean examples only
+
+
+def test_the_builds_exact_match_generates_no_longer_than_the_longest_answer(tmp_path, monkeypatch):
+    """The build measures greedy exact match at rollout.max_new_tokens (4096 for the GPU bench): past the
+    longest answer and its EOS no sample can match, so generate is not asked for more."""
+    from transformers import GenerationMixin
+
+    from rlsys.models.warm_start import exact_match_accuracy
+
+    model_dir = build_tiny_model(ModelConfig(**{**SMALL, "max_position_embeddings": 4224}), tmp_path / "m")
+    prompts = make_split("synthetic", "eval", 6, seed=0)
+    longest = max(len(p.answer) for p in prompts)  # one token per character
+    generate, asked = GenerationMixin.generate, []
+
+    def recording(self, *args, **kwargs):
+        asked.append(kwargs["max_new_tokens"])
+        return generate(self, *args, **kwargs)
+    monkeypatch.setattr(GenerationMixin, "generate", recording)
+    capped = exact_match_accuracy(model_dir, prompts, max_new_tokens=4096)
+    assert asked == [longest + 1]
+    assert exact_match_accuracy(model_dir, prompts, max_new_tokens=longest + 40) == capped

@@ -143,8 +143,13 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
 @torch.no_grad()
 def exact_match_accuracy(model_dir: str | Path, prompts: list[Prompt], temperature: float = 0.0,
                          max_new_tokens: int = 96, batch_size: int = 100, seed: int = 0) -> float:
-    """Share of prompts whose generated text equals the answer (HF generate; for measurement only)."""
+    """Share of prompts whose generated text equals the answer (HF generate; for measurement only). A sample
+    longer than the longest answer and its EOS cannot equal an answer, so generation stops there: a model
+    built for long responses (thousands of tokens) is measured in seconds, not hours, on the CPU."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    if prompts:
+        longest = max(len(ids) for ids in tokenizer([p.answer for p in prompts], add_special_tokens=False)["input_ids"])
+        max_new_tokens = min(max_new_tokens, longest + 1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(seed)
     right = 0
