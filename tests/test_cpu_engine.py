@@ -433,3 +433,44 @@ def test_a_lying_sampler_draws_at_its_temperature_and_records_the_claimed_one(qw
                                hf_logprobs(model, PROMPTS[1], out["honest"].token_ids, 2.0), atol=1e-4, rtol=0)
     torch.testing.assert_close(torch.tensor(out["g"].logprobs), hf_logprobs(model, PROMPTS[0], out["g"].token_ids),
                                atol=1e-4, rtol=0)
+
+
+# --- the step's memory traffic: views of the cache and its mask, never copies --------------------------------
+def test_fragmented_slots_attend_through_views_of_the_cache_and_its_mask(qwen):
+    """Slots of one length bucket scattered among others' (as requests finish out of order) read the KV cache
+    and the mask kept beside it as views: no per-layer gather of the cache, no mask built per step."""
+    model, path = qwen
+    engine = CPUEngine(path, slots=6)
+    seen = []
+    attend = engine.model.attend
+
+    def checked(q, keys, values, mask):
+        seen.append(all(t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                        for t, base in ((keys, engine.model.k_cache), (values, engine.model.v_cache),
+                                        (mask, engine.model.kv_mask))))
+        return attend(q, keys, values, mask)
+    engine.model.attend = checked
+    # slots 0, 2, 4 long, 1, 3, 5 short: each bucket's slots are every other one
+    prompts = [LONG if i % 2 == 0 else PROMPTS[i % 5] for i in range(6)]
+    out = run(engine, [Request(f"r{i}", "p", p, greedy(10)) for i, p in enumerate(prompts)])
+    assert seen and all(seen)
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"].token_ids == hf_greedy(model, p, 10), i
+
+
+def test_recomputing_running_requests_builds_no_quadratic_mask(tmp_path):
+    """A new version re-prefills every running request: its attention is causal over its own keys, without an
+    n x G x T x T mask (18 GB at 64 slots of 4,224 tokens, G 8, in bf16)."""
+    from test_weight_transfer import peak_new_bytes
+
+    sizes = dict(SIZES, hidden_size=32, num_attention_heads=4, num_key_value_heads=1, intermediate_size=32,
+                 max_position_embeddings=1024)
+    _, path = build(tmp_path, sizes=sizes)
+    engine = CPUEngine(str(path), slots=4)
+    for i in range(4):
+        engine.add(Request(f"r{i}", "p", [(5 * i + 3 * j) % 64 for j in range(1000)], greedy(8)))
+    engine.step()
+    n, G, T = 4, 4, 1000
+    state = {name: t.clone() for name, t in engine.model.params.items()}
+    peak = peak_new_bytes(lambda: engine.load_weights(state, 1))  # recompute: a re-prefill of all four
+    assert peak < n * G * T * T * 4 / 4, peak

@@ -79,7 +79,7 @@ def test_memory_is_weights_cache_and_sampling_state_and_does_not_grow(qwen):
     before = torch.cuda.memory_allocated()
     engine = CPUEngine(path, slots=64, max_len=4096, device=DEVICE, dtype="bfloat16")
     m = engine.model
-    state = [m.embed, m.norm, m.cos, m.signed_sin, m.positions, m.k_cache, m.v_cache, engine.last_token,
+    state = [m.embed, m.norm, m.cos, m.signed_sin, m.kv_mask, m.k_cache, m.v_cache, engine.last_token,
              engine.temperature, engine.top_p, engine.uniforms]
     state += [m.lm_head] if m.lm_head is not m.embed else []
     state += [t for b in m.blocks for t in b.values() if t is not None]

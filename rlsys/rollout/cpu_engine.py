@@ -65,12 +65,15 @@ CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class Span:
-    """Rows [start, stop) of a batch that attend to the first kv_len positions of cache rows `rows` (a slice
-    where their slots are consecutive: a view, not a gather)."""
+    """Rows [start, stop) of a decode batch, whose slots lie in [lo, hi), attending to the first kv_len cache
+    positions. The cache rows lo..hi are read as a view, never gathered: slots in between that are not the
+    span's (another length bucket's, or free) get a dummy query whose output is dropped."""
     start: int
     stop: int
     kv_len: int
-    rows: slice | Tensor
+    lo: int
+    hi: int
+    consecutive: bool  # the span's slots are exactly lo..hi-1, in order: no scatter of queries
 
 
 def length_bucket(length: int) -> int:
@@ -86,10 +89,10 @@ def length_spans(lengths: list[int]) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def _span(slots: list[int], device_slots: Tensor, start: int, stop: int, kv_len: int) -> Span:
+def _span(slots: list[int], start: int, stop: int, kv_len: int) -> Span:
     mine = slots[start:stop]
-    consecutive = mine == list(range(mine[0], mine[0] + len(mine)))
-    return Span(start, stop, kv_len, slice(mine[0], mine[-1] + 1) if consecutive else device_slots[start:stop])
+    lo, hi = min(mine), max(mine) + 1
+    return Span(start, stop, kv_len, lo, hi, mine == list(range(lo, hi)))
 
 
 class DecoderModel:
@@ -148,17 +151,19 @@ class DecoderModel:
         self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device, dtype)
         # rotate_half(x) * sin == roll(x, D/2) * sin with the first half negated: one op fewer per step
         self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device, dtype)
-        self.positions = torch.arange(self.max_len, device=device)
         self.kv_shape = (self.layers, slots, KV, self.max_len, D)
         self.allocate_kv_cache()
 
     def allocate_kv_cache(self) -> None:
-        """A zeroed KV cache, beside the weights (again after free_kv_cache)."""
+        """A zeroed KV cache, beside the weights (again after free_kv_cache), and its additive mask: 0 at each
+        slot's written positions, -inf elsewhere, kept up to date as positions are written (no mask is built
+        per step)."""
         self.k_cache = torch.zeros(self.kv_shape, dtype=self.embed.dtype, device=self.embed.device)
         self.v_cache = torch.zeros(self.kv_shape, dtype=self.embed.dtype, device=self.embed.device)
+        self.kv_mask = torch.full(self.kv_shape[1:4:2], float("-inf"), dtype=self.embed.dtype, device=self.embed.device)
 
     def free_kv_cache(self) -> None:
-        self.k_cache = self.v_cache = None
+        self.k_cache = self.v_cache = self.kv_mask = None
 
     def load_state_dict(self, state: dict[str, Tensor], strict: bool, source: str = "state_dict") -> None:
         unknown = sorted(set(state) - set(self.params))
@@ -175,31 +180,38 @@ class DecoderModel:
                                  f"the model expects {tuple(target.shape)}")
             target.copy_(value)
 
-    def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, spans: list[Span], last: Tensor | None = None) -> Tensor:
-        """ids, pos: [N, T] tokens and their positions, written to cache rows `slots` [N]. Each span of the
-        batch attends to its own first kv_len cache positions (causally, by position), so a short sequence
-        never pays for a long one. Returns logits at `last` [N] of T (T must be 1 without it)."""
+    def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, spans: list[Span] | None = None,
+                last: Tensor | None = None) -> Tensor:
+        """ids, pos: [N, T] tokens and their positions, written to cache rows `slots` [N].
+        A prefill (spans None, `last` [N] each row's last real token): every row starts at position 0 and
+        attends causally to its own new keys; its padding after `last` is never unmasked in the cache.
+        A decode step (T = 1): each span of the batch attends to its own first kv_len cache positions, so a
+        short sequence never pays for a long one. Returns logits at `last` of T (T must be 1 without it)."""
         N, T = ids.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         NT = N * T
         flat_pos, flat_slots = pos.reshape(NT), slots[:, None].expand(N, T).reshape(NT)
         cos, sin = self.cos[flat_pos, None], self.signed_sin[flat_pos, None]  # [NT, 1, D]
-        masks = [self._mask(pos[s.start:s.stop], s.kv_len) for s in spans]
+        if spans is None:  # a slot's earlier occupant may have written further: its row starts anew
+            written = torch.arange(self.max_len, device=ids.device) <= last[:, None]
+            self.kv_mask[slots] = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device).masked_fill(
+                ~written, float("-inf"))
+        else:
+            self.kv_mask[flat_slots, flat_pos] = 0.0
         x = F.embedding(ids.reshape(NT), self.embed)  # 2-D activations: faster matmuls on CPU than [N, T, d]
         for layer, b in enumerate(self.blocks):
             h = F.rms_norm(x, (self.hidden,), b["ln_in"], self.eps)
             qkv = F.linear(h, b["wqkv"], b["bqkv"])
             qk = qkv[:, : (H + KV) * D].view(NT, H + KV, D)
             qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)  # RoPE on q and k at once
+            k, v = qk[:, H:], qkv[:, (H + KV) * D:].view(NT, KV, D)
             k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-            k_cache[flat_slots, :, flat_pos] = qk[:, H:]
-            v_cache[flat_slots, :, flat_pos] = qkv[:, (H + KV) * D:].view(NT, KV, D)
-            # Query heads of one kv group share its keys: fold them into the query length (no K/V copies).
-            q = qk[:, :H].reshape(N, T, KV, H // KV, D).permute(0, 2, 3, 1, 4).reshape(N, KV, -1, D)
-            parts = [self.attend(q[s.start:s.stop], k_cache[s.rows, :, :s.kv_len], v_cache[s.rows, :, :s.kv_len], m)
-                     for s, m in zip(spans, masks)]
-            o = parts[0] if len(parts) == 1 else torch.cat(parts)
-            o = o.view(N, KV, H // KV, T, D).permute(0, 3, 1, 2, 4).reshape(NT, H * D)
+            k_cache[flat_slots, :, flat_pos] = k
+            v_cache[flat_slots, :, flat_pos] = v
+            if spans is None:
+                o = self._attend_prefill(qk[:, :H], k, v, N, T)
+            else:
+                o = self._attend_decode(qk[:, :H].view(N, KV, H // KV, D), layer, slots, spans)
             x = torch.addmm(x, o, b["wo"].t())  # the residual add rides along with the matmul
             if b["bo"] is not None:
                 x += b["bo"]
@@ -210,19 +222,32 @@ class DecoderModel:
             x = x.view(N, T, self.hidden)[torch.arange(N, device=x.device), last]
         return F.linear(F.rms_norm(x, (self.hidden,), self.norm, self.eps), self.lm_head).float()
 
-    def _mask(self, pos: Tensor, kv_len: int) -> Tensor:
-        """An additive float mask (the fastest form for CPU attention) over kv_len keys for queries at
-        `pos` [n, T], broadcast over each kv group's query heads."""
-        n, T = pos.shape
-        allowed = self.positions[:kv_len] <= pos[:, :, None]  # [n, T, kv_len]
-        mask = torch.zeros(allowed.shape, dtype=self.cos.dtype, device=pos.device).masked_fill_(~allowed, float("-inf"))
-        if T == 1:
-            return mask[:, None]
-        G = self.heads // self.kv_heads
-        return mask[:, None, None].expand(n, 1, G, T, kv_len).reshape(n, 1, G * T, kv_len)
+    def _attend_prefill(self, q: Tensor, k: Tensor, v: Tensor, N: int, T: int) -> Tensor:
+        """Causal attention of [N*T, heads, D] over the batch's own new keys (positions 0..T-1: no cache read,
+        no mask tensor); kv groups shared by enable_gqa, not copied."""
+        def heads_first(t: Tensor) -> Tensor:
+            return t.view(N, T, -1, self.head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
+                                           enable_gqa=True)
+        return o.transpose(1, 2).reshape(N * T, -1)
+
+    def _attend_decode(self, q: Tensor, layer: int, slots: Tensor, spans: list[Span]) -> Tensor:
+        """One new token per row, q [N, KV, G, D] (a kv group's query heads share its keys, as the query
+        length): each span over its cache rows lo..hi as a view and its kv_len positions. Returns [N, H*D]."""
+        parts = []
+        for s in spans:
+            rows, q_span = slice(s.lo, s.hi), q[s.start:s.stop]
+            if not s.consecutive:  # place the queries at their slots' rows; the others' outputs are dropped
+                local = slots[s.start:s.stop] - s.lo
+                q_span = q.new_zeros((s.hi - s.lo, *q.shape[1:])).index_copy_(0, local, q_span)
+            o = self.attend(q_span, self.k_cache[layer, rows, :, :s.kv_len], self.v_cache[layer, rows, :, :s.kv_len],
+                            self.kv_mask[rows, None, None, :s.kv_len])
+            parts.append(o if s.consecutive else o.index_select(0, local))
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return o.reshape(o.shape[0], -1)
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """Attention of one span: q [n, KV, G*T, D] over keys and values [n, KV, kv_len, D]."""
+        """Attention of one decode span: q [n, KV, G, D] over keys and values [n, KV, kv_len, D]."""
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
@@ -405,8 +430,7 @@ class CPUEngine(RolloutEngine):
         ids = self._to_device(torch.tensor([s + [0] * (T - len(s)) for s in seqs]))
         plan = self._plan(entries, [len(s) - 1 for s in seqs])
         pos = torch.arange(T, device=self.device).expand(n, -1)
-        span = _span([e.slot for e in entries], plan[0], 0, n, T)
-        return plan, self.model.forward(ids, pos, plan[0], [span], last=plan[1])
+        return plan, self.model.forward(ids, pos, plan[0], last=plan[1])
 
     def _decode_batch(self, entries: list[_Running]) -> tuple | None:
         """One token for each entry in one batched forward; entries of a length bucket attend together."""
@@ -416,7 +440,7 @@ class CPUEngine(RolloutEngine):
         entries = sorted(entries, key=lambda e: (length_bucket(key_count[id(e)]), e.slot))
         lengths, slots = [key_count[id(e)] for e in entries], [e.slot for e in entries]
         plan = self._plan(entries, [n - 1 for n in lengths])
-        spans = [_span(slots, plan[0], a, z, max(lengths[a:z])) for a, z in length_spans(lengths)]
+        spans = [_span(slots, a, z, max(lengths[a:z])) for a, z in length_spans(lengths)]
         logits = self.model.forward(self.last_token[plan[0], None], plan[1, :, None], plan[0], spans)
         return self._sample_into(entries, plan, logits)
 
