@@ -100,9 +100,11 @@ class FakeDriver:
         monkeypatch.setattr(torch.cuda, "_exchange_device", self.exchange_device)
         monkeypatch.setattr(torch.cuda, "_maybe_exchange_device", self.exchange_device)
         monkeypatch.setattr(torch.cuda, "_get_device_properties", self.properties, raising=False)
-        monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)  # cuInit
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "_initialized", True)  # as after the driver's init: torch skips it
+        monkeypatch.setattr(torch.cuda, "_cached_device_count", None, raising=False)  # counted afresh, here
         monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", self.new_shared_cuda)
+        # one generator per GPU, which the driver's init creates (torch.manual_seed seeds them too)
+        monkeypatch.setattr(torch.cuda, "default_generators", tuple(torch.Generator() for _ in range(self.count)))
         return self
 
     def ipc_handle(self, storage: torch.UntypedStorage, dtype: torch.dtype, shape: tuple, device: int = 0):

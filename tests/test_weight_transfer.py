@@ -17,7 +17,7 @@ from rlsys.weights import (WeightGroup, WeightTransferTimeout, WeightUpdate, fil
 from rlsys.weights.buckets import ALIGN
 from rlsys.weights.transfer import (BroadcastReceiver, BroadcastSender, BroadcastTransport, ObjectStoreReceiver,
                                     ObjectStoreSender, wait_for_engines)
-from cuda_standin import cuda_driver  # noqa: F401 (a fixture)
+from cuda_standin import FakeDriver, cuda_driver  # noqa: F401 (a fixture)
 from test_cpu_engine import SIZES, build
 
 
@@ -242,8 +242,9 @@ def test_publishing_by_broadcast_never_holds_more_than_two_buckets_or_a_full_cop
 
 # --- cuda_ipc's double buffering, on the CPU -----------------------------------------------------------
 # No GPU here: the two buffers are shared as files mapped by both processes instead of CUDA IPC handles, and
-# the GPU's name and synchronisation are stubbed. Everything else is cuda_ipc's own code: the TCP store the
-# trainer hosts, the "ready"/"done" handshake per bucket, and the reuse of two buffers for every bucket.
+# the driver's calls (device, name, synchronisation) go to the stand-in of tests/cuda_standin.py. Everything
+# else is cuda_ipc's own code: the TCP store the trainer hosts, the "ready"/"done" handshake per bucket, and
+# the reuse of two buffers for every bucket.
 def share_by_file(monkeypatch, folder) -> None:
     from rlsys.weights import transfer
 
@@ -260,10 +261,8 @@ def share_by_file(monkeypatch, folder) -> None:
     monkeypatch.setattr("torch.multiprocessing.reductions.reduce_tensor", lambda b: paths[id(b)])
     monkeypatch.setattr(transfer, "open_shared", lambda handle, device: torch.from_file(
         handle[0], shared=True, size=handle[1], dtype=torch.uint8))
-    monkeypatch.setattr(transfer, "gpu_uuid", lambda device: "GPU-0")
-    monkeypatch.setattr(transfer.CudaIpcSender, "device", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(transfer.CudaIpcSender, "device", "cpu")  # the buffers: CPU tensors, as files
+    FakeDriver().install(monkeypatch)
 
 
 def receive_by_ipc_in_child(folder, update, out: mp.Queue) -> None:
@@ -273,7 +272,7 @@ def receive_by_ipc_in_child(folder, update, out: mp.Queue) -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         share_by_file(monkeypatch, folder)
         got = []
-        for pairs in update.buckets("engine 0", "cpu"):
+        for pairs in update.buckets("engine 0", torch.device("cuda", 0)):  # files opened on the CPU
             time.sleep(0.05)
             got += [fingerprint(name, t) for name, t in pairs]
     out.put(got)

@@ -84,6 +84,11 @@ def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield dot + name, b
 
 
+def local_device() -> str:
+    """This process's GPU where it has one (Ray narrows CUDA_VISIBLE_DEVICES to the actor's), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
@@ -365,7 +370,7 @@ class TorchBackend(TrainerBackend):
     def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1):
         if world_size != 1:
             raise ValueError(f"TorchBackend runs on one rank, not {world_size}: use DeepSpeedBackend")
-        super().__init__(cfg, model_dir, rank, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__(cfg, model_dir, rank, world_size, local_device())
         self.model = load_model(model_dir, DTYPES[cfg.dtype]).to(self.device)
         self.reference = self._make_reference()
         if cfg.gradient_checkpointing:
