@@ -25,13 +25,11 @@ class StepStats:
         self.start_step()
 
     def start_step(self) -> None:
-        """A new rollout window opens now, or, when the engines went on generating through the train
-        step (sorted, async: samples finished meanwhile), where the last window closed."""
+        """A new rollout window opens (`rollout_opens`)."""
         carried = self.completions  # collected after the handover: they count in this step
-        # Engines kept generating only if samples finished after the handover; samples that finished
-        # just before it (collected late) and aborted extras do not make training time rollout time.
-        kept_generating = any(c.finish_reason != "abort" and c.end_time > self.t_handover for c in carried)
-        self.t_start = self.t_handover if kept_generating else time.time()
+        # Samples that finished just before the handover (collected late) and aborted extras do not count.
+        last_finish = max((c.end_time for c in carried if c.finish_reason != "abort"), default=self.t_handover)
+        self.t_start = rollout_opens(time.time(), self.t_handover, last_finish)
         self.t_last_completion = max([self.t_start] + [c.end_time for c in carried])
         self.requests = 0
         self.reward_errors = 0
@@ -102,6 +100,13 @@ class StepStats:
                  "start": round((c.start_time - t0) / scale, 4), "end": round((c.end_time - t0) / scale, 4),
                  "tokens": c.num_tokens, "prompt_tokens": len(c.prompt_ids), "finish_reason": c.finish_reason}
                 for c in self.finished]
+
+
+def rollout_opens(boundary: float, handover: float, last_finish: float) -> float:
+    """Where a step's rollout window opens, for the live run and the simulator alike: at the step boundary (the
+    last weights published), or, where the engines went on generating through the train step (a sample finished
+    after the last handover to training: sorted, async), at that handover."""
+    return handover if last_finish > handover else boundary
 
 
 def tokens_within(completions: list[Completion], start: float, end: float) -> float:

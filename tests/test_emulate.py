@@ -152,22 +152,29 @@ def test_the_simulator_replays_a_live_runs_lengths(tmp_path):
     from pathlib import Path
 
     from rlsys.config import save_config
+    from rlsys.data.cursor import PromptCursor
     from rlsys.sim.replay import replay_config
 
     repo = Path(__file__).resolve().parent.parent
     save_config(load_config(repo / "configs" / "emulated_h100_7b.yaml", ["trainer.total_steps=2"]),
                 tmp_path / "config.yaml")
     k, prompts, group = 64, 16, 8
-    timeline = [{"step": 1 + p // prompts, "request_id": f"p{p}#{i}", "tokens": 1 + (p * 7 + i) % 40,
-                 "prompt_tokens": 9, "finish_reason": "stop"} for p in range(2 * prompts) for i in range(group)]
-    timeline.append({"step": 2, "request_id": "p0#99", "tokens": 3, "prompt_tokens": 9, "finish_reason": "abort"})
+    # Request ids count the run's requests: prompt p was drawn p-th. Rows come in finish order, the last drawn
+    # prompts' first, each prompt's samples last-submitted first.
+    timeline = [{"step": 1 + p // prompts, "request_id": f"train-{90 - p}#{p * group + i}",
+                 "tokens": 1 + (p * 7 + i) % 40, "prompt_tokens": 9, "finish_reason": "stop"}
+                for p in reversed(range(2 * prompts)) for i in reversed(range(group))]
+    timeline.append({"step": 2, "request_id": "train-90#999", "tokens": 3, "prompt_tokens": 9,
+                     "finish_reason": "abort"})
     (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
     cfg, workload = replay_config(tmp_path)
     assert cfg.steps == 2 and cfg.workload.max_tokens == k * 128 and cfg.workload.prompt_tokens == k * 9
     assert cfg.cluster.gpu == "h100" and cfg.engine.max_seqs == 32
     assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus is None  # the trainer on the two engines' GPUs
-    first = workload.prompts()[0]
-    assert [d.length for d in workload.samples(first, 0, group)] == [k * (1 + i % 40) for i in range(group)]
+    # The simulator's cursor draws, j-th, the prompt the run drew j-th, whose samples come in submission order
+    drawn = PromptCursor(workload.prompts(), seed=cfg.seed).take(2 * prompts)
+    assert [[d.length for d in workload.samples(prompt, 0, group)] for prompt in drawn] == [
+        [k * (1 + (p * 7 + i) % 40) for i in range(group)] for p in range(2 * prompts)]
     result = Simulation(cfg, cfg.runs()[0], workload).run()
     live = [r["tokens"] for r in timeline if r["finish_reason"] != "abort"]
     assert result["response_tokens"]["mean"] == pytest.approx(k * sum(live) / len(live))  # sync trains them all

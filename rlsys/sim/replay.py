@@ -2,9 +2,9 @@
 clock (rlsys/emulate.py): same schedule, same cost model, the lengths the run's engines produced.
 
 `replay_config(run_dir)` turns a live run's config into the simulator's (the emulated GPU and model, the
-engines' slots, the trainer's GPUs, the schedule) and its `timeline.jsonl` into a `Replay` workload: simulated
-prompt i answers with the lengths of the i-th prompt the run finished, each token k tokens of the emulated
-model. Rewards and reward latencies stay the simulator's own draws.
+engines' slots, the trainer's GPUs, the schedule) and its `timeline.jsonl` into a `Replay` workload: the
+prompt the simulator draws j-th answers with the lengths of the run's j-th prompt, each token k tokens of the
+emulated model. Rewards and reward latencies stay the simulator's own draws.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlsys import costs
 from rlsys.config import Config, load_config
+from rlsys.data.cursor import PromptCursor
 from rlsys.logger import read_jsonl
 from rlsys.sim.config import SimConfig, load_sim_config
 from rlsys.sim.workload import SampleDraw, Workload
@@ -20,11 +21,16 @@ from rlsys.types import Prompt
 
 
 class Replay(Workload):
-    """A workload whose prompt i answers with `lengths[i]` in turn (emulated tokens), whatever the sample."""
+    """A workload whose j-th drawn prompt answers with `lengths[j]` in turn (emulated tokens), whatever the sample:
+    the simulator's cursor shuffles its prompts with the run's seed, so prompt j goes where that shuffle draws
+    j-th, and each step trains the prompts its live step did."""
 
     def __init__(self, cfg: SimConfig, lengths: list[list[int]]):
         super().__init__(cfg.workload, cfg.reward, cfg.seed)
-        self.lengths = lengths
+        drawn = PromptCursor(list(range(len(lengths))), seed=cfg.seed).take(len(lengths))
+        self.lengths = [[] for _ in lengths]
+        for j, index in enumerate(drawn):
+            self.lengths[index] = lengths[j]
 
     def samples(self, prompt: Prompt, first: int, n: int) -> list[SampleDraw]:
         return [self._replayed(d, prompt, first + j) for j, d in enumerate(super().samples(prompt, first, n))]
@@ -42,16 +48,19 @@ class Replay(Workload):
 
 
 def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[int]], float]:
-    """Per prompt, in the order the run first finished one of its samples: its finished samples' lengths times k;
-    and the mean prompt length times k."""
-    by_prompt: dict[str, list[int]] = {}
+    """Per prompt, in the order the run drew them (its first request's number; request ids are
+    "<prompt uid>#<n>", n counting the run's requests): its finished samples' lengths times k, in the order they
+    were submitted; and the mean prompt length times k."""
+    by_prompt: dict[str, list[tuple[int, int]]] = {}
     prompt_tokens = []
     for row in timeline:
         if row["finish_reason"] == "abort":
             continue
-        by_prompt.setdefault(row["request_id"].rsplit("#", 1)[0], []).append(k * row["tokens"])
+        uid, n = row["request_id"].rsplit("#", 1)
+        by_prompt.setdefault(uid, []).append((int(n), k * row["tokens"]))
         prompt_tokens.append(k * row["prompt_tokens"])
-    return list(by_prompt.values()), statistics.mean(prompt_tokens)
+    ordered = sorted(by_prompt.values(), key=min)
+    return [[length for _, length in sorted(samples)] for samples in ordered], statistics.mean(prompt_tokens)
 
 
 def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimConfig, Replay]:

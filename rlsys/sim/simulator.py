@@ -25,6 +25,7 @@ from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_gpu_s
 from rlsys.sim.workload import Workload
+from rlsys.step_stats import rollout_opens
 from rlsys.types import Completion, ScoredSample
 
 ENGINE, SAMPLE, ABORTED_OUT, SYNC, TRAINED = "engine", "sample", "aborted", "sync", "trained"
@@ -80,7 +81,7 @@ class Simulation:
         self.train_queue: deque[tuple[list, float]] = deque()  # (groups, trainer seconds) waiting
         self.training: Optional[list] = None  # the groups being trained
         self.counts: Counter[str] = Counter()
-        self.step_start = 0.0
+        self.step_start = self.handover = self.last_finish = 0.0  # rollout window, last Train, last sample
         self.rollout_s: list[float] = []
         self.train_s: list[float] = []
         self.step_ends: list[float] = []
@@ -277,6 +278,7 @@ class Simulation:
             self.trained_tokens += sum(lengths)
             self.truncated += sum(s.completion.finish_reason == "length" for s in group.samples)
         self.rollout_s.append(self.now - self.step_start)
+        self.handover = self.now
         # Without overlap the step's rewards are scored now, on the reward pool, before its training.
         reward_s = 0.0 if self.reward.overlap else makespan(self.reward_pending, self.reward.workers)
         self.reward_pending = []
@@ -308,6 +310,7 @@ class Simulation:
     # --- events -----------------------------------------------------------------------------
     def _generated(self, req: SimRequest) -> None:
         self.counts["finished"] += 1
+        self.last_finish = self.now
         if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
             self.reward_pending.append(req.reward_latency)
             self._push(self.now, SAMPLE, req)
@@ -354,7 +357,7 @@ class Simulation:
             self._start_training(touched)
         for engine in touched.values():
             self._refresh(engine)
-        self.step_start = self.now
+        self.step_start = rollout_opens(self.now, self.handover, self.last_finish)  # as the live run's
         if self.trained < self.cfg.steps:  # after the last step nothing more is asked of the scheduler
             self._act(self._call(self.scheduler.start, self.now))
 
