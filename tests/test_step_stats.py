@@ -1,4 +1,5 @@
-"""Per-step rollout windows: sync restarts the window after training, overlapped schedulers carry it on."""
+"""Per-step rollout windows: sync restarts the window after training, overlapped schedulers carry it on, in the
+live run and the simulator alike."""
 import pytest
 
 from rlsys import step_stats
@@ -136,3 +137,24 @@ def test_step_time_is_read_on_the_step_clock_which_leaves_evaluation_out(clock):
     stats = StepStats(kappa=2.0, capacity=2, engine_stats=Engine(clock).stats, step_clock=training_clock)
     clock.t, training_clock.t = 110, 102  # 10 s of wall time, 8 of them an evaluation
     assert stats.step_totals()["timing/step_s"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "async"])
+def test_the_simulator_opens_each_rollout_window_as_the_live_run_does(scheduler):
+    """At the step boundary, or, where the engines went on generating through the train step (async, eta 2 keeps
+    them busy), at the last handover to training: then the window spans the training it overlapped."""
+    from rlsys.sim.config import load_sim_config
+    from rlsys.sim.simulator import Simulation
+
+    cfg = load_sim_config({"model": "qwen2.5-7b", "steps": 6, "schedulers": [scheduler],
+                           "cluster": {"gpu": "h100", "gpus": 4, "trainer_gpus": 2},
+                           "workload": {"max_tokens": 2048, "dataset_size": 512},
+                           "control": {"prompts_per_step": 8, "group_size": 4, "staleness": {"eta": 2}}})
+    sim = Simulation(cfg, cfg.runs()[0])
+    sim.run()
+    if scheduler == "async":
+        assert all(rollout > train for rollout, train in zip(sim.rollout_s[1:], sim.train_s))
+    else:  # nothing generates while training: the window opens once the last step's weights are loaded
+        ends = [0.0] + sim.step_ends
+        steps = [after - before for before, after in zip(ends, ends[1:])]
+        assert all(r + t + sim.sync_s == pytest.approx(s) for r, t, s in zip(sim.rollout_s, sim.train_s, steps))
