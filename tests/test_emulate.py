@@ -180,6 +180,34 @@ def test_the_simulator_replays_a_live_runs_lengths(tmp_path):
     assert result["response_tokens"]["mean"] == pytest.approx(k * sum(live) / len(live))  # sync trains them all
 
 
+def test_a_replay_gives_each_request_the_length_of_the_live_request_of_its_rank(tmp_path):
+    """Tail: a prompt's short round of 10 (8 finished, 2 extras aborted) and its long round of 8 regenerated; a
+    prompt whose every request was aborted was drawn all the same, so the prompts after it keep their places."""
+    from pathlib import Path
+
+    from rlsys.config import save_config
+    from rlsys.data.cursor import PromptCursor
+    from rlsys.sim.replay import replay_config
+
+    repo = Path(__file__).resolve().parent.parent
+    save_config(load_config(repo / "configs" / "emulated_h100_7b.yaml", ["control.scheduler=tail"]),
+                tmp_path / "config.yaml")
+    row = lambda rid, tokens, reason="stop": {"step": 1, "request_id": rid, "tokens": tokens,  # noqa: E731
+                                               "prompt_tokens": 9, "finish_reason": reason}
+    timeline = ([row(f"train-5#{i}", 10 + i) for i in range(8)] + [row("train-5#8", 7, "abort"),
+                row("train-5#9", 30, "abort")] + [row(f"train-3#{10 + i}", 2, "abort") for i in range(10)]
+                + [row("train-8#20", 4)] + [row(f"train-5#{30 + i}", 40 + i) for i in range(8)])
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
+    cfg, workload = replay_config(tmp_path)
+    first, aborted, last = PromptCursor(workload.prompts(), seed=cfg.seed).take(3)
+    lengths = lambda prompt, start, n: [d.length for d in workload.samples(prompt, start, n)]  # noqa: E731
+    k = 64
+    assert lengths(first, 0, 8) == [k * (10 + i) for i in range(8)]
+    assert lengths(first, 8, 2) == [k * 47, k * 47]  # as long as its longest finished, and past its partial output
+    assert lengths(first, 10, 8) == [k * (40 + i) for i in range(8)]  # the long round's own
+    assert lengths(aborted, 0, 1) == [k * 2 + 1] and lengths(last, 0, 1) == [k * 4]
+
+
 def test_a_replay_of_async_gives_the_trainer_its_own_gpus_and_its_proximal_forwards(tmp_path):
     from pathlib import Path
 

@@ -21,11 +21,12 @@ from rlsys.types import Prompt
 
 
 class Replay(Workload):
-    """A workload whose j-th drawn prompt answers with `lengths[j]` in turn (emulated tokens), whatever the sample:
+    """A workload whose j-th drawn prompt's i-th request answers with the length of the run's j-th prompt's i-th
+    (`lengths`, from `live_lengths`), whatever the sample:
     the simulator's cursor shuffles its prompts with the run's seed, so prompt j goes where that shuffle draws
     j-th, and each step trains the prompts its live step did."""
 
-    def __init__(self, cfg: SimConfig, lengths: list[list[int]]):
+    def __init__(self, cfg: SimConfig, lengths: list[list[tuple[int, bool]]]):
         super().__init__(cfg.workload, cfg.reward, cfg.seed)
         drawn = PromptCursor(list(range(len(lengths))), seed=cfg.seed).take(len(lengths))
         self.lengths = [[] for _ in lengths]
@@ -41,26 +42,33 @@ class Replay(Workload):
         return draw._replace(length=length, truncated=length >= self.spec.max_tokens)
 
     def _replayed(self, draw: SampleDraw, prompt: Prompt, ordinal: int) -> SampleDraw:
-        known = self.lengths[prompt.index]
-        length = known[ordinal % len(known)]
+        known = self.lengths[prompt.index]  # (tokens, finished) of the prompt's live requests, in submission order
+        finished = [n for n, done in known if done] or [max(n for n, _ in known) + 1]
+        if ordinal < len(known):
+            n, done = known[ordinal]
+            # Aborted live (a tail extra, a sorted round's unfinished sample): longer than its partial output,
+            # and, its prompt's other samples having finished first, taken as long as their longest.
+            length = n if done else max(n + 1, *finished)
+        else:  # a request the live run never made
+            length = finished[ordinal % len(finished)]
+        length = min(length, self.spec.max_tokens)
         truncated = length >= self.spec.max_tokens
         return draw._replace(length=length, truncated=truncated, reward=0.0 if truncated else draw.reward)
 
 
-def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[int]], float]:
+def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[tuple[int, bool]]], float]:
     """Per prompt, in the order the run drew them (its first request's number; request ids are
-    "<prompt uid>#<n>", n counting the run's requests): its finished samples' lengths times k, in the order they
-    were submitted; and the mean prompt length times k."""
-    by_prompt: dict[str, list[tuple[int, int]]] = {}
+    "<prompt uid>#<n>", n counting the run's requests): its requests in submission order as (tokens times k,
+    finished), an aborted one's tokens its partial output; and the mean prompt length times k."""
+    by_prompt: dict[str, list[tuple[int, int, bool]]] = {}
     prompt_tokens = []
     for row in timeline:
-        if row["finish_reason"] == "abort":
-            continue
         uid, n = row["request_id"].rsplit("#", 1)
-        by_prompt.setdefault(uid, []).append((int(n), k * row["tokens"]))
+        by_prompt.setdefault(uid, []).append((int(n), k * row["tokens"], row["finish_reason"] != "abort"))
         prompt_tokens.append(k * row["prompt_tokens"])
     ordered = sorted(by_prompt.values(), key=min)
-    return [[length for _, length in sorted(samples)] for samples in ordered], statistics.mean(prompt_tokens)
+    return ([[(tokens, done) for _, tokens, done in sorted(requests)] for requests in ordered],
+            statistics.mean(prompt_tokens))
 
 
 def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimConfig, Replay]:
