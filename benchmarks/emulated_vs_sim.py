@@ -24,9 +24,9 @@ from rlsys.sim.replay import replay_config  # noqa: E402
 from rlsys.sim.simulator import Simulation  # noqa: E402
 
 CONFIG = "configs/emulated_h100_7b.yaml"
-# live metric -> simulator figure
-FIGURES = {"timing/step_s": "step_time_s", "timing/rollout_s": "rollout_time_s",
-           "rollout/bubble_ratio": "bubble_ratio"}
+# figure -> (live metric, simulator's figure): both bubbles over the steps' rollout windows (rlsys/step_stats.py)
+FIGURES = {"step_time_s": ("timing/step_s", "step_time_s"), "rollout_time_s": ("timing/rollout_s", "rollout_time_s"),
+           "bubble_ratio": ("rollout/bubble_ratio", "rollout_bubble_ratio")}
 
 
 def compare(run_dir: Path, rows: list[dict]) -> dict:
@@ -34,11 +34,11 @@ def compare(run_dir: Path, rows: list[dict]) -> dict:
     cfg, workload = replay_config(run_dir, steps=len(steps))
     sim = Simulation(cfg, cfg.runs()[0], workload).run()
     out = {}
-    for key, figure in FIGURES.items():
+    for figure, (key, sim_key) in FIGURES.items():
         live = statistics.mean(r[key] for r in steps)
-        if figure == "bubble_ratio":  # the simulator's is over all rollout time, so the steps' weighted by theirs
+        if figure == "bubble_ratio":  # the simulator's is over all windows together, so the steps' weighted by theirs
             live = sum(r[key] * r["timing/rollout_s"] for r in steps) / sum(r["timing/rollout_s"] for r in steps)
-        out[figure] = {"live": live, "sim": sim[figure], "sim_over_live": sim[figure] / live if live else None}
+        out[figure] = {"live": live, "sim": sim[sim_key], "sim_over_live": sim[sim_key] / live if live else None}
     final = rows[-1]
     out["overrun_share"] = final.get("emulate/overrun_share")
     out["emulating"] = final.get("emulate/emulating")
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         write_report(args.output, report)
         r = report["results"][name]
         print(f"[emulated_vs_sim] {name}: " + ", ".join(
-            f"{f} live {r[f]['live']:.2f} sim {r[f]['sim']:.2f}" for f in FIGURES.values())
+            f"{f} live {r[f]['live']:.2f} sim {r[f]['sim']:.2f}" for f in FIGURES)
             + f"; overrun share {r['overrun_share']:.3f}", flush=True)
     return 0
 

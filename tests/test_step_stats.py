@@ -158,3 +158,20 @@ def test_the_simulator_opens_each_rollout_window_as_the_live_run_does(scheduler)
         ends = [0.0] + sim.step_ends
         steps = [after - before for before, after in zip(ends, ends[1:])]
         assert all(r + t + sim.sync_s == pytest.approx(s) for r, t, s in zip(sim.rollout_s, sim.train_s, steps))
+
+
+def test_the_simulators_rollout_bubble_counts_only_the_rollout_windows():
+    """Sync with a trainer of its own GPUs: its engines idle through each train step, which the run's bubble
+    counts and the live metric's windows leave out."""
+    from rlsys.sim.config import load_sim_config
+    from rlsys.sim.simulator import Simulation
+
+    cfg = load_sim_config({"model": "qwen2.5-7b", "steps": 4, "cluster": {"gpu": "h100", "gpus": 4, "trainer_gpus": 2},
+                           "workload": {"max_tokens": 2048, "dataset_size": 512},
+                           "control": {"prompts_per_step": 8, "group_size": 4}})
+    sim = Simulation(cfg, cfg.runs()[0])
+    result = sim.run()
+    busy = sum(e.busy_slot_s for e in sim.engines)
+    windows = sum(e.slots for e in sim.engines) * sum(sim.rollout_s)  # the engines run through every window
+    assert result["rollout_bubble_ratio"] == pytest.approx(1 - busy / windows)
+    assert result["rollout_bubble_ratio"] < result["bubble_ratio"] - 0.1

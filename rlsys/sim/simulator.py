@@ -82,6 +82,8 @@ class Simulation:
         self.training: Optional[list] = None  # the groups being trained
         self.counts: Counter[str] = Counter()
         self.step_start = self.handover = self.last_finish = 0.0  # rollout window, last Train, last sample
+        # (busy, allocated) slot-seconds: inside the rollout windows, at the window's opening, at the last Train
+        self.in_windows, self.opened, self.at_handover = (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)
         self.rollout_s: list[float] = []
         self.train_s: list[float] = []
         self.step_ends: list[float] = []
@@ -113,6 +115,11 @@ class Simulation:
 
     def _all_engines(self) -> list[SimEngine]:
         return self.engines + self.retired
+
+    def _slot_seconds(self) -> tuple[float, float]:
+        """Busy and allocated slot-seconds of every engine so far (engines advanced to now)."""
+        engines = self._all_engines()
+        return sum(e.busy_slot_s for e in engines), sum(e.slots * e.alloc_s for e in engines)
 
     # --- the loop ------------------------------------------------------------------------
     def run(self, trace: Optional[list] = None) -> dict:
@@ -279,6 +286,10 @@ class Simulation:
             self.truncated += sum(s.completion.finish_reason == "length" for s in group.samples)
         self.rollout_s.append(self.now - self.step_start)
         self.handover = self.now
+        for engine in self.engines:
+            engine.advance_to(self.now)
+        self.at_handover = self._slot_seconds()
+        self.in_windows = tuple(w + now - then for w, now, then in zip(self.in_windows, self.at_handover, self.opened))
         # Without overlap the step's rewards are scored now, on the reward pool, before its training.
         reward_s = 0.0 if self.reward.overlap else makespan(self.reward_pending, self.reward.workers)
         self.reward_pending = []
@@ -358,6 +369,7 @@ class Simulation:
         for engine in touched.values():
             self._refresh(engine)
         self.step_start = rollout_opens(self.now, self.handover, self.last_finish)  # as the live run's
+        self.opened = self.at_handover if self.step_start == self.handover else self._slot_seconds()
         if self.trained < self.cfg.steps:  # after the last step nothing more is asked of the scheduler
             self._act(self._call(self.scheduler.start, self.now))
 
@@ -415,6 +427,9 @@ class Simulation:
             "reward_wait_s": mean(self.reward_s),
             "weight_sync_s": self.sync_s,
             "bubble_ratio": idle_share(busy, alloc),
+            # the live run's `rollout/bubble_ratio`: only inside the steps' rollout windows (engines idle while a
+            # trainer of its own GPUs trains, or after the last Train, left out)
+            "rollout_bubble_ratio": idle_share(*self.in_windows),
             "kv_utilization": kv,
             "straggler_rate": straggler_rate(self.group_lengths, self.kappa),
             "tokens_per_s": self.trained_tokens / sim_s,
