@@ -46,6 +46,9 @@ def compare(run_dir: Path, rows: list[dict]) -> dict:
     out["sim_train_time_s"] = sim["train_time_s"]
     out["live_weight_sync_s"] = statistics.mean(r["timing/weight_sync_s"] for r in steps)
     out["sim_weight_sync_s"] = sim["weight_sync_s"]
+    # what a live step spent outside its rollout window, reward wait, training and weight publish: unpaced work
+    out["live_unaccounted_s"] = statistics.mean(r["timing/step_s"] - sum(r[f"timing/{part}_s"] for part in
+                                                ("rollout", "reward", "train", "weight_sync")) for r in steps)
     return out
 
 
