@@ -338,6 +338,10 @@ class TailConfig(Section):
     """RollPacker tail batching: a short round over-draws prompts and samples by these factors."""
     eta_p: float = Field(1.25, ge=1)  # prompts drawn per short round = ceil(eta_p * prompts_per_step)
     eta_r: float = Field(1.25, ge=1)  # samples per prompt in a short round = ceil(eta_r * group_size)
+    # A long round keeps at most this many samples generating (None: all at once). Its prompts are the
+    # longest, so admitting them all overflows the engines' KV caches and vLLM pre-empts and recomputes;
+    # set it to the engines' KV tokens over a long sample's tokens (the simulator derives it so).
+    long_round_samples: Optional[int] = Field(None, ge=1)
 
 
 class SAGCConfig(Section):

@@ -1,9 +1,11 @@
 """Simulator mechanisms for the calibration: reward overlap, streamed training, H20, the elastic planner under
 tail batching and async with its own trainer GPUs. Each: accounting holds, time never goes back, same seed same run."""
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from rlsys.config import ConfigError
 from rlsys.costs import GPUS
@@ -13,6 +15,7 @@ from rlsys.sim.run import simulate
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.simulator import Simulation, makespan
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "sim"
 SLOW_REWARD = {"kinds": {"code": {"share": 1, "median_s": 2.0, "sigma": 0.5}}, "workers": 8}
 MECHANISMS = {
     "batch-reward": {"name": "sync", "reward": {"overlap": False}},
@@ -149,3 +152,17 @@ def test_async_on_its_own_gpus_overlaps_rollout_and_training():
     # eta 0 waits for training before the next rollout; eta 1 rolls out meanwhile, hiding most of the 20 s
     assert lockstep["step_time_s"] >= lockstep["rollout_time_s"] + 20
     assert overlapped["step_time_s"] < lockstep["step_time_s"] - 10
+
+
+def test_long_round_at_128_gpus_fits_the_kv_caches():
+    """Tail's fifth round at 128 H800 is a long one (1,250 deferred prompts x 8): bounded by the engines'
+    KV caches it pre-empts almost nothing; admitted all at once, thousands of samples are recomputed."""
+    raw = yaml.safe_load((CONFIGS / "scale_128gpu.yaml").read_text())
+    runs = {"bounded": {"name": "tail"}, "all-at-once": {"name": "tail", "control": {"tail": {"long_round_samples": 10**6}}}}
+    raw.update(steps=5, schedulers=[{"label": k, **v} for k, v in runs.items()])
+    results = simulate(raw, quiet=True)["results"]
+    bounded, unbounded = (results[k] for k in runs)
+    assert bounded["prompts"]["tail/long_rounds"] == 1 and bounded["prompts"]["tail/round"] == 1
+    samples = 1250 * 8
+    assert bounded["preemptions_by_step"][-1] <= 0.01 * samples
+    assert unbounded["preemptions_by_step"][-1] > 0.3 * samples

@@ -182,6 +182,28 @@ def test_long_round_runs_the_oldest_queued_prompts_fresh():
     sched.ledger.check(sched.in_flight_prompts())
 
 
+def test_bounded_long_round_submits_as_room_frees_up():
+    sched = build(prompts_per_step=4, group_size=2, tail={"eta_p": 1.25, "eta_r": 1.0, "long_round_samples": 5})
+    queued = sched.draw(4)
+    sched.queue.extend(queued)  # as if deferred by short rounds: the next round is a long one
+    pending = list(sched.start(0.0))
+    assert sched.long_round and [s.prompt for s in pending] == queued[:2]  # a third group would make 6 > 5
+    submitted, live, most, out = list(pending), 4, 4, []
+    while pending:
+        s = pending.pop(0)
+        for rid in s.request_ids:
+            actions = sched.on_sample(sample(rid, s.prompt.uid), 0)
+            new = [a for a in actions if isinstance(a, Submit)]
+            live += sum(len(a.request_ids) for a in new) - 1
+            most = max(most, live)
+            pending += new
+            submitted += new
+            out += actions
+    assert [s.prompt for s in submitted] == queued and most == 5  # in queue order, never more than 5 at once
+    assert isinstance(out[-1], Train) and len(out[-1].groups) == 4
+    sched.ledger.check(sched.in_flight_prompts())
+
+
 def test_engine_side_abort_is_replaced_by_a_fresh_request():
     sched = build(prompts_per_step=1, group_size=2, tail={"eta_p": 1.0, "eta_r": 1.0})
     (sub,) = sched.start(0.0)

@@ -7,7 +7,9 @@ long-prompt queue, and the P complete groups (the first R samples of each) are t
 
 Long round: once the queue holds P prompts, the next round runs the P oldest with R samples each,
 no speculation, regenerated from scratch under the current weights (fresh request ids, nothing
-resumed), and trains when all have finished. Finished samples of a queued prompt are discarded,
+resumed), and trains when all have finished. With control.tail.long_round_samples set, the round keeps
+at most that many samples generating and submits the next prompt's group as room frees up, so the
+engines' KV caches hold the round without pre-empting. Finished samples of a queued prompt are discarded,
 so every trained sample comes from the weights of its own step, as in synchronous training.
 
 One round is one step; P and R are read from the group sizer at each round start. Prompts still
@@ -44,6 +46,8 @@ class TailScheduler(Scheduler):
         self.running: list[set[str]] = []  # per prompt, its requests still generating
         self.slot: dict[str, int] = {}  # request id -> prompt position
         self.complete: list[int] = []  # positions of complete prompts, in completion order
+        self.unsubmitted = 0  # a bounded long round: position of the first prompt not yet submitted
+        self.live = 0  # requests of the round generating
         self.counts = {"short_rounds": 0, "long_rounds": 0, "aborted_samples": 0,
                        "wasted_tokens": 0, "discarded_samples": 0}
 
@@ -58,6 +62,9 @@ class TailScheduler(Scheduler):
             prompts, samples = self.draw(ceil_product(self.cfg.tail.eta_p, p)), ceil_product(self.cfg.tail.eta_r, r)
         self.builders = [GroupBuilder(prompt, r) for prompt in prompts]
         self.running = [set() for _ in prompts]
+        if self.long_round:
+            self.unsubmitted = 0
+            return self._fill()
         # Every prompt's first R samples queue ahead of all the extras: an engine with fewer slots than the
         # round starts extras only as slots free up, and aborts most of them before they start.
         first = [self._submit(i, r) for i in range(len(prompts))]
@@ -68,15 +75,16 @@ class TailScheduler(Scheduler):
         if self.finish(request_id) is None:
             return []  # aborted by us (it finished in flight) or not ours
         i = self.slot.pop(request_id)
-        self.running[i].discard(request_id)
+        self._done(i, request_id)
         builder = self.builders[i]
         builder.add(sample)
         if not builder.complete:
-            return []
+            return self._fill() if self.long_round else []
         self.complete.append(i)
         stream = [Accumulate([builder.group()])]  # it is trained with this round, whatever comes next
         if len(self.complete) < self.shape.prompts:
-            return stream + self._abort(self.running[i])  # the prompt's extra samples
+            refill = self._fill() if self.long_round else []
+            return stream + self._abort(self.running[i]) + refill  # the prompt's extra samples
         return stream + self._end_round()
 
     def on_abort(self, completion: Completion, now: float) -> list[Action]:
@@ -85,7 +93,7 @@ class TailScheduler(Scheduler):
             return []  # one we aborted
         # Aborted by the engine, not by us: replace it so that the round can still finish.
         i = self.slot.pop(completion.request_id)
-        self.running[i].discard(completion.request_id)
+        self._done(i, completion.request_id)
         return [self._submit(i, 1)]
 
     # --- the round ------------------------------------------------------------------------
@@ -93,14 +101,29 @@ class TailScheduler(Scheduler):
         action = self.submit(self.builders[i].prompt, n)
         self.running[i].update(action.request_ids)
         self.slot.update((rid, i) for rid in action.request_ids)
+        self.live += n
         return action
+
+    def _done(self, i: int, request_id: str) -> None:
+        self.running[i].discard(request_id)
+        self.live -= 1
+
+    def _fill(self) -> list[Action]:
+        """A long round's next prompts, each with its R samples, while they fit under long_round_samples
+        (one group at least, so that a bound below R still makes progress)."""
+        bound, r = self.cfg.tail.long_round_samples, self.shape.group_size
+        actions = []
+        while self.unsubmitted < len(self.builders) and (
+                bound is None or self.live + r <= bound or self.live == 0):
+            actions.append(self._submit(self.unsubmitted, r))
+            self.unsubmitted += 1
+        return actions
 
     def _abort(self, request_ids) -> list[Action]:
         ids = sorted(request_ids)
         for rid in ids:
             self.finish(rid)
-            i = self.slot.pop(rid)
-            self.running[i].discard(rid)
+            self._done(self.slot.pop(rid), rid)
         self.counts["aborted_samples"] += len(ids)
         return [Abort(ids)] if ids else []
 
@@ -112,7 +135,7 @@ class TailScheduler(Scheduler):
         groups = [self.builders[i].group() for i in self.complete]
         self.ledger.train(len(groups))
         self.counts["long_rounds" if self.long_round else "short_rounds"] += 1
-        self.builders, self.running, self.slot, self.complete = [], [], {}, []
+        self.builders, self.running, self.slot, self.complete, self.live = [], [], {}, [], 0
         return actions + [Train(groups)]
 
     # --- accounting -----------------------------------------------------------------------

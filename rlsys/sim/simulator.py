@@ -47,6 +47,21 @@ def makespan(durations: list[float], workers: int | None) -> float:
     return max(free)
 
 
+def long_round_bound(cfg: SimConfig, run: SchedulerRun):
+    """The run's control section; unless set, tail's long round holds what the engines' KV caches can:
+    a sample's KV grows from its prompt to its length, so over its life it holds about prompt + length / 2,
+    and with lengths up to the cap, engines x KV / (prompt + cap / 2) samples fit without pre-emption."""
+    control = cfg.control_for(run)
+    if control.tail.long_round_samples is not None:
+        return control
+    cluster = cfg.cluster_for(run)
+    engine = cfg.engine_cost(cluster)
+    held = cluster.rollout_gpus // cluster.tp * engine.kv_capacity * (1 - cfg.engine.kv_watermark)
+    per_sample = cfg.workload.prompt_tokens + cfg.workload.max_tokens / 2
+    tail = control.tail.model_copy(update={"long_round_samples": max(1, int(held // per_sample))})
+    return control.model_copy(update={"tail": tail})
+
+
 def mean(xs: list) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -54,7 +69,7 @@ def mean(xs: list) -> float:
 class Simulation:
     def __init__(self, cfg: SimConfig, run: SchedulerRun, workload: Optional[Workload] = None):
         self.cfg, self.run_spec = cfg, run
-        cluster, control = cfg.cluster_for(run), cfg.control_for(run)
+        cluster, control = cfg.cluster_for(run), long_round_bound(cfg, run)
         self.kappa = control.straggler_kappa
         self.per_prompt = cfg.engine.dispatch == "prompt"
         self.shape, self.gpu = cfg.shape(), GPUS[cluster.gpu]
