@@ -5,7 +5,8 @@ import sys
 import pytest
 
 from rlsys.sim.config import ElasticTPConfig
-from rlsys.control.elastic_tp import ElasticTP, tp_sizes
+from rlsys.control.elastic_tp import ElasticTP, plan_tp, tp_sizes
+from rlsys.costs import GPUS, MODELS, EngineCost
 from rlsys.sim.run import simulate
 
 PRESSURE, CALM = (100, 1000), (0, 1000)  # (preemptions, requests) of one round
@@ -76,7 +77,7 @@ def sim(median_tokens: float, tp: int, elastic: bool, steps: int = 8) -> dict:
            "cluster": {"gpus": 8, "tp": tp}, "engine": {"memory_fraction": 0.3},
            "workload": {"max_tokens": 8192, "median_tokens": median_tokens, "sigma": 0.5},
            "control": {"prompts_per_step": 128, "group_size": 8,
-                       "elastic_tp": {"enabled": elastic, "max_tp": 4, "calm_rounds": 2}}}
+                       "elastic_tp": {"enabled": elastic, "rule": "preemptions", "max_tp": 4, "calm_rounds": 2}}}
     return simulate(cfg, quiet=True)["results"]["sync"]
 
 
@@ -120,3 +121,23 @@ def test_live_training_refuses_elastic_tp_which_only_the_simulator_models():
 
     with pytest.raises(ConfigError, match="control.elastic_tp: unknown key"):
         load_config(DEFAULT_CONFIG, ["control.elastic_tp.enabled=true"])
+
+
+def test_the_round_planner_sizes_tp_from_the_rounds_lengths():
+    """7B on 64 H800: a round of 1,024 short samples waits on its longest, so the largest TP (fastest per
+    token) wins; a long round of 10,000 long samples is bound by throughput, so fewer GPUs per engine win."""
+    costs = {tp: EngineCost.build(MODELS["qwen2.5-7b"], GPUS["h800"], tp) for tp in (1, 2, 4, 8)}
+    short = plan_tp(costs, 64, samples=1024, mean_tokens=800, longest=4000, prompt_tokens=300, max_seqs=256)
+    long = plan_tp(costs, 64, samples=10000, mean_tokens=12000, longest=32768, prompt_tokens=300, max_seqs=256)
+    assert short == 8 and long == 2
+
+
+def test_the_simulated_planner_acts_before_each_round():
+    """Under tail with the round rule the first round runs the configured TP (nothing is known yet), then the
+    planner moves TP without a single preemption to react to."""
+    cfg = {"name": "planner", "steps": 6, "model": "qwen2.5-7b", "cluster": {"gpus": 8, "tp": 1},
+           "workload": {"max_tokens": 8192, "median_tokens": 600},
+           "control": {"prompts_per_step": 32, "group_size": 8, "elastic_tp": {"enabled": True, "max_tp": 4}},
+           "schedulers": ["tail"]}
+    r = simulate(cfg, quiet=True)["results"]["tail"]
+    assert r["tp_per_step"][0] == 1 and max(r["tp_per_step"]) > 1 and sum(r["preemptions_by_step"]) == 0

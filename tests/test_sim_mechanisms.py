@@ -137,7 +137,7 @@ def test_planner_raises_tp_under_kv_pressure_and_preempts_less():
     cfg = {"model": KV_HUNGRY, "steps": 6, "workload": {"max_tokens": 8192, "median_tokens": 2000, "sigma": 0.2},
            "reward": {"kinds": {"rule": {"share": 1, "median_s": 0.005}}}}
     fixed = one({"name": "sync"}, **cfg)
-    elastic = one({"name": "sync", "control": {"elastic_tp": {"enabled": True, "max_tp": 2}}}, **cfg)
+    elastic = one({"name": "sync", "control": {"elastic_tp": {"enabled": True, "rule": "preemptions", "max_tp": 2}}}, **cfg)
     assert fixed["tp_per_step"] == [1] * 6 and min(fixed["preemptions_by_step"]) > 0
     tp = elastic["tp_per_step"]
     assert tp[0] == 1 and 2 in tp  # raised after a preempting round (and lowered again after calm ones)

@@ -1,5 +1,7 @@
-"""Elastic rollout parallelism: the engines' tensor-parallel size, chosen between rounds from KV-cache
-preemptions (after RollPacker's parallelism planner; the rule below is ours).
+"""Elastic rollout parallelism: the engines' tensor-parallel size, chosen between rounds (after RollPacker's
+parallelism planner; both rules are ours). `plan_tp` (rule "round", the simulator's default) picks, before a
+round starts, the size the cost model finishes that round soonest with, from the round's type and expected
+lengths. `ElasticTP` (rule "preemptions") reacts to the last round's KV-cache preemptions:
 
 A preempted sequence loses its KV cache and is recomputed later, so preemptions mean the engines hold
 more live tokens than their KV memory. Doubling TP halves the engines but more than doubles each
@@ -13,6 +15,8 @@ a raise within `need_calm` rounds of a lowering doubles `need_calm` (up to BACKO
 so a workload on the edge does not flip TP every few rounds.
 """
 from __future__ import annotations
+
+import math
 
 BACKOFF_CAP = 16
 
@@ -70,3 +74,22 @@ class ElasticTP:
             raise ValueError(f"control.elastic_tp: saved TP size {state['tp']} is not one of {self.allowed}")
         self.tp, self.calm = state["tp"], state["calm"]
         self.need_calm, self.since_lower = state["need_calm"], state["since_lower"]
+
+
+def round_seconds(cost, engines: int, samples: int, mean_tokens: float, longest: float, prompt_tokens: float,
+                  max_seqs: int) -> float:
+    """A round's rollout time on `engines` engines of this cost (rlsys.costs.EngineCost): the slower of the
+    throughput phase (every engine decoding its share of the tokens at the batch its KV cache holds) and
+    the longest sample decoded almost alone at the end. A planner's estimate, not the simulator's clock."""
+    per_engine = math.ceil(samples / engines)
+    held = prompt_tokens + mean_tokens / 2  # a sample's KV over its life
+    batch = max(1, min(per_engine, max_seqs, int(cost.kv_capacity // held)))
+    bulk = per_engine * mean_tokens / batch * cost.step_s(batch, batch * held)
+    tail = longest * cost.step_s(1, prompt_tokens + longest / 2)
+    return max(bulk, tail)
+
+
+def plan_tp(costs: dict, gpus: int, **round_) -> int:
+    """RollPacker's parallelism planner, by our rule: before a round, the TP size (from `costs`, one
+    EngineCost per allowed size) whose engines finish the round soonest by `round_seconds`."""
+    return min(costs, key=lambda tp: (round_seconds(costs[tp], gpus // tp, **round_), tp))

@@ -13,9 +13,13 @@ from rlsys.costs import GPUS, MODELS, EngineCost, ModelShape
 
 
 class ElasticTPConfig(Section):
-    """Elastic rollout parallelism: the engines' TP size moves between rounds with KV-cache preemptions
-    (rlsys/control/elastic_tp.py), simulated only. Sizes are the powers of two from min_tp to max_tp."""
+    """Elastic rollout parallelism: the engines' TP size moves between rounds (rlsys/control/elastic_tp.py),
+    simulated only. Sizes are the powers of two from min_tp to max_tp."""
     enabled: bool = False
+    # round: before each round, the size that finishes it soonest by the cost model, from the round's type
+    # (tail's long or short) and lengths (rlsys/control/elastic_tp.py plan_tp); preemptions: the reactive
+    # rule below, from the last round's preemptions
+    rule: Literal["round", "preemptions"] = "round"
     min_tp: int = Field(1, ge=1)
     max_tp: int = Field(8, ge=1)
     raise_at: float = Field(0.02, ge=0)  # preemptions per request in a round above which TP doubles

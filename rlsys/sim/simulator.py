@@ -17,7 +17,7 @@ from typing import Optional
 
 from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
-from rlsys.control.elastic_tp import ElasticTP
+from rlsys.control.elastic_tp import ElasticTP, plan_tp
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
 from rlsys.costs import GPUS, sync_seconds, train_gpu_seconds
 from rlsys.data.cursor import PromptCursor
@@ -112,6 +112,8 @@ class Simulation:
         self.elastic = (ElasticTP(control.elastic_tp, cluster.tp, cfg.tp_sizes(cluster, control.elastic_tp))
                         if control.elastic_tp.enabled else None)
         self.next_tp = cluster.tp
+        self.round_lengths: dict[bool, list[int]] = {}  # long round or not: the last such round's trained lengths
+        self.partial: dict[str, float] = {}  # prompt uid: the most tokens an aborted sample of it had
         self.tp_per_step: list[int] = []
         self.preemptions_by_step: list[int] = []
         self._round_start = (0, 0)  # (preemptions, submitted requests) when the step's round began
@@ -264,6 +266,7 @@ class Simulation:
             self._touch(req.engine, touched)
             req.engine.abort(req, self.now)
             self.wasted_tokens += int(req.done)
+            self.partial[req.prompt.uid] = max(self.partial.get(req.prompt.uid, 0.0), req.done)
             self.counts["aborted"] += 1
             del self.requests[rid]
             # As from a live engine: the partial output comes back, after the actions at hand.
@@ -294,6 +297,7 @@ class Simulation:
         return replica_idle_gpu_s(self._all_engines(), since, self.now, self.trainer.replica_gpus)
 
     def _train(self, action: Train, touched: dict) -> None:
+        self.round_lengths[self._long_round()] = [n for g in action.groups for n in g.lengths]
         for group in action.groups:
             lengths = group.lengths
             self.group_lengths.append(lengths)
@@ -395,8 +399,10 @@ class Simulation:
         round_preempted = preempted - self._round_start[0]
         self.preemptions_by_step.append(round_preempted)
         self.tp_per_step.append(self.tp)
-        if self.elastic is not None:
+        if self.elastic is not None and self.control.elastic_tp.rule == "preemptions":
             self.next_tp = self.elastic.observe(round_preempted, submitted - self._round_start[1])
+        elif self.elastic is not None:
+            self.next_tp = self._plan_next_round()
         self._round_start = (preempted, submitted)
         idle = self.training is None and not self.train_queue and not any(e.load for e in self.engines)
         if self.next_tp != self.tp and idle:
@@ -406,6 +412,28 @@ class Simulation:
             self.engines, self.tp = self._build_engines(self.next_tp), self.next_tp
             for engine in self.engines:  # the re-sharded engines load the weights, as after a weight sync
                 engine.pause(self.now, self.now + self.sync_s)
+
+    def _long_round(self) -> bool:
+        return bool(getattr(self.scheduler, "long_round", False))
+
+    def _plan_next_round(self) -> int:
+        """The planner's TP for the round about to start, from its type and the lengths it can expect: those of
+        the last round of that type; before tail's first long round, twice what its queued prompts' aborted
+        samples had reached (cut at a random point, a sample is on average half done)."""
+        queue = getattr(self.scheduler, "queue", ())
+        long = len(queue) >= self.control.prompts_per_step
+        lengths = self.round_lengths.get(long)
+        if lengths:
+            mean_tokens, longest = mean(lengths), max(lengths)
+        elif long:
+            mean_tokens = min(self.cfg.workload.max_tokens, 2 * mean([self.partial.get(p.uid, 0.0) for p in queue]))
+            longest = self.cfg.workload.max_tokens
+        else:
+            return self.tp
+        costs = {tp: self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp})) for tp in self.elastic.allowed}
+        return plan_tp(costs, self.cluster.rollout_gpus, samples=self.control.prompts_per_step * self.control.group_size,
+                       mean_tokens=mean_tokens, longest=longest, prompt_tokens=self.cfg.workload.prompt_tokens,
+                       max_seqs=self.cfg.engine.max_seqs)
 
     # --- checks and figures ----------------------------------------------------------------------
     def check(self) -> None:
