@@ -24,5 +24,9 @@ def test_quick_calibration_writes_the_issue_schema(tmp_path):
         assert [e["speedup_vs_sync"] for e in table] == sorted((e["speedup_vs_sync"] for e in table), reverse=True)
     assert best == next({"schedule": e["schedule"], "speedup_vs_sync": e["speedup_vs_sync"]} for e in ranked
                         if e["schedule"] != "veRL-sync" and e["complete"])
-    assert {v["schedule"] for v in found["sagc"]} == {"sync", "tail", "async-eta1"}
+    assert {v["schedule"] for v in found["sagc"]} == {"sync", "tail", "async-eta1-T32"}
+    assert found["config"] == "qwen32b_32k" and report["search_128_16k"]["config"] == "qwen14b_16k"
+    hits = report["hit_rate"]  # predictions only: neither fitted rows nor rows equal to another by construction
+    assert hits["predicted"] == sum(not r["fitted"] and "same_as" not in r for r in report["rows"])
+    assert any(r.get("same_as", "").startswith("the normalisation") for r in report["rows"])
     assert {"cpus", "python", "load_average_at_start"} <= set(report["machine"]) and report["wall_s"] > 0

@@ -113,6 +113,7 @@ class Simulation:
                         if control.elastic_tp.enabled else None)
         self.next_tp = cluster.tp
         self.round_lengths: dict[bool, list[int]] = {}  # long round or not: the last such round's trained lengths
+        self.long_steps: list[int] = []  # indices of the steps that were tail's long rounds
         self.partial: dict[str, float] = {}  # prompt uid: the most tokens an aborted sample of it had
         self.tp_per_step: list[int] = []
         self.preemptions_by_step: list[int] = []
@@ -298,6 +299,8 @@ class Simulation:
 
     def _train(self, action: Train, touched: dict) -> None:
         self.round_lengths[self._long_round()] = [n for g in action.groups for n in g.lengths]
+        if self._long_round():
+            self.long_steps.append(len(self.rollout_s))
         for group in action.groups:
             lengths = group.lengths
             self.group_lengths.append(lengths)
@@ -489,6 +492,7 @@ class Simulation:
             "requests": {k: self.counts[k] for k in ("submitted", "finished", "aborted", "late_aborts")},
             "prompts": self.scheduler.metrics(),
             "step_ends_s": self.step_ends,
+            "long_round_steps": self.long_steps,
             "wall": {"run_s": wall_s, "controller_s": self.controller_s,
                      "controller_calls": self.controller_calls,
                      "controller_share": self.controller_s / sim_s},
