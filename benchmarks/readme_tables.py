@@ -298,12 +298,27 @@ def sim_calibration() -> str:
          "yes" if r["within"] else "no", r.get("note", "")] for r in load("sim_calibration")["rows"]])
 
 
+def search_entry(schedule: str, key: str = "search_128") -> dict:
+    return next(e for e in load("sim_calibration")[key]["ranked"] if e["schedule"] == schedule)
+
+
+def search_table(key: str) -> str:
+    search = load("sim_calibration")[key]
+    long_round = lambda r: f"{r['long_round_vs_verl_step']:.2f}x" if "long_round_vs_verl_step" in r else ""  # noqa: E731
+    return rows(["schedule", "speed-up vs sync", "step s", "bubble", "straggler", "long prompts deferred",
+                 "long round / veRL step"], [
+        [f"`{r['schedule']}`", f"{r['speedup_vs_sync']:.2f}x", num(r["step_time_s"], 0), num(r["bubble_ratio"]),
+         num(r["straggler_rate"]), r["deferred_prompts"], long_round(r)] for r in search["ranked"]])
+
+
 @table("sim_search_128")
 def sim_search_128() -> str:
-    search = load("sim_calibration")["search_128"]
-    return rows(["schedule", "speed-up vs sync", "step s", "bubble", "straggler", "long prompts deferred"], [
-        [f"`{r['schedule']}`", f"{r['speedup_vs_sync']:.2f}x", num(r["step_time_s"], 0), num(r["bubble_ratio"]),
-         num(r["straggler_rate"]), r["deferred_prompts"]] for r in search["ranked"]])
+    return search_table("search_128")
+
+
+@table("sim_search_128_16k")
+def sim_search_128_16k() -> str:
+    return search_table("search_128_16k")
 
 
 @table("sim_sagc_verdict")
@@ -402,7 +417,7 @@ def prose_figures() -> dict[str, list[str]]:
                       f"predicts {hits['within']} of the {hits['predicted']} published figures it was not fitted to "
                       f"within 15% ({sum(r['fitted'] for r in cal)} more were fitted, "
                       f"{sum('same_as' in r for r in cal)} equal another row by construction",
-                      f"is {best['speedup_vs_sync']:.2f}x sync, short of",
+                      f"is {best['speedup_vs_sync']:.2f}x sync, above the",
                       f"lifts the default task by {100 * (run['evals'][-1]['eval/accuracy'] - run['evals'][0]['eval/accuracy']):.0f} points",
                       f"load average {run['machine']['load_average_at_start']:.1f} at its start",
                       f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
@@ -418,7 +433,9 @@ def prose_figures() -> dict[str, list[str]]:
             f"is {plain['per_sample']:.2f}x per sample, {100 * (1 - plain['per_sample'] / 1.4):.0f}% short, and "
             f"{plain['time_to_target']:.2f}x sooner; eta 2 adds nothing to eta 1 ({eta2:.2f}x)",
             f"stays near {bf16['mismatch_kl_mean']:.0e}",
-            f"is {best['speedup_vs_sync']:.2f}x sync: {100 * (1 - best['speedup_vs_sync'] / 2.5):.0f}% short of the 2.5x target",
+            f"`{best['schedule'].split('/')[0]}/G4`, is {best['speedup_vs_sync']:.2f}x sync, with its long round at "
+            f"{search_entry(best['schedule'])['long_round_vs_verl_step']:.2f}x a veRL step",
+            f"rows that are predictions, {hits['within']} of {hits['predicted']} land within 15%",
             f"cuts the bubble to {s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's",
             "Per sample it is {:.2f}x sync, with pairs from {:.2f}x to {:.2f}x".format(
                 speed["tail"]["per_sample"], *speed["tail"]["per_sample_spread"]),
