@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from rlsys.bench import machine, run_preset
-from rlsys.config import load_config
+from rlsys.startup import load_config
 from rlsys.train import Controller
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reward_overlap_cpu.json"

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from rlsys.config import ConfigError, load_config
+    from rlsys.config import ConfigError
+    from rlsys.startup import load_config
 
     try:
         load_config(ROOT / args.config, args.overrides)

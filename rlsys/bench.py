@@ -12,11 +12,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsys.config import DEFAULT_CONFIG, load_config, split_config_and_overrides
+from rlsys.config import DEFAULT_CONFIG, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.emulate import clock_label
 from rlsys.evaluate import mean_and_se
 from rlsys.logger import read_jsonl
+from rlsys.startup import load_config
 
 # name -> config overrides on top of the workload. Presets whose scheduler or sizer is not
 # registered yet are skipped, so the table grows as schedulers land.

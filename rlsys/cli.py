@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlsys.config import DEFAULT_CONFIG, split_config_and_overrides
+from rlsys.config import DEFAULT_CONFIG, ConfigError, split_config_and_overrides
 from rlsys.errors import UserError
 
 EPILOG = """examples:
@@ -20,7 +20,7 @@ EPILOG = """examples:
 
 
 def cmd_train(args) -> int:
-    from rlsys.config import load_config
+    from rlsys.startup import load_config
     from rlsys.train import train
     from rlsys.types import RunStopped
 
@@ -116,13 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def user_error(error: BaseException) -> UserError | None:
+def user_error(error: BaseException) -> UserError | ConfigError | None:
     """The user's mistake behind `error`, also when an actor raised it and Ray wrapped it; else None."""
     from ray.exceptions import RayTaskError
 
     if isinstance(error, RayTaskError):
         error = error.cause
-    return error if isinstance(error, UserError) else None
+    return error if isinstance(error, (UserError, ConfigError)) else None
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

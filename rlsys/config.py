@@ -1,17 +1,17 @@
 """Every option of rlsys, in one place: pydantic models loaded from YAML plus `a.b=value` overrides.
 
-Unknown keys and wrong types are refused with the field's dotted name and the file they came from.
+Unknown keys and wrong types are refused with the field's dotted name and the file they came from. This module
+is the schema alone and imports nothing of rlsys (docs/design.md "Where the parts meet"): what needs the rest
+of rlsys to check (registered names, the user's code, the GPU placement) is checked by rlsys/startup.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from rlsys.errors import UserError
-from rlsys.plugins import is_spec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the repository's; not installed
 # Package data, so `rlsys train` finds it from any install; configs/tiny.yaml is a link to it.
@@ -65,25 +65,6 @@ class DataConfig(Section):
     seed: int = 0
     max_prompt_tokens: int = Field(64, ge=1)  # longer prompts are dropped and counted
     chat_template: bool = False  # prompts become a user message rendered with the tokenizer's chat template
-
-    # The user's code is imported as the config loads, so a typo fails before any actor starts.
-    @field_validator("task")
-    @classmethod
-    def _task_loads(cls, task: str) -> str:
-        if is_spec(task):
-            from rlsys.data import task_family
-
-            task_family(task)
-        return task
-
-    @field_validator("loader")
-    @classmethod
-    def _loader_loads(cls, loader: Optional[str]) -> Optional[str]:
-        if loader:
-            from rlsys.data import row_loader
-
-            row_loader(loader)
-        return loader
 
     @model_validator(mode="after")
     def _loader_reads_files(self):
@@ -171,15 +152,6 @@ class RewardConfig(Section):
     valid_range: tuple[float, float] = (-1.0, 1.0)  # a function's value outside it is junk (before overlong)
     overlong: OverlongConfig = OverlongConfig()
     sandbox: SandboxConfig = SandboxConfig()  # code_tests only
-
-    @field_validator("fn")
-    @classmethod
-    def _fn_loads(cls, fn: str) -> str:
-        if is_spec(fn):
-            from rlsys.reward.registry import reward_fn
-
-            reward_fn(fn)  # imports it now, so a typo fails before any actor starts
-        return fn
 
     @model_validator(mode="after")
     def _fallback_in_range(self):
@@ -497,13 +469,6 @@ class Config(Section):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _placement_fits(self):
-        from rlsys.placement import plan_from_config  # pure; imported here as it reads this Config
-
-        plan_from_config(self)  # raises PlacementError (a ValueError) naming the fields
-        return self
-
-    @model_validator(mode="after")
     def _friction_can_lie(self):
         """A sampler that lies about its temperature needs the built-in engine (it records the claimed log-prob)
         and plain temperature sampling (a nucleus at one temperature is not a claim at another)."""
@@ -518,20 +483,6 @@ class Config(Section):
         if self.emulate.on and self.rollout.engine != "cpu":
             raise ValueError(f"emulate.gpu={self.emulate.gpu} paces the built-in engine only: it needs "
                              f"rollout.engine=cpu (got {self.rollout.engine})")
-        return self
-
-    @model_validator(mode="after")
-    def _loss_options(self):
-        from rlsys.trainer.losses import check_loss_options  # the loss registry (it imports this module)
-
-        check_loss_options(self.trainer)  # a ValueError naming the option the loss gives no meaning
-        return self
-
-    @model_validator(mode="after")
-    def _engine_known(self):
-        from rlsys.rollout.engine import engine_entry  # the registry (here: it imports this module's users)
-
-        engine_entry(self.rollout.engine)  # a ValueError naming rollout.engine and the known ones
         return self
 
     @model_validator(mode="after")
@@ -603,8 +554,9 @@ def colocated_sleep_problem(cfg: "Config") -> str | None:
     return None
 
 
-class ConfigError(UserError, ValueError):
-    pass
+class ConfigError(ValueError):
+    """A mistake in a config file or override, naming the field and where it was set. A user's error, as
+    rlsys/errors.py's are (the command prints it alone), but defined here: the schema imports nothing of rlsys."""
 
 
 def _yaml_line(text: str, loc: tuple) -> int | None:
@@ -621,18 +573,31 @@ def _yaml_line(text: str, loc: tuple) -> int | None:
     return line
 
 
-def format_errors(err: ValidationError, path: Path, text: str, overrides: dict) -> str:
-    """A config's validation errors, each with its dotted field and where it was set (file line or override)."""
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        got = "" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r})"  # not the whole file
-        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        line = _yaml_line(text, e["loc"])
-        origin = "command-line override" if _has_dotted(overrides, e["loc"]) else (
-            f"{path}, line {line}" if line else str(path))
-        lines.append(f"  {where}: {msg}{got} [{origin}]")
-    return "invalid config:\n" + "\n".join(lines)
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a config's values were set (its file's text, the command-line overrides), so errors point there."""
+    path: Path
+    text: str
+    overrides: dict
+
+    def error(self, problems: list[tuple[tuple, str, str]]) -> ConfigError:
+        """One error for these problems, each (location of the field, message, what it got or ""), with the
+        dotted field and where it was set (file line or override)."""
+        lines = []
+        for loc, msg, got in problems:
+            where = ".".join(str(p) for p in loc) or "(top level)"
+            line = _yaml_line(self.text, loc)
+            origin = "command-line override" if _has_dotted(self.overrides, loc) else (
+                f"{self.path}, line {line}" if line else str(self.path))
+            lines.append(f"  {where}: {msg}{got} [{origin}]")
+        return ConfigError("invalid config:\n" + "\n".join(lines))
+
+
+def format_errors(err: ValidationError, source: ConfigSource) -> ConfigError:
+    """A config's validation errors as one ConfigError (ConfigSource.error)."""
+    return source.error([(e["loc"], "unknown key" if e["type"] == "extra_forbidden" else e["msg"],
+                          "" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r})")  # not the whole file
+                         for e in err.errors()])
 
 
 def _has_dotted(tree: dict, loc: tuple) -> bool:
@@ -709,14 +674,17 @@ def split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
     return str(DEFAULT_CONFIG), items
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, ConfigSource]:
+    """The config of a file (the default one for None) with `key=value` overrides, checked against the schema,
+    and where its values came from. A run loads its config with rlsys.startup.load_run_config, which adds the
+    checks that need the rest of rlsys."""
     path = Path(path) if path else DEFAULT_CONFIG
     raw, text = read_yaml_mapping(path)
-    extra = parse_overrides(overrides or [])
+    source = ConfigSource(path, text, parse_overrides(overrides or []))
     try:
-        return Config.model_validate(_merge(raw, extra))
+        return Config.model_validate(_merge(raw, source.overrides)), source
     except ValidationError as e:
-        raise ConfigError(format_errors(e, path, text, extra)) from None
+        raise format_errors(e, source) from None
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -99,11 +99,11 @@ def resolve_model(path: Path) -> tuple[Path | None, Path | None]:
 
 def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], int]:
     from rlsys.cluster import init_ray
-    from rlsys.config import load_config
     from rlsys.data import load_prompts
     from rlsys.models import load_tokenizer, prepare_model
     from rlsys.reward.pool import RewardPool
     from rlsys.rollout.manager import RolloutManager
+    from rlsys.startup import load_config
 
     checkpoint = Path(path)
     model_dir, run_cfg = resolve_model(checkpoint)

@@ -6,12 +6,13 @@ import math
 
 import pytest
 
-from rlsys.config import ConfigError, DataConfig, RewardConfig, load_config
+from rlsys.config import ConfigError, DataConfig, RewardConfig
 from rlsys.data import DataError, load_prompts, read_prompts
 from rlsys.models.tiny import build_char_tokenizer
 from rlsys.reward import RewardPool, register_reward, score
 from rlsys.reward.pool import worth_logging
 from rlsys.reward.registry import BadReward, as_reward
+from rlsys.startup import load_config
 
 
 # --- datasets -------------------------------------------------------------------------------------
@@ -96,7 +97,8 @@ def test_reward_errors_are_logged_as_a_trickle_not_a_flood():
 
 
 def test_a_key_given_twice_in_a_config_file_is_refused_with_both_lines(tmp_path):
-    from rlsys.config import ConfigError, load_config
+    from rlsys.config import ConfigError
+    from rlsys.startup import load_config
 
     path = tmp_path / "twice.yaml"
     path.write_text("trainer:\n  lr: 1.0e-4\n  total_steps: 3\n  lr: 1.0e-3\n")

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlsys.config import DEFAULT_CONFIG, CONFIG_DIR, ConfigError, load_config
+from rlsys.config import DEFAULT_CONFIG, CONFIG_DIR, ConfigError
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.rollout.engine import register_engine
 from rlsys.rollout.worker import RolloutWorker
+from rlsys.startup import load_config
 from rlsys.types import Request, SamplingParams
 from test_cpu_engine import build
 

@@ -1,6 +1,7 @@
 import pytest
 
-from rlsys.config import DEFAULT_CONFIG, ConfigError, ControlConfig, load_config, parse_overrides
+from rlsys.config import DEFAULT_CONFIG, ConfigError, ControlConfig, parse_overrides
+from rlsys.startup import load_config
 
 
 def test_default_config_loads_and_overrides_apply():

@@ -372,8 +372,9 @@ def test_bfloat16_on_the_cpu_stays_within_its_rounding(qwen):
 
 
 def test_device_and_dtype_come_from_the_rollout_config():
-    from rlsys.config import ConfigError, load_config
+    from rlsys.config import ConfigError
     from rlsys.rollout.manager import engine_options, worker_gpus
+    from rlsys.startup import load_config
 
     def options(*overrides):
         cfg = load_config(None, list(overrides))
@@ -398,8 +399,8 @@ register_engine("two-gpu", options=lambda rollout: {"lanes": rollout.slots},
 
 def test_an_engine_registry_entry_says_what_its_workers_take():
     """A registered engine's options and GPUs come from its entry, not from branches on engine names."""
-    from rlsys.config import load_config
     from rlsys.rollout.manager import engine_options, worker_gpus
+    from rlsys.startup import load_config
 
     options = engine_options(load_config(None, ["rollout.engine=two-gpu", "rollout.slots=8"]))
     assert options["lanes"] == 8 and "device" not in options and worker_gpus("two-gpu", options) == 2

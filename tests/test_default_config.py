@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 # What `rlsys train trainer.total_steps=2` loads: the default config and the override.
 LOAD_DEFAULT = """
 from rlsys.config import split_config_and_overrides
-from rlsys.config import load_config
+from rlsys.startup import load_config
 path, overrides = split_config_and_overrides(["trainer.total_steps=2"])
 cfg = load_config(path, overrides)
 print(path, cfg.trainer.total_steps, cfg.trainer.micro_batch_tokens)

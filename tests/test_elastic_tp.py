@@ -117,7 +117,8 @@ def test_the_shipped_elastic_config_loads():
 
 
 def test_live_training_refuses_elastic_tp_which_only_the_simulator_models():
-    from rlsys.config import DEFAULT_CONFIG, ConfigError, load_config
+    from rlsys.config import DEFAULT_CONFIG, ConfigError
+    from rlsys.startup import load_config
 
     with pytest.raises(ConfigError, match="control.elastic_tp: unknown key"):
         load_config(DEFAULT_CONFIG, ["control.elastic_tp.enabled=true"])

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlsys.config import load_config
 from rlsys.data import load_datasets
+from rlsys.startup import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "own_reward"

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlsys.config import ModelConfig, load_config
+from rlsys.config import ModelConfig
+from rlsys.startup import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rlsys.config import load_config
 from rlsys.placement import plan_from_config
+from rlsys.startup import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))  # configs/sim/ holds simulator configs

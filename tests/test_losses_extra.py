@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlsys.config import CONFIG_DIR, Config, ConfigError, TrainerConfig, load_config
+from rlsys.config import CONFIG_DIR, Config, ConfigError, TrainerConfig
+from rlsys.startup import load_config
 from rlsys.trainer.losses import (AGGREGATIONS, GSPO_LOG_RATIO_BOUND, LOG_RATIO_BOUND, POLICY_LOSSES, LossInputs,
                                   clip_range, compute_loss, kl_penalty)
 from rlsys.trainer.worker import TrainerGroup

@@ -6,8 +6,9 @@ from collections import Counter
 
 import pytest
 
-from rlsys.config import Config, ConfigError, load_config
+from rlsys.config import Config, ConfigError
 from rlsys.placement import PlacementError, format_plan, group_specs, plan_from_config, plan_placement
+from rlsys.startup import load_config
 
 
 def gpus_of(slots) -> list[tuple[int, int]]:
@@ -129,10 +130,10 @@ def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_g
     """The live actors (rollout workers, trainer ranks) in their placement groups, on logical GPUs."""
     script = textwrap.dedent("""
         import ray
-        from rlsys.config import load_config
         from rlsys.models import prepare_model
         from rlsys.placement import Placement, plan_from_config
         from rlsys.rollout.manager import RolloutManager
+        from rlsys.startup import load_config
         from rlsys.trainer.worker import TrainerGroup
         ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
         cfg = load_config(None, ["cluster.gpus_per_node=2", "rollout.num_workers=2", "trainer.world_size=1",

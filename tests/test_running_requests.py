@@ -4,8 +4,9 @@ alone would generate) or keep the old cache, and the tokens sampled over it are 
 import pytest
 import torch
 
-from rlsys.config import DEFAULT_CONFIG, ConfigError, load_config
+from rlsys.config import DEFAULT_CONFIG, ConfigError
 from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.startup import load_config
 from rlsys.types import Request
 from test_cpu_engine import PROMPTS, build, greedy, hf_greedy, run
 

@@ -11,8 +11,9 @@ import os
 import pytest
 import torch
 
-from rlsys.config import CONFIG_DIR, load_config
+from rlsys.config import CONFIG_DIR
 from rlsys.data.files import chat_text
+from rlsys.startup import load_config
 
 PROBLEM = ("There are 3 bags with 4 apples in each bag. How many apples are there in all? "
            "Put the final answer in \\boxed{}.")

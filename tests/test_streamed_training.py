@@ -8,7 +8,8 @@ import pytest
 import ray
 from test_trainer import TEMPERATURE, make_groups, max_diff, model_dir, trainer_config  # noqa: F401
 
-from rlsys.config import Config, ConfigError, load_config
+from rlsys.config import Config, ConfigError
+from rlsys.startup import load_config
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.streamed import StreamedGradients

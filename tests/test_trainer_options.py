@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 from test_trainer import KL, TEMPERATURE, make_groups, max_diff, model_dir, run_steps, trainer_config  # noqa: F401
 
-from rlsys.config import Config, ConfigError, TrainerConfig, load_config
+from rlsys.config import Config, ConfigError, TrainerConfig
+from rlsys.startup import load_config
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.ds_config import deepspeed_config

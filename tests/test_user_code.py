@@ -6,8 +6,9 @@ import os
 import pytest
 
 from rlsys.cli import main
-from rlsys.config import ConfigError, DataConfig, load_config
+from rlsys.config import ConfigError, DataConfig
 from rlsys.data import DataError, load_datasets
+from rlsys.startup import load_config
 
 USER_CODE = '''
 import os

@@ -53,12 +53,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from rlsys import bench  # noqa: E402
-from rlsys.config import load_config  # noqa: E402
 from rlsys.data import load_prompts  # noqa: E402
 from rlsys.data.cursor import PromptCursor  # noqa: E402
 from rlsys.models import load_tokenizer, prepare_model  # noqa: E402
 from rlsys.models.warm_start import exact_match_accuracy  # noqa: E402
 from rlsys.reward.registry import exact_match  # noqa: E402
+from rlsys.startup import load_config  # noqa: E402
 from rlsys.trainer.losses import clip_range  # noqa: E402
 
 QUICK_RESULTS = REPO / "benchmarks" / "results" / "bench_quick_cpu.json"

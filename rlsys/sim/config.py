@@ -6,7 +6,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from rlsys.config import ConfigError, ControlConfig, Section, format_errors, read_yaml_mapping
+from rlsys.config import ConfigError, ConfigSource, ControlConfig, Section, format_errors, read_yaml_mapping
 from rlsys.control.elastic_tp import tp_sizes
 from rlsys import costs
 from rlsys.costs import GPUS, MODELS, EngineCost, ModelShape
@@ -237,6 +237,6 @@ def load_sim_config(source: Union[str, Path, dict, SimConfig]) -> SimConfig:
     try:
         return SimConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(format_errors(e, path, text or "{}", {})) from None
+        raise format_errors(e, ConfigSource(path, text or "{}", {})) from None
     except ValueError as e:  # raised while building the engine cost model
         raise ConfigError(f"{path}: {e}") from None

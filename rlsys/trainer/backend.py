@@ -18,7 +18,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -28,7 +28,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from rlsys import costs
 from rlsys.config import TrainerConfig
 from rlsys.emulate import TrainerPacer
-from rlsys.registry import Registry
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import head_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss, kl_penalty, loglinear_proximal
@@ -395,16 +394,3 @@ class TorchBackend(TrainerBackend):
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(weights)
 
-
-BACKENDS: Registry[Callable[..., TrainerBackend]] = Registry("trainer backend")  # `trainer.backend`
-
-
-@BACKENDS.register("torch")
-def _torch_backend(*args) -> TrainerBackend:
-    return TorchBackend(*args)
-
-
-@BACKENDS.register("deepspeed")
-def _deepspeed_backend(*args) -> TrainerBackend:
-    from rlsys.trainer.deepspeed_backend import DeepSpeedBackend  # imports deepspeed: only when chosen
-    return DeepSpeedBackend(*args)

@@ -16,6 +16,7 @@ import shutil
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import ray
 import torch
@@ -26,7 +27,9 @@ from rlsys.config import Config, TrainerConfig
 from rlsys.emulate import Emulation, TrainerPacer
 from rlsys.errors import UserError
 from rlsys.placement import TRAINER
+from rlsys.registry import Registry
 from rlsys.trainer.advantages import KLController
+from rlsys.trainer.backend import TorchBackend, TrainerBackend
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
 from rlsys.trainer.losses import mismatch_warning
@@ -40,6 +43,19 @@ SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps")  # everything else a rank rep
 KL_COEF_FILE = "kl_in_reward.json"  # trainer.kl.in_reward's coefficient, beside the weights in a checkpoint
 DEATH_GRACE_S = 5.0  # a dead rank's peers may report the broken connection before Ray reports the death
 log = logging.getLogger(__name__)
+
+BACKENDS: Registry[Callable[..., TrainerBackend]] = Registry("trainer backend")  # `trainer.backend`
+
+
+@BACKENDS.register("torch")
+def _torch_backend(*args) -> TrainerBackend:
+    return TorchBackend(*args)
+
+
+@BACKENDS.register("deepspeed")
+def _deepspeed_backend(*args) -> TrainerBackend:
+    from rlsys.trainer.deepspeed_backend import DeepSpeedBackend  # imports deepspeed: only when chosen
+    return DeepSpeedBackend(*args)
 
 
 class TrainerDied(RuntimeError):
@@ -84,7 +100,6 @@ class TrainerWorker:
 
         hf_logging.disable_progress_bar()  # one bar per load per rank would flood the driver's log
         torch.set_num_threads(torch_threads)
-        from rlsys.trainer.backend import BACKENDS
         self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.rank, self.world_size)
         self.backend.pacer = pacer
 
