@@ -115,7 +115,7 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], in
     rollout = RolloutManager.from_config(cfg, model_dir)
     if (checkpoint / "controller.json").exists():
         from safetensors.torch import load_file
-        rollout.update_weights(load_file(str(checkpoint / "trainer" / "model.safetensors")), version=1)
+        rollout.load_weights(load_file(str(checkpoint / "trainer" / "model.safetensors")), version=1)
     rewards = RewardPool(cfg.reward)
     try:
         return eval_accuracy(rollout, rewards, tokenizer, prompts, cfg.rollout), len(prompts)

@@ -97,9 +97,9 @@ def test_worker_holds_requests_and_weights_until_its_engine_wakes(model_dir):
         assert worker.drain(0.5) == []  # queued, not stepped: the KV cache is gone
         weights = {k: v.clone() for k, v in worker.engine.model.params.items()}
         with pytest.raises(RuntimeError, match=r"weights sleep; wake_up\(\['weights'\]\) comes first"):
-            worker.update_weights(weights, version=1)
+            worker.load_weights(weights, version=1)
         worker.wake_up(["weights"])
-        worker.update_weights(weights, version=1)
+        worker.load_weights(weights, version=1)
         assert worker.drain(0.5) == []
         worker.wake_up(["kv_cache"])
         [done] = worker.drain(10)

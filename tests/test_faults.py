@@ -61,7 +61,7 @@ def generating(manager, worker):
 
 def test_a_killed_rollout_worker_is_replaced_and_its_requests_run_again(manager, models):
     path, other = models
-    manager.update_weights(other, version=1)  # the replacement must start from these, not from the model dir
+    manager.load_weights(other, version=1)  # the replacement must start from these, not from the model dir
     requests = [sampled(f"k{i}") for i in range(4)]
     manager.submit(requests)
     victim, restarts = manager.workers[0], manager.restarts

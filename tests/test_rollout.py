@@ -45,7 +45,7 @@ def test_worker_applies_new_weights_between_steps(models):
     try:
         worker.submit([req("long", 300)])
         wait_for_tokens(worker.stats)
-        worker.update_weights(other, version=1)  # lands between two decode steps
+        worker.load_weights(other, version=1)  # lands between two decode steps
         done = drain_until(worker, 1)["long"]
         k = done.versions.index(1)
         assert 0 < k < 300 and done.versions == [0] * k + [1] * (300 - k)
@@ -84,7 +84,7 @@ def test_worker_reports_bad_input_and_keeps_going(models):
         with pytest.raises(ValueError, match="request twice: request_id already in the engine"):
             worker.drain(5)
         with pytest.raises(ValueError, match=r"model.norm.weight has shape \(2,\)"):
-            worker.update_weights({"model.norm.weight": torch.zeros(2)}, version=1)
+            worker.load_weights({"model.norm.weight": torch.zeros(2)}, version=1)
         worker.submit([req("good", 4)])
         done = drain_until(worker, 2)
         assert set(done) == {"twice", "good"} and done["good"].num_tokens == 4
@@ -186,14 +186,14 @@ def test_generate_matches_the_engine_and_refuses_while_other_requests_are_in_fli
     assert all(c.token_ids == expected[c.request_id] for c in got)
 
 
-def test_update_weights_reaches_every_worker(manager, models):
+def test_load_weights_reaches_every_worker(manager, models):
     import ray
 
     _, other = models
-    manager.update_weights(other, version=3)
+    manager.load_weights(other, version=3)
     done = manager.generate([req("x", 4), req("y", 4)])
     assert {c.worker for c in done} == {0, 1} and all(c.versions == [3] * 4 for c in done)
-    manager.update_weights(ray.put(other), version=4)
+    manager.load_weights(ray.put(other), version=4)
     assert all(s["version"] == 4 for s in manager.stats())
 
 

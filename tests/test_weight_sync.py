@@ -121,9 +121,9 @@ def test_an_object_store_run_sends_buckets_and_engines_match_the_trainer(tmp_pat
 
     sent, update_weights = [], RolloutManager.update_weights
 
-    def record(self, weights, version):
-        sent.append(weights)
-        update_weights(self, weights, version)
+    def record(self, update):
+        sent.append(update)
+        update_weights(self, update)
     monkeypatch.setattr(RolloutManager, "update_weights", record)
     controller, checks, steps = checked_run(tmp_path / "run", "weights.bucket_mb=0.1")  # 1.6 MB of weights
     controller.shutdown()

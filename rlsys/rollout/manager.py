@@ -5,7 +5,7 @@ which waits on them together with other components' refs and passes the ready on
 Requests go to the worker with the fewest outstanding requests (submitted, not yet collected).
 
 A worker that dies (killed, OOM, node lost) is replaced under the same index: the new one loads the
-last weights passed to `update_weights`, sleeps if the others do, then gets the dead one's requests
+last weights passed to `update_weights` or `load_weights`, sleeps if the others do, then gets the dead one's requests
 again (same ids and seeds: a seeded request, as eval's, gives the same sample; an unseeded one, as
 training's, the same on the built-in engine, which draws it from the run seed and its id, and a fresh
 draw on vLLM); requests the caller aborted come back cut instead. Each prompt's samples thus
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from typing import Callable
 
 import ray
 from ray import ObjectRef
@@ -81,9 +82,9 @@ class RolloutManager:
         self.worker_of: dict[str, int] = {}  # request id -> worker, until its completion is collected
         self.requests: dict[str, Request] = {}  # the same span: what a replacement worker is given again
         self.aborted: set[str] = set()  # asked to abort: never given to a replacement
-        # The last update_weights (a dict's ref or a bucketed update) and its version, for a replacement
-        # worker: this keeps one copy alive in the object store.
-        self.weights: tuple | None = None
+        # The last weights given to every worker, as the call that gives them to one, for a replacement worker:
+        # this keeps one copy alive in the object store.
+        self.weights: Callable[[ray.actor.ActorHandle], ObjectRef] | None = None
         self.restarts = 0
         self.deaths = [0] * num_workers  # per worker, in a row: reset when it finishes a request
         self._drains: dict[ObjectRef, int] = {self._arm(i): i for i in range(num_workers)}
@@ -179,12 +180,19 @@ class RolloutManager:
             got.update((c.request_id, c) for c in self.collect(ready))
         return [got[r.request_id] for r in requests]
 
-    def update_weights(self, weights, version: int) -> None:
-        """Blocking: every worker uses `version` for its next decode step. Takes a dict, an ObjectRef of one,
-        or a WeightUpdate whose buckets the sender has already put out (object store)."""
-        ref = weights if isinstance(weights, (ObjectRef, WeightUpdate)) else ray.put(weights)
-        self.weights = (ref, version)  # first, so a worker replaced during the update starts from them
-        self._on_every_worker(lambda w: w.update_weights.remote(ref, version), ask_again=False)
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Blocking: every worker uses `update.version` for its next decode step. The sender has already put
+        the buckets out (object store)."""
+        self._give_every_worker(lambda w: w.update_weights.remote(update))
+
+    def load_weights(self, weights: dict | ObjectRef, version: int) -> None:
+        """Blocking: every worker loads this whole state dict (or an ObjectRef of one) as `version`."""
+        ref = weights if isinstance(weights, ObjectRef) else ray.put(weights)
+        self._give_every_worker(lambda w: w.load_weights.remote(ref, version))
+
+    def _give_every_worker(self, weights: Callable[[ray.actor.ActorHandle], ObjectRef]) -> None:
+        self.weights = weights  # first, so a worker replaced during the update starts from them
+        self._on_every_worker(weights, ask_again=False)
 
     def sleep(self, level: int) -> None:
         """Every engine gives its accelerator memory back to the trainer (RolloutEngine.sleep); a worker whose
@@ -200,7 +208,7 @@ class RolloutManager:
     def receive_weights(self, update: WeightUpdate) -> dict[str, ObjectRef]:
         """Start every worker's receive of a version the trainer is sending now and return at once: their
         calls by name, to wait on together with the senders' (a death seen there goes to `worker_died`)."""
-        return {f"rollout worker {i}": w.update_weights.remote(update, update.version)
+        return {f"rollout worker {i}": w.update_weights.remote(update)
                 for i, w in enumerate(self.workers)}
 
     def gpus(self) -> list[tuple[str, list]]:
@@ -310,7 +318,7 @@ class RolloutManager:
         ray.get(worker.ready.remote())
         if self.weights is not None:
             try:
-                ray.get(worker.update_weights.remote(*self.weights))
+                ray.get(self.weights(worker))
             except OwnerDiedError as e:  # a lost node took the trainer rank that put them in the object store
                 raise RunStopped(f"a replacement rollout worker cannot load the last weights: the trainer rank that "
                                  f"held them was lost ({death_reason(e)}); --resume continues from the last "

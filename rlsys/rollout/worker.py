@@ -76,18 +76,25 @@ class RolloutWorker:
             return [c.request_id for c in done]
         return self._call(cut)
 
-    def update_weights(self, weights: dict | WeightUpdate, version: int) -> None:
-        """A whole state dict, or a WeightUpdate whose buckets are loaded as they arrive: either way in one
-        go between two decode steps, so no step sees half the new weights."""
-        def update():
-            if "weights" in self.engine.asleep:  # vLLM's would land in unmapped memory
-                raise RuntimeError(f"rollout worker {self.index}: weights version {version} sent while its engine's "
-                                   "weights sleep; wake_up(['weights']) comes first")
-            if isinstance(weights, WeightUpdate):
-                self.engine.receive_weights(weights)
-            else:
-                self.engine.load_weights(weights, version)
-        self._call(update)
+    def update_weights(self, update: WeightUpdate) -> None:
+        """A version whose buckets are loaded as they arrive, in one go between two decode steps, so no step
+        sees half the new weights."""
+        def receive():
+            self._check_awake(update.version)
+            self.engine.receive_weights(update)
+        self._call(receive)
+
+    def load_weights(self, weights: dict, version: int) -> None:
+        """A whole state dict (an evaluated checkpoint, tests), between two decode steps like `update_weights`."""
+        def load():
+            self._check_awake(version)
+            self.engine.load_weights(weights, version)
+        self._call(load)
+
+    def _check_awake(self, version: int) -> None:
+        if "weights" in self.engine.asleep:  # vLLM's would land in unmapped memory
+            raise RuntimeError(f"rollout worker {self.index}: weights version {version} sent while its engine's "
+                               "weights sleep; wake_up(['weights']) comes first")
 
     def sleep(self, level: int) -> None:
         """Give the engine's accelerator memory back to the trainer (between two steps); see RolloutEngine.sleep."""

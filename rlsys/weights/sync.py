@@ -51,7 +51,7 @@ class WeightSync:
             self._wait({**sending, **self.rollout.receive_weights(update)})
             return
         receiver = self._wait(sending)[0]  # rank 0's: this version's own
-        self.rollout.update_weights(WeightUpdate(version, self.plans, receiver), version)
+        self.rollout.update_weights(WeightUpdate(version, self.plans, receiver))
 
     def _sending_ranks(self) -> list[int]:
         """The trainer ranks whose GPU an engine uses: each shares its buffers with that engine."""
