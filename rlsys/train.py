@@ -34,6 +34,7 @@ from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats
+from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
 from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample
 from rlsys.weights.sync import WeightSync
@@ -82,7 +83,7 @@ class Controller:
             self.rollout.sleep(SLEEP_LEVEL)
         self.rewards = RewardPool(cfg.reward)
         self.friction = Friction(cfg.friction, cfg.seed)
-        self.trainer = TrainerGroup(cfg, str(self.model_dir), self.placement)
+        self.trainer = TrainerGroup(cfg, str(self.model_dir), Scoring.of(cfg.rollout), self.placement)
         self.weights = WeightSync(cfg, self.trainer, self.rollout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
         self.log = RunLogger(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps)
@@ -91,8 +92,6 @@ class Controller:
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
         self.training: RunningStep | None = None
         self.evaluation: Evaluation | None = None  # running: the pump routes its completions and rewards to it
-        self.temperature = cfg.rollout.temperature or 1.0  # the trainer scores tokens as sampled (greedy: 1)
-        self.top_p = cfg.rollout.top_p if cfg.rollout.temperature > 0 else 1.0  # greedy: no nucleus (as vLLM)
         self.streamed_groups = 0  # groups whose gradients the trainer is accumulating (trainer.streamed)
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
@@ -204,7 +203,7 @@ class Controller:
         if not self.cfg.trainer.streamed:
             return
         if not self.streamed_groups:
-            self.trainer.stream_begin(self.temperature, self.top_p)
+            self.trainer.stream_begin()
         self.trainer.stream_groups(groups)
         self.streamed_groups += len(groups)
 
@@ -223,7 +222,7 @@ class Controller:
                                    "the Accumulate contract")
             refs, self.streamed_groups = self.trainer.stream_end(), 0
         else:
-            refs = self.trainer.start_train_step(groups, self.temperature, self.version, self.top_p)
+            refs = self.trainer.start_train_step(groups, self.version)
         self.training = RunningStep(groups, rollout_metrics, refs)
 
     def finish_training(self) -> list:

@@ -8,9 +8,9 @@ def next_step(sched, version, groups, now):
 
 
 # --- the trainer group, as a test drives it ------------------------------------------------------
-def train_step(trainer, groups, temperature, version=None, top_p=1.0) -> dict:
+def train_step(trainer, groups, version=None) -> dict:
     """One train step on a TrainerGroup, waited for: its merged metrics."""
-    return trainer.finish_train_step(trainer.start_train_step(groups, temperature, version, top_p))
+    return trainer.finish_train_step(trainer.start_train_step(groups, version))
 
 
 def stream_finish(trainer) -> dict:
@@ -27,7 +27,7 @@ def trainer_weights(trainer) -> dict:
     return ray.get([w.__ray_call__.remote(weights) for w in trainer.workers])[0]
 
 
-def compute_logprobs(trainer, samples, temperature, top_p=1.0) -> list[list[float]]:
+def compute_logprobs(trainer, samples) -> list[list[float]]:
     """Current-policy log-probs of each sample's response tokens, computed across the ranks, in input order."""
     import ray
 
@@ -36,7 +36,7 @@ def compute_logprobs(trainer, samples, temperature, top_p=1.0) -> list[list[floa
     per_rank, totals = plan_step(samples, trainer.cfg.world_size, trainer.cfg.micro_batch_tokens)
 
     def score(worker, mine):
-        return worker.backend.compute_logprobs(mine, temperature, totals.micro_batches, top_p)
+        return worker.backend.compute_logprobs(mine, totals.micro_batches)
     results = ray.get([w.__ray_call__.remote(score, mine) for w, mine in zip(trainer.workers, per_rank)])
     found = {id(s): lp for part, lps in zip(per_rank, results) for s, lp in zip(part, lps)}
     return [found[id(s)] for s in samples]

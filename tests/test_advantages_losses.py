@@ -8,7 +8,7 @@ from rlsys.config import TrainerConfig
 from rlsys.trainer.advantages import ADVANTAGES, group_advantages
 from rlsys.trainer.batching import (TrainSample, build_samples, collate, pack_micro_batches, plan_step,
                                     split_across_ranks)
-from rlsys.trainer.logprobs import token_logprobs
+from rlsys.trainer.logprobs import Scoring, token_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss, kl_penalty
 from rlsys.trainer.tensor_io import load_state, save_state
 from rlsys.types import Completion, Group, Prompt, ScoredSample
@@ -149,11 +149,11 @@ def test_micro_batch_shares_sum_to_the_whole_batch_loss(loss_name):
 def test_token_logprobs_divide_logits_by_the_temperature():
     torch.manual_seed(0)
     logits, ids = torch.randn(1, 3, 5), torch.tensor([[1, 4, 2]])
-    got, entropy = token_logprobs(logits, ids, temperature=0.7, with_entropy=True)
+    got, entropy = token_logprobs(logits, ids, Scoring(temperature=0.7), with_entropy=True)
     logp = torch.log_softmax(logits / 0.7, -1)
     assert torch.allclose(got[0], logp[0, [0, 1], [4, 2]])
     assert torch.allclose(entropy[0], -(logp.exp() * logp).sum(-1)[0, :2])
-    assert torch.allclose(token_logprobs(logits, ids, temperature=0.0), token_logprobs(logits, ids, 1.0))
+    assert torch.allclose(token_logprobs(logits, ids, Scoring(temperature=0.0)), token_logprobs(logits, ids, Scoring(1.0)))
 
 
 # --- batching -------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from rlsys.trainer.logprobs import head_logprobs
+from rlsys.trainer.logprobs import Scoring, head_logprobs
 
 VOCAB, HIDDEN = 50, 16
 
@@ -51,7 +51,7 @@ def test_chunked_head_matches_full_logits_in_values_and_gradients(temperature, t
     want_grads = torch.autograd.grad(loss(want, want_entropy), [hidden, weight])
     head = Head(weight.detach())
     mine = hidden.detach().requires_grad_(True)
-    got, entropy = head_logprobs(mine, head, input_ids, temperature, top_p, chunk)
+    got, entropy = head_logprobs(mine, head, input_ids, Scoring(temperature, top_p), chunk)
     loss(got, entropy).backward()
 
     assert torch.allclose(got, want, atol=1e-5) and torch.isfinite(got).all()
@@ -64,8 +64,8 @@ def test_top_p_scores_in_the_nucleus_and_never_gives_minus_infinity():
     torch.manual_seed(1)
     hidden, weight = torch.randn(1, 200, HIDDEN), torch.randn(VOCAB, HIDDEN)
     input_ids = torch.randint(0, VOCAB, (1, 200))
-    got, _ = head_logprobs(hidden, Head(weight), input_ids, 0.8, 0.5, 64)
-    full, _ = head_logprobs(hidden, Head(weight), input_ids, 0.8, 1.0, 64)
+    got, _ = head_logprobs(hidden, Head(weight), input_ids, Scoring(0.8, 0.5), 64)
+    full, _ = head_logprobs(hidden, Head(weight), input_ids, Scoring(0.8, 1.0), 64)
     # vLLM's processed log-probs: log-softmax over the nucleus, -inf outside it
     logits = (hidden[0, :-1] @ weight.T) / 0.8
     ranked, order = logits.softmax(-1).sort(-1, descending=True)
@@ -82,7 +82,7 @@ def test_top_p_one_and_temperature_zero_are_the_plain_softmax():
     torch.manual_seed(2)
     hidden, weight = torch.randn(2, 9, HIDDEN), torch.randn(VOCAB, HIDDEN)
     input_ids = torch.randint(0, VOCAB, (2, 9))
-    got, _ = head_logprobs(hidden, Head(weight), input_ids, 0.0, 1.0, 4)
+    got, _ = head_logprobs(hidden, Head(weight), input_ids, Scoring(0.0, 1.0), 4)
     want = (hidden[:, :-1] @ weight.T).log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     assert torch.allclose(got, want, atol=1e-5)
 
@@ -98,7 +98,7 @@ PEAK_SCRIPT = textwrap.dedent("""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
     from rlsys.trainer.backend import scored_forward
-    from rlsys.trainer.logprobs import token_logprobs
+    from rlsys.trainer.logprobs import Scoring, token_logprobs
 
     torch.set_num_threads(1)
     way, vocab, tokens, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -110,9 +110,9 @@ PEAK_SCRIPT = textwrap.dedent("""
 
     def run(ids, mb):
         if way == "full":  # the logits, their fp32 copy and a softmax, whole
-            logprobs, entropy = token_logprobs(model(input_ids=ids).logits, ids, 0.7, True)
+            logprobs, entropy = token_logprobs(model(input_ids=ids).logits, ids, Scoring(0.7), True)
         else:
-            logprobs, entropy = scored_forward(model, mb, 0.7, 1.0, chunk)
+            logprobs, entropy = scored_forward(model, mb, Scoring(0.7, 1.0), chunk)
         logprobs.sum().backward()
 
     run(ids[:, :8], MicroBatch(input_ids=ids[:, :8], attention_mask=mb.attention_mask[:, :8]))  # warm up

@@ -15,7 +15,7 @@ from rlsys.trainer.worker import TrainerGroup
 
 from helpers import train_step
 
-from test_trainer import TEMPERATURE, make_groups, model_dir, trainer_config  # noqa: F401
+from test_trainer import SCORING, make_groups, model_dir, trainer_config  # noqa: F401
 
 LN = math.log
 
@@ -261,10 +261,10 @@ def test_a_step_with_a_large_mismatch_logs_a_warning(model_dir, ray_cluster, cap
     # Fresh samples (version 0) over two mini-batches: the trainer must still recompute pi_old, not reuse
     # the engine's log-probs (then the weight would be 1 and the KL 0 by construction).
     cfg = trainer_config(backend="torch", mini_batches=2, mismatch={"mode": "tis", "warn_kl": 0.5})
-    trainer = TrainerGroup(Config(trainer=cfg), model_dir)
+    trainer = TrainerGroup(Config(trainer=cfg), model_dir, SCORING)
     try:
         with caplog.at_level(logging.WARNING, logger="rlsys.trainer.worker"):
-            metrics = train_step(trainer, groups, TEMPERATURE, version=0)
+            metrics = train_step(trainer, groups, version=0)
         assert metrics["mismatch_kl"] > 0.5 and metrics["mismatch_corrected_fraction"] == 0.0  # rho < 1
         assert any("trainer.mismatch.warn_kl=0.5" in r.getMessage() for r in caplog.records)
     finally:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import ray
-from test_trainer import TEMPERATURE, make_groups, make_trainer, max_diff, model_dir  # noqa: F401
+from test_trainer import SCORING, make_groups, make_trainer, max_diff, model_dir  # noqa: F401
 
 from rlsys.trainer import worker
 from rlsys.trainer.batching import build_samples
@@ -36,9 +36,9 @@ def test_a_nan_on_one_rank_skips_the_step_on_both_at_zero0(two_ranks_zero0, monk
     before = trainer_weights(trainer)
     with monkeypatch.context() as patch:
         patch.setattr(worker, "build_samples", one_nan_advantage)  # the driver builds and splits the samples
-        per_rank = ray.get(trainer.start_train_step(make_groups(2), TEMPERATURE))
+        per_rank = ray.get(trainer.start_train_step(make_groups(2)))
     assert [math.isfinite(m["loss"]) for m in per_rank].count(False) == 1  # the NaN was on one rank
     assert [m["skipped_steps"] for m in per_rank] == [1, 1]
     assert max_diff(trainer_weights(trainer), before) == 0.0
-    assert train_step(trainer, make_groups(3), TEMPERATURE)["skipped_steps"] == 1  # a clean step trains
+    assert train_step(trainer, make_groups(3))["skipped_steps"] == 1  # a clean step trains
     assert max_diff(trainer_weights(trainer), before) > 0.0

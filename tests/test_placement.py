@@ -134,6 +134,7 @@ def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_g
         from rlsys.placement import Placement, plan_from_config
         from rlsys.rollout.manager import RolloutManager
         from rlsys.startup import load_config
+        from rlsys.trainer.logprobs import Scoring
         from rlsys.trainer.worker import TrainerGroup
         ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
         cfg = load_config(None, ["cluster.gpus_per_node=2", "rollout.num_workers=2", "trainer.world_size=1",
@@ -141,7 +142,7 @@ def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_g
         placement = Placement(plan_from_config(cfg), timeout_s=60)
         model = prepare_model(cfg)
         rollout = RolloutManager.from_config(cfg, model, placement)
-        trainer = TrainerGroup(cfg, str(model), placement)
+        trainer = TrainerGroup(cfg, str(model), Scoring.of(cfg.rollout), placement)
         print("ROLLOUT", ray.get([w.gpu_ids.remote() for w in rollout.workers]))
         print("TRAINER", ray.get([w.gpu_ids.remote() for w in trainer.workers]))
         print("FREE_GPUS", ray.available_resources().get("GPU", 0))

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG, ClusterConfig, TrainerConfig
 from rlsys.trainer.backend import TorchBackend
+from rlsys.trainer.logprobs import Scoring
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted((ROOT / "rlsys").rglob("*.py")) + sorted((ROOT / "launch").rglob("*.py"))
@@ -142,7 +143,7 @@ def test_a_real_run_checkpoints_and_exports_safetensors_and_json_only(tmp_path, 
             "step_000001/trainer/optimizer_shard0.safetensors"} <= set(checkpoint)
     assert "model.safetensors" in assert_safetensors_and_json_only(run / "export")
 
-    backend = TorchBackend(TrainerConfig(backend="torch"), str(run / "export"))  # the other backend's files
+    backend = TorchBackend(TrainerConfig(backend="torch"), str(run / "export"), Scoring())  # the other backend's files
     sum(p.sum() for p in backend.model.parameters()).backward()
     backend.optimizer.step()  # so that the optimizer has state to save
     backend.save(str(tmp_path / "torch"))

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 import ray
-from test_trainer import TEMPERATURE, make_groups, max_diff, model_dir, trainer_config  # noqa: F401
+from test_trainer import SCORING, make_groups, max_diff, model_dir, trainer_config  # noqa: F401
 
 from rlsys.config import Config, ConfigError
 from rlsys.startup import load_config
@@ -40,8 +40,7 @@ def sync_steps(backend, steps):
     metrics, weights = [], []
     for groups in steps:
         samples = build_samples(groups, backend.cfg.advantage)
-        metrics.append(backend.train_step(samples, plan_step(samples, 1, backend.cfg.micro_batch_tokens)[1],
-                                          TEMPERATURE))
+        metrics.append(backend.train_step(samples, plan_step(samples, 1, backend.cfg.micro_batch_tokens)[1]))
         weights.append(backend.state_dict_for_rollout())
     return metrics, weights
 
@@ -49,7 +48,7 @@ def sync_steps(backend, steps):
 def streamed_steps(backend, steps):
     metrics, weights = [], []
     for groups in steps:
-        stream, tokens, sequences = StreamedGradients(backend, TEMPERATURE), 0, 0
+        stream, tokens, sequences = StreamedGradients(backend), 0, 0
         for chunk in ARRIVALS:
             samples = build_samples([groups[i] for i in chunk], backend.cfg.advantage)
             _, part = plan_step(samples, 1, backend.cfg.micro_batch_tokens)
@@ -95,7 +94,7 @@ def assert_equivalent(sync, streamed, initial, rel=1e-6):
 def test_two_streamed_steps_equal_two_synchronous_steps(model_dir, overrides):  # noqa: F811
     cfg = trainer_config(**overrides)
     steps = step_groups([0, 1])
-    sync_backend, streamed_backend = TorchBackend(cfg, model_dir), TorchBackend(cfg, model_dir)
+    sync_backend, streamed_backend = TorchBackend(cfg, model_dir, SCORING), TorchBackend(cfg, model_dir, SCORING)
     initial = sync_backend.state_dict_for_rollout()
     sync_grads, streamed_grads = record_gradients(sync_backend), record_gradients(streamed_backend)
     sync = sync_steps(sync_backend, steps)
@@ -111,16 +110,16 @@ def test_two_streamed_steps_equal_two_synchronous_steps(model_dir, overrides):  
 
 
 def test_an_empty_streamed_step_is_skipped_and_leaves_the_weights(model_dir):  # noqa: F811
-    backend = TorchBackend(trainer_config(), model_dir)
+    backend = TorchBackend(trainer_config(), model_dir, SCORING)
     before = backend.state_dict_for_rollout()
-    stream = StreamedGradients(backend, TEMPERATURE)
+    stream = StreamedGradients(backend)
     stream.accumulate([], 0)
     assert stream.finish(0, 0)["skipped_steps"] == 1
     assert max_diff(before, backend.state_dict_for_rollout()) == 0.0
 
 
 def test_a_nan_in_a_streamed_step_skips_it_and_the_next_one_trains(model_dir):  # noqa: F811
-    backend = TorchBackend(trainer_config(), model_dir)
+    backend = TorchBackend(trainer_config(), model_dir, SCORING)
     before = backend.state_dict_for_rollout()
     poisoned = step_groups([2])
     poisoned[0][3].samples[0].reward = math.nan  # a reward function gone wrong: NaN advantages, NaN loss
@@ -136,7 +135,7 @@ def test_streamed_refuses_several_mini_batches(model_dir):  # noqa: F811
     with pytest.raises(ConfigError, match="trainer.streamed needs trainer.mini_batches=1"):
         load_config(None, ["trainer.streamed=true", "trainer.mini_batches=2"])
     with pytest.raises(ValueError, match="trainer.mini_batches=1"):
-        StreamedGradients(TorchBackend(trainer_config(mini_batches=2), model_dir), TEMPERATURE)
+        StreamedGradients(TorchBackend(trainer_config(mini_batches=2), model_dir, SCORING))
 
 
 # --- DeepSpeed on one rank, in process (gloo) ---------------------------------------------------------
@@ -164,10 +163,10 @@ def test_deepspeed_streamed_steps_equal_synchronous_steps(model_dir, one_rank_pr
 
     cfg = trainer_config(backend="deepspeed", zero_stage=stage, grad_clip=0.05)
     steps = step_groups([0, 1])
-    sync_backend = DeepSpeedBackend(cfg, model_dir)
+    sync_backend = DeepSpeedBackend(cfg, model_dir, SCORING)
     initial = sync_backend.state_dict_for_rollout()
     sync = sync_steps(sync_backend, steps)
-    streamed = streamed_steps(DeepSpeedBackend(cfg, model_dir), steps)
+    streamed = streamed_steps(DeepSpeedBackend(cfg, model_dir, SCORING), steps)
     assert_equivalent(sync, streamed, initial)
 
 
@@ -176,14 +175,14 @@ def test_deepspeed_streamed_steps_equal_synchronous_steps(model_dir, one_rank_pr
 def test_trainer_group_streams_across_two_ranks(ray_cluster, model_dir):  # noqa: F811
     cfg = trainer_config(backend="deepspeed", zero_stage=2, world_size=2, streamed=True, grad_clip=0.05)
     steps = step_groups([0, 1])
-    local = TorchBackend(trainer_config(grad_clip=0.05), model_dir)
+    local = TorchBackend(trainer_config(grad_clip=0.05), model_dir, SCORING)
     initial = local.state_dict_for_rollout()
     sync = sync_steps(local, steps)
-    trainer = TrainerGroup(Config(trainer=cfg), model_dir)
+    trainer = TrainerGroup(Config(trainer=cfg), model_dir, SCORING)
     try:
         metrics, weights = [], []
         for groups in steps:
-            trainer.stream_begin(TEMPERATURE)
+            trainer.stream_begin()
             refs = [trainer.stream_groups([groups[i] for i in chunk]) for chunk in ARRIVALS]
             # Nothing is waited for; groups arriving while the ranks are busy go with the next part.
             assert all(isinstance(r, ray.ObjectRef) for part in refs for r in part) and refs[0]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from rlsys.config import Config, TrainerConfig
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step, split_mini_batches
+from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.losses import loglinear_proximal
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Group, Prompt, ScoredSample
@@ -22,6 +23,7 @@ from helpers import compute_logprobs, train_step, trainer_weights
 
 VOCAB = 64
 TEMPERATURE = 0.8
+SCORING = Scoring(TEMPERATURE)  # how every trainer here scores tokens
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +70,17 @@ def max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize("loss,kl", [("dapo", None), ("grpo", "k3")])
 def test_micro_batching_gives_the_gradients_of_one_big_batch(model_dir, loss, kl):
     cfg = trainer_config(loss=loss, kl={"estimator": kl, "coef": 0.1 if kl else 0.0}, micro_batch_tokens=10**6)
-    backend = TorchBackend(cfg, model_dir)
+    backend = TorchBackend(cfg, model_dir, SCORING)
     samples = build_samples(make_groups(0), cfg.advantage)
     _, totals = plan_step(samples, 1, cfg.micro_batch_tokens)
-    whole = backend.accumulate_gradients(samples, totals, TEMPERATURE)
+    whole = backend.accumulate_gradients(samples, totals)
     grads = {n: p.grad.clone() for n, p in backend.model.named_parameters()}
     backend.optimizer.zero_grad()
 
     backend.cfg.micro_batch_tokens = 40
     _, totals = plan_step(samples, 1, 40)
     assert totals.micro_batches >= 4
-    split = backend.accumulate_gradients(samples, totals, TEMPERATURE)
+    split = backend.accumulate_gradients(samples, totals)
     assert max_diff(grads, {n: p.grad for n, p in backend.model.named_parameters()}) < 1e-6
     assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6)
     assert split["entropy"] == pytest.approx(whole["entropy"], rel=1e-5)
@@ -86,9 +88,9 @@ def test_micro_batching_gives_the_gradients_of_one_big_batch(model_dir, loss, kl
 
 
 def test_logprobs_match_a_plain_forward_at_the_temperature(model_dir):
-    backend = TorchBackend(trainer_config(micro_batch_tokens=40), model_dir)
+    backend = TorchBackend(trainer_config(micro_batch_tokens=40), model_dir, SCORING)
     samples = build_samples(make_groups(1), "grpo")
-    got = backend.compute_logprobs(samples, TEMPERATURE)
+    got = backend.compute_logprobs(samples)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     for sample, logprobs in zip(samples, got):
         with torch.no_grad():  # one sequence alone, no padding: position t scores token t + 1
@@ -99,44 +101,44 @@ def test_logprobs_match_a_plain_forward_at_the_temperature(model_dir):
 
 
 def test_nan_loss_skips_the_step_and_leaves_weights_and_optimizer_untouched(model_dir):
-    backend = TorchBackend(trainer_config(), model_dir)
+    backend = TorchBackend(trainer_config(), model_dir, SCORING)
     run_steps(backend, [0])
     before = backend.state_dict_for_rollout()
     optimizer_step = [s["step"].item() for s in backend.optimizer.state.values()]
     poisoned = make_groups(1)
     poisoned[2].samples[0].reward = math.nan  # a reward function gone wrong: NaN advantages, NaN loss
     samples = build_samples(poisoned, "grpo")
-    metrics = backend.train_step(samples, plan_step(samples, 1, 48)[1], TEMPERATURE)
+    metrics = backend.train_step(samples, plan_step(samples, 1, 48)[1])
     assert math.isnan(metrics["loss"]) and metrics["skipped_steps"] == 1
     assert max_diff(before, backend.state_dict_for_rollout()) == 0.0
     assert [s["step"].item() for s in backend.optimizer.state.values()] == optimizer_step
     assert all(p.grad is None for p in backend.model.parameters())  # nothing leaks into the next step
     samples = build_samples(make_groups(2), "grpo")
-    metrics = backend.train_step(samples, plan_step(samples, 1, 48)[1], TEMPERATURE)
+    metrics = backend.train_step(samples, plan_step(samples, 1, 48)[1])
     assert math.isfinite(metrics["loss"]) and metrics["skipped_steps"] == 1
     assert max_diff(before, backend.state_dict_for_rollout()) > 0.0
 
 
 def test_padding_micro_batch_adds_nothing(model_dir):
-    backend = TorchBackend(trainer_config(), model_dir)
+    backend = TorchBackend(trainer_config(), model_dir, SCORING)
     samples = build_samples(make_groups(0), "grpo")
     _, totals = plan_step(samples, 1, 48)
     padded = type(totals)(totals.tokens, totals.sequences, totals.micro_batches + 2)
-    stats = backend.accumulate_gradients(samples, padded, TEMPERATURE)
+    stats = backend.accumulate_gradients(samples, padded)
     grads = {n: p.grad.clone() for n, p in backend.model.named_parameters()}
     backend.optimizer.zero_grad()
-    assert backend.accumulate_gradients(samples, totals, TEMPERATURE)["loss"] == pytest.approx(stats["loss"])
+    assert backend.accumulate_gradients(samples, totals)["loss"] == pytest.approx(stats["loss"])
     assert max_diff(grads, {n: p.grad for n, p in backend.model.named_parameters()}) == 0.0
 
 
 def test_resume_in_a_fresh_backend_continues_identically(model_dir, tmp_path):
-    first = TorchBackend(trainer_config(), model_dir)
+    first = TorchBackend(trainer_config(), model_dir, SCORING)
     run_steps(first, [0])
     torch.manual_seed(123)
     rng = torch.get_rng_state()
     first.save(str(tmp_path))
     metrics, uninterrupted = run_steps(first, [1])
-    resumed = TorchBackend(trainer_config(seed=1), model_dir)  # fresh optimizer, reseeded: all from files
+    resumed = TorchBackend(trainer_config(seed=1), model_dir, SCORING)  # fresh optimizer, reseeded: all from files
     resumed.load(str(tmp_path))
     assert torch.equal(torch.get_rng_state(), rng)
     resumed_metrics, weights = run_steps(resumed, [1])
@@ -145,7 +147,7 @@ def test_resume_in_a_fresh_backend_continues_identically(model_dir, tmp_path):
 
 
 def test_a_checkpoint_of_another_layout_is_refused(model_dir, tmp_path):
-    backend = TorchBackend(trainer_config(), model_dir)
+    backend = TorchBackend(trainer_config(), model_dir, SCORING)
     backend.save(str(tmp_path))
     layout = json.loads((tmp_path / "trainer.json").read_text())
     (tmp_path / "trainer.json").write_text(json.dumps(dict(layout, world_size=2)))
@@ -155,7 +157,7 @@ def test_a_checkpoint_of_another_layout_is_refused(model_dir, tmp_path):
 
 def test_torch_backend_refuses_several_ranks_before_starting_actors(model_dir):
     with pytest.raises(ValueError, match="trainer.world_size=2"):
-        TrainerGroup(Config(trainer=trainer_config(backend="torch", world_size=2)), model_dir)
+        TrainerGroup(Config(trainer=trainer_config(backend="torch", world_size=2)), model_dir, SCORING)
 
 
 # --- Ray actors, DeepSpeed (marked slow: each rank is a process that imports DeepSpeed) ------------
@@ -166,12 +168,11 @@ def run_steps(trainer, seeds, checkpoint=None):
         if checkpoint and i == len(seeds) - 1:
             trainer.save(checkpoint)
         if isinstance(trainer, TrainerGroup):
-            metrics.append(train_step(trainer, make_groups(seed), TEMPERATURE))
+            metrics.append(train_step(trainer, make_groups(seed)))
             weights.append(trainer_weights(trainer))
         else:
             samples = build_samples(make_groups(seed), trainer.cfg.advantage)
-            metrics.append(trainer.train_step(samples, plan_step(samples, 1, trainer.cfg.micro_batch_tokens)[1],
-                                              TEMPERATURE))
+            metrics.append(trainer.train_step(samples, plan_step(samples, 1, trainer.cfg.micro_batch_tokens)[1]))
             weights.append(trainer.state_dict_for_rollout())
     return metrics, weights
 
@@ -180,7 +181,7 @@ KL = {"estimator": "k2", "coef": 0.05}  # on in every DeepSpeed run, so the refe
 
 
 def make_trainer(model_dir, **overrides) -> TrainerGroup:
-    return TrainerGroup(Config(trainer=trainer_config(kl=KL, **overrides)), model_dir)
+    return TrainerGroup(Config(trainer=trainer_config(kl=KL, **overrides)), model_dir, SCORING)
 
 
 def assert_same_run(a, b, keys=("loss", "grad_norm", "kl", "entropy", "behaviour_logprob_diff")):
@@ -207,7 +208,7 @@ def one_rank_zero0(ray_cluster, model_dir):
 
 @pytest.mark.slow
 def test_torch_backend_and_deepspeed_zero0_agree(model_dir, one_rank_zero0):
-    torch_run = run_steps(TorchBackend(trainer_config(kl=KL), model_dir), [0, 1])
+    torch_run = run_steps(TorchBackend(trainer_config(kl=KL), model_dir, SCORING), [0, 1])
     assert_same_run(torch_run, one_rank_zero0[1])
 
 
@@ -217,7 +218,7 @@ def test_zero0_skips_a_non_finite_step(one_rank_zero0):
     trainer, (_, weights) = one_rank_zero0
     poisoned = make_groups(2)
     poisoned[1].samples[0].reward = math.inf
-    metrics = train_step(trainer, poisoned, TEMPERATURE)
+    metrics = train_step(trainer, poisoned)
     assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
     assert max_diff(trainer_weights(trainer), weights[1]) == 0.0
 
@@ -258,10 +259,10 @@ def test_a_nan_on_some_ranks_skips_the_step_on_all(two_ranks):
     before = trainer_weights(trainer)
     poisoned = make_groups(2)
     poisoned[0].samples[0].reward = math.nan  # the group's advantages are NaN, on whichever ranks hold it
-    metrics = train_step(trainer, poisoned, TEMPERATURE)
+    metrics = train_step(trainer, poisoned)
     assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["loss"])
     assert max_diff(trainer_weights(trainer), before) == 0.0
-    assert train_step(trainer, make_groups(3), TEMPERATURE)["skipped_steps"] == 1
+    assert train_step(trainer, make_groups(3))["skipped_steps"] == 1
     assert max_diff(trainer_weights(trainer), before) > 0.0
 
 
@@ -280,11 +281,11 @@ def test_export_hf_gathers_the_weights_and_copies_the_tokenizer(model_dir, two_r
 @pytest.mark.slow
 def test_compute_logprobs_across_ranks_keeps_the_input_order(model_dir, two_ranks):
     trainer, _, _ = two_ranks
-    local = TorchBackend(trainer_config(), model_dir)
+    local = TorchBackend(trainer_config(), model_dir, SCORING)
     local.model.load_state_dict(trainer_weights(trainer))
     samples = build_samples(make_groups(4), "grpo")
-    got = compute_logprobs(trainer, samples, TEMPERATURE)
-    for mine, theirs in zip(got, local.compute_logprobs(samples, TEMPERATURE)):
+    got = compute_logprobs(trainer, samples)
+    for mine, theirs in zip(got, local.compute_logprobs(samples)):
         assert mine == pytest.approx(theirs, abs=1e-5)
 
 
@@ -295,36 +296,36 @@ def test_later_mini_batches_are_scored_against_the_weights_at_the_start(model_di
     first, second = split_mini_batches(samples, 2)
     parts = [(part, plan_step(part, 1, cfg.micro_batch_tokens)[1]) for part in (first, second)]
 
-    recomputed = TorchBackend(cfg, model_dir)
-    recomputed.train_mini_batches(parts, TEMPERATURE, fresh=False, proximal_micro_batches=0)
+    recomputed = TorchBackend(cfg, model_dir, SCORING)
+    recomputed.train_mini_batches(parts, fresh=False, proximal_micro_batches=0)
 
-    by_hand = TorchBackend(cfg, model_dir)  # proximal log-probs taken before any update, then two steps
-    start = by_hand.compute_logprobs(samples, TEMPERATURE)
+    by_hand = TorchBackend(cfg, model_dir, SCORING)  # proximal log-probs taken before any update, then two steps
+    start = by_hand.compute_logprobs(samples)
     for sample, logprobs in zip(samples, start):
         sample.proximal_logprobs = logprobs
     for part, totals in parts:
-        by_hand.train_step(part, totals, TEMPERATURE)
+        by_hand.train_step(part, totals)
     assert max_diff(recomputed.state_dict_for_rollout(), by_hand.state_dict_for_rollout()) < 1e-6
 
-    naive = TorchBackend(cfg, model_dir)  # the mistake: each mini-batch its own proximal policy
+    naive = TorchBackend(cfg, model_dir, SCORING)  # the mistake: each mini-batch its own proximal policy
     for sample in samples:
         sample.proximal_logprobs = None
     for part, totals in parts:
-        naive.train_step(part, totals, TEMPERATURE)
+        naive.train_step(part, totals)
     assert max_diff(naive.state_dict_for_rollout(), by_hand.state_dict_for_rollout()) > 1e-5
 
 
 def test_fresh_samples_use_their_behaviour_logprobs_as_the_proximal_policy(model_dir):
     cfg = trainer_config(lr=3e-2)
     samples = build_samples(make_groups(5, prompts=6), cfg.advantage)
-    true_logprobs = TorchBackend(cfg, model_dir).compute_logprobs(samples, TEMPERATURE)
+    true_logprobs = TorchBackend(cfg, model_dir, SCORING).compute_logprobs(samples)
     for sample, logprobs in zip(samples, true_logprobs):
         sample.logprobs = logprobs  # as the engine records them when these weights sampled the tokens
     parts = [(part, plan_step(part, 1, cfg.micro_batch_tokens)[1]) for part in split_mini_batches(samples, 3)]
     results = []
     for fresh in (True, False):
-        backend = TorchBackend(cfg, model_dir)
-        metrics = backend.train_mini_batches(parts, TEMPERATURE, fresh=fresh, proximal_micro_batches=0)
+        backend = TorchBackend(cfg, model_dir, SCORING)
+        metrics = backend.train_mini_batches(parts, fresh=fresh, proximal_micro_batches=0)
         results.append(backend.state_dict_for_rollout())
         assert metrics["sequences"] == len(samples)
     # Not fresh, the first part takes its own forward as pi_prox: the same values up to the float rounding of
@@ -345,18 +346,18 @@ def test_loglinear_runs_no_proximal_forward_and_is_exact_for_tokens_the_starting
     starting weights' own, the interpolated step equals the recomputed one. Staler tokens then move off it."""
     cfg = trainer_config(lr=3e-2)
     samples = build_samples(make_groups(5, prompts=6), cfg.advantage)
-    for sample, logprobs in zip(samples, TorchBackend(cfg, model_dir).compute_logprobs(samples, TEMPERATURE)):
+    for sample, logprobs in zip(samples, TorchBackend(cfg, model_dir, SCORING).compute_logprobs(samples)):
         sample.logprobs = logprobs  # what the engine recorded, sampling with the weights the step starts from
     parts = [(part, plan_step(part, 1, cfg.micro_batch_tokens)[1]) for part in split_mini_batches(samples, 3)]
-    recomputed = TorchBackend(cfg, model_dir)
-    recomputed.train_mini_batches(parts, TEMPERATURE, fresh=False, version=0)
-    interpolated = TorchBackend(cfg.model_copy(update={"proximal": "loglinear"}), model_dir)
+    recomputed = TorchBackend(cfg, model_dir, SCORING)
+    recomputed.train_mini_batches(parts, fresh=False, version=0)
+    interpolated = TorchBackend(cfg.model_copy(update={"proximal": "loglinear"}), model_dir, SCORING)
     interpolated.compute_logprobs = None  # the point: no forward beside the training ones
-    interpolated.train_mini_batches(parts, TEMPERATURE, fresh=False, version=0)
+    interpolated.train_mini_batches(parts, fresh=False, version=0)
     assert max_diff(recomputed.state_dict_for_rollout(), interpolated.state_dict_for_rollout()) < 1e-4
 
-    stale = TorchBackend(cfg.model_copy(update={"proximal": "loglinear"}), model_dir)
-    stale.train_mini_batches(parts, TEMPERATURE, fresh=False, version=1)  # every token one version old
+    stale = TorchBackend(cfg.model_copy(update={"proximal": "loglinear"}), model_dir, SCORING)
+    stale.train_mini_batches(parts, fresh=False, version=1)  # every token one version old
     assert max_diff(stale.state_dict_for_rollout(), interpolated.state_dict_for_rollout()) > 1e-5
 
 

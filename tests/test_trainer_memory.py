@@ -8,7 +8,7 @@ import pytest
 import ray
 import torch
 from safetensors.torch import load_file
-from test_trainer import KL, make_groups, max_diff, model_dir, run_steps, trainer_config  # noqa: F401
+from test_trainer import KL, SCORING, make_groups, max_diff, model_dir, run_steps, trainer_config  # noqa: F401
 
 from rlsys.config import Config
 from rlsys.trainer.worker import TrainerGroup
@@ -34,8 +34,9 @@ def rank_class():
                               WORLD_SIZE=str(world_size), LOCAL_RANK="0")
             torch.set_num_threads(1)
             from rlsys.trainer.deepspeed_backend import DeepSpeedBackend
+            from rlsys.trainer.logprobs import Scoring
 
-            self.backend = DeepSpeedBackend(cfg, model_dir, rank, world_size)
+            self.backend = DeepSpeedBackend(cfg, model_dir, Scoring(), rank, world_size)
 
         def fresh_model(self) -> dict:
             """Parameters of a model just built by the backend's loader, before DeepSpeed wraps it."""
@@ -104,14 +105,14 @@ def test_below_zero3_the_reference_is_a_frozen_copy_in_the_training_dtype(ray_cl
 @pytest.mark.slow
 def test_zero0_bf16_saves_and_resumes_identically(ray_cluster, model_dir, tmp_path):  # noqa: F811
     config = Config(trainer=trainer_config(kl=KL, backend="deepspeed", zero_stage=0, dtype="bf16"))
-    first = TrainerGroup(config, model_dir)
+    first = TrainerGroup(config, model_dir, SCORING)
     try:
         metrics, weights = run_steps(first, [0, 1, 2], str(tmp_path))
     finally:
         first.shutdown()
     saved = load_file(str(tmp_path / "optimizer_shard0.safetensors"))
     assert {key.rsplit("/", 1)[1] for key in saved} == {"exp_avg", "exp_avg_sq", "master"}
-    resumed = TrainerGroup(config, model_dir)
+    resumed = TrainerGroup(config, model_dir, SCORING)
     try:
         resumed.load(str(tmp_path))
         assert max_diff(trainer_weights(resumed), weights[1]) == 0.0

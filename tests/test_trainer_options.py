@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_trainer import KL, TEMPERATURE, make_groups, max_diff, model_dir, run_steps, trainer_config  # noqa: F401
+from test_trainer import KL, SCORING, make_groups, max_diff, model_dir, run_steps, trainer_config  # noqa: F401
 
 from rlsys.config import Config, ConfigError, TrainerConfig
 from rlsys.startup import load_config
@@ -94,9 +94,9 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(model_
     grads, counts = [], []
     for checkpointing in (False, True):
         backend = TorchBackend(trainer_config(micro_batch_tokens=10**6, gradient_checkpointing=checkpointing),
-                               model_dir)
+                               model_dir, SCORING)
         calls[0] = 0
-        backend.accumulate_gradients(samples, totals, TEMPERATURE)
+        backend.accumulate_gradients(samples, totals)
         grads.append({n: p.grad.clone() for n, p in backend.model.named_parameters()})
         counts.append(calls[0])
         assert not backend.model.model.layers[0].mlp.training  # no dropout for all that
@@ -124,7 +124,7 @@ def test_shards_saved_by_three_ranks_read_back_whole(tmp_path):
 
 # --- resume on another world size (Ray actors, DeepSpeed on gloo) -----------------------------------
 def make_trainer(model_dir, **overrides) -> TrainerGroup:  # noqa: F811
-    return TrainerGroup(Config(trainer=trainer_config(kl=KL, backend="deepspeed", **overrides)), model_dir)
+    return TrainerGroup(Config(trainer=trainer_config(kl=KL, backend="deepspeed", **overrides)), model_dir, SCORING)
 
 
 def optimizer_tensors(folder) -> dict:
@@ -160,7 +160,7 @@ def test_two_ranks_resume_on_one_and_back(ray_cluster, model_dir, tmp_path, save
 
         two.load(str(tmp_path / "one"))  # and back onto two ranks
         assert max_diff(trainer_weights(two), weights[0]) == 0.0
-        assert math.isfinite(train_step(two, make_groups(1), TEMPERATURE)["loss"])
+        assert math.isfinite(train_step(two, make_groups(1))["loss"])
     finally:
         two.shutdown()
         if one is not None:

@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rlsys.config import TrainerConfig
 from rlsys.trainer.backend import TorchBackend
+from rlsys.trainer.logprobs import Scoring
 from rlsys.weights import (WeightGroup, WeightTransferTimeout, WeightUpdate, fill_buckets, iter_buckets, pack,
                            plan_buckets, unpack)
 from rlsys.weights.buckets import ALIGN
@@ -195,7 +196,7 @@ BUDGET = 32 << 10  # the model below is about 1.2 MB: some 40 buckets
 def trainer(tmp_path_factory):
     """A real trainer backend over an 8-layer model, in this process (where the profiler sees it)."""
     _, path = build(tmp_path_factory.mktemp("publish"), sizes=dict(SIZES, num_hidden_layers=8))
-    return TorchBackend(TrainerConfig(), path)
+    return TorchBackend(TrainerConfig(), path, Scoring())
 
 
 def peak_new_bytes(fn) -> int:

@@ -29,7 +29,7 @@ from rlsys import costs
 from rlsys.config import TrainerConfig
 from rlsys.emulate import TrainerPacer
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
-from rlsys.trainer.logprobs import head_logprobs
+from rlsys.trainer.logprobs import Scoring, head_logprobs
 from rlsys.trainer.losses import LossInputs, compute_loss, kl_penalty, loglinear_proximal
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
@@ -46,14 +46,14 @@ def load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def scored_forward(model: torch.nn.Module, mb: MicroBatch, temperature: float, top_p: float,
+def scored_forward(model: torch.nn.Module, mb: MicroBatch, scoring: Scoring,
                    chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropy) of each next token, [B, L-1], from one forward of `model` (an HF causal LM, or a
     DeepSpeed engine around one). For this forward its LM head scores the tokens chunk by chunk instead of
     returning logits (logprobs.py), so the full logits never exist; the head is still called as a module,
     so ZeRO-3 gathers its weight as for any layer."""
     head = getattr(model, "module", model).get_output_embeddings()
-    head.forward = lambda hidden: head_logprobs(hidden, head, mb.input_ids, temperature, top_p, chunk)
+    head.forward = lambda hidden: head_logprobs(hidden, head, mb.input_ids, scoring, chunk)
     try:
         return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
     finally:
@@ -120,45 +120,44 @@ def write_hf_model(weights: dict[str, torch.Tensor], config_dir: str, out_dir: s
 
 
 class TrainerBackend(ABC):
-    """One rank's trainer. Subclasses set `model` (what forward runs through) and `optimizer` (torch)."""
+    """One rank's trainer. Subclasses set `model` (what forward runs through) and `optimizer` (torch). Every
+    forward scores tokens by `scoring`, the run's (logprobs.py)."""
 
     name = "base"
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     pacer: TrainerPacer | None = None  # emulate: each micro-batch held until its modelled time
 
-    def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1, device="cpu"):
-        self.cfg, self.model_dir = cfg, model_dir
+    def __init__(self, cfg: TrainerConfig, model_dir: str, scoring: Scoring, rank: int = 0, world_size: int = 1,
+                 device="cpu"):
+        self.cfg, self.model_dir, self.scoring = cfg, model_dir, scoring
         self.rank, self.world_size, self.device = rank, world_size, device
         self.skipped_steps = 0
         seed_everything(cfg.seed)
         self.reference: torch.nn.Module | None = None  # set by the subclass: `_make_reference`
 
     # --- the shared loop ----------------------------------------------------------------------
-    def compute_logprobs(self, samples: list[TrainSample], temperature: float = 1.0,
-                         micro_batches: int = 0, top_p: float = 1.0, model=None) -> list[list[float]]:
+    def compute_logprobs(self, samples: list[TrainSample], micro_batches: int = 0, model=None) -> list[list[float]]:
         """Log-probs of each sample's response tokens under the current weights (or `model`), in input order."""
         found: dict[int, list[float]] = {}
         with torch.no_grad():
             for batch in self._micro_batches(samples, micro_batches):
                 started = time.perf_counter()
                 mb = collate(batch).to(self.device)
-                logprobs, _ = self._score(model or self.model, mb, temperature, top_p)
+                logprobs, _ = self._score(model or self.model, mb)
                 self._pace(started, batch, costs.FORWARD_FLOPS)
                 for row, sample in enumerate(batch):
                     found[id(sample)] = logprobs[row, sample.prompt_len - 1:sample.num_tokens - 1].tolist()
         return [found[id(s)] for s in samples]
 
-    def sequence_kl(self, samples: list[TrainSample], micro_batches: int, temperature: float,
-                    top_p: float) -> list[float]:
+    def sequence_kl(self, samples: list[TrainSample], micro_batches: int) -> list[float]:
         """Each sample's KL to the reference, trainer.kl.estimator summed over its response tokens, from its
         behaviour log-probs (trainer.kl.in_reward; every rank runs `micro_batches` reference forwards)."""
-        reference = self.compute_logprobs(samples, temperature, micro_batches, top_p, self.reference)
+        reference = self.compute_logprobs(samples, micro_batches, self.reference)
         return [kl_penalty(torch.tensor(s.logprobs), torch.tensor(ref), self.cfg.kl.estimator).sum().item()
                 for s, ref in zip(samples, reference)]
 
-    def train_step(self, samples: list[TrainSample], totals: StepTotals, temperature: float = 1.0,
-                   top_p: float = 1.0, interpolate_at: int | None = None) -> dict:
+    def train_step(self, samples: list[TrainSample], totals: StepTotals, interpolate_at: int | None = None) -> dict:
         """Accumulate gradients over this rank's micro-batches, then take exactly one optimizer step.
 
         Returned statistics are this rank's shares of the step's values (sum them over ranks);
@@ -166,7 +165,7 @@ class TrainerBackend(ABC):
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
-        stats = self.accumulate_gradients(samples, totals, temperature, top_p=top_p, interpolate_at=interpolate_at)
+        stats = self.accumulate_gradients(samples, totals, interpolate_at=interpolate_at)
         return self.close_step(stats, sum(s.response_len for s in samples), len(samples))
 
     def skip_step(self) -> dict:
@@ -186,9 +185,8 @@ class TrainerBackend(ABC):
         """The pacer's cumulative counts, as train metrics (summed over ranks)."""
         return {f"emulate_{k}": v for k, v in self.pacer.counts().items()} if self.pacer else {}
 
-    def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
-                           fresh: bool, proximal_micro_batches: int = 0, top_p: float = 1.0,
-                           version: int | None = None) -> dict:
+    def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool,
+                           proximal_micro_batches: int = 0, version: int | None = None) -> dict:
         """One optimizer step per part (veRL's PPO mini-batches) on a rollout batch. From the second part
         on the weights have moved, so every part is scored against the proximal policy (the weights at
         the start): the behaviour log-probs when `fresh` (every token sampled by these very weights),
@@ -203,13 +201,13 @@ class TrainerBackend(ABC):
             later = [s for part, _ in parts[1:] for s in part]
             if not interpolate:
                 proximal = ([s.logprobs for s in later] if fresh else
-                            self.compute_logprobs(later, temperature, proximal_micro_batches, top_p))
+                            self.compute_logprobs(later, proximal_micro_batches))
             for i, sample in enumerate(later):
                 sample.proximal_logprobs = None if interpolate else list(proximal[i])
             for sample in parts[0][0]:  # fresh: pi_old is the engine's for every part alike (losses.py)
                 sample.proximal_logprobs = list(sample.logprobs) if fresh else None
         interpolate_at = version if interpolate else None
-        per_part = [self.train_step(samples, totals, temperature, top_p, interpolate_at if i else None)
+        per_part = [self.train_step(samples, totals, interpolate_at if i else None)
                     for i, (samples, totals) in enumerate(parts)]
         keys = set().union(*per_part)
         merged = {k: sum(m.get(k, 0.0) for m in per_part) / len(per_part) for k in keys}
@@ -217,8 +215,8 @@ class TrainerBackend(ABC):
                       skipped_steps=per_part[-1]["skipped_steps"], **self.pacer_counts())
         return merged
 
-    def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, temperature: float,
-                             closes_step: bool = True, top_p: float = 1.0, interpolate_at: int | None = None) -> dict:
+    def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, closes_step: bool = True,
+                             interpolate_at: int | None = None) -> dict:
         """`closes_step=False`: more parts follow (a streamed step, streamed.py), so no micro-batch is the last.
         `interpolate_at`: pi_prox is `loglinear_proximal` from this forward, for weights that started the
         step at that version; otherwise the samples' own proximal log-probs, or this forward where they have
@@ -231,7 +229,7 @@ class TrainerBackend(ABC):
             started = time.perf_counter()
             self._start_micro_batch(last=closes_step and i == len(batches) - 1)
             mb = collate(batch).to(self.device)
-            logprobs, entropy = self._score(self.model, mb, temperature, top_p)
+            logprobs, entropy = self._score(self.model, mb)
             if mb.proximal_logprobs is not None:
                 proximal = mb.proximal_logprobs
             elif interpolate_at is not None:
@@ -240,8 +238,7 @@ class TrainerBackend(ABC):
                 proximal = logprobs.detach()
             inp = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.response_mask,
                              float(totals.tokens), float(totals.sequences),
-                             self._reference_logprobs(mb, temperature, top_p),
-                             mb.versions, entropy)
+                             self._reference_logprobs(mb), mb.versions, entropy)
             loss, mb_stats = compute_loss(inp, self.cfg)
             self._backward(loss)
             self._pace(started, batch, costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if self.reference else 0))
@@ -257,14 +254,14 @@ class TrainerBackend(ABC):
         batches = pack_micro_batches(samples, self.cfg.micro_batch_tokens)
         return batches + [[] for _ in range(count - len(batches))]
 
-    def _score(self, model: torch.nn.Module, mb: MicroBatch, temperature: float, top_p: float):
-        return scored_forward(model, mb, temperature, top_p, self.cfg.logprob_chunk_tokens)
+    def _score(self, model: torch.nn.Module, mb: MicroBatch):
+        return scored_forward(model, mb, self.scoring, self.cfg.logprob_chunk_tokens)
 
-    def _reference_logprobs(self, mb: MicroBatch, temperature: float, top_p: float):
+    def _reference_logprobs(self, mb: MicroBatch):
         if not self.cfg.kl.in_loss:
             return None
         with torch.no_grad():
-            return self._score(self.reference, mb, temperature, top_p)[0]
+            return self._score(self.reference, mb)[0]
 
     def _make_reference(self) -> torch.nn.Module | None:
         """The initial weights, frozen, in the training dtype, for the KL term (None without one)."""
@@ -366,10 +363,10 @@ class TorchBackend(TrainerBackend):
 
     name = "torch"
 
-    def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: TrainerConfig, model_dir: str, scoring: Scoring, rank: int = 0, world_size: int = 1):
         if world_size != 1:
             raise ValueError(f"TorchBackend runs on one rank, not {world_size}: use DeepSpeedBackend")
-        super().__init__(cfg, model_dir, rank, world_size, local_device())
+        super().__init__(cfg, model_dir, scoring, rank, world_size, local_device())
         self.model = load_model(model_dir, DTYPES[cfg.dtype]).to(self.device)
         self.reference = self._make_reference()
         if cfg.gradient_checkpointing:

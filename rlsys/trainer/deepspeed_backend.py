@@ -24,6 +24,7 @@ from rlsys.config import TrainerConfig
 from rlsys.trainer.backend import DTYPES, TrainerBackend, enable_gradient_checkpointing, load_model, named_tensors
 from rlsys.trainer.batching import StepTotals
 from rlsys.trainer.ds_config import deepspeed_config
+from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_parameter
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
@@ -33,9 +34,9 @@ MASTER = "master"  # the fp32 master weights, kept apart from bf16 model weights
 class DeepSpeedBackend(TrainerBackend):
     name = "deepspeed"
 
-    def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: TrainerConfig, model_dir: str, scoring: Scoring, rank: int = 0, world_size: int = 1):
         accelerator = get_accelerator()
-        super().__init__(cfg, model_dir, rank, world_size, accelerator.current_device_name())
+        super().__init__(cfg, model_dir, scoring, rank, world_size, accelerator.current_device_name())
         check_device_supports(cfg, accelerator)
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
         self.stage, self.ds_config = cfg.zero_stage, deepspeed_config(cfg, world_size)
@@ -97,7 +98,7 @@ class DeepSpeedBackend(TrainerBackend):
         # the boundary. Then ZeRO's step divides the gradients and their norm by its loss scale before
         # clipping (`unscale_and_clip_grads`): set to `divisor`, that is the division we need, exactly
         # where it belongs, whether gradients live in p.grad or in ZeRO's partitions.
-        self.accumulate_gradients([], StepTotals(1, 1, 1), 1.0)
+        self.accumulate_gradients([], StepTotals(1, 1, 1))
         if self.stage == 0:  # reduced into p.grad at the boundary (bf16 too): divide there
             return super()._rescaled_optimizer_step(divisor)
         optimizer = self.engine.optimizer

@@ -10,13 +10,29 @@ Tokens are scored as the engines record them: log softmax(logits / T), and with 
 top-p nucleus renormalised (vLLM's processed log-probs; the rule of the built-in engine: a token is in
 the nucleus while the mass ranked strictly above it is below top_p). A token outside the trainer's
 nucleus (its logits differ from the engine's by rounding) is scored as if the nucleus held it too:
-never -inf into the loss, and the same value wherever trainer and engine agree.
+never -inf into the loss, and the same value wherever trainer and engine agree. How tokens are scored is
+fixed for a run: one `Scoring`, handed to the trainer as it is built.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How the trainer scores tokens, as the engines sampled them: at `temperature`, in the `top_p` nucleus."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, rollout) -> Scoring:
+        """A run's, from its RolloutConfig: greedy sampling is scored at temperature 1, with no nucleus (as vLLM)."""
+        greedy = rollout.temperature == 0
+        return cls(1.0 if greedy else rollout.temperature, 1.0 if greedy else rollout.top_p)
 
 
 def temperature_divisor(temperature: float) -> float:
@@ -45,14 +61,14 @@ def scored_logits(scaled: Tensor, targets: Tensor, floor: Tensor | None) -> Tens
     return scaled.masked_fill(outside, float("-inf"))
 
 
-def score(logits: Tensor, targets: Tensor, temperature: float, top_p: float) -> tuple[Tensor, Tensor | None]:
+def score(logits: Tensor, targets: Tensor, scoring: Scoring) -> tuple[Tensor, Tensor | None]:
     """(scored logits, nucleus floor or None) of rows of logits [N, V]: one scaling and masking, from which
     both the targets' log-probs and the entropy are read."""
-    scaled = scaled_logits(logits, temperature)
+    scaled = scaled_logits(logits, scoring.temperature)
     floor = None
-    if top_p < 1:
+    if scoring.top_p < 1:
         with torch.no_grad():
-            floor = nucleus_floor(scaled, top_p)
+            floor = nucleus_floor(scaled, scoring.top_p)
     return scored_logits(scaled, targets, floor), floor
 
 
@@ -75,13 +91,12 @@ def entropy_logit_grad(z: Tensor, grad_entropy: Tensor) -> Tensor:
     return (p_log_p + probs * entropy).mul_(-grad_entropy)
 
 
-def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float, with_entropy: bool = False,
-                   top_p: float = 1.0):
+def token_logprobs(logits: Tensor, input_ids: Tensor, scoring: Scoring, with_entropy: bool = False):
     """Log-prob of each next token, [B, L-1], from full logits [B, L, V] (no chunking: for small models
     and checks). With `with_entropy`, also the entropy at each position."""
     B, L, V = logits.shape
     rows, targets = logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1)
-    z, _ = score(rows, targets, temperature, top_p)
+    z, _ = score(rows, targets, scoring)
     logprobs = target_logprobs(z, targets).view(B, L - 1)
     if not with_entropy:
         return logprobs
@@ -92,18 +107,18 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     """(log-probs, entropy) [N] of `targets` under `hidden` [N, H] @ head, `chunk` rows at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, top_p, chunk):
+    def forward(ctx, hidden, weight, bias, targets, scoring, chunk):
         logprobs, entropy, floors = [], [], []
         for rows in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[rows:rows + chunk], weight, bias)
             mine = targets[rows:rows + chunk]
-            z, floor = score(logits, mine, temperature, top_p)
+            z, floor = score(logits, mine, scoring)
             logprobs.append(target_logprobs(z, mine))
             entropy.append(entropy_of(z))
             floors.append(floor)
-        floors = torch.cat(floors) if top_p < 1 else None
+        floors = torch.cat(floors) if scoring.top_p < 1 else None
         ctx.save_for_backward(hidden, weight, bias, targets, floors)
-        ctx.temperature, ctx.top_p, ctx.chunk = temperature, top_p, chunk
+        ctx.temperature, ctx.chunk = scoring.temperature, chunk
         ctx.set_materialize_grads(False)  # an output the loss does not use comes back as None: no work for it
         return torch.cat(logprobs), torch.cat(entropy)
 
@@ -134,13 +149,13 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
             if want_bias:
                 grad_bias += grad_logits.sum(0)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None)
 
 
-def head_logprobs(hidden: Tensor, head: torch.nn.Linear, input_ids: Tensor, temperature: float, top_p: float,
+def head_logprobs(hidden: Tensor, head: torch.nn.Linear, input_ids: Tensor, scoring: Scoring,
                   chunk: int) -> tuple[Tensor, Tensor]:
     """(log-probs, entropy) of each next token, [B, L-1], from the final hidden states [B, L, H]."""
     B, L, H = hidden.shape
     logprobs, entropy = ChunkedHeadLogprobs.apply(hidden[:, :-1].reshape(-1, H), head.weight, head.bias,
-                                                  input_ids[:, 1:].reshape(-1), temperature, top_p, chunk)
+                                                  input_ids[:, 1:].reshape(-1), scoring, chunk)
     return logprobs.view(B, L - 1), entropy.view(B, L - 1)

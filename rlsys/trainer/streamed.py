@@ -21,12 +21,12 @@ LOSS_STATS = ("loss", "pg_loss")  # aggregated by the loss's own mode; every oth
 class StreamedGradients:
     """One rank's streamed step: `accumulate` any number of parts, then `finish` once."""
 
-    def __init__(self, backend: TrainerBackend, temperature: float, top_p: float = 1.0):
+    def __init__(self, backend: TrainerBackend):
         cfg = backend.cfg
         if cfg.mini_batches != 1:
             raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {cfg.mini_batches}): "
                              "a streamed step ends in exactly one optimizer update")
-        self.backend, self.temperature, self.top_p = backend, temperature, top_p
+        self.backend = backend
         self.normaliser = STEP_NORMALISER[aggregation_of(cfg)]
         self.stats: dict[str, float] = defaultdict(float)
         self.tokens = self.sequences = 0  # this rank's share
@@ -36,8 +36,7 @@ class StreamedGradients:
         if micro_batches == 0:
             return
         unnormalised = StepTotals(tokens=1, sequences=1, micro_batches=micro_batches)
-        part = self.backend.accumulate_gradients(samples, unnormalised, self.temperature, closes_step=False,
-                                                 top_p=self.top_p)
+        part = self.backend.accumulate_gradients(samples, unnormalised, closes_step=False)
         for k, v in part.items():
             self.stats[k] += v
         self.tokens += sum(s.response_len for s in samples)

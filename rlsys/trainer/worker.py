@@ -32,6 +32,7 @@ from rlsys.trainer.advantages import KLController
 from rlsys.trainer.backend import TorchBackend, TrainerBackend
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
                                    split_mini_batches)
+from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.losses import mismatch_warning
 from rlsys.trainer.streamed import StreamedGradients
 from rlsys.types import Group
@@ -68,8 +69,8 @@ class TrainerDied(RuntimeError):
 
 @ray.remote
 class TrainerWorker:
-    def __init__(self, cfg: TrainerConfig, model_dir: str, rank: int, world_size: int):
-        self.cfg, self.model_dir, self.rank, self.world_size = cfg, model_dir, rank, world_size
+    def __init__(self, cfg: TrainerConfig, model_dir: str, scoring: Scoring, rank: int, world_size: int):
+        self.cfg, self.model_dir, self.scoring, self.rank, self.world_size = cfg, model_dir, scoring, rank, world_size
         self.backend = None
         self.stream: StreamedGradients | None = None
         self.weight_group: WeightGroup | None = None  # a transport's own group (broadcast), on rank 0
@@ -100,13 +101,14 @@ class TrainerWorker:
 
         hf_logging.disable_progress_bar()  # one bar per load per rank would flood the driver's log
         torch.set_num_threads(torch_threads)
-        self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.rank, self.world_size)
+        self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.scoring, self.rank,
+                                                      self.world_size)
         self.backend.pacer = pacer
 
-    def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
+    def stream_begin(self) -> None:
         if self.stream is not None:
             raise RuntimeError("stream_begin: the previous streamed step was never finished")
-        self.stream = StreamedGradients(self.backend, temperature, top_p)
+        self.stream = StreamedGradients(self.backend)
 
     def stream_accumulate(self, samples: list[TrainSample], micro_batches: int) -> None:
         if self.stream is None:
@@ -120,14 +122,12 @@ class TrainerWorker:
         stream, self.stream = self.stream, None
         return stream.finish(tokens, sequences)
 
-    def sequence_kl(self, samples: list[TrainSample], micro_batches: int, temperature: float,
-                    top_p: float) -> list[float]:
-        return self.backend.sequence_kl(samples, micro_batches, temperature, top_p)
+    def sequence_kl(self, samples: list[TrainSample], micro_batches: int) -> list[float]:
+        return self.backend.sequence_kl(samples, micro_batches)
 
-    def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], temperature: float,
-                           fresh: bool, proximal_micro_batches: int, top_p: float = 1.0,
-                           version: int | None = None) -> dict:
-        return self.backend.train_mini_batches(parts, temperature, fresh, proximal_micro_batches, top_p, version)
+    def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool,
+                           proximal_micro_batches: int, version: int | None = None) -> dict:
+        return self.backend.train_mini_batches(parts, fresh, proximal_micro_batches, version)
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> None:
@@ -213,7 +213,9 @@ def merge_metrics(per_rank: list[dict]) -> dict:
 
 
 class TrainerGroup:
-    def __init__(self, cfg: Config, model_dir: str, placement=None):
+    """The run's trainer ranks; they score tokens by `scoring`, the run's (Scoring.of its rollout config)."""
+
+    def __init__(self, cfg: Config, model_dir: str, scoring: Scoring, placement=None):
         self.cfg = cfg.trainer
         world = self.cfg.world_size
         if self.cfg.backend == "torch" and world > 1:  # refused before any actor starts
@@ -222,7 +224,7 @@ class TrainerGroup:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
         options = ((lambda rank: placement.actor_options(TRAINER, rank)) if placement
                    else (lambda rank: {"num_cpus": 1, "num_gpus": gpus}))
-        self.workers = [TrainerWorker.options(**options(rank)).remote(self.cfg, model_dir, rank, world)
+        self.workers = [TrainerWorker.options(**options(rank)).remote(self.cfg, model_dir, scoring, rank, world)
                         for rank in range(world)]
         ips = started([w.node_ip.remote() for w in self.workers], options(0))
         port = ray.get(self.workers[0].free_port.remote())
@@ -234,15 +236,13 @@ class TrainerGroup:
         self.reward_kl_metrics: dict = {}  # of the last step started, merged into its metrics
 
     # --- training -----------------------------------------------------------------------------
-    def start_train_step(self, groups: list[Group], temperature: float, version: int | None = None,
-                         top_p: float = 1.0) -> list[ray.ObjectRef]:
+    def start_train_step(self, groups: list[Group], version: int | None = None) -> list[ray.ObjectRef]:
         """Launch the step and return at once; pass the refs to `finish_train_step` (or ray.wait on them).
         `version` is the trainer's current policy version: samples wholly generated by it need no
-        recomputed proximal log-probs (None: recompute whenever there is more than one mini-batch).
-        Tokens are scored as the engines sampled them: at `temperature`, in the `top_p` nucleus."""
+        recomputed proximal log-probs (None: recompute whenever there is more than one mini-batch)."""
         samples = build_samples(groups, self.cfg.advantage)
         if self.kl_in_reward is not None:
-            samples = self._with_kl_in_reward(groups, samples, temperature, top_p)
+            samples = self._with_kl_in_reward(groups, samples)
         world, budget = self.cfg.world_size, self.cfg.micro_batch_tokens
         plans = [plan_step(part, world, budget) for part in split_mini_batches(samples, self.cfg.mini_batches)]
         fresh = version is not None and all(v == version for s in samples for v in s.versions)
@@ -251,15 +251,14 @@ class TrainerGroup:
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
                                      for mine in parts)  # the first part needs none (backend.train_mini_batches)
-        return [w.train_mini_batches.remote(mine, temperature, fresh, proximal_micro_batches, top_p, version)
+        return [w.train_mini_batches.remote(mine, fresh, proximal_micro_batches, version)
                 for w, mine in zip(self.workers, parts)]
 
-    def _with_kl_in_reward(self, groups: list[Group], samples: list[TrainSample], temperature: float,
-                           top_p: float) -> list[TrainSample]:
+    def _with_kl_in_reward(self, groups: list[Group], samples: list[TrainSample]) -> list[TrainSample]:
         """The samples again, their rewards less coef x their KL to the reference (one reference forward on
         every rank); then the coefficient moves towards its target."""
         per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
-        found = self._get_all([w.sequence_kl.remote(mine, totals.micro_batches, temperature, top_p)
+        found = self._get_all([w.sequence_kl.remote(mine, totals.micro_batches)
                                for w, mine in zip(self.workers, per_rank)])
         kl_of = {id(s): kl for mine, kls in zip(per_rank, found) for s, kl in zip(mine, kls)}
         kls = [kl_of[id(s)] for s in samples]
@@ -280,9 +279,9 @@ class TrainerGroup:
         return metrics
 
     # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
-    def stream_begin(self, temperature: float, top_p: float = 1.0) -> None:
+    def stream_begin(self) -> None:
         """Open a streamed step; the weights must not change until it ends."""
-        self.stream = RunningStream([[w.stream_begin.remote(temperature, top_p)] for w in self.workers])
+        self.stream = RunningStream([[w.stream_begin.remote()] for w in self.workers])
 
     def stream_groups(self, groups: list[Group]) -> list[ray.ObjectRef]:
         """Accumulate the gradients of these completed groups; returns at once: one ref per rank, or none
