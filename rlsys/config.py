@@ -74,7 +74,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: str = "cpu"  # cpu, vllm, or an engine added with rlsys.rollout.engine.register_engine
+    engine: str = "cpu"  # cpu, vllm, or an engine added with rlsys.rollout.registry.register_engine
     num_workers: int = Field(1, ge=1)
     slots: int = Field(32, ge=1)  # concurrent sequences per engine (continuous batching capacity)
     max_new_tokens: int = Field(96, ge=1)

@@ -13,7 +13,7 @@ import math
 import statistics
 from pathlib import Path
 
-from rlsys.rollout.engine import engine_entry
+from rlsys.rollout.registry import engine_entry
 from rlsys.types import Completion, Request, SamplingParams
 
 

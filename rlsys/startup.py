@@ -16,7 +16,7 @@ from rlsys.data import row_loader, task_family
 from rlsys.placement import plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
-from rlsys.rollout.engine import engine_entry
+from rlsys.rollout.registry import engine_entry
 
 # (the field's location, or () for the whole config; its check, which raises a ValueError naming the field)
 CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (

@@ -10,7 +10,7 @@ import torch
 
 from rlsys.config import DEFAULT_CONFIG, CONFIG_DIR, ConfigError
 from rlsys.rollout.cpu_engine import CPUEngine
-from rlsys.rollout.engine import register_engine
+from rlsys.rollout.registry import register_engine
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.startup import load_config
 from rlsys.types import Request, SamplingParams

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from rlsys.rollout import cpu_engine
 from rlsys.rollout.cpu_engine import CPUEngine
-from rlsys.rollout.engine import register_engine
+from rlsys.rollout.registry import register_engine
 from rlsys.types import Request, SamplingParams
 
 SIZES = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

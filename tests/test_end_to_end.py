@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
 from rlsys.rollout.cpu_engine import CPUEngine
-from rlsys.rollout.engine import register_engine
+from rlsys.rollout.registry import register_engine
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from rlsys.rollout.engine import make_engine
+from rlsys.rollout.registry import make_engine
 from rlsys.types import Request, SamplingParams
 from test_cpu_engine import build, greedy, hf_greedy, hf_logprobs
 

@@ -7,7 +7,7 @@ implement this; the worker and everything above it only ever see this interface.
 
 Sleep (colocated layout): an engine gives its accelerator memory back while the trainer on the same GPU
 trains, and wakes in vLLM's order: "weights", then the new weights are loaded, then "kv_cache".
-Engines are found by name in ENGINES (`rollout.engine`); `register_engine` adds one.
+Engines are found by name in rlsys/rollout/registry.py (`rollout.engine`); `register_engine` adds one.
 """
 from __future__ import annotations
 
@@ -18,11 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from typing import Any, Callable
-
 from torch import Tensor
 
-from rlsys.registry import Registry
 from rlsys.types import Completion, Request
 from rlsys.weights.transfer import WeightUpdate
 
@@ -234,70 +231,3 @@ def read_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
-
-
-def device_options(rollout) -> dict:
-    """An engine on `rollout.device` (the built-in one, and by default one a user registers) takes that device."""
-    return {"device": rollout.device}
-
-
-def device_gpus(options: dict) -> int:
-    return 1 if options.get("device") == "cuda" else 0
-
-
-@dataclass(frozen=True)
-class EngineEntry:
-    """A registered engine: its factory, the options it takes from `cfg.rollout` beside the common ones
-    (rlsys/rollout/manager.py engine_options), and the GPUs a worker of it asks Ray for, given those options,
-    where no placement plan gives it a bundle. `seeded_eval`: eval requests carry per-sample seeds (reproducible
-    eval); off where a seeded request costs the engine a slower sampler (vLLM: a generator per row per step)."""
-    build: Callable[..., RolloutEngine]
-    options: Callable[[Any], dict] = device_options
-    gpus: Callable[[dict], int] = device_gpus
-    seeded_eval: bool = True
-
-
-ENGINES: Registry[EngineEntry] = Registry("rollout engine")
-
-
-def register_engine(name: str, options: Callable[[Any], dict] = device_options,
-                    gpus: Callable[[dict], int] = device_gpus, seeded_eval: bool = True):
-    """`@register_engine("mine")` on an engine class (or factory) makes `rollout.engine=mine` build it."""
-    def add(build):
-        ENGINES.register(name)(EngineEntry(build, options, gpus, seeded_eval))
-        return build
-    return add
-
-
-@register_engine("cpu")
-def _cpu_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
-    from rlsys.rollout.cpu_engine import CPUEngine
-    return CPUEngine(model_dir, slots, **kwargs)
-
-
-def _vllm_options(rollout) -> dict:
-    return {"tensor_parallel_size": rollout.tensor_parallel_size,
-            "gpu_memory_utilization": rollout.gpu_memory_utilization, "enable_sleep_mode": rollout.enable_sleep_mode}
-
-
-def _vllm_gpus(options: dict) -> int:
-    return options.get("tensor_parallel_size", 1)
-
-
-@register_engine("vllm", options=_vllm_options, gpus=_vllm_gpus, seeded_eval=False)
-def _vllm_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
-    from rlsys.rollout.vllm_engine import VLLMEngine  # imported only when chosen: vLLM needs a GPU
-    return VLLMEngine(model_dir, slots, **kwargs)
-
-
-def engine_entry(kind: str) -> EngineEntry:
-    if kind not in ENGINES:
-        raise ValueError(f"rollout.engine: unknown engine {kind!r} ({' or '.join(ENGINES.names())})")
-    return ENGINES.get(kind)
-
-
-def make_engine(kind: str | Callable[..., RolloutEngine], model_dir: str, slots: int, **kwargs) -> RolloutEngine:
-    """The engine named by `rollout.engine`, or built by `kind` itself: the rollout manager resolves the name on the
-    driver and sends the factory, so an engine registered there (by a plugin or a test) reaches Ray workers."""
-    factory = engine_entry(kind).build if isinstance(kind, str) else kind
-    return factory(model_dir, slots, **kwargs)

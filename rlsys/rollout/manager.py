@@ -26,7 +26,8 @@ from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 from rlsys.cluster import actor_id, death_reason
 from rlsys.emulate import Emulation
 from rlsys.placement import ROLLOUT
-from rlsys.rollout.engine import SLEEP_TAGS, engine_entry
+from rlsys.rollout.engine import SLEEP_TAGS
+from rlsys.rollout.registry import engine_entry
 from rlsys.rollout.worker import RemoteRolloutWorker
 from rlsys.types import Completion, Request, RunStopped
 from rlsys.weights import WeightUpdate

@@ -16,7 +16,8 @@ from typing import Any, Callable
 import ray
 import torch
 
-from rlsys.rollout.engine import RolloutEngine, make_engine
+from rlsys.rollout.engine import RolloutEngine
+from rlsys.rollout.registry import make_engine
 from rlsys.types import Completion, Request
 from rlsys.weights import WeightUpdate
 
