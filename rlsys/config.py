@@ -389,7 +389,7 @@ class ClusterConfig(Section):
     address: Optional[str] = None  # None starts a local Ray cluster; "auto" joins a running one
     num_cpus: Optional[int] = Field(None, ge=1)
     dashboard_host: str = "127.0.0.1"
-    # GPU placement (rlsys/placement.py), checked when the config loads. gpus_per_node 0: no GPUs, no plan.
+    # GPU placement (rlsys/placement.py), planned as a run's config loads (startup.py). gpus_per_node 0: none.
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0)
     layout: Literal["colocated", "separate"] = "colocated"  # engines and trainer share GPUs, or not
@@ -596,7 +596,8 @@ class ConfigSource:
 def format_errors(err: ValidationError, source: ConfigSource) -> ConfigError:
     """A config's validation errors as one ConfigError (ConfigSource.error)."""
     return source.error([(e["loc"], "unknown key" if e["type"] == "extra_forbidden" else e["msg"],
-                          "" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r})")  # not the whole file
+                          # what the field got, unless that is the whole file
+                          "" if e["type"] == "missing" or not e["loc"] else f" (got {e.get('input')!r})")
                          for e in err.errors()])
 
 

@@ -3,11 +3,11 @@
 The config fields that select a registered function by name (reward.fn, data.task) also take such a
 spec, and data.loader takes one. `resolve` imports the module, checks that the function can be called
 with the arguments rlsys passes, and registers it under the spec, so the rest of rlsys looks it up by
-name as it does a built-in. The config validates every spec as it loads, so a typo fails before any
-actor starts, with an error naming the field. A module spec must be importable (installed, or on
-PYTHONPATH); a file spec is read from that path (relative to the working directory). The reward function
-travels to the reward actors by value (rlsys/reward/pool.py): the actors need not see the file, but any
-module it imports must be importable there.
+name as it does a built-in. A run's config is checked as it loads (rlsys/startup.py): every spec is
+imported then, so a typo fails before any actor starts, with an error naming the field. A module spec
+must be importable (installed, or on PYTHONPATH); a file spec is read from that path (relative to the
+working directory). The reward function travels to the reward actors by value (rlsys/reward/pool.py): the
+actors need not see the file, but any module it imports must be importable there.
 """
 from __future__ import annotations
 
