@@ -1,5 +1,7 @@
 """Errors a user causes and can fix: a config, a data file, a model folder. The `rlsys` command prints
-their message alone and exits non-zero; `rlsys --traceback ...` shows the traceback as well."""
+their message alone and exits non-zero; `rlsys --traceback ...` shows the traceback as well. A config's
+own ConfigError (rlsys/config.py) is one of them without deriving from UserError: the schema imports
+nothing of rlsys (rlsys/cli.py user_error takes both)."""
 
 
 class UserError(Exception):
