@@ -18,11 +18,13 @@ from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.registry import engine_entry
 
-# (the field's location, or () for the whole config; its check, which raises a ValueError naming the field)
+# (the field's location, or () for the whole config; its check, which raises a ValueError naming the field).
+# The user's code named in data.task and reward.fn is imported here; a built-in name there is looked up where it
+# is used (load_datasets, the reward pool), which names the field as well.
 CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
-    (("data", "task"), lambda cfg: is_spec(cfg.data.task) and task_family(cfg.data.task)),  # names: at load_datasets
+    (("data", "task"), lambda cfg: is_spec(cfg.data.task) and task_family(cfg.data.task)),
     (("data", "loader"), lambda cfg: cfg.data.loader and row_loader(cfg.data.loader)),
-    (("reward", "fn"), lambda cfg: is_spec(cfg.reward.fn) and reward_fn(cfg.reward.fn)),  # names: at the pool
+    (("reward", "fn"), lambda cfg: is_spec(cfg.reward.fn) and reward_fn(cfg.reward.fn)),
     (("rollout", "engine"), lambda cfg: engine_entry(cfg.rollout.engine)),
     ((), lambda cfg: check_loss_options(cfg.trainer)),  # the loss registry's: options the loss gives no meaning
     ((), plan_from_config),
