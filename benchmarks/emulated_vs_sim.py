@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsys.bench import PRESETS, machine, run_preset, write_report  # noqa: E402
-from rlsys.config import load_config  # noqa: E402
 from rlsys.logger import read_jsonl  # noqa: E402
 from rlsys.sim.replay import replay_config  # noqa: E402
 from rlsys.sim.simulator import Simulation  # noqa: E402
+from rlsys.startup import load_config  # noqa: E402
 
 CONFIG = "configs/emulated_h100_7b.yaml"
 # figure -> (live metric, simulator's figure): both bubbles over the steps' rollout windows (rlsys/step_stats.py)

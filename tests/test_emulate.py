@@ -9,13 +9,15 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys import costs
-from rlsys.config import ConfigError, EmulateConfig, load_config
+from rlsys.config import ConfigError, EmulateConfig
 from rlsys.emulate import Emulation, EnginePacer, Overruns, Pacer
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.simulator import Simulation
+from rlsys.startup import load_config
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, pack_micro_batches, plan_step
+from rlsys.trainer.logprobs import Scoring
 from rlsys.types import Request, SamplingParams
 
 from test_trainer import make_groups, model_dir, trainer_config  # noqa: F401 - the module fixture
@@ -112,7 +114,7 @@ def test_each_engine_step_lasts_its_modelled_time(engine_dir):
 
 
 def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F811
-    backend = TorchBackend(trainer_config(), model_dir)
+    backend = TorchBackend(trainer_config(), model_dir, Scoring(1.0))
     emulated = EmulateConfig(gpu="h100", model="qwen2.5-7b", time_scale=1.0, tokens_per_token=8, trainer_gpus=1)
     backend.pacer = Emulation(emulated).trainer_pacer(world_size=1)
     samples = build_samples(make_groups(0), "grpo")
@@ -121,7 +123,7 @@ def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F
     modelled = [backend.pacer.micro_batch_s(sum(s.num_tokens for s in b), costs.TRAIN_FLOPS) for b in batches]
     assert len(batches) > 1 and min(modelled) > 0.01
     started = time.perf_counter()
-    metrics = backend.train_step(samples, totals, 1.0)
+    metrics = backend.train_step(samples, totals)
     assert time.perf_counter() - started >= sum(modelled)
     assert metrics["emulate_held"] == len(batches) and 0 <= metrics["emulate_overruns"] <= len(batches)
 

@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from rlsys import costs
-from rlsys.config import Config, load_config
+from rlsys.config import Config, read_config
 from rlsys.data.cursor import PromptCursor
 from rlsys.logger import read_jsonl
 from rlsys.sim.config import SimConfig, load_sim_config
@@ -74,7 +74,7 @@ def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[tuple[int, boo
 def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimConfig, Replay]:
     """The simulator's config and workload for the live emulated run in `run_dir`."""
     run_dir = Path(run_dir)
-    live: Config = load_config(run_dir / "config.yaml")
+    live: Config = read_config(run_dir / "config.yaml")[0]  # its values only: nothing of it runs
     e = live.emulate
     if not e.on:
         raise ValueError(f"{run_dir}: not an emulated run (emulate.gpu is unset in its config.yaml)")
