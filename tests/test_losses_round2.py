@@ -8,7 +8,8 @@ import torch
 
 from transformers import AutoModelForCausalLM
 
-from rlsys.config import Config, ConfigError, TrainerConfig, load_config
+from rlsys.config import Config, ConfigError, TrainerConfig
+from rlsys.startup import load_config
 from rlsys.trainer.advantages import KLController
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
@@ -18,7 +19,7 @@ from rlsys.trainer.worker import TrainerGroup
 
 from helpers import train_step
 
-from test_trainer import TEMPERATURE, make_groups, model_dir, trainer_config  # noqa: F401
+from test_trainer import SCORING, TEMPERATURE, make_groups, model_dir, trainer_config  # noqa: F401
 
 LN = math.log
 
@@ -313,24 +314,24 @@ def test_kl_in_the_reward_is_not_in_the_loss_and_needs_an_estimator():
 
 def test_the_backend_sums_each_samples_kl_to_the_reference(model_dir):  # noqa: F811
     cfg = trainer_config(backend="torch", kl={"estimator": "k2", "coef": 0.1, "in_reward": True})
-    backend = TorchBackend(cfg, model_dir)
+    backend = TorchBackend(cfg, model_dir, SCORING)
     samples = build_samples(make_groups(1, prompts=2, group_size=2), "grpo")
-    got = backend.sequence_kl(samples, 0, TEMPERATURE, 1.0)
+    got = backend.sequence_kl(samples, 0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     for sample, kl in zip(samples, got):
         ids = torch.tensor([sample.input_ids])
         with torch.no_grad():
-            ref = token_logprobs(model(input_ids=ids).logits, ids, TEMPERATURE)[0, sample.prompt_len - 1:]
+            ref = token_logprobs(model(input_ids=ids).logits, ids, SCORING)[0, sample.prompt_len - 1:]
         behaviour = torch.tensor(sample.logprobs)
         assert kl == pytest.approx((0.5 * (ref - behaviour) ** 2).sum().item(), rel=1e-4)
 
 
 def test_a_step_with_kl_in_the_reward_reports_and_adapts_the_coefficient(model_dir, ray_cluster):  # noqa: F811
     kl = {"estimator": "k1", "coef": 0.1, "in_reward": True, "target": 1e-6, "horizon": 16}
-    trainer = TrainerGroup(Config(trainer=trainer_config(backend="torch", kl=kl)), model_dir)
+    trainer = TrainerGroup(Config(trainer=trainer_config(backend="torch", kl=kl)), model_dir, SCORING)
     try:
-        first = train_step(trainer, make_groups(0), TEMPERATURE, version=0)
-        second = train_step(trainer, make_groups(1), TEMPERATURE, version=1)
+        first = train_step(trainer, make_groups(0), version=0)
+        second = train_step(trainer, make_groups(1), version=1)
     finally:
         trainer.shutdown()
     # The behaviour log-probs (-log V) are far from the model's: the KL is well above the target, so after a
@@ -342,9 +343,9 @@ def test_a_step_with_kl_in_the_reward_reports_and_adapts_the_coefficient(model_d
 
 def test_the_adapted_coefficient_is_saved_with_a_checkpoint(model_dir, ray_cluster, tmp_path):  # noqa: F811
     kl = {"estimator": "k1", "coef": 0.1, "in_reward": True, "target": 1e-6, "horizon": 16}
-    trainer = TrainerGroup(Config(trainer=trainer_config(backend="torch", kl=kl)), model_dir)
+    trainer = TrainerGroup(Config(trainer=trainer_config(backend="torch", kl=kl)), model_dir, SCORING)
     try:
-        train_step(trainer, make_groups(0), TEMPERATURE, version=0)
+        train_step(trainer, make_groups(0), version=0)
         trainer.save(str(tmp_path))
         trainer.kl_in_reward.coef = 0.1
         trainer.load(str(tmp_path))
@@ -360,10 +361,10 @@ def test_the_entropy_bonus_reaches_the_weights_as_a_plain_forward_computes_it(mo
         for s in group.samples:
             s.reward = 1.0
     cfg = trainer_config(backend="torch", entropy_coeff=0.5, micro_batch_tokens=40)
-    backend = TorchBackend(cfg, model_dir)
+    backend = TorchBackend(cfg, model_dir, SCORING)
     samples = build_samples(groups, cfg.advantage)
     _, totals = plan_step(samples, 1, cfg.micro_batch_tokens)
-    backend.accumulate_gradients(samples, totals, TEMPERATURE)
+    backend.accumulate_gradients(samples, totals)
     got = {n: p.grad for n, p in backend.model.named_parameters()}
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)

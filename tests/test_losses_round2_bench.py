@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlsys.config import load_config, read_yaml_mapping
+from rlsys.config import read_yaml_mapping
+from rlsys.startup import load_config
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "losses_round2.py"
 

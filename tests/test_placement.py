@@ -166,8 +166,9 @@ def test_a_trainer_rank_ray_cannot_schedule_is_reported_not_waited_for():
     names what it asked for within its deadline."""
     script = textwrap.dedent("""
         import ray
-        from rlsys.config import load_config
+        from rlsys.startup import load_config
         from rlsys.trainer import worker
+        from rlsys.trainer.logprobs import Scoring
         ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="ERROR")
 
         @ray.remote(num_gpus=1)
@@ -179,7 +180,8 @@ def test_a_trainer_rank_ray_cannot_schedule_is_reported_not_waited_for():
         ray.get(engine.ready.remote())
         worker.START_TIMEOUT_S = 3
         try:
-            worker.TrainerGroup(load_config(None, []), "no-model")
+            cfg = load_config(None, [])
+            worker.TrainerGroup(cfg, "no-model", Scoring.of(cfg.rollout))
         except worker.NotScheduled as e:
             print("REFUSED", e)
     """)
