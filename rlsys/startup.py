@@ -17,6 +17,7 @@ from rlsys.placement import plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.registry import engine_entry
+from rlsys.trainer.losses import check_loss_options
 
 # (the field's location, or () for the whole config; its check, which raises a ValueError naming the field).
 # The user's code named in data.task and reward.fn is imported here; a built-in name there is looked up where it
