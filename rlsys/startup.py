@@ -12,22 +12,31 @@ from pathlib import Path
 from typing import Callable
 
 from rlsys.config import Config, read_config
+from rlsys.control.scheduler import SCHEDULERS
+from rlsys.control.sizing import GROUP_SIZERS
 from rlsys.data import row_loader, task_family
+from rlsys.data.synthetic import TASKS
 from rlsys.placement import plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.registry import engine_entry
-from rlsys.trainer.losses import check_loss_options
+from rlsys.trainer.advantages import ADVANTAGES
+from rlsys.trainer.losses import POLICY_LOSSES, check_loss_options
 
 # (the field's location, or () for the whole config; its check, which raises a ValueError naming the field).
-# The user's code named in data.task and reward.fn is imported here; a built-in name there is looked up where it
-# is used (load_datasets, the reward pool), which names the field as well.
+# Every name chosen from a registry is looked up here, so a typo ("did you mean ...?") costs seconds, not the
+# minutes until the part that uses it starts; the user's code named in data.task and reward.fn is imported.
 CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
-    (("data", "task"), lambda cfg: is_spec(cfg.data.task) and task_family(cfg.data.task)),
+    (("data", "task"), lambda cfg: cfg.data.task in ("files", "synthetic")
+     or (task_family(cfg.data.task) if is_spec(cfg.data.task) else TASKS.get(cfg.data.task))),
     (("data", "loader"), lambda cfg: cfg.data.loader and row_loader(cfg.data.loader)),
-    (("reward", "fn"), lambda cfg: is_spec(cfg.reward.fn) and reward_fn(cfg.reward.fn)),
+    (("reward", "fn"), lambda cfg: reward_fn(cfg.reward.fn)),
     (("rollout", "engine"), lambda cfg: engine_entry(cfg.rollout.engine)),
-    ((), lambda cfg: check_loss_options(cfg.trainer)),  # the loss registry's: options the loss gives no meaning
+    (("control", "scheduler"), lambda cfg: SCHEDULERS.get(cfg.control.scheduler)),
+    (("control", "group_sizer"), lambda cfg: GROUP_SIZERS.get(cfg.control.group_sizer)),
+    (("trainer", "loss"), lambda cfg: POLICY_LOSSES.get(cfg.trainer.loss)),
+    (("trainer", "advantage"), lambda cfg: ADVANTAGES.get(cfg.trainer.advantage)),
+    ((), lambda cfg: cfg.trainer.loss not in POLICY_LOSSES or check_loss_options(cfg.trainer)),  # the loss's options
     ((), plan_from_config),
 )
 

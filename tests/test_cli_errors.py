@@ -102,3 +102,21 @@ def test_overwrite_moves_the_earlier_run_aside_whole(tmp_path):
 def test_config_overrides_and_options_in_any_order(argv, capsys):
     assert main(argv) == 2  # the override after the option reached the config: its error, not argparse's
     assert "trainer.total_steps: Input should be greater than or equal to 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("control.scheduler=sortd", "control.scheduler: unknown scheduler 'sortd'; did you mean 'sorted'?"),
+    ("control.group_sizer=sagcc", "control.group_sizer: unknown group sizer 'sagcc'; did you mean 'sagc'?"),
+    ("reward.fn=mathverify", "reward.fn: unknown reward function 'mathverify'; did you mean 'math_verify'?"),
+    ("trainer.loss=dapoo", "trainer.loss: unknown policy loss 'dapoo'; did you mean 'dapo'?"),
+    ("trainer.advantage=rlo", "trainer.advantage: unknown advantage estimator 'rlo'; did you mean 'rloo'?"),
+    ("data.task=wordproblems", "data.task: unknown task family 'wordproblems'; did you mean 'word_problems'?"),
+    ("rollout.engine=vlm", "rollout.engine: unknown rollout engine 'vlm'"),
+    ("trainer.backend=deepspeeed", "trainer.backend: Input should be 'deepspeed' or 'torch'"),
+    ("weights.transfer=cuda-ipc", "weights.transfer: Input should be 'object_store', 'broadcast' or 'cuda_ipc'")])
+def test_every_name_chosen_from_a_list_is_checked_when_the_config_loads(override, message, tmp_path, capsys):
+    """Each would otherwise fail only once the part using it starts (a KeyError traceback after 17-132 s)."""
+    assert main(["train", override, f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()  # refused before anything started

@@ -20,7 +20,7 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [12, 40, 33, 2, 2, 8, 1, 0, 
 
 
 def test_unknown_engine_is_refused_with_the_config_field():
-    with pytest.raises(ValueError, match="rollout.engine: unknown engine 'tpu'"):
+    with pytest.raises(ValueError, match="rollout.engine: unknown rollout engine 'tpu'"):
         make_engine("tpu", "unused", 4)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rlsys.registry import Registry
+from rlsys.registry import Registry, UnknownName
 from rlsys.rollout.engine import RolloutEngine
 
 
@@ -66,9 +66,10 @@ def _vllm_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
 
 
 def engine_entry(kind: str) -> EngineEntry:
-    if kind not in ENGINES:
-        raise ValueError(f"rollout.engine: unknown engine {kind!r} ({' or '.join(ENGINES.names())})")
-    return ENGINES.get(kind)
+    try:
+        return ENGINES.get(kind)
+    except UnknownName as e:  # also raised where no config is at hand (make_engine): name the field
+        raise UnknownName(f"rollout.engine: {e}") from None
 
 
 def make_engine(kind: str | Callable[..., RolloutEngine], model_dir: str, slots: int, **kwargs) -> RolloutEngine:
