@@ -135,8 +135,23 @@ def test_lock_file_pins_win_over_the_builders_own(tmp_path):
 
 
 # --- run.sh and its summary ----------------------------------------------------------------------
-def test_run_sh_is_valid_bash():
-    subprocess.run(["bash", "-n", str(GPU / "run.sh")], check=True)
+@pytest.mark.parametrize("script", ["run.sh", "rehearse.sh"])
+def test_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(GPU / script)], check=True)
+
+
+def test_rehearse_sh_reads_the_same_cpu_overrides_as_this_test():
+    line = subprocess.run(["sed", "-n", "s/^# On a machine without a GPU: //p", str(CONFIGS / "smoke.yaml")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "s/^# On a machine without a GPU: //p" in (GPU / "rehearse.sh").read_text()
+    assert line.split() == CPU_OVERRIDES and "rollout.device=cpu" in CPU_OVERRIDES
+
+
+def test_the_stored_rehearsal_ran_end_to_end_within_the_transfer_limit():
+    record = json.loads((ROOT / "benchmarks" / "results" / "gpu_rehearsal_cpu.json").read_text())
+    assert record["exit_status"] == 0 and record["overrides"] == CPU_OVERRIDES
+    assert 0 < record["bundle_mib"] < 64 and record["summary"]["steps"] == load_config(CONFIGS / "smoke.yaml"
+                                                                                         ).trainer.total_steps
 
 
 def run_sh(bundle: Path, scratch: Path, *args: str) -> subprocess.CompletedProcess:
