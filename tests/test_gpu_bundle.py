@@ -21,8 +21,9 @@ from rlsys.startup import load_config
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
 CONFIGS = ROOT / "configs" / "gpu"
-CPU_OVERRIDES = ["rollout.device=cpu", "trainer.dtype=float32", "weights.transfer=object_store",
-                 "cluster.gpus_per_node=0"]
+CPU_LINE = "# On a machine without a GPU: "  # smoke.yaml's overrides, read by benchmarks/gpu/rehearse.sh too
+CPU_OVERRIDES = next(line[len(CPU_LINE):].split() for line in (CONFIGS / "smoke.yaml").read_text().splitlines()
+                     if line.startswith(CPU_LINE))
 
 def load_module(name: str):
     spec = importlib.util.spec_from_file_location(name, GPU / f"{name}.py")
@@ -45,6 +46,7 @@ def test_gpu_configs_validate_as_one_gpu_colocated_cuda_runs(name):
 
 def test_smoke_config_runs_on_cpu_with_the_documented_overrides():
     cfg = load_config(CONFIGS / "smoke.yaml", CPU_OVERRIDES)
+    assert cfg.trainer.dtype == "float32"
     assert (cfg.rollout.device, cfg.weights.transfer, cfg.cluster.gpus_per_node) == ("cpu", "object_store", 0)
 
 
@@ -134,8 +136,23 @@ def test_lock_file_pins_win_over_the_builders_own(tmp_path):
 
 
 # --- run.sh and its summary ----------------------------------------------------------------------
-def test_run_sh_is_valid_bash():
-    subprocess.run(["bash", "-n", str(GPU / "run.sh")], check=True)
+@pytest.mark.parametrize("script", ["run.sh", "rehearse.sh"])
+def test_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(GPU / script)], check=True)
+
+
+def test_rehearse_sh_reads_the_same_cpu_overrides_as_this_test():
+    line = subprocess.run(["sed", "-n", "s/^# On a machine without a GPU: //p", str(CONFIGS / "smoke.yaml")],
+                          capture_output=True, text=True, check=True).stdout
+    assert "s/^# On a machine without a GPU: //p" in (GPU / "rehearse.sh").read_text()
+    assert line.split() == CPU_OVERRIDES and "rollout.device=cpu" in CPU_OVERRIDES
+
+
+def test_the_stored_rehearsal_ran_end_to_end_within_the_transfer_limit():
+    record = json.loads((ROOT / "benchmarks" / "results" / "gpu_rehearsal_cpu.json").read_text())
+    assert record["exit_status"] == 0 and record["overrides"] == CPU_OVERRIDES
+    assert 0 < record["bundle_mib"] < 64 and record["summary"]["steps"] == load_config(CONFIGS / "smoke.yaml"
+                                                                                         ).trainer.total_steps
 
 
 def run_sh(bundle: Path, scratch: Path, *args: str) -> subprocess.CompletedProcess:
