@@ -68,9 +68,12 @@ def test_a_trainer_rank_hands_its_cached_blocks_back_on_a_gpu(cuda_driver):
     assert cuda_driver.calls == [("empty_cache", 0)]
 
 
-def test_a_trainer_takes_the_gpu_ray_gave_it(cuda_driver, monkeypatch):
+@pytest.mark.parametrize("nvml_check", ["0", "1"])  # importing DeepSpeed sets 1: torch then counts once a process
+def test_a_trainer_takes_the_gpu_ray_gave_it(cuda_driver, monkeypatch, nvml_check):
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", nvml_check)
     assert local_device() == "cuda"
-    monkeypatch.setattr(cuda_driver, "count", 0)  # cudaGetDeviceCount: none
+    monkeypatch.setattr(cuda_driver, "count", 0)  # cudaGetDeviceCount: none, in a process of its own
+    monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
     assert local_device() == "cpu"
 
 
