@@ -1,4 +1,4 @@
-"""The simulator against the published figures (CALIBRATION.md), then the best schedule at 128 GPUs.
+"""The simulator against the published figures (docs/performance.md "Calibration sources"), then the best schedule at 128 GPUs.
 
     python benchmarks/sim_calibration.py --output benchmarks/results/sim_calibration.json
 

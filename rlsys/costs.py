@@ -3,9 +3,9 @@
 One model, two users: the simulator (rlsys/sim/) and live runs on an emulated clock (rlsys/emulate.py),
 so both take their seconds from the functions and defaults here. It imports nothing of rlsys.
 
-Constants and formulas follow CALIBRATION.md: §1 "D - per-model constants" for decode (weights read
-at 75% of HBM bandwidth, KV reads at 90%, 90% of memory usable), §1 "Prefill" for prefill at about
-45% of BF16 peak, §3 for weight sync, §4 for trainer MFU. Qwen2.5 shapes from arXiv 2412.15115 Table 1.
+Constants and formulas: docs/performance.md "Calibration sources" (decode with weights read
+at 75% of HBM bandwidth, KV reads at 90%, 90% of memory usable; prefill at about 45% of BF16 peak; weight
+sync; trainer MFU). Qwen2.5 shapes from arXiv 2412.15115 Table 1.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ STEP_OVERHEAD_S = 1e-3  # scheduling and sampling on the CPU, per decode step
 DECODE_MFU = 0.5
 PREFILL_MFU = 0.45
 ALLREDUCE_S = 10e-6  # one tensor-parallel all-reduce (two per layer)
-TRAIN_MFU = 0.35  # CALIBRATION §4: ~0.33 on H100 in RL frameworks
+TRAIN_MFU = 0.35  # ~0.33 on H100 in RL frameworks (docs/performance.md "Calibration sources")
 FORWARD_FLOPS = 2  # per parameter and token: one forward pass
 TRAIN_FLOPS = 6  # forward and backward
 LINK_GBPS = 25.0  # GB/s of full weights, trainer to engines
@@ -108,5 +108,5 @@ def train_gpu_seconds(model: ModelShape, gpu: GPU, tokens: float, mfu: float, fl
 
 
 def sync_seconds(model: ModelShape, bandwidth_gbps: float = LINK_GBPS, latency_s: float = SYNC_LATENCY_S) -> float:
-    """Broadcast the full BF16 weights once (CALIBRATION §3: 7B in 0.55-0.8 s over NCCL)."""
+    """Broadcast the full BF16 weights once (7B in 0.55-0.8 s over NCCL: docs/performance.md "Calibration sources")."""
     return model.params * BF16 / (bandwidth_gbps * 1e9) + latency_s

@@ -41,7 +41,7 @@ def test_engine_constants_match_calibration_table(model, tp, weight_ms, capacity
     cost = EngineCost.build(MODELS[model], GPUS["h800"], tp, overhead_s=0.0)
     assert cost.weight_s * 1e3 == pytest.approx(weight_ms, rel=0.03)
     assert cost.kv_capacity / 1e6 == pytest.approx(capacity_m, rel=0.03)
-    full = cost.step_s(64, cost.kv_capacity)  # CALIBRATION §1: ~24-28 ms with a full KV cache
+    full = cost.step_s(64, cost.kv_capacity)  # published: ~24-28 ms with a full KV cache (docs/performance.md)
     assert 0.022 < full < 0.030
 
 

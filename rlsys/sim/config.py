@@ -79,7 +79,7 @@ class EngineSpec(Section):
 
 
 class WorkloadSpec(Section):
-    """Response lengths: lognormal, with a per-prompt scale (CALIBRATION §2: prompt identity explains
+    """Response lengths: lognormal, with a per-prompt scale (published RL traces: prompt identity explains
     ~65% of length variance) and a share of runaway samples that loop until the cap."""
     max_tokens: int = Field(8192, ge=1)
     median_tokens: float = Field(1500, gt=0)
