@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import transformers
+import yaml
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys.config import ModelConfig, RolloutConfig
@@ -45,8 +46,8 @@ from rlsys.types import Request, SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_throughput.json"
 
 
-def build_model(folder: Path, vocab: int) -> Qwen2ForCausalLM:
-    m = ModelConfig()
+def build_model(folder: Path, vocab: int, m: ModelConfig | None = None) -> Qwen2ForCausalLM:
+    m = m or ModelConfig()
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=vocab, hidden_size=m.hidden_size, num_hidden_layers=m.num_layers,
@@ -131,8 +132,51 @@ def step_grid(model_dir: str, args) -> list[dict]:
             flops = 2 * params * b + 4 * keys * m.heads * m.head_dim * m.layers
             rows.append({"batch": b, "context": shape, "step_ms": ms, "tokens_per_s": round(b / ms * 1000, 1),
                          "read_gb_per_s": round(read / ms / 1e6, 2), "flops_per_byte": round(flops / read, 2)})
+            if args.gpu:
+                cost = model_cost(m, params, args.gpu)
+                rows[-1]["cost_model_ms"] = round(cost.step_s(b, keys) * 1000, 3)
             print(f"batch {b:4d} context {shape!s:>7s}: {ms:8.3f} ms/step, {rows[-1]['tokens_per_s']:10.0f} tokens/s, "
-                  f"{rows[-1]['read_gb_per_s']:8.2f} GB/s read, {rows[-1]['flops_per_byte']:7.2f} FLOPs/byte")
+                  f"{rows[-1]['read_gb_per_s']:8.2f} GB/s read, {rows[-1]['flops_per_byte']:7.2f} FLOPs/byte"
+                  + (f", cost model {rows[-1]['cost_model_ms']:.3f} ms" if args.gpu else ""))
+    return rows
+
+
+def model_cost(m, params: int, gpu: str):
+    """rlsys.costs' vLLM decode and prefill cost for this model on `gpu`: what the simulator and the emulated
+    clock assume."""
+    from rlsys.costs import GPUS, EngineCost, ModelShape
+
+    return EngineCost.build(ModelShape(params, m.layers, m.kv_heads, m.head_dim), GPUS[gpu], tp=1)
+
+
+def prefill_grid(model_dir: str, args) -> list[dict]:
+    """Time of one step that admits `batch` prompts of `length` tokens each (their prefill, one token each),
+    against the cost model's prefill time for those tokens."""
+    points = [tuple(map(int, p.split("x"))) for p in args.prefill.split(",")]
+    engine = CPUEngine(model_dir, slots=max(b for b, _ in points), max_len=max(n for _, n in points) + 2,
+                       dtype=args.dtype, device=args.device)
+    m = engine.model
+    params = sum(t.numel() for t in {t.data_ptr(): t for t in m.params.values()}.values())
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for b, n in points:
+        best = float("inf")
+        for rep in range(args.repeats + 1):  # the first warms up
+            for i in range(b):
+                ids = torch.randint(0, m.vocab, (n,), generator=gen).tolist()
+                engine.add(Request(f"p{b}x{n}-{rep}-{i}", "prefill", ids, SamplingParams(max_new_tokens=1, seed=i)))
+            t = time.perf_counter()
+            engine.step()  # admit: the prefill, its token read back (the step's one sync)
+            if rep:
+                best = min(best, time.perf_counter() - t)
+            assert not engine.has_work()
+        row = {"batch": b, "length": n, "step_ms": round(best * 1000, 3),
+               "prefill_tokens_per_s": round(b * n / best, 1)}
+        if args.gpu:
+            row["cost_model_ms"] = round(model_cost(m, params, args.gpu).prefill_s_per_token * b * n * 1000, 3)
+        rows.append(row)
+        print(f"prefill {b:3d} x {n:5d} tokens: {row['step_ms']:9.3f} ms, {row['prefill_tokens_per_s']:10.0f} tokens/s"
+              + (f", cost model {row['cost_model_ms']:.3f} ms" if args.gpu else ""))
     return rows
 
 
@@ -204,10 +248,16 @@ def main() -> None:
     ap.add_argument("--lengths", help="context lengths of the step grid (default on cuda: 128,1024,4096)")
     ap.add_argument("--grid-steps", type=int, default=16, help="decode steps timed per grid point")
     ap.add_argument("--model", help="a Hugging Face model directory for the step grid (default: the tiny model)")
+    ap.add_argument("--config", type=Path, help="build the model from this rlsys config's model.* fields instead")
+    ap.add_argument("--prefill", help="prefill points BATCHxLENGTH,... (cuda default: 1x128,1x1024,1x4096,8x1024,32x512)")
+    ap.add_argument("--gpu", help="compare with rlsys.costs for this GPU (h100, h200, ...)")
     ap.add_argument("--out", type=Path, help="default: results/engine_throughput.json, or engine_decode_cuda.json")
     args = ap.parse_args()
     args.dtype = RolloutConfig(device=args.device, dtype=args.dtype).engine_dtype
     args.lengths = args.lengths or ("128,1024,4096" if args.device == "cuda" else None)
+    args.prefill = args.prefill or ("1x128,1x1024,1x4096,8x1024,32x512" if args.device == "cuda" else None)
+    model_cfg = ModelConfig(**{k: v for k, v in yaml.safe_load(args.config.read_text())["model"].items()
+                               if k != "warm_start"}) if args.config else ModelConfig()
     out = args.out or (RESULTS if args.device == "cpu" else RESULTS.with_name(f"engine_decode_{args.device}.json"))
     load_before = os.getloadavg()[0]  # other processes' load skews wall times: recorded with the results
     torch.set_num_threads(args.threads)
@@ -215,15 +265,21 @@ def main() -> None:
               "settings": {"batch": args.batch, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
                            "vocab": args.vocab, "torch_threads": args.threads, "temperature": args.temperature,
                            "repeats": args.repeats, "device": args.device, "dtype": args.dtype,
-                           "lengths": args.lengths, "grid_steps": args.grid_steps, "model": args.model or
-                           ModelConfig().model_dump(include={"hidden_size", "num_layers", "num_heads",
-                                                             "num_kv_heads", "intermediate_size"})}}
+                           "lengths": args.lengths, "grid_steps": args.grid_steps, "prefill": args.prefill,
+                           "cost_model_gpu": args.gpu, "model": args.model or
+                           model_cfg.model_dump(include={"hidden_size", "num_layers", "num_heads",
+                                                         "num_kv_heads", "intermediate_size"})}}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp), args.vocab)
+        model = build_model(Path(tmp), args.vocab, model_cfg)
         if args.device == "cpu":
             report.update(compare_with_generate(tmp, model, args))
+        del model  # the engines load their own copy
         if args.lengths:
             report["decode_step_grid"] = step_grid(args.model or tmp, args)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=1) + "\n")  # kept if the prefill grid is cut off
+        if args.prefill:
+            report["prefill_grid"] = prefill_grid(args.model or tmp, args)
     report["machine"]["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")

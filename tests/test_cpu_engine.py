@@ -76,6 +76,31 @@ def test_greedy_matches_hf_generate_and_logprobs(tmp_path, arch):
         torch.testing.assert_close(torch.tensor(c.logprobs), reference, atol=1e-4, rtol=0)
 
 
+def test_prefill_chunks_keep_order_and_the_padded_budget():
+    assert cpu_engine.prefill_chunks([3, 5, 2, 8], 10) == [(0, 2), (2, 3), (3, 4)]  # 2 x 5 = 10 fits, 3 x 5 not
+    assert cpu_engine.prefill_chunks([20, 1], 10) == [(0, 1), (1, 2)]  # longer than the budget: alone
+    assert cpu_engine.prefill_chunks([4] * 6, 100) == [(0, 6)]
+    assert cpu_engine.prefill_chunks([], 10) == []
+
+
+def test_a_prefill_over_the_token_budget_runs_in_chunks_with_the_same_results(qwen, monkeypatch):
+    model, path = qwen
+    forwards = []
+    original = cpu_engine.DecoderModel.forward
+    monkeypatch.setattr(cpu_engine.DecoderModel, "forward",
+                        lambda self, ids, *a, **k: forwards.append(tuple(ids.shape)) or original(self, ids, *a, **k))
+    monkeypatch.setattr(cpu_engine, "PREFILL_TOKENS", 2 * max(map(len, PROMPTS)))
+    engine = CPUEngine(path, slots=8)
+    out = run(engine, [Request(f"r{i}", "p", p, greedy(6)) for i, p in enumerate(PROMPTS)])
+    prefills = [shape for shape in forwards if shape[1] > 1]
+    assert len(prefills) >= 2 and sum(n for n, _ in prefills) == len(PROMPTS)
+    assert all(n * t <= cpu_engine.PREFILL_TOKENS for n, t in prefills)
+    for i, prompt in enumerate(PROMPTS):
+        assert out[f"r{i}"].token_ids == hf_greedy(model, prompt, 6), f"prompt {i}"
+        reference = hf_logprobs(model, prompt, out[f"r{i}"].token_ids)
+        torch.testing.assert_close(torch.tensor(out[f"r{i}"].logprobs), reference, atol=1e-4, rtol=0)
+
+
 def test_request_joining_mid_flight_matches_running_alone(qwen):
     model, path = qwen
     engine = CPUEngine(path, slots=4)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU measurements of a lent GPU, phase by phase, each under its own time limit, each writing its log and
+# results into OUT_DIR as it ends (the runs' records in records.tgz), so a run cut off keeps what it measured:
+#   smoke      benchmarks/gpu/run.sh with configs/gpu/smoke.yaml: install, train, publish, checkpoint
+#   engine     the built-in engine's decode and prefill cost at the 0.5B bench model's size, beside rlsys.costs
+#   publish    one short 0.5B run per transport one GPU can run (cuda_ipc, object_store): weight sync time
+#   schedulers sync, then tail, on the 0.5B model's untrained (long, geometric) answers, same seed and steps
+#
+#   benchmarks/gpu/measure.sh BUNDLE_DIR OUT_DIR PHASE[:SECONDS] ...
+#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" smoke:240 engine:200
+set -uo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+[ $# -ge 3 ] || { echo "usage: benchmarks/gpu/measure.sh BUNDLE_DIR OUT_DIR PHASE[:SECONDS] ..." >&2; exit 2; }
+bundle=$(cd "$1" && pwd)
+out=$(realpath -m "$2")
+shift 2
+mkdir -p "$out"
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 SCRATCH=${SCRATCH:-/tmp/rlsys-gpu-scratch}
+work=$(mktemp -d -t rlsys-measure-XXXXXX)
+bench=$repo/configs/gpu/bench_0.5b.yaml
+gpu=$("$python" -c 'import torch; n = torch.cuda.get_device_name(0).lower(); print(next((g for g in ("h200", "h100", "h800", "h20") if g in n), "h100"))')
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/machine.txt" 2>&1
+"$python" -c 'import torch, platform; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())' >> "$out/machine.txt"
+
+# run.sh into $work/NAME with these overrides (it prints its summary.json into the phase's log)
+train() {
+  local name=$1 config=$2; shift 2
+  CONFIG=$config bash "$repo/benchmarks/gpu/run.sh" "$bundle" "$work/$name" "$@"
+}
+
+phase_smoke() { train smoke "$repo/configs/gpu/smoke.yaml"; }
+
+phase_engine() {
+  PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/engine_throughput.py" --device cuda \
+    --config "$bench" --vocab 259 --gpu "$gpu" --sweep 1,8,32,64,128,256 --lengths 128,1024,4096 \
+    --repeats 3 --out "$out/engine_decode.json"
+}
+
+short_0_5b=(trainer.total_steps=3 rollout.max_new_tokens=256 control.prompts_per_step=8 control.group_size=8)
+phase_publish() {
+  train publish_cuda_ipc "$bench" "${short_0_5b[@]}" weights.transfer=cuda_ipc
+  train publish_object_store "$bench" "${short_0_5b[@]}" weights.transfer=object_store
+}
+
+phase_schedulers() {
+  local common=(trainer.total_steps=6 rollout.max_new_tokens=1024 control.prompts_per_step=8 control.group_size=8)
+  train sched_sync "$bench" "${common[@]}" control.scheduler=sync
+  train sched_tail "$bench" "${common[@]}" control.scheduler=tail
+}
+
+for item in "$@"; do
+  name=${item%%:*}; limit=${item#*:}; [ "$limit" = "$item" ] && limit=300
+  declare -F "phase_$name" > /dev/null || { echo "measure.sh: unknown phase $name" >&2; exit 2; }
+  echo "== $name (at most $limit s)"
+  start=$SECONDS
+  # a subshell under timeout: the phase's processes (Ray's too) end with it
+  timeout --kill-after=10 "$limit" bash -c "$(declare -f train "phase_$name"); $(declare -p repo bundle out python work bench gpu short_0_5b); phase_$name" \
+    > "$out/$name.log" 2>&1
+  status=$?
+  echo "$name: exit $status after $((SECONDS - start)) s" | tee -a "$out/phases.txt"
+  "$python" -c 'import ray' 2> /dev/null && ray stop --force > /dev/null 2>&1
+  pkill -f 'ray::|raylet|gcs_server' 2> /dev/null
+  tail -5 "$out/$name.log"
+  # every run's summary and records so far, weights left out: one file (few files come back from a lent GPU)
+  tar -czf "$out/records.tgz" -C "$work" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' . 2>/dev/null
+done
