@@ -3,7 +3,8 @@
 # results into OUT_DIR as it ends (the runs' records in records.tgz), so a run cut off keeps what it measured:
 #   smoke      benchmarks/gpu/run.sh with configs/gpu/smoke.yaml: install, train, publish, checkpoint
 #   engine     the built-in engine's decode and prefill cost at the 0.5B bench model's size, beside rlsys.costs
-#   publish    one short 0.5B run per transport one GPU can run (cuda_ipc, object_store): weight sync time
+#   live       the engine's decode step alone, behind its worker thread, in a Ray actor, beside a CUDA peer
+#   publish_cuda_ipc, publish_object_store   a short 0.5B run per transport one GPU can run: weight sync time
 #   schedulers sync, then tail, on the 0.5B model's untrained (long, geometric) answers, same seed and steps
 #
 #   benchmarks/gpu/measure.sh BUNDLE_DIR OUT_DIR PHASE[:SECONDS] ...
@@ -24,6 +25,9 @@ gpu=$("$python" -c 'import torch; n = torch.cuda.get_device_name(0).lower(); pri
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/machine.txt" 2>&1
 "$python" -c 'import torch, platform; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())' >> "$out/machine.txt"
 
+# the bundle once, for the phases that import rlsys from the checkout (run.sh installs it again, the same)
+[ -d "$SCRATCH/site" ] || "$python" -m pip install --quiet --no-index --no-deps --target "$SCRATCH/site" "$bundle"/*.whl
+
 # run.sh into $work/NAME with these overrides (it prints its summary.json into the phase's log)
 train() {
   local name=$1 config=$2; shift 2
@@ -38,11 +42,14 @@ phase_engine() {
     --repeats 3 --out "$out/engine_decode.json"
 }
 
-short_0_5b=(trainer.total_steps=3 rollout.max_new_tokens=256 control.prompts_per_step=8 control.group_size=8)
-phase_publish() {
-  train publish_cuda_ipc "$bench" "${short_0_5b[@]}" weights.transfer=cuda_ipc
-  train publish_object_store "$bench" "${short_0_5b[@]}" weights.transfer=object_store
+phase_live() {
+  PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/gpu/live_engine.py" --config "$bench" \
+    --out "$out/live_engine.json"
 }
+
+short_0_5b=(trainer.total_steps=3 rollout.max_new_tokens=128 control.prompts_per_step=8 control.group_size=8)
+phase_publish_cuda_ipc() { train publish_cuda_ipc "$bench" "${short_0_5b[@]}" weights.transfer=cuda_ipc; }
+phase_publish_object_store() { train publish_object_store "$bench" "${short_0_5b[@]}" weights.transfer=object_store; }
 
 phase_schedulers() {
   local common=(trainer.total_steps=6 rollout.max_new_tokens=1024 control.prompts_per_step=8 control.group_size=8)
