@@ -47,12 +47,22 @@ phase_live() {
     --out "$out/live_engine.json"
 }
 
+phase_live_smi() {  # the same, while nvidia-smi samples memory as run.sh does
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > /dev/null &
+  local sampler=$!
+  PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/gpu/live_engine.py" --config "$bench" \
+    --out "$out/live_engine_smi.json"
+  kill $sampler
+}
+
 short_0_5b=(trainer.total_steps=3 rollout.max_new_tokens=128 control.prompts_per_step=8 control.group_size=8)
 phase_publish_cuda_ipc() { train publish_cuda_ipc "$bench" "${short_0_5b[@]}" weights.transfer=cuda_ipc; }
 phase_publish_object_store() { train publish_object_store "$bench" "${short_0_5b[@]}" weights.transfer=object_store; }
 
 phase_schedulers() {
-  local common=(trainer.total_steps=6 rollout.max_new_tokens=1024 control.prompts_per_step=8 control.group_size=8)
+  local common=(trainer.total_steps=3 rollout.max_new_tokens=512 control.prompts_per_step=8 control.group_size=8
+                data.eval_size=4)
+  export GPU_MEMORY_MS=${GPU_MEMORY_MS:-0}
   train sched_sync "$bench" "${common[@]}" control.scheduler=sync
   train sched_tail "$bench" "${common[@]}" control.scheduler=tail
 }

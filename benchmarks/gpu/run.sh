@@ -9,7 +9,7 @@
 #   CONFIG=configs/gpu/bench_0.5b.yaml benchmarks/gpu/run.sh build/gpu_bundle results/bench
 #
 # Environment: PYTHON (default python3), SCRATCH (default a new temporary folder: the installed wheels),
-# CONFIG.
+# CONFIG, GPU_MEMORY_MS (nvidia-smi's sampling interval, default 500; 0: no sampling).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -56,8 +56,8 @@ EOF
 
 memory_log=$results/gpu_memory_mib.csv
 sampler=
-if command -v nvidia-smi > /dev/null; then  # the whole GPU: engine and trainer are other processes
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$memory_log" &
+if [ "${GPU_MEMORY_MS:-500}" != 0 ] && command -v nvidia-smi > /dev/null; then  # the whole GPU: engine and trainer are other processes
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms "${GPU_MEMORY_MS:-500}" > "$memory_log" &
   sampler=$!
 fi
 status=0
