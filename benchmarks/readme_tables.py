@@ -249,6 +249,29 @@ def engine_throughput() -> str:
         ["one decode step (sequences running)", steps]])
 
 
+@table("gpu_engine")
+def gpu_engine() -> str:
+    """The built-in engine's decode step on the H100 (ms) by sequences and context, rlsys.costs' vLLM figure after /."""
+    j = load("gpu_engine_h100")
+    grid = {(r["batch"], str(r["context"])): r for r in j["decode_step_grid"]}
+    contexts = ["128", "1024", "4096", "skewed"]
+    body = [[b] + [f"{grid[b, c]['step_ms']:.1f} / {grid[b, c]['cost_model_ms']:.1f}" for c in contexts]
+            for b in sorted({b for b, _ in grid})]
+    body += [[f"prefill {r['batch']} x {r['length']}", f"{r['step_ms']:.1f} / {r['cost_model_ms']:.1f}", "", "", ""]
+             for r in j["prefill_grid"]]
+    return rows(["sequences", *(f"context {c}" for c in contexts)], body)
+
+
+@table("gpu_runs")
+def gpu_runs() -> str:
+    j = load("gpu_runs_h100")
+    body = []
+    for name, r in j["runs"].items():
+        body.append([f"`{name}`", r["steps"], " / ".join(f"{s:.1f}" for s in r["step_s"]),
+                     " / ".join(f"{s:.3f}" for s in r["weight_sync_s"]), num(r["peak_gpu_memory_mib"], 0)])
+    return rows(["run", "steps", "step s", "weight publish s (cuda_ipc)", "peak GPU MiB"], body)
+
+
 @table("running_requests")
 def running_requests() -> str:
     j = load("running_requests_cpu")
