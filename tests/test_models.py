@@ -156,3 +156,16 @@ def test_the_builds_exact_match_generates_no_longer_than_the_longest_answer(tmp_
     capped = exact_match_accuracy(model_dir, prompts, max_new_tokens=4096)
     assert asked == [longest + 1]
     assert exact_match_accuracy(model_dir, prompts, max_new_tokens=longest + 40) == capped
+
+
+def test_no_warm_start_builds_the_model_without_fine_tune_or_greedy_eval(tmp_path, monkeypatch, capsys):
+    from rlsys.models import warm_start as ws_module
+
+    def never(*_, **__):
+        raise AssertionError("a warm start or its eval ran with model.warm_start.steps=0")
+    monkeypatch.setattr(ws_module, "warm_start", never)
+    monkeypatch.setattr(ws_module, "exact_match_accuracy", never)
+    path = prepare_model(small_config(tmp_path, steps=0))
+    assert json.loads((path / models.BUILD_INFO).read_text())["warm_start"] == {"steps": 0}
+    assert AutoModelForCausalLM.from_pretrained(path).config.vocab_size == 259
+    assert "warm start: off" in capsys.readouterr().out

@@ -81,6 +81,11 @@ def _build(cfg: Config, out: Path) -> None:
     ws = cfg.model.warm_start
     build_tiny_model(cfg.model, out, seed=ws.seed)
     train, evals = load_datasets(cfg.data)
+    if ws.steps == 0:  # no fine-tune, and no greedy eval of a random model (minutes on one thread at 0.5B)
+        info = {"model": cfg.model.model_dump(), "data": cfg.data.model_dump(), "warm_start": {"steps": 0}}
+        (out / BUILD_INFO).write_text(json.dumps(info, indent=1))
+        print("warm start: off (model.warm_start.steps=0)", flush=True)
+        return
     metrics = warm_start(out, train, ws)
     t = time.time()
     metrics["eval_greedy_accuracy"] = exact_match_accuracy(out, evals, max_new_tokens=cfg.rollout.max_new_tokens)
