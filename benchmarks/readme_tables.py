@@ -326,6 +326,15 @@ def sim_calibration() -> str:
          "yes" if r["within"] else "no", r.get("note", "")] for r in load("sim_calibration")["rows"]])
 
 
+@table("sim_gpus")
+def sim_gpus() -> str:
+    from rlsys.costs import GPUS
+
+    return rows(["gpu", "memory GB", "HBM TB/s", "dense BF16 TFLOP/s"],
+                [[f"`{name}`", f"{g.memory / 1e9:.0f}", f"{g.bandwidth / 1e12:.2f}", f"{g.peak_flops / 1e12:.0f}"]
+                 for name, g in GPUS.items()])
+
+
 def search_entry(schedule: str, key: str = "search_128") -> dict:
     return next(e for e in load("sim_calibration")[key]["ranked"] if e["schedule"] == schedule)
 

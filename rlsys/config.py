@@ -440,7 +440,7 @@ class EmulateConfig(Section):
     """Live runs on a GPU's clock (rlsys/emulate.py): the built-in engine, the trainer and the weight publish hold
     each step until the cost model's time (rlsys/costs.py) for `model` on `gpu`, times `time_scale`, has passed.
     Tokens, rewards and gradients stay real. Off while `gpu` is None."""
-    gpu: Optional[Literal["h100", "h800", "h200", "h20"]] = None  # the names of rlsys.costs.GPUS
+    gpu: Optional[Literal["a100", "h100", "h800", "h200", "h20", "b200"]] = None  # the names of rlsys.costs.GPUS
     model: Literal["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"] = "qwen2.5-7b"  # rlsys.costs.MODELS
     time_scale: float = Field(1.0, gt=0)  # wall seconds per emulated second: room for the real compute to fit
     tokens_per_token: int = Field(1, ge=1)  # k: a token of the run's model stands for k of the emulated one

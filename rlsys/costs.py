@@ -38,11 +38,13 @@ class GPU:
     peak_flops: float  # dense BF16
 
 
-GPUS = {
+GPUS = {  # vendor datasheets, SXM parts (docs/performance.md "The simulator's GPUs")
+    "a100": GPU(80e9, 2.039e12, 312e12),  # A100 80GB: HBM2e, Ampere tensor cores
     "h100": GPU(80e9, 3.35e12, 989e12),
     "h800": GPU(80e9, 3.35e12, 989e12),  # same HBM and tensor cores as H100 SXM; less NVLink
     "h200": GPU(141e9, 4.8e12, 989e12),
     "h20": GPU(96e9, 4.0e12, 148e12),  # Hopper with H200-class HBM and ~15% of the tensor cores
+    "b200": GPU(180e9, 7.7e12, 2250e12),  # HGX B200's per-GPU share: 180 GB HBM3e, 2.25 PFLOP/s dense BF16
 }
 
 

@@ -77,7 +77,7 @@ def test_overrun_share_per_step_and_over_the_run():
 
 def test_config_refuses_emulation_it_cannot_pace(tmp_path):
     with pytest.raises(ConfigError, match="emulate.gpu"):
-        load_config(None, ["emulate.gpu=a100"])
+        load_config(None, ["emulate.gpu=v100"])
     with pytest.raises(ConfigError, match="rollout.engine=cpu"):
         load_config(None, ["emulate.gpu=h100", "rollout.engine=vllm"])
     with pytest.raises(ConfigError, match="emulate.time_scale"):

@@ -47,7 +47,7 @@ class ModelSpec(Section):
 
 
 class ClusterSpec(Section):
-    gpu: Literal["h100", "h800", "h200", "h20"] = "h800"
+    gpu: Literal[tuple(GPUS)] = "h800"  # a name of rlsys.costs.GPUS
     gpus: int = Field(16, ge=1)
     tp: int = Field(1, ge=1)  # GPUs per rollout engine (the starting size under control.elastic_tp)
     gpus_per_node: int = Field(8, ge=1)  # an engine's GPUs stay within one node
