@@ -136,7 +136,7 @@ def test_lock_file_pins_win_over_the_builders_own(tmp_path):
 
 
 # --- run.sh and its summary ----------------------------------------------------------------------
-@pytest.mark.parametrize("script", ["run.sh", "rehearse.sh"])
+@pytest.mark.parametrize("script", ["run.sh", "rehearse.sh", "measure.sh"])
 def test_scripts_are_valid_bash(script):
     subprocess.run(["bash", "-n", str(GPU / script)], check=True)
 
@@ -198,3 +198,21 @@ def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):
     assert (summary["peak_gpu_memory_mib"], summary["final_eval_accuracy"], summary["training_clock_s"]) == (
         20480, 0.3, 8.0)
     assert load_module("summarize").summarize(tmp_path)["peak_gpu_memory_mib"] is None  # no GPU, no log
+
+
+def test_measure_sh_runs_each_phase_under_its_limit_and_keeps_going(tmp_path):
+    """A phase that fails (here: no GPU) or passes its limit is recorded, and the next phase still runs."""
+    bundle, out, scratch = tmp_path / "bundle", tmp_path / "out", tmp_path / "scratch"
+    bundle.mkdir()
+    (scratch / "site").mkdir(parents=True)  # the bundle counts as installed: no pip here
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": sys.executable, "SCRATCH": str(scratch)}
+    bad = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "bogus"], env=env,
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown phase bogus" in bad.stderr
+    done = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "engine:1", "engine:120"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    phases = (out / "phases.txt").read_text().splitlines()
+    assert len(phases) == 2 and phases[0].startswith("engine: exit 124")  # cut at its 1 s
+    assert phases[1].startswith("engine: exit 1 ")  # ran to its end: no CUDA here
+    assert (out / "records.tgz").is_file() and (out / "engine.log").is_file()

@@ -6,6 +6,7 @@
 #   live       the engine's decode step alone, behind its worker thread, in a Ray actor, beside a CUDA peer
 #   publish_cuda_ipc, publish_object_store   a short 0.5B run per transport one GPU can run: weight sync time
 #   schedulers sync, then tail, on the 0.5B model's untrained (long, geometric) answers, same seed and steps
+#              (sched_sync and sched_tail: each alone)
 #
 #   benchmarks/gpu/measure.sh BUNDLE_DIR OUT_DIR PHASE[:SECONDS] ...
 #   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" smoke:240 engine:200
@@ -59,13 +60,11 @@ short_0_5b=(trainer.total_steps=3 rollout.max_new_tokens=128 control.prompts_per
 phase_publish_cuda_ipc() { train publish_cuda_ipc "$bench" "${short_0_5b[@]}" weights.transfer=cuda_ipc; }
 phase_publish_object_store() { train publish_object_store "$bench" "${short_0_5b[@]}" weights.transfer=object_store; }
 
-phase_schedulers() {
-  local common=(trainer.total_steps=3 rollout.max_new_tokens=512 control.prompts_per_step=8 control.group_size=8
-                data.eval_size=4)
-  export GPU_MEMORY_MS=${GPU_MEMORY_MS:-0}
-  train sched_sync "$bench" "${common[@]}" control.scheduler=sync
-  train sched_tail "$bench" "${common[@]}" control.scheduler=tail
-}
+# sync, then tail (sched_sync, sched_tail: one lent command each if need be), same seed and steps
+sched=(trainer.total_steps=3 rollout.max_new_tokens=512 control.prompts_per_step=8 control.group_size=8 data.eval_size=4)
+phase_sched_sync() { GPU_MEMORY_MS=0 train sched_sync "$bench" "${sched[@]}" control.scheduler=sync; }
+phase_sched_tail() { GPU_MEMORY_MS=0 train sched_tail "$bench" "${sched[@]}" control.scheduler=tail; }
+phase_schedulers() { phase_sched_sync; phase_sched_tail; }
 
 for item in "$@"; do
   name=${item%%:*}; limit=${item#*:}; [ "$limit" = "$item" ] && limit=300
@@ -73,7 +72,7 @@ for item in "$@"; do
   echo "== $name (at most $limit s)"
   start=$SECONDS
   # a subshell under timeout: the phase's processes (Ray's too) end with it
-  timeout --kill-after=10 "$limit" bash -c "$(declare -f train "phase_$name"); $(declare -p repo bundle out python work bench gpu short_0_5b); phase_$name" \
+  timeout --kill-after=10 "$limit" bash -c "$(declare -f train phase_sched_sync phase_sched_tail "phase_$name"); $(declare -p repo bundle out python work bench gpu short_0_5b sched); phase_$name" \
     > "$out/$name.log" 2>&1
   status=$?
   echo "$name: exit $status after $((SECONDS - start)) s" | tee -a "$out/phases.txt"
