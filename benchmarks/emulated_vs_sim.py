@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -18,40 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsys.bench import PRESETS, machine, run_preset, write_report  # noqa: E402
-from rlsys.logger import read_jsonl  # noqa: E402
-from rlsys.sim.replay import replay_config  # noqa: E402
-from rlsys.sim.simulator import Simulation  # noqa: E402
+from rlsys.sim.replay import FIGURES, live_vs_sim  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
 CONFIG = "configs/emulated_h100_7b.yaml"
-# figure -> (live metric, simulator's figure): both bubbles over the steps' rollout windows (rlsys/step_stats.py)
-FIGURES = {"step_time_s": ("timing/step_s", "step_time_s"), "rollout_time_s": ("timing/rollout_s", "rollout_time_s"),
-           "bubble_ratio": ("rollout/bubble_ratio", "rollout_bubble_ratio")}
-
-
-def compare(run_dir: Path, rows: list[dict]) -> dict:
-    steps = [r for r in rows if "timing/step_s" in r]
-    cfg, workload = replay_config(run_dir, steps=len(steps))
-    sim = Simulation(cfg, cfg.runs()[0], workload).run()
-    out = {}
-    for figure, (key, sim_key) in FIGURES.items():
-        live = statistics.mean(r[key] for r in steps)
-        if figure == "bubble_ratio":  # the simulator's is over all windows together, so the steps' weighted by theirs
-            live = sum(r[key] * r["timing/rollout_s"] for r in steps) / sum(r["timing/rollout_s"] for r in steps)
-        out[figure] = {"live": live, "sim": sim[sim_key], "sim_over_live": sim[sim_key] / live if live else None}
-    final = rows[-1]
-    out["overrun_share"] = final.get("emulate/overrun_share")
-    out["emulating"] = final.get("emulate/emulating")
-    out["live_train_time_s"] = statistics.mean(r["timing/train_s"] for r in steps)
-    out["sim_train_time_s"] = sim["train_time_s"]
-    out["live_weight_sync_s"] = statistics.mean(r["timing/weight_sync_s"] for r in steps)
-    out["sim_weight_sync_s"] = sim["weight_sync_s"]
-    # what a live step spent outside its rollout window, reward wait, training and weight publish: unpaced work
-    out["live_unaccounted_s"] = statistics.mean(r["timing/step_s"] - sum(r[f"timing/{part}_s"] for part in
-                                                ("rollout", "reward", "train", "weight_sync")) for r in steps)
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=CONFIG)
@@ -79,10 +48,10 @@ def main(argv=None) -> int:
     for name in args.presets.split(","):
         t = time.time()
         run_dir = Path(args.runs) / name
-        rows = (read_jsonl(run_dir / "metrics.jsonl") if args.replay_only
-                else run_preset(args.config, common + PRESETS[name], run_dir))
+        if not args.replay_only:
+            run_preset(args.config, common + PRESETS[name], run_dir)
         wall_s = report["results"].get(name, {}).get("wall_s") if args.replay_only else time.time() - t
-        report["results"][name] = dict(compare(run_dir, rows), wall_s=wall_s)  # wall_s: the live run's
+        report["results"][name] = dict(live_vs_sim(run_dir), wall_s=wall_s)  # wall_s: the live run's
         write_report(args.output, report)
         r = report["results"][name]
         print(f"[emulated_vs_sim] {name}: " + ", ".join(

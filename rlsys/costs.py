@@ -55,6 +55,14 @@ class ModelShape:
     kv_heads: int
     head_dim: int = 128
 
+    @classmethod
+    def qwen2(cls, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> "ModelShape":
+        """A Qwen2-architecture model's shape from its dimensions (q/k/v biases, untied head)."""
+        d = hidden // heads
+        per_layer = hidden * (heads + 2 * kv_heads) * d + (heads + 2 * kv_heads) * d + hidden * heads * d \
+            + 3 * hidden * intermediate + 2 * hidden
+        return cls(layers * per_layer + 2 * vocab * hidden + hidden, layers, kv_heads, d)
+
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * BF16  # K and V, every layer

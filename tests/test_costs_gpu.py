@@ -7,19 +7,11 @@ from rlsys.costs import BUILTIN_ENGINE, GPUS, EngineCost, ModelShape
 GRID = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu_engine_h100.json"
 
 
-def bench_model_params(m: dict, vocab: int) -> int:
-    """Qwen2's parameters from the grid's model fields (q/k/v biases, untied head)."""
-    h, heads, kv, inter = m["hidden_size"], m["num_heads"], m["num_kv_heads"], m["intermediate_size"]
-    d = h // heads
-    per_layer = h * (heads + 2 * kv) * d + (heads + 2 * kv) * d + h * heads * d + 3 * h * inter + 2 * h
-    return m["num_layers"] * per_layer + 2 * vocab * h + h
-
-
 def test_the_built_in_engine_profile_predicts_its_h100_decode_grid_within_a_quarter():
     j = json.loads(GRID.read_text())
     m, steps = j["settings"]["model"], j["settings"]["grid_steps"]
-    shape = ModelShape(bench_model_params(m, j["settings"]["vocab"]), m["num_layers"], m["num_kv_heads"],
-                       m["hidden_size"] // m["num_heads"])
+    shape = ModelShape.qwen2(m["hidden_size"], m["num_layers"], m["num_heads"], m["num_kv_heads"],
+                             m["intermediate_size"], j["settings"]["vocab"])
     builtin = EngineCost.build(shape, GPUS["h100"], tp=1, **BUILTIN_ENGINE)
     vllm = EngineCost.build(shape, GPUS["h100"], tp=1)
     points = [r for r in j["decode_step_grid"] if r["context"] != "skewed"]

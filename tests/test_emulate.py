@@ -225,3 +225,31 @@ def test_a_replay_of_async_gives_the_trainer_its_own_gpus_and_its_proximal_forwa
     assert cfg.cluster.gpus == 4 and cfg.cluster.trainer_gpus == 2  # it generates while the trainer trains
     # 4 mini-batches of stale samples: pi_prox recomputed for the last 3 (trainer.proximal=recompute)
     assert cfg.trainer.flops_per_param_token == costs.TRAIN_FLOPS + costs.FORWARD_FLOPS * 3 / 4
+
+
+def test_a_replay_of_a_run_on_a_real_gpu_models_its_built_in_engine_and_compares(tmp_path):
+    from pathlib import Path
+
+    from rlsys.config import save_config
+    from rlsys.sim.replay import live_vs_sim, replay_config
+
+    repo = Path(__file__).resolve().parent.parent
+    save_config(load_config(repo / "configs" / "gpu" / "bench_0.5b.yaml", ["rollout.max_new_tokens=512"]),
+                tmp_path / "config.yaml")
+    timeline = [{"step": 1, "request_id": f"train-{p}#{p * 8 + i}", "tokens": 50 + 60 * i, "prompt_tokens": 20,
+                 "finish_reason": "stop"} for p in range(8) for i in range(8)]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
+    with pytest.raises(ValueError, match="not an emulated run"):
+        replay_config(tmp_path)
+    cfg, workload = replay_config(tmp_path, gpu="h100")
+    assert cfg.cluster.gpu == "h100" and cfg.cluster.gpus == 1 and cfg.cluster.trainer_gpus is None  # colocated
+    assert cfg.shape().params == pytest.approx(0.4725e9, rel=1e-3) and cfg.shape().head_dim == 64
+    assert cfg.engine.step_overhead_ms == costs.BUILTIN_ENGINE["overhead_s"] * 1e3
+    assert cfg.engine.decode_mfu == costs.BUILTIN_ENGINE["decode_mfu"] and cfg.workload.max_tokens == 512  # k = 1
+    metrics = {"step": 1, "timing/step_s": 9.0, "timing/rollout_s": 6.0, "timing/reward_s": 0.1, "timing/train_s": 2.0,
+               "timing/weight_sync_s": 0.03, "rollout/bubble_ratio": 0.5}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")
+    out = live_vs_sim(tmp_path, gpu="h100")
+    # the longest answer, 470 tokens, decodes one step at a time at about the profile's 7 ms a step at least
+    assert out["rollout_time_s"]["live"] == 6.0 and 470 * 7e-3 < out["rollout_time_s"]["sim"] < 470 * 20e-3
+    assert 0 < out["bubble_ratio"]["sim"] < 1

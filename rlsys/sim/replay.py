@@ -19,6 +19,8 @@ from rlsys.sim.config import SimConfig, load_sim_config
 from rlsys.sim.workload import SampleDraw, Workload
 from rlsys.types import Prompt
 
+CHAR_VOCAB = 259  # the built tiny models' character vocabulary (rlsys/models/tiny.py): a negligible share of params
+
 
 class Replay(Workload):
     """A workload whose j-th drawn prompt's i-th request answers with the length of the run's j-th prompt's i-th
@@ -71,13 +73,28 @@ def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[tuple[int, boo
             statistics.mean(prompt_tokens))
 
 
-def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimConfig, Replay]:
-    """The simulator's config and workload for the live emulated run in `run_dir`."""
+def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None = None,
+                  engine: dict | None = None) -> tuple[SimConfig, Replay]:
+    """The simulator's config and workload for the live emulated run in `run_dir`; or, given the `gpu` it ran on,
+    for a run on one real GPU with the built-in engine (its model by shape, the engine's cost `engine`: a
+    costs.BUILTIN_ENGINE-like profile, colocated)."""
     run_dir = Path(run_dir)
     live: Config = read_config(run_dir / "config.yaml")[0]  # its values only: nothing of it runs
     e = live.emulate
-    if not e.on:
+    if gpu:
+        m = live.model
+        shape = costs.ModelShape.qwen2(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
+                                       CHAR_VOCAB)
+        model = {"params": shape.params, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+        profile = engine or costs.BUILTIN_ENGINE
+        engine_spec = {"step_overhead_ms": profile["overhead_s"] * 1e3, "decode_mfu": profile["decode_mfu"],
+                       "prefill_mfu": profile["prefill_mfu"]}
+        e = e.model_copy(update={"gpu": gpu, "model": model, "tp": 1, "trainer_gpus": live.rollout.num_workers,
+                                 "tokens_per_token": 1})
+    elif not e.on:
         raise ValueError(f"{run_dir}: not an emulated run (emulate.gpu is unset in its config.yaml)")
+    else:
+        engine_spec = {}
     timeline = read_jsonl(run_dir / "timeline.jsonl")
     if not timeline:
         raise ValueError(f"{run_dir}: timeline.jsonl is empty or missing")
@@ -103,10 +120,43 @@ def replay_config(run_dir: str | Path, steps: int | None = None) -> tuple[SimCon
         "steps": steps or max(r["step"] for r in timeline),
         "schedulers": [live.control.scheduler], "model": e.model,
         "cluster": {"gpu": e.gpu, "tp": e.tp, **cluster},
-        "engine": {"max_seqs": live.rollout.slots},
+        "engine": {"max_seqs": live.rollout.slots, **engine_spec},
         "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
                      "max_prompt_tokens": k * live.data.max_prompt_tokens, "dataset_size": len(lengths)},
         "trainer": {"flops_per_param_token": flops, "overhead_s": 0.0, "streamed": live.trainer.streamed},
         "control": c.model_dump(),
     })
     return cfg, Replay(cfg, lengths)
+
+
+# figure -> (live metric, simulator's figure): both bubbles over the steps' rollout windows (rlsys/step_stats.py)
+FIGURES = {"step_time_s": ("timing/step_s", "step_time_s"), "rollout_time_s": ("timing/rollout_s", "rollout_time_s"),
+           "bubble_ratio": ("rollout/bubble_ratio", "rollout_bubble_ratio")}
+
+
+def live_vs_sim(run_dir: str | Path, **replay) -> dict:
+    """A live run's step time, rollout time and bubble ratio beside the simulator's for the same lengths and
+    schedule (`replay`: replay_config's gpu and engine, for a run on a real GPU)."""
+    from rlsys.sim.simulator import Simulation
+
+    rows = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    steps = [r for r in rows if "timing/step_s" in r]
+    cfg, workload = replay_config(run_dir, steps=len(steps), **replay)
+    sim = Simulation(cfg, cfg.runs()[0], workload).run()
+    out = {}
+    for figure, (key, sim_key) in FIGURES.items():
+        live = statistics.mean(r[key] for r in steps)
+        if figure == "bubble_ratio":  # the simulator's is over all windows together, so the steps' weighted by theirs
+            live = sum(r[key] * r["timing/rollout_s"] for r in steps) / sum(r["timing/rollout_s"] for r in steps)
+        out[figure] = {"live": live, "sim": sim[sim_key], "sim_over_live": sim[sim_key] / live if live else None}
+    final = rows[-1]
+    out["overrun_share"] = final.get("emulate/overrun_share")
+    out["emulating"] = final.get("emulate/emulating")
+    out["live_train_time_s"] = statistics.mean(r["timing/train_s"] for r in steps)
+    out["sim_train_time_s"] = sim["train_time_s"]
+    out["live_weight_sync_s"] = statistics.mean(r["timing/weight_sync_s"] for r in steps)
+    out["sim_weight_sync_s"] = sim["weight_sync_s"]
+    # what a live step spent outside its rollout window, reward wait, training and weight publish: unpaced work
+    out["live_unaccounted_s"] = statistics.mean(r["timing/step_s"] - sum(r[f"timing/{part}_s"] for part in
+                                                ("rollout", "reward", "train", "weight_sync")) for r in steps)
+    return out
