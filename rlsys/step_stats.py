@@ -60,6 +60,7 @@ class StepStats:
         engine_window = max(end - self.t_start, 1e-9)
         generated = sum(c.num_tokens for c in self.completions)
         in_window = tokens_within(self.completions, self.t_start, end)
+        pace = engine_pace(engines, end - self.t_start)
         done, self.finished, self.completions = self.completions, self.completions, []  # later: next step's
         return {
             "samples": len(lengths),
@@ -74,6 +75,9 @@ class StepStats:
             "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
             "rollout/efficiency": (in_window / (saturated_tokens_per_s * engine_window)
                                    if saturated_tokens_per_s else 0.0),
+            "rollout/decode_steps": pace["decode_steps"],
+            "rollout/decode_step_ms": pace["decode_step_ms"],
+            "rollout/engine_busy_share": pace["busy_share"],
             "rollout/generated_tokens": generated,
             "rollout/aborted": sum(c.finish_reason == "abort" for c in done),
             "timing/rollout_s": rollout_s,
@@ -107,6 +111,16 @@ def rollout_opens(boundary: float, handover: float, last_finish: float) -> float
     last weights published), or, where the engines went on generating through the train step (a sample finished
     after the last handover to training: sorted, async), at that handover."""
     return handover if last_finish > handover else boundary
+
+
+def engine_pace(engines: list[dict], window_s: float) -> dict[str, float]:
+    """How the engines spent a wall-clock window (their stats over it): their decode steps, their own time per
+    step, and the share of the window they spent stepping. A slow step is the step itself (its device, its CPU); a fast step
+    with a low share while requests wait is the generation thread kept from stepping (CPU, GIL)."""
+    steps = sum(e["decode_steps_in_window"] for e in engines)
+    busy = sum(e["busy_s_in_window"] for e in engines)
+    return {"decode_steps": steps, "decode_step_ms": 1000 * busy / steps if steps else 0.0,
+            "busy_share": busy / (window_s * len(engines)) if engines and window_s > 0 else 0.0}
 
 
 def tokens_within(completions: list[Completion], start: float, end: float) -> float:

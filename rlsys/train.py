@@ -33,7 +33,7 @@ from rlsys.placement import Placement, format_plan, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
-from rlsys.step_stats import StepStats
+from rlsys.step_stats import StepStats, engine_pace
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
 from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample
@@ -277,7 +277,10 @@ class Controller:
                 if not self.done:
                     self.handle(events)
             metrics, self.evaluation = self.evaluation.metrics(), None
-            return {**metrics, "timing/eval_s": time.time() - t}
+            ended = time.time()
+            pace = engine_pace(self.rollout.stats((t, ended)), ended - t)
+            return {**metrics, "timing/eval_s": ended - t, "eval/decode_step_ms": pace["decode_step_ms"],
+                    "eval/engine_busy_share": pace["busy_share"]}
 
     def save(self) -> Path:
         def write(folder: Path) -> None:

@@ -25,7 +25,8 @@ SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=1
 STEP_KEYS = ["step", "time_s", "policy_version", "samples", "reward/mean", "response_length/mean",
              "response_length/max", "response_length/p99", "group_size", "rollout/bubble_ratio",
              "rollout/straggler_rate", "timing/rollout_s", "timing/reward_s", "timing/train_s",
-             "timing/weight_sync_s", "timing/generating_during_train", "throughput/tokens_per_s", "reward/errors"]
+             "timing/weight_sync_s", "timing/generating_during_train", "throughput/tokens_per_s", "reward/errors",
+             "rollout/decode_steps", "rollout/decode_step_ms", "rollout/engine_busy_share"]
 
 
 def rows(run_dir, name="metrics.jsonl"):
@@ -43,6 +44,11 @@ def test_two_step_run_writes_metrics_checkpoint_export_and_plots(tmp_path, ray_c
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in metrics[-1]
     assert steps[-1]["policy_version"] == 2 and steps[0]["samples"] == 16
     assert 0.0 <= steps[0]["rollout/bubble_ratio"] < 1.0
+    for r in steps:  # the longest response took a decode step per token after its prefill's
+        assert r["rollout/decode_steps"] >= r["response_length/max"] - 1
+        assert r["rollout/decode_step_ms"] > 0 and 0 < r["rollout/engine_busy_share"] <= 1
+    for r in (metrics[0], metrics[-1]):
+        assert r["eval/decode_step_ms"] > 0 and 0 < r["eval/engine_busy_share"] <= 1
     assert (out / "checkpoints" / "step_000002" / "controller.json").exists()
     assert (out / "progress.png").stat().st_size > 0 and (out / "timeline.png").stat().st_size > 0
     timeline = rows(out, "timeline.jsonl")

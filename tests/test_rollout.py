@@ -206,3 +206,17 @@ def test_a_refused_batch_is_raised_from_submit_and_forgotten(manager):
     assert manager.worker_of == {"ok": 0, "ok2": 0} and manager.outstanding == [2, 0]
     assert {c.request_id for c in collect(manager, 2)} == {"ok", "ok2"}
     assert manager.generate([req("fine", 3)])[0].num_tokens == 3
+
+
+def test_stats_count_the_decode_steps_of_a_window(manager):
+    """The window's decode steps (rollout/decode_steps, decode_step_ms) are the steps each engine took in it: every
+    one of a request's tokens but the first (its prefill's) costs one."""
+    before, t0 = manager.stats(), time.time()
+    manager.submit([req("w0", 30), req("w1", 30)])
+    got = collect(manager, 2)
+    assert len(got) == 2 and all(c.num_tokens == 30 for c in got)
+    window = manager.stats((t0, time.time()))
+    assert [w["decode_steps_in_window"] for w in window] == [a["decode_steps"] - b["decode_steps"]
+                                                            for a, b in zip(window, before)] == [29, 29]
+    later = time.time()
+    assert [w["decode_steps_in_window"] for w in manager.stats((later, later + 1))] == [0, 0]

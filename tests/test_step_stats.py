@@ -47,7 +47,8 @@ class Engine:
 
     def stats(self, window):
         return [{"saturated_tokens_per_s": self.tokens_per_s, "occupied_slot_s": self.counters.occupied_slot_s(*window),
-                 "busy_s_in_window": self.counters.busy_s_within(*window)}]
+                 "busy_s_in_window": self.counters.busy_s_within(*window),
+                 "decode_steps_in_window": self.counters.decode_steps_within(*window)}]
 
 
 def test_occupancy_counts_only_the_part_of_each_step_inside_the_window(clock):
@@ -56,6 +57,23 @@ def test_occupancy_counts_only_the_part_of_each_step_inside_the_window(clock):
     engine.decode(4, 6, active=1, dt=1.0)
     assert engine.counters.occupied_slot_s(1.5, 5.0) == pytest.approx(0.5 * 2 + 2 * 2 + 1)
     assert engine.counters.occupied_slot_s(6.0, 9.0) == 0.0
+
+
+def test_engine_pace_tells_a_slow_step_from_a_thread_kept_from_stepping(clock):
+    """rollout/decode_step_ms is the engine's own time per step; rollout/engine_busy_share the window's share it
+    stepped: 4 steps of 0.5 s spread over a 4 s window step at 500 ms, half the time."""
+    engine = Engine(clock)
+    stats = StepStats(kappa=2.0, capacity=2, engine_stats=engine.stats)
+    for t in (100.5, 101.5, 102.5, 103.5):  # each step ends 0.5 s after the last: the thread waited between them
+        clock.t = t
+        engine.counters.record(2, slots=2, new_tokens=2, elapsed=0.5)
+    a = done("a", 100, 104, tokens=4)
+    stats.add_completion(a)
+    clock.t = 104
+    metrics = stats.close_rollout(group(a))
+    assert metrics["rollout/decode_steps"] == 4
+    assert metrics["rollout/decode_step_ms"] == pytest.approx(500.0)
+    assert metrics["rollout/engine_busy_share"] == pytest.approx(0.5)
 
 
 def test_aborted_extras_after_the_handover_do_not_stretch_the_next_window(clock):

@@ -1,11 +1,13 @@
 """Where the built-in engine's decode step goes slower inside a run than alone: the same requests through the
 engine in this process, through a RolloutWorker's generation thread here, and through a RolloutWorker as a
-Ray actor on the GPU, alone and beside a second actor that holds a CUDA context and memory on the same GPU
-(a colocated trainer rank between its steps). Per mode: the wall time per decode step seen from outside and
-the engine's own busy time per step (busy_s / decode_steps); a gap between the two is time the generation
-thread waits, a slow busy time is the step itself.
+Ray actor on the GPU, alone, beside a second actor that holds a CUDA context and memory on the same GPU
+(a colocated trainer rank between its steps), and after a sleep and wake (a colocated run's engine, each step).
+Per mode: the wall time per decode step seen from outside and the engine's own busy time per step (busy_s /
+decode_steps); a gap between the two is time the generation thread waits, a slow busy time is the step itself.
+A run logs the same two figures per step: rollout/decode_step_ms and rollout/engine_busy_share.
 
     python benchmarks/gpu/live_engine.py --config configs/gpu/bench_0.5b.yaml [--requests 64] [--tokens 128]
+        [--max-len 4224]
 """
 from __future__ import annotations
 
@@ -78,12 +80,15 @@ def main() -> None:
     ap.add_argument("--handoff-s", type=float, default=0.05, help="as rollout.handoff_s")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script, no GPU figures")
+    ap.add_argument("--max-len", type=int, default=None,
+                    help="the KV cache's positions per slot; default prompt + tokens + 1. A run sizes it to "
+                         "data.max_prompt_tokens + rollout.max_new_tokens (4224 for bench_0.5b.yaml)")
     args = ap.parse_args()
     m = ModelConfig(**{k: v for k, v in yaml.safe_load(args.config.read_text())["model"].items() if k != "warm_start"})
     gpu = 0.5 if args.device == "cuda" else 0  # the engine's and its peer's shares of the one GPU
-    kwargs = dict(device=args.device, dtype="bfloat16" if gpu else "float32", max_len=32 + args.tokens + 1)
+    kwargs = dict(device=args.device, dtype="bfloat16" if gpu else "float32", max_len=args.max_len or 32 + args.tokens + 1)
     report = {"gpu": torch.cuda.get_device_name(0) if gpu else "none", "torch": torch.__version__, "requests": args.requests,
-              "tokens": args.tokens, "handoff_s": args.handoff_s, "modes": {}}
+              "tokens": args.tokens, "max_len": kwargs["max_len"], "handoff_s": args.handoff_s, "modes": {}}
 
     def record(name, result):
         report["modes"][name] = result
@@ -116,6 +121,9 @@ def main() -> None:
         ray.get(holder.ready.remote())
         record("ray actor + idle CUDA peer", through_worker(actor, True, args))
         record("ray actor, handoff 0", through_worker(actor, True, argparse.Namespace(**{**vars(args), "handoff_s": 0.0})))
+        ray.get(actor.sleep.remote(2))  # as a colocated run between steps: the KV cache freed, then allocated again
+        ray.get(actor.wake_up.remote(None))
+        record("ray actor after sleep/wake", through_worker(actor, True, args))
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ phase_engine() {
     --repeats 3 --out "$out/engine_decode.json"
 }
 
-phase_live() {
+phase_live() {  # the KV cache a bench_0.5b run gives the engine: 128 prompt + 4096 response positions per slot
   PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/gpu/live_engine.py" --config "$bench" \
-    --out "$out/live_engine.json"
+    --max-len 4224 --out "$out/live_engine.json"
 }
 
 phase_live_smi() {  # the same, while nvidia-smi samples memory as run.sh does

@@ -197,11 +197,21 @@ class EngineCounters:
         """Seconds spent decoding within the wall-clock window [start, end], however many slots were busy."""
         return self._within(start, end, by_slot=False)
 
+    def decode_steps_within(self, start: float, end: float) -> int:
+        """Decode steps that ran within the wall-clock window [start, end], in whole or in part (a step records
+        its end after the completions it finished, so a window that ends with them holds part of it)."""
+        return sum(t_end - elapsed < end for t_end, elapsed, _ in self._since(start))
+
+    def _since(self, start: float):
+        """The recorded steps that ended after `start`, newest first: only the window's steps are read."""
+        for step in reversed(self.steps):
+            if step[0] <= start:
+                return
+            yield step
+
     def _within(self, start: float, end: float, by_slot: bool) -> float:
         total = 0.0
-        for t_end, elapsed, active in reversed(self.steps):  # newest first: only the window's steps are read
-            if t_end <= start:
-                break
+        for t_end, elapsed, active in self._since(start):
             total += (active if by_slot else 1) * max(0.0, min(t_end, end) - max(t_end - elapsed, start))
         return total
 

@@ -129,13 +129,14 @@ class RolloutWorker:
         return out
 
     def stats(self, window: tuple[float, float] | None = None) -> dict:
-        """The engine's counters; with a wall-clock window, its occupied slot-seconds and decoding seconds in
-        it too (read on the generation thread, like everything of the engine's)."""
+        """The engine's counters; with a wall-clock window, its occupied slot-seconds, decoding seconds and decode
+        steps in it too (read on the generation thread, like everything of the engine's)."""
         def read():
             out = dict(self.engine.stats(), worker=self.index)
             if window is not None:
                 out["occupied_slot_s"] = self.engine.counters.occupied_slot_s(*window)
                 out["busy_s_in_window"] = self.engine.counters.busy_s_within(*window)
+                out["decode_steps_in_window"] = self.engine.counters.decode_steps_within(*window)
             return out
         return self._call(read)
 
