@@ -1,4 +1,4 @@
-"""The `rlsys` command: train, eval, plot, simulate, bench, prepare."""
+"""The `rlsys` command: train, check, eval, plot, simulate, bench, prepare."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,7 @@ EPILOG = """examples:
   rlsys train                                    the embedded default: tiny model, synthetic task, sync GRPO/DAPO
   rlsys train configs/tiny.yaml trainer.total_steps=2 output_dir=/tmp/run
   rlsys train configs/tiny.yaml output_dir=runs/a --resume     continue from the last checkpoint
+  rlsys check configs/qwen2.5_math_1.5b_dapo_8gpu.yaml cluster.nodes=2   check it, print the GPU plan; start nothing
   rlsys eval runs/tiny                           eval accuracy of a run's exported model (or any HF model dir)
   rlsys plot runs/tiny                           progress.png and timeline.png in the run folder
   rlsys bench --quick --output benchmarks/results/bench_quick.json
@@ -19,13 +20,35 @@ EPILOG = """examples:
 """
 
 
+def check(items: list[str]):
+    """`[CONFIG] [key=value ...]` loaded as a run loads it, and what it would start printed; nothing is started."""
+    from rlsys.startup import check_report, load_config
+
+    path, overrides = split_config_and_overrides(items)
+    cfg = load_config(path, overrides)
+    print(f"{' '.join([path, *overrides])}: a valid config")
+    print(check_report(cfg), flush=True)
+    return cfg
+
+
+def cmd_check(args) -> int:
+    check(args.items)
+    return 0
+
+
 def cmd_train(args) -> int:
+    from rlsys.checkpoint import claim_run_dir
     from rlsys.startup import load_config
     from rlsys.train import train
     from rlsys.types import RunStopped
 
-    path, overrides = split_config_and_overrides(args.items)
-    cfg = load_config(path, overrides)
+    if args.dry_run:
+        cfg = check(args.items)
+        if not args.overwrite:  # the run's own refusal of its output_dir, which moves nothing without --overwrite
+            claim_run_dir(cfg.output_dir, args.resume)
+        print("dry run: nothing started")
+        return 0
+    cfg = load_config(*split_config_and_overrides(args.items))
     go_on = " ".join(["rlsys train", *args.items, "--resume"])
     try:
         final = train(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -79,7 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     p.add_argument("--overwrite", action="store_true",
                    help="output_dir holds an earlier run: move it aside (to OUTPUT_DIR.replaced-TIME) and start anew")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config, its user code and output_dir, print the GPU plan, start nothing")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("check", help="check a config as a run would and print its GPU plan, without starting Ray",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
+                   help=f"a YAML config (default {DEFAULT_CONFIG.name}) then overrides like cluster.nodes=2")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("eval", help="eval accuracy of a run folder, an exported model or a checkpoint")
     p.add_argument("path", help="a run folder, its export/ folder, a checkpoints/step_N folder, or an HF model dir")

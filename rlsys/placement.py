@@ -219,3 +219,25 @@ def format_plan(plan: Plan, addresses: dict[int, str] | None = None) -> str:
         where = f" ({addresses[node]})" if addresses and node in addresses else ""
         lines.append(f"  node {node:>{width}}{where}: " + ("; ".join(parts) or "idle"))
     return "\n".join(lines)
+
+
+def idle_warning(plan: Plan) -> str:
+    """What the plan leaves without an engine or a trainer rank, and the fields that would use it; "" when every
+    GPU has work. A config written for one node and run with more (cluster.nodes=2) plans the new nodes idle."""
+    used = {(s.node, g) for s in plan.engines + plan.trainer for g in s.gpus}
+    idle = {n: [g for g in range(plan.gpus_per_node) if (n, g) not in used] for n in range(plan.nodes)}
+    idle = {n: gpus for n, gpus in idle.items() if gpus}
+    if not idle:
+        return ""
+    total, engines, ranks = plan.nodes * plan.gpus_per_node, len(plan.engines), len(plan.trainer)
+    where = "; ".join(f"node {n} " + ("whole" if len(gpus) == plan.gpus_per_node else f"GPUs {_runs(gpus)}")
+                      for n, gpus in idle.items())
+    if plan.layout == "colocated":  # every GPU holds an engine and a rank
+        wanted = [f"rollout.num_workers={total // plan.tp}" if engines * plan.tp < total else "",
+                  f"trainer.world_size={total}" if ranks < total else ""]
+        advice = f"to use all {total}, set " + " and ".join(w for w in wanted if w)
+    else:
+        advice = (f"to use them, raise rollout.num_workers (now {engines}, {plan.tp} GPU(s) each) or trainer.world_size "
+                  f"(now {ranks}) by {total - plan.used_gpus} GPUs in all")
+    return (f"warning: {total - plan.used_gpus} of {total} GPUs would sit idle ({where}): trainer.world_size and "
+            f"rollout.num_workers must grow with cluster.nodes and cluster.gpus_per_node; {advice}")

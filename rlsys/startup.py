@@ -4,7 +4,8 @@ The schema (rlsys/config.py) imports nothing of rlsys, so what needs the rest of
 after the file is read: names against the registries, the loss's options against the loss, the user's code
 named in the config imported (rlsys/plugins.py), the GPU placement planned. A typo fails before any actor
 starts, with the field and where it was set (file and line, or override). Every entry point that loads a
-config for a run (train, eval, bench, launch/submit.py) calls `load_config`.
+config for a run (train, eval, bench, launch/submit.py) calls `load_config`; `check_report` says what a loaded
+config would start (`rlsys check`, every --dry-run), without starting it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from rlsys.control.scheduler import SCHEDULERS
 from rlsys.control.sizing import GROUP_SIZERS
 from rlsys.data import row_loader, task_family
 from rlsys.data.synthetic import TASKS
-from rlsys.placement import plan_from_config
+from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.registry import engine_entry
@@ -58,3 +59,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if problems:
         raise source.error(problems)
     return cfg
+
+
+USER_CODE = (("data", "task"), ("data", "loader"), ("reward", "fn"))  # the fields that may name the user's code
+
+
+def check_report(cfg: Config) -> str:
+    """What a config loaded by `load_config` would start: the user code it imported, which GPU would hold which
+    engine and trainer rank on each node (logical GPUs: no Ray, no GPU needed), and what would sit idle."""
+    specs = [f"{section}.{key}={value}" for section, key in USER_CODE
+             if is_spec(value := getattr(getattr(cfg, section), key) or "")]
+    lines = [f"user code imported: {', '.join(specs)}"] if specs else []
+    plan = plan_from_config(cfg)
+    if plan is None:
+        lines.append(f"placement: no GPUs (cluster.gpus_per_node=0): {cfg.rollout.num_workers} engine(s), "
+                     f"{cfg.trainer.world_size} trainer rank(s) and {cfg.reward.num_workers} reward worker(s) on the "
+                     "CPUs of the Ray cluster")
+    else:
+        lines += [format_plan(plan), *filter(None, [idle_warning(plan)])]
+    return "\n".join(lines)

@@ -9,6 +9,7 @@ The config refuses schedules that keep requests generating while the trainer tra
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ from rlsys.emulate import Emulation, Overruns
 from rlsys.evaluate import Evaluation
 from rlsys.friction import Friction
 from rlsys.logger import RunLogger
-from rlsys.placement import Placement, format_plan, plan_from_config
+from rlsys.placement import Placement, format_plan, idle_warning, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
@@ -67,8 +68,10 @@ class Controller:
         self.clock_scale = cfg.emulate.time_scale if self.emulation else 1.0
         self.sync_pacer = self.emulation.sync_pacer() if self.emulation else None
         self.overruns = Overruns(cfg.emulate.overrun_limit)
-        init_ray(cfg.cluster)
         plan = plan_from_config(cfg)
+        if plan and idle_warning(plan):  # not fatal: a run on part of its cluster is still a run
+            print(idle_warning(plan), file=sys.stderr, flush=True)
+        init_ray(cfg.cluster)
         self.placement = None
         if plan:  # where each engine and trainer rank goes (GPU clusters only), reserved before any actor starts
             self.placement = Placement(plan)
