@@ -6,6 +6,7 @@ of rlsys to check (registered names, the user's code, the GPU placement) is chec
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -559,16 +560,18 @@ class ConfigError(ValueError):
     rlsys/errors.py's are (the command prints it alone), but defined here: the schema imports nothing of rlsys."""
 
 
-def _yaml_line(text: str, loc: tuple) -> int | None:
-    """The line of a dotted key in a YAML text, so errors can point at it."""
+_DOTTED = re.compile(r"\b[a-z_]+(?:\.[a-z_]+)+\b")  # a dotted field as messages name it: trainer.world_size
+
+
+def _yaml_line(text: str, loc: tuple, exact: bool = False) -> int | None:
+    """The line of a dotted key in a YAML text, so errors can point at it; missing, its section's line (or None
+    if `exact`)."""
     node = yaml.compose(text)
     line = None
     for key in loc:
-        if not isinstance(node, yaml.MappingNode):
-            return line
-        match = [(k, v) for k, v in node.value if k.value == str(key)]
+        match = [(k, v) for k, v in node.value if k.value == str(key)] if isinstance(node, yaml.MappingNode) else []
         if not match:
-            return line
+            return None if exact else line
         line, node = match[0][0].start_mark.line + 1, match[0][1]
     return line
 
@@ -582,15 +585,29 @@ class ConfigSource:
 
     def error(self, problems: list[tuple[tuple, str, str]]) -> ConfigError:
         """One error for these problems, each (location of the field, message, what it got or ""), with the
-        dotted field and where it was set (file line or override)."""
+        dotted field and where it was set (file line or override). A problem of several fields together (the
+        location ()) says where each field its message names was set."""
         lines = []
         for loc, msg, got in problems:
-            where = ".".join(str(p) for p in loc) or "(top level)"
-            line = _yaml_line(self.text, loc)
-            origin = "command-line override" if _has_dotted(self.overrides, loc) else (
-                f"{self.path}, line {line}" if line else str(self.path))
+            if loc:
+                line = _yaml_line(self.text, loc)
+                where = ".".join(str(p) for p in loc)
+                origin = "command-line override" if _has_dotted(self.overrides, loc) else (
+                    f"{self.path}, line {line}" if line else str(self.path))
+            else:
+                where, origin = "(several fields)", self._origins(msg)
             lines.append(f"  {where}: {msg}{got} [{origin}]")
         return ConfigError("invalid config:\n" + "\n".join(lines))
+
+    def _origins(self, msg: str) -> str:
+        """Where the fields `msg` names were set: `FILE: a.b line 3, ...; command-line override: c.d`."""
+        named = dict.fromkeys(m for m in _DOTTED.findall(msg) if m.split(".")[0] in Config.model_fields)
+        overridden = [f for f in named if _has_dotted(self.overrides, tuple(f.split(".")))]
+        in_file = [f"{f} line {line}" for f in named if f not in overridden
+                   and (line := _yaml_line(self.text, tuple(f.split(".")), exact=True))]
+        parts = [f"{self.path}: {', '.join(in_file)}" if in_file else "",
+                 f"command-line override: {', '.join(overridden)}" if overridden else ""]
+        return "; ".join(filter(None, parts)) or f"{self.path}: their defaults"
 
 
 def format_errors(err: ValidationError, source: ConfigSource) -> ConfigError:

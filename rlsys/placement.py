@@ -230,7 +230,7 @@ def idle_warning(plan: Plan) -> str:
     if not idle:
         return ""
     total, engines, ranks = plan.nodes * plan.gpus_per_node, len(plan.engines), len(plan.trainer)
-    where = "; ".join(f"node {n} " + ("whole" if len(gpus) == plan.gpus_per_node else f"GPUs {_runs(gpus)}")
+    where = "; ".join(f"node {n}: " + (f"all {len(gpus)}" if len(gpus) == plan.gpus_per_node else f"GPUs {_runs(gpus)}")
                       for n, gpus in idle.items())
     if plan.layout == "colocated":  # every GPU holds an engine and a rank
         wanted = [f"rollout.num_workers={total // plan.tp}" if engines * plan.tp < total else "",

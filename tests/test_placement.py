@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from rlsys.config import Config, ConfigError
-from rlsys.placement import PlacementError, format_plan, group_specs, plan_from_config, plan_placement
+from rlsys.placement import PlacementError, format_plan, group_specs, idle_warning, plan_from_config, plan_placement
 from rlsys.startup import load_config
 
 
@@ -70,6 +70,38 @@ def test_separate_layout_shares_a_node_at_gpu_granularity():
     specs, _ = group_specs(plan)
     assert sum(b["GPU"] for s in specs for b in s.bundles) == 8
     assert [len(s.bundles) for s in specs] == [1, 1, 4]  # an engine's TP GPUs in one bundle: one actor holds them
+
+
+def test_idle_gpus_are_named_with_the_fields_that_would_use_them():
+    assert idle_warning(plan_placement(2, 8, engines=16, tp=1, trainer_world=16)) == ""
+    half = idle_warning(plan_placement(2, 8, engines=16, tp=1, trainer_world=8))  # every GPU holds an engine
+    assert half == ""
+    tp2 = idle_warning(plan_placement(2, 4, engines=2, tp=2, trainer_world=4))
+    assert "4 of 8 GPUs would sit idle (node 1: all 4)" in tp2 and tp2.endswith("set rollout.num_workers=4 and "
+                                                                                "trainer.world_size=8")
+    split = idle_warning(plan_placement(2, 8, engines=2, tp=2, trainer_world=2, layout="separate"))
+    assert "10 of 16 GPUs would sit idle (node 0: GPUs 6-7; node 1: all 8)" in split
+    assert split.endswith("raise rollout.num_workers (now 2, 2 GPU(s) each) or trainer.world_size (now 2) by 10 GPUs "
+                          "in all")
+
+
+@pytest.mark.slow
+def test_a_run_whose_plan_leaves_a_gpu_idle_says_so_at_start_up_and_trains_on(tmp_path):
+    """The warning comes before Ray starts, and is not fatal: on a Ray of 2 logical GPUs the run uses one."""
+    script = textwrap.dedent("""
+        import sys, ray
+        from rlsys.cli import main
+        ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
+        sys.exit(main(sys.argv[1:]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script, "train", "cluster.gpus_per_node=2", "trainer.backend=torch",
+                          "trainer.total_steps=1", "model.warm_start.steps=0", "data.eval_size=4",
+                          f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ("warning: 1 of 2 GPUs would sit idle (node 0: GPUs 1): trainer.world_size and rollout.num_workers must "
+            "grow with cluster.nodes and cluster.gpus_per_node; to use all 2, set rollout.num_workers=2 and "
+            "trainer.world_size=2") in out.stderr
+    assert "engines 0 on GPUs 0; trainer ranks 0 on GPUs 0" in out.stdout and "done: step 1" in out.stdout
 
 
 @pytest.mark.parametrize("args, message", [
