@@ -11,12 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from rlsys.errors import UserError
+
 Layout = Literal["colocated", "separate"]
 ROLLOUT, TRAINER = "rollout", "trainer"
 
 
-class PlacementError(ValueError):
-    pass
+class PlacementError(UserError, ValueError):
+    """A plan the config's fields cannot give, or a cluster that cannot hold it: the user's to fix."""
 
 
 @dataclass(frozen=True)
@@ -140,13 +142,21 @@ class Placement:
     colocated: an engine and a trainer rank each take half of their shared GPU's bundle, so Ray gives both
     the same device; separate: an engine takes its whole TP bundle, a trainer rank one GPU."""
 
-    def __init__(self, plan: Plan, cpus_per_gpu: float = 1.0, timeout_s: float = 120.0):
+    def __init__(self, plan: Plan, cpus_per_gpu: float = 1.0, timeout_s: float = 120.0, may_grow: bool = True):
+        """`may_grow`: GPUs may still join the Ray cluster (one rlsys joined, perhaps autoscaled), so wait up to
+        `timeout_s` for them; a Ray rlsys started on this machine has all it will have."""
         import ray
         from ray.util.placement_group import placement_group
 
         if plan.layout == "colocated" and plan.tp > 1:
             raise PlacementError(f"cluster.layout=colocated with rollout.tensor_parallel_size={plan.tp}: an engine's "
                                  "TP workers cannot share GPUs with trainer ranks yet; use cluster.layout=separate")
+        have = ray.cluster_resources().get("GPU", 0)
+        if not may_grow and have < plan.used_gpus:
+            raise PlacementError(f"the plan uses {plan.used_gpus} GPUs (cluster.nodes={plan.nodes} x "
+                                 f"cluster.gpus_per_node={plan.gpus_per_node}) and the Ray started on this machine has "
+                                 f"{have:g}: run it where the GPUs are, or on the CPU with cluster.gpus_per_node=0; "
+                                 "`rlsys check CONFIG` prints the plan without starting Ray")
         self.plan = plan
         specs, self.where = group_specs(plan, cpus_per_gpu)
         self.groups = {s.name: placement_group(list(s.bundles), strategy=s.strategy, name=s.name) for s in specs}

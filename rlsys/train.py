@@ -74,7 +74,7 @@ class Controller:
         init_ray(cfg.cluster)
         self.placement = None
         if plan:  # where each engine and trainer rank goes (GPU clusters only), reserved before any actor starts
-            self.placement = Placement(plan)
+            self.placement = Placement(plan, may_grow=bool(cfg.cluster.address))  # a Ray we started: fixed
             print(format_plan(plan, self.placement.node_addresses()), flush=True)
         self.model_dir = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -3,6 +3,8 @@ traceback; `--traceback` shows it when wanted. Faults of rlsys itself keep their
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,8 @@ from rlsys.config import DEFAULT_CONFIG
 from rlsys.config import ConfigError
 from rlsys.data import DataError
 from rlsys.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_a_missing_config_file_is_one_message_and_exit_status_2(tmp_path, capsys):
@@ -120,3 +124,19 @@ def test_every_name_chosen_from_a_list_is_checked_when_the_config_loads(override
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+@pytest.mark.slow
+def test_a_gpu_config_trained_on_a_host_without_gpus_is_one_message_not_a_two_minute_wait(tmp_path):
+    """The Ray rlsys starts here has what this machine has: no GPUs will join it (a cluster it joins may grow)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: the config would train")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "rlsys.cli", "train", "configs/gpu/smoke.yaml",
+                           f"output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert ("rlsys: the plan uses 1 GPUs (cluster.nodes=1 x cluster.gpus_per_node=1) and the Ray started on this "
+            "machine has 0: run it where the GPUs are") in done.stderr
+    assert "Traceback" not in done.stderr and time.monotonic() - started < 100  # a placement group waits 120 s
