@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 from rlsys.rollout.registry import engine_entry
-from rlsys.types import Completion, Request, SamplingParams
+from rlsys.types import Completion, Prompt, Request, SamplingParams, reward_item
 
 
 class Evaluation:
@@ -29,14 +29,14 @@ class Evaluation:
             runs["eval/greedy_accuracy"] = (0.0, 1)
         seeded = engine_entry(r.engine).seeded_eval
         prompt_ids = tokenizer([p.text for p in prompts])["input_ids"]
-        self.asked: dict[str, tuple[str, str, str]] = {}  # request id -> (metric, prompt uid, answer)
+        self.asked: dict[str, tuple[str, Prompt]] = {}  # request id -> (metric, prompt)
         self.requests: list[Request] = []
         for name, (temp, k) in runs.items():
             for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
                 for j in range(k):
                     params = SamplingParams(r.max_new_tokens, temp, r.top_p, seed=i * 1009 + j if seeded else None)
                     self.requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
-                    self.asked[self.requests[-1].request_id] = (name, p.uid, p.answer)
+                    self.asked[self.requests[-1].request_id] = (name, p)
         # metric -> prompt uid -> solved flags of its samples, in prompt order whatever order rewards come in:
         # the same sums, so two evaluations of the same weights agree to the last bit
         self.solved = {name: {p.uid: [] for p in prompts} for name in runs}
@@ -45,13 +45,13 @@ class Evaluation:
     def owns(self, request_id: str) -> bool:
         return request_id in self.asked
 
-    def to_score(self, completion: Completion) -> tuple[str, str, str, int]:
-        """The reward pool's item for one of its completions: (key, response, answer, num_tokens)."""
-        return completion.request_id, completion.text, self.asked[completion.request_id][2], completion.num_tokens
+    def to_score(self, completion: Completion) -> tuple:
+        """The reward pool's item for one of its completions."""
+        return reward_item(completion, self.asked[completion.request_id][1])
 
     def add(self, key: str, reward: float) -> None:
-        name, uid, _ = self.asked[key]
-        self.solved[name][uid].append(reward > 0.5)
+        name, prompt = self.asked[key]
+        self.solved[name][prompt.uid].append(reward > 0.5)
         self.unscored -= 1
 
     @property

@@ -32,14 +32,18 @@ def is_spec(value: str) -> bool:
     return ":" in value
 
 
-def resolve(registry, value: str, key: str, params: tuple[str, ...]):
+def resolve(registry, value: str, key: str, params: tuple[str, ...] | Callable[[Callable], tuple[str, ...]],
+            by_name: bool = False):
     """The function `value` names: a registered one, or the user's, imported and registered under `value`.
 
-    `params` are the arguments rlsys calls it with, positionally (for the error message)."""
+    `params` are the arguments rlsys calls it with, positionally (by name with `by_name`), or, for a field that
+    takes two forms, a function of the user's function giving (params, by_name)."""
     if not is_spec(value) or value in registry:
         return registry.get(value)
     fn = load_function(value, key)
-    check_signature(fn, value, key, params)
+    if callable(params):
+        params, by_name = params(fn)
+    check_signature(fn, value, key, params, by_name)
     registry.register(value)(fn)
     return fn
 
@@ -59,17 +63,18 @@ def load_function(spec: str, key: str) -> Callable:
     return fn
 
 
-def check_signature(fn: Callable, spec: str, key: str, params: tuple[str, ...]) -> None:
-    """Refuse a function that cannot be called as fn(*params), before a run calls it thousands of times."""
+def check_signature(fn: Callable, spec: str, key: str, params: tuple[str, ...], by_name: bool = False) -> None:
+    """Refuse a function that cannot be called as fn(*params) (fn(p=...) for each p with `by_name`), before a
+    run calls it thousands of times."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have none: nothing to check
         return
     try:
-        signature.bind(*params)
+        signature.bind(**dict.fromkeys(params)) if by_name else signature.bind(*params)
     except TypeError:
-        raise PluginError(f"{key}: {spec!r} has the signature {signature}, but rlsys calls it as "
-                          f"fn({', '.join(params)})") from None
+        call = ", ".join(f"{p}=..." for p in params) if by_name else ", ".join(params)
+        raise PluginError(f"{key}: {spec!r} has the signature {signature}, but rlsys calls it as fn({call})") from None
 
 
 def _import_module(name: str, key: str) -> ModuleType:

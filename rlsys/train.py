@@ -37,7 +37,7 @@ from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats, engine_pace
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
-from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample
+from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample, reward_item
 from rlsys.weights.sync import WeightSync
 
 # Level 2 drops the engines' weights instead of copying them to host memory (a pinned copy per engine, 15 GB
@@ -181,8 +181,7 @@ class Controller:
         """Finished completions to the reward pool, each with the answer of the prompt it was asked for."""
         for c in completions:
             self.in_flight[c.request_id] = c
-        self.rewards.submit([(c.request_id, c.text, self.prompts[c.request_id].answer, c.num_tokens)
-                             for c in completions])
+        self.rewards.submit([reward_item(c, self.prompts[c.request_id]) for c in completions])
 
     def requests_for(self, action: Submit) -> list[Request]:
         prompt_ids = self.tokenizer(action.prompt.text)["input_ids"]

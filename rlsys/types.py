@@ -15,6 +15,8 @@ class Prompt:
     answer: str
     data_source: str = "synthetic"
     index: int = 0  # position in its dataset, what the data cursor counts
+    # The row's veRL `extra_info`, passed to a veRL-style reward function; a dict, so left out of the hash
+    extra_info: Optional[dict] = field(default=None, hash=False)
 
 
 @dataclass
@@ -87,3 +89,10 @@ class Group:
 
 class RunStopped(RuntimeError):
     """A fault the run cannot survive; the message says where it stopped and how to go on."""
+
+
+def reward_item(completion: Completion, prompt: Prompt) -> tuple:
+    """The reward pool's item for a completion of `prompt`: (key, response, answer, num_tokens, data_source,
+    extra_info)."""
+    return (completion.request_id, completion.text, prompt.answer, completion.num_tokens, prompt.data_source,
+            prompt.extra_info)

@@ -149,6 +149,7 @@ GOOD = {"prompt": "rev ab=", "answer": "ba"}
     ({"prompt": "q", "answer": ["1", "2"]}, "line 2: 'answer' must be a string or a number, got list"),
     ({"prompt": "q", "reward_model": {"ground_truth": True}}, "'reward_model.ground_truth' must be a string"),
     ({"prompt": "q", "answer": "1", "data_source": 3}, "line 2: 'data_source' must be a string, got int"),
+    ({"prompt": "q", "answer": "1", "extra_info": [1]}, "line 2: 'extra_info' must be an object, got list"),
 ])
 def test_bad_jsonl_row_names_file_line_and_problem(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, bad, GOOD])

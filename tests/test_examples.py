@@ -41,3 +41,20 @@ def test_the_example_data_is_read_as_verl_parquet_and_scored_by_the_example_rewa
         assert score(f"She has \\boxed{{{p.answer}}} apples.", p.answer) == 1.0
         assert score(f"She has {int(p.answer) + 1} apples.", p.answer) == 0.0
     assert score("no number at all", "7") == 0.0 and score("\\boxed{7}", "seven") == 0.0
+
+
+def test_the_verl_style_example_reward_scores_the_example_data_with_its_data_source(in_repo, tmp_path):
+    from rlsys.reward.registry import score
+
+    subprocess.run([sys.executable, str(EXAMPLE / "make_data.py"), str(tmp_path)], check=True)
+    cfg = load_config(EXAMPLE / "cpu.yaml", ["reward.fn=examples/own_reward/verl_reward.py:compute_score",
+                                             f"data.train_path={tmp_path / 'train.parquet'}",
+                                             f"data.eval_path={tmp_path / 'eval.parquet'}"])
+    train, _ = load_datasets(cfg.data)
+    assert train[3].extra_info == {"index": 3}
+    for p in train[:20]:
+        assert score(cfg.reward, f"She has \\boxed{{{p.answer}}} apples.", p.answer, 10, None, p.data_source,
+                     p.extra_info) == 1.0
+        assert score(cfg.reward, f"\\boxed{{{int(p.answer) + 1}}}", p.answer, 10, None, p.data_source) == 0.0
+    with pytest.raises(ValueError, match="no reward for data_source 'gsm8k'"):
+        score(cfg.reward, "\\boxed{7}", "7", 10, None, "gsm8k")

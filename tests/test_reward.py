@@ -215,3 +215,45 @@ def test_an_item_that_kills_its_worker_twice_gets_the_fallback(faulty_pool):
     assert crashed.reward == -1.0 and crashed.error.startswith("worker died")
     assert (fine.reward, fine.error) == (1.0, None)
     assert faulty_pool.errors - errors == 1
+
+
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """veRL's form: the row's fields decide the reward, so a field dropped on the way shows."""
+    if solution_str != ground_truth:
+        return 0.0
+    return {"score": extra_info["weight"] * (1 if data_source == "plus" else -1), "unused": "kept out"}
+'''
+
+
+def test_a_verl_reward_function_gets_the_parquet_rows_fields_through_the_ray_pool(tmp_path, ray_cluster):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlsys.data.files import read_prompts
+    from rlsys.types import Completion, reward_item
+
+    rows = [{"data_source": source, "prompt": [{"role": "user", "content": f"question {i}"}],
+             "reward_model": {"style": "rule", "ground_truth": str(i)}, "extra_info": {"weight": i / 10}}
+            for i, source in enumerate(["plus", "minus", "plus", "minus"], start=1)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    (tmp_path / "rewards.py").write_text(VERL_REWARD)
+    prompts = read_prompts(tmp_path / "train.parquet")
+    assert [(p.data_source, p.extra_info) for p in prompts][:2] == [("plus", {"weight": 0.1}),
+                                                                    ("minus", {"weight": 0.2})]
+    pool = RewardPool(RewardConfig(fn=f"{tmp_path / 'rewards.py'}:compute_score", num_workers=2))
+    try:
+        items = [reward_item(Completion(f"r{i}", p.uid, [], [], [], [], "stop", text=p.answer), p)
+                 for i, p in enumerate(prompts)]
+        items.append(reward_item(Completion("wrong", "train-0", [], [], [], [], "stop", text="no"), prompts[0]))
+        got = [(r.key, r.reward, r.error) for r in pool.score_all(items)]
+    finally:
+        pool.shutdown()
+    assert got == [("r0", 0.1, None), ("r1", -0.2, None), ("r2", 0.3, None), ("r3", -0.4, None),
+                   ("wrong", 0.0, None)]
+
+
+def test_a_dict_without_a_score_is_junk():
+    assert as_reward({"score": 0.5, "acc": True}) == 0.5
+    with pytest.raises(BadReward, match="returned a dict without a 'score' key \\(keys: acc\\)"):
+        as_reward({"acc": 1.0})

@@ -40,6 +40,10 @@ def pipe_rows(path):
             yield {"prompt": question, "answer": answer}
 
 
+def verl_without_data_source(solution_str, ground_truth):
+    return 0.0
+
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -81,6 +85,9 @@ def test_a_reward_function_in_the_users_file_trains_through_the_ray_reward_actor
     ("{file}:score", "reward.fn: file '{file}' has no function 'score'"),
     ("{file}:one_argument", "reward.fn: '{file}:one_argument' has the signature (response), but rlsys calls it "
                             "as fn(response, answer)"),
+    ("{file}:verl_without_data_source", "reward.fn: '{file}:verl_without_data_source' has the signature "
+     "(solution_str, ground_truth), but rlsys calls it as fn(data_source=..., solution_str=..., ground_truth=..., "
+     "extra_info=...)"),
     ("{file}:NOT_A_FUNCTION", "reward.fn: '{file}:NOT_A_FUNCTION' is not a function (it is of type int)"),
     ("{missing}:score", "reward.fn: file '{missing}' not found"),
     (":score", "reward.fn: ':score' is neither a registered name nor 'module.path:function'"),

@@ -1,5 +1,6 @@
 """Writes a small dataset in veRL's parquet format, standing in for your own: `prompt` as chat messages,
-the answer in `reward_model.ground_truth`, `data_source`, and veRL's other columns, which rlsys ignores.
+the answer in `reward_model.ground_truth`, `data_source` and `extra_info` (both reach a veRL-style reward
+function), and veRL's `ability`, which rlsys ignores.
 
     python examples/own_reward/make_data.py [OUT_DIR]     (default examples/own_reward/data)
 """

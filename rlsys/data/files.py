@@ -1,7 +1,8 @@
 """Prompt datasets from jsonl or parquet files with veRL-style columns.
 
 Columns: `prompt` (a string, or a list of {role, content} chat messages), the answer in `answer` or in
-`reward_model.ground_truth`, and an optional `data_source` (default: the file's stem). A bad row is
+`reward_model.ground_truth`, and optional `data_source` (default: the file's stem) and `extra_info` (an
+object); both reach a reward function written in veRL's form (rlsys/reward/registry.py). A bad row is
 refused with the file, the line (jsonl, from 1) or row (parquet, from 0) and what is wrong with it.
 A `data.loader` (the user's `fn(path) -> iterable of rows`) reads other formats into the same rows.
 """
@@ -33,11 +34,12 @@ def read_prompts(path: str | Path, split: str = "train", tokenizer=None, chat_te
     prompts = []
     for where, row in rows(path):
         try:
-            text, answer, source = _parse_row(row, tokenizer, path.stem, chat_template)
+            text, answer, source, extra_info = _parse_row(row, tokenizer, path.stem, chat_template)
         except DataError as e:
             raise DataError(f"{path}, {where}: {e}") from None
         i = len(prompts)
-        prompts.append(Prompt(uid=f"{split}-{i}", text=text, answer=answer, data_source=source, index=i))
+        prompts.append(Prompt(uid=f"{split}-{i}", text=text, answer=answer, data_source=source, index=i,
+                              extra_info=extra_info))
     if not prompts:
         raise DataError(f"{path}: the file is empty (no rows)")
     return prompts
@@ -93,7 +95,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {number}", row
 
 
-def _parse_row(row: Any, tokenizer, default_source: str, chat_template: bool = False) -> tuple[str, str, str]:
+def _parse_row(row: Any, tokenizer, default_source: str,
+               chat_template: bool = False) -> tuple[str, str, str, dict | None]:
     if not isinstance(row, dict):
         raise DataError(f"a row must be an object with a 'prompt' field, got {type(row).__name__}")
     if row.get("prompt") is None:
@@ -106,7 +109,10 @@ def _parse_row(row: Any, tokenizer, default_source: str, chat_template: bool = F
         source = default_source
     elif not isinstance(source, str):
         raise DataError(f"'data_source' must be a string, got {type(source).__name__}")
-    return text, _answer(row), source
+    extra_info = row.get("extra_info")
+    if extra_info is not None and not isinstance(extra_info, dict):
+        raise DataError(f"'extra_info' must be an object, got {type(extra_info).__name__}")
+    return text, _answer(row), source, extra_info
 
 
 def chat_text(tokenizer, messages: list[dict]) -> str:

@@ -52,6 +52,8 @@ class _Item:
     response: str
     answer: str
     num_tokens: int
+    data_source: str = ""  # the prompt's, for a veRL-style reward function
+    extra_info: dict | None = None
     retried: bool = False  # lost once with a worker already; retried items go alone
 
 
@@ -84,11 +86,12 @@ class RewardWorker:
     def ready(self) -> bool:
         return True
 
-    def score_batch(self, items: list[tuple[str, str, str, int]]) -> tuple[list[RewardResult], bool]:
-        """Results for a prefix of `items`, and whether the runner thread is stuck (stop and replace)."""
+    def score_batch(self, items: list[tuple]) -> tuple[list[RewardResult], bool]:
+        """Results for a prefix of `items` (the pool's submit's), and whether the runner thread is stuck (stop
+        and replace)."""
         cfg, results = self.cfg, []
-        for key, response, answer, num_tokens in items:
-            job = self.runner.submit(score, cfg, response, answer, num_tokens, self.fn)
+        for key, response, answer, num_tokens, *source_and_info in items:
+            job = self.runner.submit(score, cfg, response, answer, num_tokens, self.fn, *source_and_info)
             if not wait([job], timeout=cfg.timeout_s).done:
                 results.append(RewardResult(key, cfg.fallback, f"timeout after {cfg.timeout_s}s"))
                 return results, True
@@ -142,8 +145,9 @@ class RewardPool:
 
     # -- the streaming API the controller uses --------------------------------------------------
 
-    def submit(self, items: list[tuple[str, str, str, int]]) -> None:
-        """Queue (key, response, answer, num_tokens) items, then dispatch once: items handed over together
+    def submit(self, items: list[tuple]) -> None:
+        """Queue (key, response, answer, num_tokens[, data_source, extra_info]) items (the last two for a
+        veRL-style reward function), then dispatch once: items handed over together
         leave in as few calls as the idle workers allow, not the first alone and the rest after it."""
         self._queue.extend(_Item(*item) for item in items)
         self._dispatch()
@@ -193,8 +197,8 @@ class RewardPool:
 
     # -- conveniences --------------------------------------------------------------------------
 
-    def score_all(self, items: list[tuple[str, str, str, int]]) -> list[RewardResult]:
-        """Score (key, response, answer, num_tokens) items and wait: results in input order (`rlsys eval`).
+    def score_all(self, items: list[tuple]) -> list[RewardResult]:
+        """Score items as `submit` takes them and wait: results in input order (`rlsys eval`).
         Only on an otherwise idle pool: results of other items would come back here and be lost."""
         keys = [item[0] for item in items]
         if len(set(keys)) != len(keys):
@@ -245,7 +249,7 @@ class RewardPool:
             while not batch[0].retried and len(batch) < size and self._queue and not self._queue[0].retried:
                 batch.append(self._queue.popleft())
             i = self._idle.pop()
-            payload = [(it.key, it.response, it.answer, it.num_tokens) for it in batch]
+            payload = [(it.key, it.response, it.answer, it.num_tokens, it.data_source, it.extra_info) for it in batch]
             ref = self.workers[i].score_batch.remote(payload)
             self._calls[ref] = _Call(i, batch, time.monotonic() + len(batch) * self.cfg.timeout_s + GRACE_S)
 

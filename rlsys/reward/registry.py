@@ -1,6 +1,10 @@
 """Reward functions by name, plus DAPO's overlong shaping and the composition used everywhere.
 
-A reward function has one signature, `fn(response: str, answer: str) -> float`. Add your own with
+A reward function takes one of two forms, told apart by its parameter names:
+- `fn(response: str, answer: str)`, called positionally;
+- veRL's `compute_score(data_source, solution_str, ground_truth, extra_info=None)` (any function with a
+  `solution_str` parameter), called by name as veRL calls it, with the row's `data_source` and `extra_info`.
+Either returns a float, or, as veRL allows, a dict whose "score" is the reward. Add your own with
 
     @register_reward("my_reward")
     def my_reward(response, answer): ...
@@ -16,6 +20,7 @@ code.py, builds its sandbox there).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -29,7 +34,7 @@ from rlsys.registry import Registry
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-RewardFn = Callable[[str, str], float]
+RewardFn = Callable[..., float]  # either form below
 REWARDS: Registry[RewardFn] = Registry("reward function")
 
 
@@ -37,9 +42,22 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     return REWARDS.register(name)
 
 
+PLAIN_PARAMS = ("response", "answer")
+VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
 def reward_fn(name: str) -> RewardFn:
     """The function `reward.fn` names: registered, or the user's `module:function` (imported here)."""
-    return resolve(REWARDS, name, "reward.fn", ("response", "answer"))
+    return resolve(REWARDS, name, "reward.fn",
+                   lambda fn: (VERL_PARAMS, True) if is_verl_style(fn) else (PLAIN_PARAMS, False))
+
+
+def is_verl_style(fn: Callable) -> bool:
+    """Whether `fn` is written as veRL's compute_score: it names a `solution_str` parameter."""
+    try:
+        return "solution_str" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins): the plain form
+        return False
 
 
 class BadReward(ValueError):
@@ -80,7 +98,12 @@ def overlong_penalty(num_tokens: int, max_len: int, cache_len: int) -> float:
 
 
 def as_reward(value, valid_range: tuple[float, float] | None = None) -> float:
-    """The value as a finite float within `valid_range` (if given), or BadReward naming what came back."""
+    """The value (or a dict's "score", as veRL allows) as a finite float within `valid_range` (if given), or
+    BadReward naming what came back."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise BadReward(f"returned a dict without a 'score' key (keys: {', '.join(map(str, value))})")
+        value = value["score"]
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise BadReward(f"returned {value!r}")
     if valid_range and not valid_range[0] <= value <= valid_range[1]:
@@ -88,11 +111,16 @@ def as_reward(value, valid_range: tuple[float, float] | None = None) -> float:
     return float(value)
 
 
-def score(cfg: RewardConfig, response: str, answer: str, num_tokens: int,
-          fn: RewardFn | None = None) -> float:
-    """The base reward (cfg.fn, or `fn` when given), checked against `cfg.valid_range`, plus the
-    overlong penalty when enabled."""
-    reward = as_reward((fn or reward_fn(cfg.fn))(response, answer), cfg.valid_range)
+def score(cfg: RewardConfig, response: str, answer: str, num_tokens: int, fn: RewardFn | None = None,
+          data_source: str = "", extra_info: dict | None = None) -> float:
+    """The base reward (cfg.fn, or `fn` when given, in either form), checked against `cfg.valid_range`, plus
+    the overlong penalty when enabled."""
+    fn = fn or reward_fn(cfg.fn)
+    if is_verl_style(fn):
+        value = fn(data_source=data_source, solution_str=response, ground_truth=answer, extra_info=extra_info)
+    else:
+        value = fn(response, answer)
+    reward = as_reward(value, cfg.valid_range)
     if cfg.overlong.enabled:
         reward += overlong_penalty(num_tokens, cfg.overlong.max_len, cfg.overlong.cache_len)
     return reward
