@@ -157,15 +157,17 @@ class TrainerBackend(ABC):
         return [kl_penalty(torch.tensor(s.logprobs), torch.tensor(ref), self.cfg.kl.estimator).sum().item()
                 for s, ref in zip(samples, reference)]
 
-    def train_step(self, samples: list[TrainSample], totals: StepTotals, interpolate_at: int | None = None) -> dict:
+    def train_step(self, samples: list[TrainSample], totals: StepTotals, interpolate_at: int | None = None,
+                   at_start: bool = True) -> dict:
         """Accumulate gradients over this rank's micro-batches, then take exactly one optimizer step.
+        `at_start`: the weights are those that started the step (not a later PPO mini-batch's).
 
         Returned statistics are this rank's shares of the step's values (sum them over ranks);
         `grad_norm` and `skipped_steps` are the same on every rank.
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
-        stats = self.accumulate_gradients(samples, totals, interpolate_at=interpolate_at)
+        stats = self.accumulate_gradients(samples, totals, interpolate_at=interpolate_at, at_start=at_start)
         return self.close_step(stats, sum(s.response_len for s in samples), len(samples))
 
     def skip_step(self) -> dict:
@@ -191,8 +193,8 @@ class TrainerBackend(ABC):
         on the weights have moved, so every part is scored against the proximal policy (the weights at
         the start): the behaviour log-probs when `fresh` (every token sampled by these very weights),
         else recomputed here, or with `trainer.proximal=loglinear` interpolated from each part's own
-        forward (`version` is the weights' at the start). Statistics are means over the parts; tokens
-        and sequences are sums."""
+        forward (`version` is the weights' at the start). Statistics are means over the parts that report
+        them (mismatch_kl: the first alone); tokens and sequences are sums."""
         interpolate = not fresh and self.cfg.proximal == "loglinear" and version is not None
         if len(parts) > 1:
             # The first part runs on the proximal weights themselves: its own forward is pi_prox, exactly, so
@@ -207,20 +209,21 @@ class TrainerBackend(ABC):
             for sample in parts[0][0]:  # fresh: pi_old is the engine's for every part alike (losses.py)
                 sample.proximal_logprobs = list(sample.logprobs) if fresh else None
         interpolate_at = version if interpolate else None
-        per_part = [self.train_step(samples, totals, interpolate_at if i else None)
+        per_part = [self.train_step(samples, totals, interpolate_at if i else None, at_start=i == 0)
                     for i, (samples, totals) in enumerate(parts)]
         keys = set().union(*per_part)
-        merged = {k: sum(m.get(k, 0.0) for m in per_part) / len(per_part) for k in keys}
+        merged = {k: sum(m[k] for m in per_part if k in m) / sum(k in m for m in per_part) for k in keys}
         merged.update(tokens=sum(m["tokens"] for m in per_part), sequences=sum(m["sequences"] for m in per_part),
                       skipped_steps=per_part[-1]["skipped_steps"], **self.pacer_counts())
         return merged
 
     def accumulate_gradients(self, samples: list[TrainSample], totals: StepTotals, closes_step: bool = True,
-                             interpolate_at: int | None = None) -> dict:
+                             interpolate_at: int | None = None, at_start: bool = True) -> dict:
         """`closes_step=False`: more parts follow (a streamed step, streamed.py), so no micro-batch is the last.
         `interpolate_at`: pi_prox is `loglinear_proximal` from this forward, for weights that started the
         step at that version; otherwise the samples' own proximal log-probs, or this forward where they have
-        none (the weights have not moved)."""
+        none (the weights have not moved). `at_start`: this forward runs on the weights that started the
+        step, so it measures the rollout-trainer mismatch (mismatch_kl)."""
         if totals.micro_batches < 1:
             raise ValueError("a train step needs at least one sample with response tokens")
         stats: dict[str, float] = defaultdict(float)
@@ -238,7 +241,8 @@ class TrainerBackend(ABC):
                 proximal = logprobs.detach()
             inp = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.response_mask,
                              float(totals.tokens), float(totals.sequences),
-                             self._reference_logprobs(mb), mb.versions, entropy)
+                             self._reference_logprobs(mb), mb.versions, entropy,
+                             start_logprobs=logprobs.detach() if at_start else None)
             loss, mb_stats = compute_loss(inp, self.cfg)
             self._backward(loss)
             self._pace(started, batch, costs.TRAIN_FLOPS + (costs.FORWARD_FLOPS if self.reference else 0))

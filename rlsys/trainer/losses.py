@@ -32,7 +32,8 @@ Conventions (where they differ from, or are not written down by, veRL):
   (`loglinear_proximal`), which needs no extra forward.
 - pi_old is always the trainer's own when a correction is on: with fresh samples and several
   mini-batches rlsys otherwise reuses the engine's log-probs as pi_old (no extra forward), and
-  then rho = 1 and `mismatch_kl` reads 0 by construction.
+  then rho = 1. `mismatch_kl` is measured against the trainer's own log-probs whatever the mode: those
+  of the first mini-batch's forward, which runs on the weights that started the step.
 - GSPO's sequence log-ratio (the mean of its token log-ratios, not clamped one by one) is clamped from
   above at 10 before exp, with no gradient beyond, as veRL's GSPO. With a token-level mismatch weight its
   gradient on each token carries the sequence's mean weight by default (`trainer.gspo_token_weights=mean`,
@@ -75,6 +76,9 @@ class LossInputs:
     ref_logprobs: Optional[Tensor] = None  # frozen initial policy, when a KL term is on
     versions: Optional[Tensor] = None  # policy version that sampled each token
     entropy: Optional[Tensor] = None  # the current policy's entropy at each position; carries a gradient
+    # The trainer's own log-probs under the weights that started the step, where this forward knows them (the
+    # first mini-batch's forward); `mismatch_kl` is measured against them, in every mode, and not without them.
+    start_logprobs: Optional[Tensor] = None
 
 
 def loglinear_proximal(behaviour: Tensor, current: Tensor, versions: Tensor, version: int) -> Tensor:
@@ -485,7 +489,8 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         raise ValueError("trainer.entropy_coeff and trainer.top_entropy_share need the entropy, and the backend "
                          "gave none")
     token_stats["behaviour_logprob_diff"] = (inp.logprobs - inp.behaviour_logprobs).abs()
-    token_stats["mismatch_kl"] = kl_penalty(inp.behaviour_logprobs, inp.old_logprobs.detach(), "k3")
+    if inp.start_logprobs is not None:  # not old_logprobs: those are the engine's own when samples are fresh
+        token_stats["mismatch_kl"] = kl_penalty(inp.behaviour_logprobs, inp.start_logprobs.detach(), "k3")
     loss = aggregation(per_token, inp, cfg)
     stats["loss"] = loss.item()
     stats.update({k: token_mean(v.detach(), inp).item() for k, v in token_stats.items()})
