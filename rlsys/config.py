@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"  # the repository's; not installed
 # Package data, so `rlsys train` finds it from any install; configs/tiny.yaml is a link to it.
@@ -358,7 +358,7 @@ class ControlConfig(Section):
     scheduler: str = "sync"
     group_sizer: str = "fixed"
     prompts_per_step: int = Field(16, ge=1)
-    group_size: int = Field(8, ge=1)
+    group_size: int = 8  # at least 2: see _groups_can_be_informative
     straggler_kappa: float = Field(2.0, gt=1)
     dynamic_sampling: DynamicSamplingConfig = DynamicSamplingConfig()
     tail: TailConfig = TailConfig()
@@ -368,13 +368,15 @@ class ControlConfig(Section):
     eval_every: int = Field(10, ge=0)  # 0: only before and after training
     save_every: int = Field(20, ge=0)  # 0: only at the end
 
-    @model_validator(mode="after")
-    def _groups_can_be_informative(self):
-        # sagc's sizes are at least 2 already; a fixed group of one would be dropped forever (a hang)
-        if self.dynamic_sampling.enabled and self.group_sizer == "fixed" and self.group_size < 2:
-            raise ValueError("control.dynamic_sampling.enabled drops every group of one sample; "
-                             "use a group size of at least 2")
-        return self
+    @field_validator("group_size")
+    @classmethod
+    def _groups_can_be_informative(cls, value: int) -> int:
+        # An advantage is a reward relative to its group's others: alone, a sample's is 0 (and dynamic sampling
+        # would drop every group of one, forever). sagc's sizes are at least 2 already.
+        if value < 2:
+            raise ValueError("must be at least 2: a group of one sample has no advantage (its reward less its "
+                             "group's mean is 0), so nothing would be learned")
+        return value
 
     @model_validator(mode="after")
     def _async_keeps_its_batch(self):

@@ -42,8 +42,11 @@ def test_bad_override_syntax_and_missing_file(tmp_path):
         load_config(tmp_path / "list.yaml")
 
 
-def test_dynamic_sampling_refuses_groups_of_one_instead_of_hanging():
-    """Every group of one sample has equal rewards, so dynamic sampling would drop them all, forever."""
-    with pytest.raises(ValueError, match="group size of at least 2"):
-        ControlConfig(group_size=1, dynamic_sampling={"enabled": True})
-    ControlConfig(group_size=1)  # without dynamic sampling a group of one is allowed
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_group_of_one_is_refused_as_the_config_loads(dynamic):
+    """A group of one has no advantage (nothing learned); with dynamic sampling it would even be dropped forever."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["control.group_size=1", f"control.dynamic_sampling.enabled={dynamic}"])
+    assert ("control.group_size: Value error, must be at least 2: a group of one sample has no advantage"
+            in str(refused.value)) and "[command-line override]" in str(refused.value)
+    assert load_config(None, ["control.group_size=2"]).control.group_size == 2

@@ -294,23 +294,28 @@ def test_on_policy_never_trains_a_token_of_older_weights():
 
 
 def test_partial_resumes_with_the_tokens_logprobs_and_versions_of_the_abort():
-    sched = build(prompts_per_step=1, group_size=1, sorted={"rollout_prompts": 2, "mode": "partial"})
+    sched = build(prompts_per_step=1, group_size=2, sorted={"rollout_prompts": 2, "mode": "partial"})
     a, b = sched.start(0.0)
-    abort, train = sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)
+    assert sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1) == []
+    abort, train = sched.on_sample(sample(a.request_ids[1], a.prompt.uid), 1)
     assert abort == Abort(b.request_ids)
     assert next_step(sched, 1, train.groups, 2) == []  # b's partial output is not back yet
-    partial = Completion(b.request_ids[0], b.prompt.uid, [1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [0, 0, 0], "abort")
-    (resubmit,) = sched.on_abort(partial, 3)
-    (rid,) = resubmit.request_ids
-    assert resubmit.prompt == b.prompt and rid != b.request_ids[0]
-    assert resubmit.resume == {rid: Request(rid, b.prompt.uid, [1, 2], resume_ids=[5, 6, 7],
-                                            resume_logprobs=[-0.1, -0.2, -0.3], resume_versions=[0, 0, 0])}
-    done = sample(rid, b.prompt.uid, tokens=5, versions=[0, 0, 0, 1, 1])
-    (train,) = sched.on_sample(done, 4)
-    assert train.groups[0].samples[0] is done
+    resumed = []
+    for old in b.request_ids:
+        partial = Completion(old, b.prompt.uid, [1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [0, 0, 0], "abort")
+        (resubmit,) = sched.on_abort(partial, 3)
+        (rid,) = resubmit.request_ids
+        assert resubmit.prompt == b.prompt and rid not in b.request_ids
+        assert resubmit.resume == {rid: Request(rid, b.prompt.uid, [1, 2], resume_ids=[5, 6, 7],
+                                                resume_logprobs=[-0.1, -0.2, -0.3], resume_versions=[0, 0, 0])}
+        resumed.append(rid)
+    done = [sample(rid, b.prompt.uid, tokens=5, versions=[0, 0, 0, 1, 1]) for rid in resumed]
+    assert sched.on_sample(done[0], 4) == []
+    (train,) = sched.on_sample(done[1], 4)
+    assert train.groups[0].samples == done
     m = sched.metrics()
-    assert m["sorted/resumed"] == 1 and m["staleness/max_versions"] == 2 and m["staleness/max"] == 1
-    assert m["staleness/mean"] == pytest.approx(3 / 9)  # 3 tokens one version old, of 4 (a) + 5 (b)
+    assert m["sorted/resumed"] == 2 and m["staleness/max_versions"] == 2 and m["staleness/max"] == 1
+    assert m["staleness/mean"] == pytest.approx(6 / 18)  # 3 tokens one version old per sample of b, of 2 x 4 + 2 x 5
 
 
 def test_partial_output_back_before_the_update_waits_for_the_new_weights():
@@ -328,21 +333,24 @@ def test_partial_output_back_before_the_update_waits_for_the_new_weights():
 
 
 def test_a_sample_that_would_span_more_than_k_versions_is_regenerated():
-    sched = build(prompts_per_step=1, group_size=1,
+    sched = build(prompts_per_step=1, group_size=2,
                   sorted={"rollout_prompts": 3, "mode": "partial", "max_versions": 2})
     a, b, c = sched.start(0.0)
-    _, train = sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)  # Train a at v0, abort b and c
+    assert sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1) == []
+    _, train = sched.on_sample(sample(a.request_ids[1], a.prompt.uid), 1)  # Train a at v0, abort b and c
     next_step(sched, 1, train.groups, 2)
-    (rb,) = sched.on_abort(completion(b.request_ids[0], b.prompt.uid, 3, "abort"), 3)
-    (rc,) = sched.on_abort(completion(c.request_ids[0], c.prompt.uid, 3, "abort"), 3)
-    assert rb.resume and rc.resume  # span 2 at v1: within K
-    abort, train = sched.on_sample(sample(rb.request_ids[0], b.prompt.uid, 5, versions=[0, 0, 0, 1, 1]), 4)
-    assert abort.request_ids == rc.request_ids
+    rb = [sched.on_abort(completion(rid, b.prompt.uid, 3, "abort"), 3)[0] for rid in b.request_ids]
+    rc = [sched.on_abort(completion(rid, c.prompt.uid, 3, "abort"), 3)[0] for rid in c.request_ids]
+    assert all(r.resume for r in rb + rc)  # span 2 at v1: within K
+    assert sched.on_sample(sample(rb[0].request_ids[0], b.prompt.uid, 5, versions=[0, 0, 0, 1, 1]), 4) == []
+    abort, train = sched.on_sample(sample(rb[1].request_ids[0], b.prompt.uid, 5, versions=[0, 0, 0, 1, 1]), 4)
+    assert abort.request_ids == [r.request_ids[0] for r in rc]
     next_step(sched, 2, train.groups, 5)
-    (again,) = sched.on_abort(completion(rc.request_ids[0], c.prompt.uid, 5, "abort", [0, 0, 0, 1, 1]), 6)
-    assert not again.resume and len(again.request_ids) == 1  # from v0 to v2 is 3 versions > K
+    for rid in abort.request_ids:
+        (again,) = sched.on_abort(completion(rid, c.prompt.uid, 5, "abort", [0, 0, 0, 1, 1]), 6)
+        assert not again.resume and len(again.request_ids) == 1  # from v0 to v2 is 3 versions > K
     m = sched.metrics()
-    assert m["sorted/regenerated"] == 1 and m["sorted/resumed"] == 2 and m["sorted/wasted_tokens"] == 5
+    assert m["sorted/regenerated"] == 2 and m["sorted/resumed"] == 4 and m["sorted/wasted_tokens"] == 10
 
 
 def test_finished_samples_past_k_versions_are_regenerated_at_the_update():
@@ -376,10 +384,12 @@ def test_engine_side_aborts_are_replaced_or_resumed_at_once():
 
 
 def test_late_finish_of_an_aborted_request_is_kept_in_partial_mode():
-    sched = build(prompts_per_step=1, group_size=1, sorted={"rollout_prompts": 2, "mode": "partial"})
+    sched = build(prompts_per_step=1, group_size=2, sorted={"rollout_prompts": 2, "mode": "partial"})
     a, b = sched.start(0.0)
-    _, first = sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1)  # Train a, abort b
-    assert sched.on_sample(sample(b.request_ids[0], b.prompt.uid), 2) == []  # b raced the abort
+    assert sched.on_sample(sample(a.request_ids[0], a.prompt.uid), 1) == []
+    _, first = sched.on_sample(sample(a.request_ids[1], a.prompt.uid), 1)  # Train a, abort b
+    for rid in b.request_ids:
+        assert sched.on_sample(sample(rid, b.prompt.uid), 2) == []  # b raced the abort
     (train,) = next_step(sched, 1, first.groups, 3)  # b completes the round's last batch at once
     assert rids(train.groups) == [b.request_ids]
     assert next_step(sched, 2, train.groups, 4)[0].prompt != b.prompt  # next round
@@ -411,8 +421,8 @@ def test_config_defaults_and_errors():
         ControlConfig(sorted={"mode": "async"})
     with pytest.raises(ValueError, match="control.sorted.rollout_prompts=2"):
         build(prompts_per_step=3, sorted={"rollout_prompts": 2}).start(0.0)
-    with pytest.raises(ValueError, match="group size of at least 2"):
-        build(group_size=1, dynamic_sampling={"enabled": True}).start(0.0)
+    with pytest.raises(ValueError, match="must be at least 2: a group of one sample has no advantage"):
+        build(group_size=1)
 
 
 def test_versions_are_read_run_by_run_from_run_length_sequences():
@@ -519,10 +529,10 @@ def test_partial_mode_over_many_updates_resumes_and_bounds_staleness():
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(mode=st.sampled_from(["on_policy", "partial"]), batch=st.integers(1, 4), extra=st.integers(0, 9),
-       group=st.integers(1, 4), k=st.integers(1, 3), late=st.sampled_from([0.0, 0.3]),
+       group=st.integers(2, 4), k=st.integers(1, 3), late=st.sampled_from([0.0, 0.3]),
        abort_delay=st.sampled_from([0.0, 3.0]), train_s=st.sampled_from([0.0, 2.0]),
        engine_aborts=st.sampled_from([0.0, 0.1]), dynamic=st.booleans(), seed=st.integers(0, 10**6))
 def test_invariants_hold_for_random_completion_orders(mode, batch, extra, group, k, late, abort_delay, train_s,
                                                       engine_aborts, dynamic, seed):
     check_run(mode, batch, batch + extra, group, k, late, abort_delay, train_s, engine_aborts,
-              dynamic and group > 1, seed)
+              dynamic, seed)
