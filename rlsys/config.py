@@ -365,7 +365,7 @@ class ControlConfig(Section):
     sagc: SAGCConfig = SAGCConfig()
     sorted: SortedConfig = SortedConfig()
     staleness: StalenessConfig = StalenessConfig()
-    eval_every: int = Field(10, ge=0)  # 0: only before and after training
+    eval_every: int = Field(10, ge=0)  # and before and after training; 0: no eval at all
     save_every: int = Field(20, ge=0)  # 0: only at the end
 
     @field_validator("group_size")

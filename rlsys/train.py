@@ -269,7 +269,10 @@ class Controller:
     # --- eval, checkpoints, end -------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Eval's requests go through the pump beside training's, which goes on meanwhile (async keeps generating
-        and scoring); once the run is done, training's results are left unread."""
+        and scoring); once the run is done, training's results are left unread. control.eval_every=0: none at
+        all, not even before and after training."""
+        if not self.cfg.control.eval_every:
+            return {}
         with self.paused():
             t = time.time()
             self.evaluation = Evaluation(self.tokenizer, self.eval_prompts, self.cfg.rollout)

@@ -171,7 +171,7 @@ def test_engines_sleep_before_each_train_step_and_wake_in_vllms_order(tmp_path, 
     cfg = load_config(DEFAULT_CONFIG, [
         "rollout.engine=recording", "rollout.enable_sleep_mode=true", "rollout.num_workers=2", "rollout.slots=8",
         "rollout.max_new_tokens=16", "control.prompts_per_step=4", "control.group_size=4", "data.eval_size=8",
-        "control.eval_every=0", "control.save_every=0", f"trainer.total_steps={steps}", "trainer.backend=torch",
+        f"control.eval_every={steps}", "control.save_every=0", f"trainer.total_steps={steps}", "trainer.backend=torch",
         "model.warm_start.steps=30", "logging.progress=false", f"output_dir={tmp_path / 'run'}"])
     loop.train(cfg)
 

@@ -109,6 +109,9 @@ def test_tail_with_streamed_training_trains_every_announced_group(tmp_path, ray_
     steps = [r for r in rows(out) if "timing/train_s" in r]
     assert [r["policy_version"] for r in steps] == [1, 2]
     assert all(r["train/sequences"] == 16 and r["train/tokens"] > 0 and "train/loss" in r for r in steps)
+    # control.eval_every=0: no eval at all, not even before and after training; the first and final rows remain
+    logged = rows(out)
+    assert logged[0]["step"] == 0 and logged[-1]["final"] and not any("eval/accuracy" in r for r in logged)
 
 
 def test_async_generates_while_the_trainer_trains(tmp_path, ray_cluster):

@@ -67,7 +67,7 @@ def test_a_reward_function_in_the_users_file_trains_through_the_ray_reward_actor
     from test_end_to_end import SMALL
 
     out = tmp_path / "run"
-    assert main(["train", "trainer.total_steps=2", "control.eval_every=0", f"output_dir={out}",
+    assert main(["train", "trainer.total_steps=2", "control.eval_every=2", f"output_dir={out}",
                  f"reward.fn={user_file}:constant_reward", "reward.num_workers=2", *SMALL,
                  "rollout.eval_samples=2", "rollout.eval_greedy=true"]) == 0
     metrics = rows(out)
