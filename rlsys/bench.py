@@ -291,19 +291,19 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlsys.plot import draw_timeline
+    from rlsys.plot import draw_accuracy, draw_timeline
 
     names = list(report["results"])
     colors = {n: plt.get_cmap("tab10")(i) for i, n in enumerate(names)}
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in names:
         for r in range(report["results"][name]["repeats"]):
-            rows = [x for x in read_jsonl(out_dir / f"{name}-r{r}" / "metrics.jsonl") if "eval/accuracy" in x]
-            ax.plot([x["time_s"] for x in rows], [x["eval/accuracy"] for x in rows], "o-", color=colors[name],
-                    alpha=0.8, label=name if r == 0 else None)
+            draw_accuracy(ax, read_jsonl(out_dir / f"{name}-r{r}" / "metrics.jsonl"), color=colors[name], alpha=0.8,
+                          label=name if r == 0 else None)
     ax.axhline(report["workload"]["target_accuracy"], ls="--", color="grey", lw=1)
     clock = report["workload"].get("clock", "wall")
-    ax.set(xlabel=f"training {clock} time (s)", ylabel="eval accuracy", title=f"Accuracy against {clock} time")
+    ax.set(xlabel=f"training {clock} time (s)", ylabel="eval accuracy (± standard error)",
+           title=f"Accuracy against {clock} time")
     ax.legend(), ax.grid(alpha=0.3)
     paths = [out_dir / "accuracy_vs_time.png"]
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")

@@ -18,12 +18,19 @@ def clock_name(rows: list[dict]) -> str:
     return f"{emulated} time (s)" if emulated else "training wall time (s)"
 
 
+def draw_accuracy(ax, rows: list[dict], **style):
+    """Each eval's accuracy against time, with its standard error (eval/accuracy_se) as an error bar, so a reader
+    sees which gaps between points or curves are beyond the eval's own noise."""
+    evals = [r for r in rows if "eval/accuracy" in r]
+    return ax.errorbar([r["time_s"] for r in evals], [r["eval/accuracy"] for r in evals],
+                       yerr=[r.get("eval/accuracy_se", 0.0) for r in evals], fmt="o-", capsize=3, **style)
+
+
 def plot_progress(rows: list[dict], out: Path, label: str = "") -> Path:
     fig, (acc_ax, rew_ax) = plt.subplots(1, 2, figsize=(11, 4))
     clock = clock_name(rows)
-    evals = [r for r in rows if "eval/accuracy" in r]
-    acc_ax.plot([r["time_s"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label=label or None)
-    acc_ax.set(xlabel=clock, ylabel="eval accuracy", title="Eval accuracy")
+    draw_accuracy(acc_ax, rows, label=label or None)
+    acc_ax.set(xlabel=clock, ylabel="eval accuracy (± standard error)", title="Eval accuracy")
     steps = [r for r in rows if "reward/mean" in r]
     rew_ax.plot([r["time_s"] for r in steps], [r["reward/mean"] for r in steps], ".-")
     rew_ax.set(xlabel=clock, ylabel="mean reward", title="Training reward")

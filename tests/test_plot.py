@@ -1,0 +1,53 @@
+"""The accuracy plots (`progress.png`, the bench's `accuracy_vs_time.png`) draw each eval's standard error."""
+import json
+
+import pytest
+from matplotlib.container import ErrorbarContainer
+from matplotlib.figure import Figure
+
+from rlsys.bench import plot_bench
+from rlsys.plot import plot_progress
+
+EVALS = [{"step": 0, "time_s": 0.0, "eval/accuracy": 0.25, "eval/accuracy_se": 0.05},
+         {"step": 1, "time_s": 1.5, "reward/mean": 0.5},
+         {"step": 2, "time_s": 3.0, "eval/accuracy": 0.5, "eval/accuracy_se": 0.1}]
+
+
+@pytest.fixture
+def saved(monkeypatch):
+    """The figures the plots save, by file name (savefig still writes them)."""
+    figures, save = {}, Figure.savefig
+
+    def keep(fig, path, *args, **kwargs):
+        figures[path.name] = fig
+        return save(fig, path, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figures
+
+
+def error_bars(ax) -> list[list[float]]:
+    """Per curve, each point's x, low and high end as drawn, one after the other."""
+    curves = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    return [[v for seg in c.lines[2][0].get_segments() for v in (seg[0][0], seg[0][1], seg[1][1])] for c in curves]
+
+
+def test_progress_draws_each_evals_standard_error(tmp_path, saved):
+    assert plot_progress(EVALS, tmp_path / "progress.png").exists()
+    [curve] = error_bars(saved["progress.png"].axes[0])
+    assert curve == pytest.approx([0.0, 0.2, 0.3, 3.0, 0.4, 0.6])
+
+
+def test_the_bench_accuracy_plot_draws_each_runs_standard_error(tmp_path, saved):
+    for name, shift in [("sync", 0.0), ("async", 0.1)]:
+        run = tmp_path / f"{name}-r0"
+        run.mkdir()
+        rows = [dict(r, **{"eval/accuracy": r["eval/accuracy"] + shift}) if "eval/accuracy" in r else r for r in EVALS]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "timeline.jsonl").write_text(json.dumps({"step": 1, "worker": 0, "slot": 0, "start": 0.0, "end": 1.0})
+                                            + "\n")
+    report = {"results": {name: {"repeats": 1, "bubble_ratio": 0.1} for name in ("sync", "async")},
+              "workload": {"target_accuracy": 0.5}}
+    plot_bench(report, tmp_path)
+    sync, async_ = error_bars(saved["accuracy_vs_time.png"].axes[0])
+    assert sync == pytest.approx([0.0, 0.2, 0.3, 3.0, 0.4, 0.6])
+    assert async_ == pytest.approx([0.0, 0.3, 0.4, 3.0, 0.5, 0.7])
