@@ -209,6 +209,32 @@ def test_a_killed_worker_is_replaced_and_its_items_resubmitted(faulty_pool, ray_
     assert faulty_pool.restarts - restarts == 2
 
 
+def test_a_node_lost_with_an_idle_worker_on_it_costs_no_item_a_fallback(ray_cluster):
+    """A lost node takes a busy worker and an idle one. The busy one's item is retried once, alone: it must
+    wait for a worker that answers, not go to the idle one, which is dead too but shows it only when called
+    (the item would die a second time and get the fallback). Both deaths are settled before the pool hears
+    of either, so no timing decides the outcome."""
+    pool = RewardPool(RewardConfig(fn="test_faulty", num_workers=2, timeout_s=5.0, fallback=-1.0))
+    try:
+        pool.submit([("item", "nap", "", 1)])  # one worker busy, the other idle
+        (busy,) = {call.worker for call in pool._calls.values()}
+        assert pool._idle == {1 - busy}
+        for worker in pool.workers:
+            ray_cluster.kill(worker)
+        for worker in pool.workers:  # the node is gone: every actor on it is dead before the pool looks
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray_cluster.get(worker.ready.remote(), timeout=30)
+        results = []
+        while pool.unscored():
+            ready, _ = ray_cluster.wait(pool.refs(), num_returns=1, timeout=30)
+            assert ready, "the pool stalled"
+            results += pool.collect(ready) + pool.reap()
+        assert [(r.key, r.reward, r.error) for r in results] == [("item", 1.0, None)]
+        assert pool.restarts == 2 and pool.errors == 0
+    finally:
+        pool.shutdown()
+
+
 def test_an_item_that_kills_its_worker_twice_gets_the_fallback(faulty_pool):
     errors = faulty_pool.errors
     [crashed, fine] = faulty_pool.score_all([("crash", "crash", "", 1), ("ok", "1", "1", 1)])
