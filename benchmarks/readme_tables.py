@@ -184,9 +184,11 @@ def mismatch_bf16() -> str:
     for name, r in j["results"].items():
         d = r["final_accuracy_vs_uncorrected"]
         vs = "" if name == "bf16-uncorrected" else f"{d['diff']:+.3f} ± {d['se']:.3f}" + (" (beyond error)" if d["beyond_error"] else "")
-        corrected = r["mismatch_truncated_share_mean"] is not None  # else pi_old is the engine's: KL 0 by construction
-        kl = [f"{r['mismatch_kl_mean']:.1e}", f"{r['mismatch_kl_max']:.1e}",
-              f"{100 * r['mismatch_truncated_share_mean']:.2f}%"] if corrected else ["not measured", "", ""]
+        corrected = r["mismatch_truncated_share_mean"] is not None
+        # Files from before the KL was measured in every mode took it, uncorrected, against the engine's own pi_old
+        measured = corrected or j.get("mismatch_kl_every_mode", False)
+        kl = ([f"{r['mismatch_kl_mean']:.1e}", f"{r['mismatch_kl_max']:.1e}"] if measured else ["not measured", ""])
+        kl.append(f"{100 * r['mismatch_truncated_share_mean']:.2f}%" if corrected else "")
         body.append([f"`{name}`", *kl, acc_se(r), vs])
     return rows(["variant", "k3 KL per token, mean", "max step", "tokens truncated", "final avg@1", "vs uncorrected"],
                 body)

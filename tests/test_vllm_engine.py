@@ -129,7 +129,7 @@ def test_load_weights_changes_outputs_and_tags_the_version(engine, models):
         assert c.token_ids == hf_greedy(model_b, PROMPTS[0], 16) != hf_greedy(model_a, PROMPTS[0], 16)
         assert c.versions == [3] * 16 and engine.stats()["version"] == 3
     finally:
-        engine.load_weights(model_a.state_dict(), version=0)
+        engine.load_weights(model_a.state_dict(), version=4)  # model a again, as a newer version: no older one loads
 
 
 # --- weight versions: when the prefix cache is reset, on any machine -----------------------------------
@@ -177,3 +177,17 @@ def test_a_version_preempts_running_requests_only_when_there_are_some_to_recompu
     assert engine.llm.calls == [("reset_prefix_cache", False),
                                 ("reset_prefix_cache", running_requests == "recompute")]
     assert engine.samples["r"].kv_version == (3 if running_requests == "recompute" else 0)
+
+
+def test_a_weight_version_older_than_the_one_held_is_refused_before_it_loads():
+    from types import SimpleNamespace
+
+    engine, _ = bare_vllm_engine("recompute")
+    engine._weights_changed(3)
+    engine.llm.calls.clear()
+    message = "vllm engine: refused weights version 2, older than the version 3 it holds"
+    with pytest.raises(RuntimeError, match=message):
+        engine.load_weights({"model.norm.weight": torch.ones(4)}, version=2)
+    with pytest.raises(RuntimeError, match=message):
+        engine.receive_weights(SimpleNamespace(version=2))  # refused before its buckets are read
+    assert engine.version == 3 and engine.llm.calls == []  # nothing reached the engine

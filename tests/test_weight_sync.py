@@ -147,6 +147,22 @@ def test_the_cpu_engine_switches_version_only_after_the_last_bucket(tmp_path, ra
     assert engine.version == 1 and max_diff(weights, engine.model.params) == 0.0
 
 
+def test_the_cpu_engine_refuses_an_older_weight_version_before_it_loads(tmp_path, ray_cluster):
+    model, path = build(tmp_path, seed=0)
+    other, _ = build(tmp_path, seed=1, name="other")
+    engine = CPUEngine(path, slots=1)
+    held = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.receive_weights(published(held, version=2))
+    older = {k: v.clone() for k, v in other.state_dict().items()}
+    message = "refused weights version 1, older than the version 2 it holds"
+    with pytest.raises(RuntimeError, match=message):
+        engine.receive_weights(published(older, version=1))
+    with pytest.raises(RuntimeError, match=message):
+        engine.load_weights(older, version=1)
+    assert engine.version == 2 and max_diff(held, engine.model.params) == 0.0  # not a byte of them loaded
+    engine.load_weights(held, version=2)  # the same version again is fine
+
+
 def published(weights: dict, version: int) -> WeightUpdate:
     plans = plan_buckets(weights, 4096)
     return WeightUpdate(version, plans, ObjectStoreSender("trainer", 60).send(plans, weights.items(), version))

@@ -384,6 +384,7 @@ class CPUEngine(RolloutEngine):
 
     @torch.inference_mode()
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        self.refuse_older(version)
         self.model.load_state_dict(state_dict, strict=False, source=f"weights version {version}")
         self._weights_changed(version)
 
@@ -394,6 +395,7 @@ class CPUEngine(RolloutEngine):
     @torch.inference_mode()
     def receive_weights(self, update: WeightUpdate) -> None:
         # Each bucket is a partial state dict (loaded with strict=False); the version changes after the last.
+        self.refuse_older(update.version)
         source = f"{self.name}: weights version {update.version}"
         for weights in update.buckets(self.name, self.device, self.weight_group):
             self.model.load_state_dict(dict(weights), strict=False, source=source)

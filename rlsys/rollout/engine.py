@@ -69,7 +69,8 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
-        """Swap in weights (Hugging Face names) between steps; later tokens are tagged `version`."""
+        """Swap in weights (Hugging Face names) between steps; later tokens are tagged `version`. Refuses a
+        version older than the one held (`refuse_older`)."""
 
     @abstractmethod
     def init_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, backend: str,
@@ -80,10 +81,19 @@ class RolloutEngine(ABC):
     @abstractmethod
     def receive_weights(self, update: WeightUpdate) -> None:
         """Load a version bucket by bucket as it arrives (`update.buckets`, rlsys/weights/transfer.py), between
-        steps; later tokens are tagged `update.version`. The trainer may be sending meanwhile."""
+        steps; later tokens are tagged `update.version`. The trainer may be sending meanwhile. Refuses a
+        version older than the one held (`refuse_older`)."""
 
     counters: "EngineCounters"  # every engine records its steps here; workers read occupancy from it
     version: int = 0  # the weights' version, tagged on every new token
+
+    def refuse_older(self, version: int) -> None:
+        """Before a byte of new weights loads: an older version than the one held (a late or reordered publish)
+        would roll the policy back while its tokens were tagged as newer, so it is refused. The same version
+        again is fine (a replaced worker, `rlsys eval`)."""
+        if version < self.version:
+            raise RuntimeError(f"{self.name}: refused weights version {version}, older than the version {self.version} "
+                               "it holds (weight updates must arrive in order)")
 
     def stats(self) -> dict:
         """Cumulative counters: decode_steps, active_slot_steps, generated_tokens, busy_s,

@@ -196,6 +196,7 @@ class VLLMEngine(RolloutEngine):
         return {"running": running, "waiting": len(self.samples) - running, "slots": self.slots}
 
     def load_weights(self, state_dict: dict[str, Tensor], version: int) -> None:
+        self.refuse_older(version)
         for plan, flat in iter_buckets(state_dict, RPC_BUCKET_BYTES, dtype=self.llm.model_config.dtype):
             self.llm.collective_rpc("rlsys_load_bucket", args=(plan, flat))
         self._weights_changed(version)
@@ -216,6 +217,7 @@ class VLLMEngine(RolloutEngine):
     def receive_weights(self, update: WeightUpdate) -> None:
         """Blocking: every worker loads the buckets, received here and sent with the RPC one at a time, or
         received by each worker itself (update.receiver.per_worker)."""
+        self.refuse_older(update.version)
         if update.receiver.per_worker:
             self.llm.collective_rpc("rlsys_receive", args=(update, self.name))
         else:
