@@ -166,6 +166,21 @@ def test_bad_parquet_row_names_file_and_row(tmp_path):
         read_prompts(tmp_path / "bad.parquet")
 
 
+def test_parquet_extra_info_reaches_the_prompt_and_must_be_json(tmp_path):
+    """extra_info is passed to a veRL-style reward function and saved in checkpoints with the open prompts."""
+    import datetime
+
+    rows = [{"prompt": "rev ab=", "answer": "ba", "extra_info": {"index": 0, "split": "train"}},
+            {"prompt": "rev cd=", "answer": "dc", "extra_info": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "good.parquet")
+    assert [p.extra_info for p in read_prompts(tmp_path / "good.parquet")] == [{"index": 0, "split": "train"}, None]
+    rows[1]["extra_info"] = {"index": 1, "split": "train", "seen": datetime.datetime(2025, 1, 1)}
+    rows[0]["extra_info"]["seen"] = None
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dated.parquet")
+    with pytest.raises(DataError, match=r"dated.parquet, row 1: 'extra_info' must hold only JSON values"):
+        read_prompts(tmp_path / "dated.parquet")
+
+
 def test_empty_missing_unreadable_and_unsupported_files_are_named(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(DataError, match=r"empty.jsonl: the file is empty"):

@@ -80,6 +80,51 @@ def test_a_reward_function_in_the_users_file_trains_through_the_ray_reward_actor
     assert str(os.getpid()) not in callers and 1 <= len(set(callers)) <= 2  # the two reward actors, not the driver
 
 
+VERL_RECORDER = '''
+import json, os
+
+SEEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seen.jsonl")
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """veRL's form; one line per call with what the row's fields came in as."""
+    with open(SEEN, "a") as f:
+        f.write(json.dumps([data_source, ground_truth, extra_info]) + "\\n")
+    return {"score": 0.5, "acc": False}
+'''
+
+
+@pytest.mark.slow
+def test_a_verl_reward_function_trains_on_a_parquets_data_source_and_extra_info(tmp_path, ray_cluster):
+    """End to end: the rows' data_source and extra_info reach the reward actors with their own answer, in training
+    and in evaluation alike."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from test_end_to_end import SMALL
+
+    def rows(n, split):
+        return [{"data_source": f"{split}_{i % 2}", "prompt": [{"role": "user", "content": f"rev {w}="}],
+                 "reward_model": {"style": "rule", "ground_truth": w[::-1]}, "extra_info": {"index": i, "split": split}}
+                for i, w in enumerate(["ab", "cde", "fg", "hij", "kl", "mno", "pq", "rst"][:n])]
+    pq.write_table(pa.Table.from_pylist(rows(8, "train")), tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows(4, "test")), tmp_path / "eval.parquet")
+    (tmp_path / "verl_reward.py").write_text(VERL_RECORDER)
+    out = tmp_path / "run"
+    assert main(["train", "trainer.total_steps=1", "control.eval_every=1", f"output_dir={out}", *SMALL,
+                 "data.task=files", f"data.train_path={tmp_path / 'train.parquet'}",
+                 f"data.eval_path={tmp_path / 'eval.parquet'}", f"reward.fn={tmp_path / 'verl_reward.py'}:compute_score",
+                 "rollout.eval_samples=1", "rollout.eval_greedy=false"]) == 0
+    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    expected = {(r["data_source"], r["reward_model"]["ground_truth"], json.dumps(r["extra_info"]))
+                for r in rows(8, "train") + rows(4, "test")}
+    assert {(source, answer, json.dumps(info)) for source, answer, info in seen} <= expected
+    assert len(seen) == 16 + 2 * 4  # one step of 4 prompts x 4 samples, two evals of 4 prompts
+    assert {info["split"] for _, _, info in seen} == {"train", "test"}
+    assert [r["reward/mean"] for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines())
+            if "reward/mean" in r] == [0.5]
+
+
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module:score", "reward.fn: cannot import module 'no_such_module' (No module named 'no_such_module')"),
     ("{file}:score", "reward.fn: file '{file}' has no function 'score'"),

@@ -112,6 +112,10 @@ def _parse_row(row: Any, tokenizer, default_source: str,
     extra_info = row.get("extra_info")
     if extra_info is not None and not isinstance(extra_info, dict):
         raise DataError(f"'extra_info' must be an object, got {type(extra_info).__name__}")
+    try:  # it is saved with the scheduler's open prompts in each checkpoint
+        json.dumps(extra_info)
+    except (TypeError, ValueError) as e:
+        raise DataError(f"'extra_info' must hold only JSON values (strings, numbers, lists, objects): {e}") from None
     return text, _answer(row), source, extra_info
 
 
