@@ -32,7 +32,7 @@ class Scripted:
         return out
 
     def score_all(self, items):
-        return [SimpleNamespace(key=key, reward=float(text == answer)) for key, text, answer, _ in items]
+        return [SimpleNamespace(key=key, reward=float(text == answer)) for key, text, answer, *_ in items]
 
 
 def test_eval_standard_error_counts_prompts_not_samples():
