@@ -32,8 +32,8 @@ def is_spec(value: str) -> bool:
     return ":" in value
 
 
-def resolve(registry, value: str, key: str, params: tuple[str, ...] | Callable[[Callable], tuple[str, ...]],
-            by_name: bool = False):
+def resolve(registry, value: str, key: str,
+            params: tuple[str, ...] | Callable[[Callable], tuple[tuple[str, ...], bool]], by_name: bool = False):
     """The function `value` names: a registered one, or the user's, imported and registered under `value`.
 
     `params` are the arguments rlsys calls it with, positionally (by name with `by_name`), or, for a field that

@@ -34,7 +34,7 @@ from rlsys.registry import Registry
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
-RewardFn = Callable[..., float]  # either form below
+RewardFn = Callable[..., float]  # either form (above)
 REWARDS: Registry[RewardFn] = Registry("reward function")
 
 
