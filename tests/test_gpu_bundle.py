@@ -201,18 +201,22 @@ def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):
 
 
 def test_measure_sh_runs_each_phase_under_its_limit_and_keeps_going(tmp_path):
-    """A phase that fails (here: no GPU) or passes its limit is recorded, and the next phase still runs."""
+    """A phase that passes its limit or fails is recorded, and the next phase still runs. The phases' Python is
+    a stand-in that takes 3 s over a benchmark and fails: the harness is what is tested, not the benchmarks."""
     bundle, out, scratch = tmp_path / "bundle", tmp_path / "out", tmp_path / "scratch"
     bundle.mkdir()
     (scratch / "site").mkdir(parents=True)  # the bundle counts as installed: no pip here
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": sys.executable, "SCRATCH": str(scratch)}
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\ncase "$*" in *benchmarks/*) sleep 3 ;; esac\nexit 1\n')
+    python.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(python), "SCRATCH": str(scratch)}
     bad = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "bogus"], env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown phase bogus" in bad.stderr
-    done = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "engine:1", "engine:120"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "engine:1", "live:60"],
+                          env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     phases = (out / "phases.txt").read_text().splitlines()
     assert len(phases) == 2 and phases[0].startswith("engine: exit 124")  # cut at its 1 s
-    assert phases[1].startswith("engine: exit 1 ")  # ran to its end: no CUDA here
-    assert (out / "records.tgz").is_file() and (out / "engine.log").is_file()
+    assert phases[1].startswith("live: exit 1 ")  # ran to its end
+    assert (out / "records.tgz").is_file() and (out / "engine.log").is_file() and (out / "live.log").is_file()
