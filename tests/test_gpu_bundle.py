@@ -201,20 +201,30 @@ def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):
 
 
 def test_measure_sh_runs_each_phase_under_its_limit_and_keeps_going(tmp_path):
-    """A phase that passes its limit or fails is recorded, and the next phase still runs. The phases' Python is
-    a stand-in that takes 3 s over a benchmark and fails: the harness is what is tested, not the benchmarks."""
+    """A phase that passes its limit or fails is recorded, and the next phase still runs; the Ray processes a
+    phase leaves behind are ended, and no other Ray on the machine (a test suite's own once was). The phases'
+    Python is a stand-in that leaves a "raylet" behind, takes 3 s over a benchmark and fails: the harness is
+    what is tested, not the benchmarks."""
     bundle, out, scratch = tmp_path / "bundle", tmp_path / "out", tmp_path / "scratch"
     bundle.mkdir()
     (scratch / "site").mkdir(parents=True)  # the bundle counts as installed: no pip here
     python = tmp_path / "python"
-    python.write_text('#!/bin/sh\ncase "$*" in *benchmarks/*) sleep 3 ;; esac\nexit 1\n')
+    python.write_text('#!/bin/bash\ncase "$*" in *benchmarks/*) (exec -a raylet-of-a-phase sleep 120) &\n'
+                      '  sleep 3 ;; esac\nexit 1\n')
     python.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(python), "SCRATCH": str(scratch)}
     bad = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "bogus"], env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown phase bogus" in bad.stderr
-    done = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "engine:1", "live:60"],
-                          env=env, capture_output=True, text=True, timeout=120)
+    other_ray = subprocess.Popen(["bash", "-c", "exec -a raylet-of-another-ray sleep 120"])
+    try:
+        done = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "engine:1", "live:60"],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert other_ray.poll() is None  # still running
+    finally:
+        other_ray.kill()
+    left = subprocess.run(["pgrep", "-f", "raylet-of-a-phase"], capture_output=True, text=True).stdout
+    assert left == ""
     assert done.returncode == 0, done.stderr
     phases = (out / "phases.txt").read_text().splitlines()
     assert len(phases) == 2 and phases[0].startswith("engine: exit 124")  # cut at its 1 s

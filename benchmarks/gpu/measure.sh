@@ -66,18 +66,21 @@ phase_sched_sync() { GPU_MEMORY_MS=0 train sched_sync "$bench" "${sched[@]}" con
 phase_sched_tail() { GPU_MEMORY_MS=0 train sched_tail "$bench" "${sched[@]}" control.scheduler=tail; }
 phase_schedulers() { phase_sched_sync; phase_sched_tail; }
 
+ray_processes() { pgrep -f 'raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray/autoscaler' | sort; }
+
 for item in "$@"; do
   name=${item%%:*}; limit=${item#*:}; [ "$limit" = "$item" ] && limit=300
   declare -F "phase_$name" > /dev/null || { echo "measure.sh: unknown phase $name" >&2; exit 2; }
   echo "== $name (at most $limit s)"
   start=$SECONDS
+  before=$(ray_processes)
   # a subshell under timeout: the phase's processes (Ray's too) end with it
   timeout --kill-after=10 "$limit" bash -c "$(declare -f train phase_sched_sync phase_sched_tail "phase_$name"); $(declare -p repo bundle out python work bench gpu short_0_5b sched); phase_$name" \
     > "$out/$name.log" 2>&1
   status=$?
   echo "$name: exit $status after $((SECONDS - start)) s" | tee -a "$out/phases.txt"
-  "$python" -c 'import ray' 2> /dev/null && ray stop --force > /dev/null 2>&1
-  pkill -f 'ray::|raylet|gcs_server' 2> /dev/null
+  # the Ray a phase started and left behind (one cut at its limit): its own processes only, not another Ray here
+  comm -13 <(echo "$before") <(ray_processes) | xargs -r kill -9 2> /dev/null
   tail -5 "$out/$name.log"
   # every run's summary and records so far, weights left out: one file (few files come back from a lent GPU)
   tar -czf "$out/records.tgz" -C "$work" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' . 2>/dev/null
