@@ -107,6 +107,10 @@ def decode_step_ms(model_dir: str, prompts: torch.Tensor, batch: int, new_tokens
                        temperature, repeats)
 
 
+def parameter_count(m) -> int:
+    return sum(t.numel() for t in {t.data_ptr(): t for t in m.params.values()}.values())  # a tied lm_head once
+
+
 def step_grid(model_dir: str, args) -> list[dict]:
     """Decode step time by running sequences (--sweep) and context length (--lengths), with the bytes a
     step reads (weights once, each sequence's keys and values) and the FLOPs it does per byte."""
@@ -115,8 +119,7 @@ def step_grid(model_dir: str, args) -> list[dict]:
     engine = CPUEngine(model_dir, slots=max(batches), max_len=max(lengths) + steps + 1, dtype=args.dtype,
                        device=args.device)
     m = engine.model
-    weights = {t.data_ptr(): t for t in m.params.values()}.values()  # a tied lm_head once
-    params = sum(t.numel() for t in weights)
+    params = parameter_count(m)
     elt = m.embed.element_size()
     kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * elt
     gen = torch.Generator().manual_seed(0)
@@ -156,7 +159,7 @@ def prefill_grid(model_dir: str, args) -> list[dict]:
     engine = CPUEngine(model_dir, slots=max(b for b, _ in points), max_len=max(n for _, n in points) + 2,
                        dtype=args.dtype, device=args.device)
     m = engine.model
-    params = sum(t.numel() for t in {t.data_ptr(): t for t in m.params.values()}.values())
+    params = parameter_count(m)
     gen = torch.Generator().manual_seed(1)
     rows = []
     for b, n in points:

@@ -56,8 +56,13 @@ def in_process(model_dir, args, kwargs) -> dict:
 
 
 def through_worker(worker, remote: bool, args) -> dict:
-    call = (lambda m, *a: __import__("ray").get(getattr(worker, m).remote(*a))) if remote else \
-        (lambda m, *a: getattr(worker, m)(*a))
+    def call(method: str, *a):
+        if remote:
+            import ray
+
+            return ray.get(getattr(worker, method).remote(*a))
+        return getattr(worker, method)(*a)
+
     for warm in (True, False):
         before = call("stats")
         batch = requests(args.requests, args.tokens, args.vocab, f"w{warm}")

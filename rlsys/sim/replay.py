@@ -8,6 +8,7 @@ emulated model. Rewards and reward latencies stay the simulator's own draws.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -85,16 +86,15 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         m = live.model
         shape = costs.ModelShape.qwen2(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
                                        CHAR_VOCAB)
-        model = {"params": shape.params, "layers": shape.layers, "kv_heads": shape.kv_heads, "head_dim": shape.head_dim}
+        model = dataclasses.asdict(shape)
         profile = engine or costs.BUILTIN_ENGINE
         engine_spec = {"step_overhead_ms": profile["overhead_s"] * 1e3, "decode_mfu": profile["decode_mfu"],
                        "prefill_mfu": profile["prefill_mfu"]}
-        e = e.model_copy(update={"gpu": gpu, "model": model, "tp": 1, "trainer_gpus": live.rollout.num_workers,
-                                 "tokens_per_token": 1})
+        e = e.model_copy(update={"gpu": gpu, "tp": 1, "trainer_gpus": live.rollout.num_workers, "tokens_per_token": 1})
     elif not e.on:
         raise ValueError(f"{run_dir}: not an emulated run (emulate.gpu is unset in its config.yaml)")
     else:
-        engine_spec = {}
+        model, engine_spec = e.model, {}
     timeline = read_jsonl(run_dir / "timeline.jsonl")
     if not timeline:
         raise ValueError(f"{run_dir}: timeline.jsonl is empty or missing")
@@ -118,7 +118,7 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
     cfg = load_sim_config({
         "name": f"replay of {run_dir.name}", "seed": live.seed,
         "steps": steps or max(r["step"] for r in timeline),
-        "schedulers": [live.control.scheduler], "model": e.model,
+        "schedulers": [live.control.scheduler], "model": model,
         "cluster": {"gpu": e.gpu, "tp": e.tp, **cluster},
         "engine": {"max_seqs": live.rollout.slots, **engine_spec},
         "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
