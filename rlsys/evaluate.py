@@ -35,7 +35,7 @@ class Evaluation:
             for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
                 for j in range(k):
                     params = SamplingParams(r.max_new_tokens, temp, r.top_p, seed=i * 1009 + j if seeded else None)
-                    self.requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params))
+                    self.requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params, on_clock=False))
                     self.asked[self.requests[-1].request_id] = (name, p)
         # metric -> prompt uid -> solved flags of its samples, in prompt order whatever order rewards come in:
         # the same sums, so two evaluations of the same weights agree to the last bit

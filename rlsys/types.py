@@ -40,6 +40,8 @@ class Request:
     resume_ids: list[int] = field(default_factory=list)
     resume_logprobs: list[float] = field(default_factory=list)
     resume_versions: list[int] = field(default_factory=list)
+    # Eval's requests are off the run's clock (paused there), so an emulating engine does not hold them to it
+    on_clock: bool = True
 
 
 @dataclass

@@ -113,6 +113,34 @@ def test_each_engine_step_lasts_its_modelled_time(engine_dir):
     assert not engine.step() and not engine.has_work()  # the sixth token ended every request last step
 
 
+def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engine_dir):
+    """Eval runs while the run's clock is paused: its requests are not paced; a step they share with training's
+    is held for the training request alone."""
+    pacer = Emulation(H100_7B).engine_pacer()
+    pacer.time_scale = 1.0  # modelled seconds far beyond this machine's step, so holding would show
+    held = []
+    real_step = pacer.step
+    pacer.step = lambda *args: (held.append(args[1:]), real_step(*args))  # the real hold, its arguments kept
+    engine = CPUEngine(engine_dir, slots=4, pacer=pacer)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    engine.add(Request("eval/a", "p", [1, 2, 3], greedy, on_clock=False))
+    engine.add(Request("eval/b", "p", [4, 5], greedy, on_clock=False))
+    started = time.perf_counter()
+    while engine.has_work():
+        engine.step()
+    assert held == [] and engine.stats()["emulate"]["held"] == 0
+    assert time.perf_counter() - started < 4 * pacer.step_s(5, 2, 5)  # four held steps at the least, had they been
+    engine.add(Request("eval/c", "p", [1, 2, 3, 4], greedy, on_clock=False))
+    engine.add(Request("train", "p", [4, 5], greedy))
+    started = time.perf_counter()
+    engine.step()
+    engine.step()
+    # The training prompt's 2 tokens prefilled, then its one sequence decoding over its own KV (read after the
+    # step's record: prompt + sampled - 1); the eval request's 4 prompt tokens and its KV are in neither.
+    assert held == [(2, 1, 3), (0, 1, 4)] and engine.stats()["emulate"]["held"] == 2
+    assert time.perf_counter() - started >= pacer.step_s(2, 1, 3) + pacer.step_s(0, 1, 4)
+
+
 def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F811
     backend = TorchBackend(trainer_config(), model_dir, Scoring(1.0))
     emulated = EmulateConfig(gpu="h100", model="qwen2.5-7b", time_scale=1.0, tokens_per_token=8, trainer_gpus=1)

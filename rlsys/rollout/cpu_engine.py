@@ -356,10 +356,15 @@ class CPUEngine(RolloutEngine):
 
     def _pace(self, t0: float, admitted: tuple | None, decoding: list[_Running]) -> None:
         """emulate: hold the step until the modelled time of its prefill and of its decoding over the KV cache it
-        read (each decoding entry's keys before this step's token)."""
-        prefilled = sum(len(e.request.prompt_ids) + len(e.request.resume_ids) for e in admitted[0]) if admitted else 0
-        read_kv = sum(len(e.request.prompt_ids) + e.sampled - 1 for e in decoding)
-        self.pacer.step(t0, prefilled, len(decoding), read_kv)
+        read (each decoding entry's keys before this step's token). Requests off the run's clock (eval's) cost
+        nothing modelled: a step of only those runs at the machine's speed."""
+        admitted_on = [e for e in admitted[0] if e.request.on_clock] if admitted else []
+        decoding_on = [e for e in decoding if e.request.on_clock]
+        if not admitted_on and not decoding_on:
+            return
+        prefilled = sum(len(e.request.prompt_ids) + len(e.request.resume_ids) for e in admitted_on)
+        read_kv = sum(len(e.request.prompt_ids) + e.sampled - 1 for e in decoding_on)
+        self.pacer.step(t0, prefilled, len(decoding_on), read_kv)
 
     def stats(self) -> dict:
         out = super().stats()
