@@ -15,6 +15,7 @@ from pathlib import Path
 from rlsys.config import DEFAULT_CONFIG, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.emulate import clock_label
+from rlsys.errors import UserError
 from rlsys.evaluate import mean_and_se
 from rlsys.logger import read_jsonl
 from rlsys.startup import load_config
@@ -34,7 +35,6 @@ PRESETS: dict[str, list[str]] = {
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
     "async-eta2": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.staleness.eta=2"],
     "async-loglinear": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "trainer.proximal=loglinear"],
-    "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
     "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc",
                    "control.sagc.prompt_rule=constant_prompts"],  # async keeps B prompts per update
 }
@@ -67,8 +67,20 @@ class Target:
         return f"+{self.value:g}" if self.gain else f"{self.value:g}"
 
 
+def preset_overrides(name: str) -> list[str]:
+    """A preset's overrides; "a+b" not in PRESETS combines presets a and b (b's win where both set a key)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    parts = name.split("+")
+    unknown = [p for p in parts if p not in PRESETS]
+    if unknown:
+        raise UserError(f"--presets: unknown preset {', '.join(map(repr, unknown))} in {name!r}; known: "
+                        f"{', '.join(PRESETS)} (join two with +)")
+    return [o for p in parts for o in PRESETS[p]]
+
+
 def available(name: str) -> bool:
-    values = dict(o.split("=", 1) for o in PRESETS[name])
+    values = dict(o.split("=", 1) for o in preset_overrides(name))
     return (values.get("control.scheduler", "sync") in SCHEDULERS
             and values.get("control.group_sizer", "fixed") in GROUP_SIZERS)
 
@@ -252,7 +264,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
         for name in order:
             t = time.time()
             seed = [f"seed={r}"] if vary_seed else []
-            rows = run_preset(config, overrides + PRESETS[name] + seed, out_dir / f"{name}-r{r}")
+            rows = run_preset(config, overrides + preset_overrides(name) + seed, out_dir / f"{name}-r{r}")
             runs[name].append(summarise_run(rows, target))
             print(f"[bench] {name} repeat {r}: {time.time() - t:.0f}s, "
                   f"final accuracy {runs[name][-1]['final_accuracy']}", flush=True)
@@ -335,7 +347,8 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
 def add_arguments(p) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help=f"the workload: a config (default {DEFAULT_CONFIG.name}) and overrides")
-    p.add_argument("--presets", default=",".join(PRESETS), help="comma-separated presets (default: all available)")
+    p.add_argument("--presets", default=",".join(PRESETS),
+                   help="comma-separated presets, two joined by + combine (default: all available)")
     p.add_argument("--repeats", type=int, default=2, help="runs per preset, interleaved (default 2)")
     p.add_argument("--target", type=Target.parse, default=Target.parse(DEFAULT_TARGET),
                    help="eval accuracy for time-to-target (0.3), or a gain over each run's first eval "

@@ -98,6 +98,26 @@ class RolloutConfig(Section):
     # A worker holds finished completions up to this long while its engine runs others: fewer, larger hand-overs
     # leave its decoding the CPU that each call costs (docs/performance.md). 0: each as soon as it is ready.
     handoff_s: float = Field(0.05, ge=0)
+    # Staged lengthening, as DeepScaleR's 8k -> 16k -> 24k: [[step, cap], ...], once `step` steps are trained, answers
+    # are capped at `cap` tokens (at most max_new_tokens, which sizes the engines and caps eval's).
+    max_new_tokens_stages: Optional[list[tuple[int, int]]] = None
+
+    @model_validator(mode="after")
+    def _stages_ascend_within_the_cap(self):
+        stages = self.max_new_tokens_stages or []
+        steps = [s for s, _ in stages]
+        if steps != sorted(set(steps)) or (steps and steps[0] < 0):
+            raise ValueError(f"rollout.max_new_tokens_stages: steps must be distinct, >= 0 and ascending (got {steps})")
+        for step, cap in stages:
+            if not 1 <= cap <= self.max_new_tokens:
+                raise ValueError(f"rollout.max_new_tokens_stages: the cap from step {step} ({cap}) must be between 1 "
+                                 f"and rollout.max_new_tokens ({self.max_new_tokens})")
+        return self
+
+    def max_new_tokens_at(self, step: int) -> int:
+        """Training's cap on answers at `step`: the last stage begun, max_new_tokens before the first."""
+        begun = [cap for s, cap in self.max_new_tokens_stages or [] if s <= step]
+        return begun[-1] if begun else self.max_new_tokens
 
     @property
     def engine_dtype(self) -> str:

@@ -189,7 +189,7 @@ class Controller:
         for rid in action.request_ids:
             self.prompts[rid] = action.prompt
             # No seed: vLLM samples seeded rows one by one (the built-in engine seeds from the run seed and id)
-            params = self.friction.sampling(rid, SamplingParams(self.cfg.rollout.max_new_tokens,
+            params = self.friction.sampling(rid, SamplingParams(self.cfg.rollout.max_new_tokens_at(self.step),
                                                                 self.cfg.rollout.temperature, self.cfg.rollout.top_p))
             resume = action.resume.get(rid)  # a partial rollout continues with this run's sampling params
             requests.append(replace(resume, params=params) if resume
@@ -244,6 +244,8 @@ class Controller:
                         "timing/generating_during_train": overlap,
                         "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors,
                         "rollout/restarts": self.rollout.restarts})
+        if self.cfg.rollout.max_new_tokens_stages:
+            metrics["rollout/max_new_tokens"] = self.cfg.rollout.max_new_tokens_at(self.step - 1)  # the step's cap
         metrics.update({f"train/{k}": v for k, v in train_metrics.items() if not k.startswith("emulate_")})
         every = self.cfg.control.eval_every
         if every and self.step % every == 0 and self.step < self.cfg.trainer.total_steps:

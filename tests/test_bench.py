@@ -105,3 +105,14 @@ def test_a_target_that_is_not_a_number_is_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--target", "half"])
     assert "argument --target: 'half' is not an accuracy (0.3) or a gain" in capsys.readouterr().err
+
+
+def test_two_presets_joined_by_plus_combine_and_an_unknown_one_is_named():
+    from rlsys.bench import PRESETS, available, preset_overrides
+    from rlsys.errors import UserError
+
+    assert preset_overrides("sorted+G4") == PRESETS["sorted"] + PRESETS["G4"]
+    assert preset_overrides("async+sagc") == PRESETS["async+sagc"]  # a preset of its own wins over the join
+    assert available("sorted+sagc")
+    with pytest.raises(UserError, match=r"--presets: unknown preset 'G5' in 'sorted\+G5'"):
+        preset_overrides("sorted+G5")

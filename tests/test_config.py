@@ -50,3 +50,16 @@ def test_a_group_of_one_is_refused_as_the_config_loads(dynamic):
     assert ("control.group_size: Value error, must be at least 2: a group of one sample has no advantage"
             in str(refused.value)) and "[command-line override]" in str(refused.value)
     assert load_config(None, ["control.group_size=2"]).control.group_size == 2
+
+
+def test_staged_answer_caps_apply_from_their_step_and_are_checked(tmp_path):
+    cfg = load_config(None, ["rollout.max_new_tokens=48", "rollout.max_new_tokens_stages=[[2, 16], [5, 32]]"])
+    assert [cfg.rollout.max_new_tokens_at(s) for s in range(7)] == [48, 48, 16, 16, 16, 32, 32]
+    with pytest.raises(ConfigError, match=r"max_new_tokens_stages: steps must be distinct, >= 0 and ascending"):
+        load_config(None, ["rollout.max_new_tokens_stages=[[3, 8], [1, 16]]"])
+    path = tmp_path / "stages.yaml"
+    path.write_text("rollout:\n  max_new_tokens: 48\n  max_new_tokens_stages: [[0, 16], [4, 64]]\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert "the cap from step 4 (64) must be between 1 and rollout.max_new_tokens (48)" in str(refused.value)
+    assert str(path) in str(refused.value)

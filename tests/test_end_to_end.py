@@ -35,7 +35,9 @@ def rows(run_dir, name="metrics.jsonl"):
 
 def test_two_step_run_writes_metrics_checkpoint_export_and_plots(tmp_path, ray_cluster):
     out = tmp_path / "run"
-    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", *SMALL]) == 0
+    # Staged lengthening: step 1's answers capped at 4 tokens, step 2's at SMALL's 48 (eval's always 48)
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", *SMALL,
+                 "rollout.max_new_tokens_stages=[[0, 4], [1, 48]]"]) == 0
     metrics = rows(out)
     steps = [r for r in metrics if "timing/train_s" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -53,6 +55,8 @@ def test_two_step_run_writes_metrics_checkpoint_export_and_plots(tmp_path, ray_c
     assert (out / "progress.png").stat().st_size > 0 and (out / "timeline.png").stat().st_size > 0
     timeline = rows(out, "timeline.jsonl")
     assert len(timeline) == 32 and all(r["end"] >= r["start"] for r in timeline)
+    assert [r["rollout/max_new_tokens"] for r in steps] == [4, 48]
+    assert max(r["tokens"] for r in timeline if r["step"] == 1) <= 4 < max(r["tokens"] for r in timeline)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(out / "export")
     AutoTokenizer.from_pretrained(out / "export")
