@@ -309,6 +309,31 @@ def emulated_vs_sim() -> str:
          cell(r["bubble_ratio"])] for name, r in j["results"].items()])
 
 
+def emulated_rows(name: str) -> list[list]:
+    """`rlsys bench` on an emulated clock: each preset's worst overrun share, its figures with [min, max] over
+    seeds, and its time to target and speed against sync as the median [min, max] of the seeds' pairs."""
+    j = load(name)
+
+    def pairs(preset: str, key: str) -> str:
+        s = j["speedup_vs_sync"][preset]
+        return "" if preset == "sync" else (f"{s[key]:.2f}x [{s[key + '_spread'][0]:.2f}, {s[key + '_spread'][1]:.2f}]"
+                                             if s[key] else "not every seed reached it")
+    return [[f"`{preset}`", f"{max(r.get('overrun_share_spread') or [r['overrun_share']]):.3f}",
+             spread(r, "step_time_s", 1), spread(r, "bubble_ratio", 2), spread(r, "straggler_rate", 2),
+             spread(r, "time_to_target_s", 0), acc_se(r), versus_sync(j, preset), spread(r, "accuracy_at_equal_time"),
+             pairs(preset, "per_sample"), pairs(preset, "time_to_target")]
+            for preset, r in j["results"].items()]
+
+
+EMULATED_HEADER = ["preset", "worst overrun share", "step s", "bubble", "straggler", "to target s", "final avg@1",
+                   "final vs sync", "avg@1 at equal time", "speed per sample vs sync", "sooner to target vs sync"]
+
+
+@table("emulated_h100_7b")
+def emulated_h100_7b() -> str:
+    return rows(EMULATED_HEADER, emulated_rows("emulated_h100_7b"))
+
+
 @table("sim_sagc")
 def sim_sagc() -> str:
     r = load("sim_sagc_7b_8k")["results"]
