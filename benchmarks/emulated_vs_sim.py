@@ -5,11 +5,14 @@ after every preset, so a sweep cut short keeps what it measured.
 
     python benchmarks/emulated_vs_sim.py --presets sync,tail --steps 6
     python benchmarks/emulated_vs_sim.py --presets sorted,async --steps 6 --top-up   # more presets, same file
+    python benchmarks/emulated_vs_sim.py --bench runs/bench --output FILE   # replay every run of an `rlsys bench`
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +24,30 @@ from rlsys.sim.replay import FIGURES, live_vs_sim  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
 CONFIG = "configs/emulated_h100_7b.yaml"
+def replay_bench(bench_dir: Path, output: str, command: str) -> int:
+    """The simulator beside every run of an `rlsys bench` folder (PRESET-rN): per run, and per preset the median
+    and [min, max] of sim/live over its seeds (the live figures' mean beside them)."""
+    runs: dict[str, list[dict]] = {}
+    for run_dir in sorted(bench_dir.iterdir()):
+        preset = re.fullmatch(r"(.+)-r\d+", run_dir.name)
+        if preset and (run_dir / "timeline.jsonl").exists():
+            runs.setdefault(preset[1], []).append(dict(live_vs_sim(run_dir), run=run_dir.name))
+    report = {"command": command, "bench": str(bench_dir), "machine": machine(), "runs": runs, "results": {}}
+    for preset, rs in runs.items():
+        out = {"seeds": len(rs), "overrun_share": max(r["overrun_share"] for r in rs),
+               "emulating": all(r["emulating"] for r in rs)}
+        for figure in FIGURES:
+            ratios = [r[figure]["sim_over_live"] for r in rs]
+            out[figure] = {"live": statistics.fmean(r[figure]["live"] for r in rs),
+                           "sim": statistics.fmean(r[figure]["sim"] for r in rs),
+                           "sim_over_live": statistics.median(ratios), "sim_over_live_spread": [min(ratios), max(ratios)]}
+        report["results"][preset] = out
+        print(f"[emulated_vs_sim] {preset} ({len(rs)} seeds): " + ", ".join(
+            f"{f} sim/live {out[f]['sim_over_live']:.2f}" for f in FIGURES), flush=True)
+    write_report(output, report)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=CONFIG)
@@ -30,8 +57,12 @@ def main(argv=None) -> int:
     p.add_argument("--output", default="benchmarks/results/emulated_vs_sim_cpu.json")
     p.add_argument("--top-up", action="store_true", help="keep the output's other presets, rerun only these")
     p.add_argument("--replay-only", action="store_true", help="simulate the live runs already in --runs again")
+    p.add_argument("--bench", help="instead: replay every run of this `rlsys bench` --out-dir")
     p.add_argument("overrides", nargs="*", help="key=value on top of the config")
     args = p.parse_args(argv)
+    if args.bench:
+        return replay_bench(Path(args.bench), args.output,
+                            "python benchmarks/emulated_vs_sim.py " + " ".join(argv or sys.argv[1:]))
     common = [f"trainer.total_steps={args.steps}", "control.eval_every=0", "control.save_every=0",
               "data.eval_size=32", *args.overrides]
     cfg = load_config(args.config, common)
