@@ -227,24 +227,37 @@ def run_preset(config: str | None, overrides: list[str], out_dir: Path, controll
     return read_metrics(out_dir)
 
 
+def kept_runs(output: str | None, workload: dict, presets: list[str]) -> dict[str, list[dict]]:
+    """--top-up: the runs of `output`'s other presets, measured on the same workload (else a UserError)."""
+    if not output or not Path(output).exists():
+        return {}
+    before = json.loads(Path(output).read_text())
+    differs = [k for k in ("config", "overrides", "target") if before["workload"].get(k) != workload[k]]
+    if differs:
+        raise UserError(f"--top-up: {output} was measured on another workload ({', '.join(differs)}: "
+                        f"{', '.join(repr(before['workload'].get(k)) for k in differs)}); give the same, or another --output")
+    return {name: rs for name, rs in before["runs"].items() if name not in presets}
+
+
 def bench(config: str, overrides: list[str], presets: list[str], repeats: int, target: Target,
-          out_dir: Path, output: str | None = None, vary_seed: bool = False) -> dict:
+          out_dir: Path, output: str | None = None, vary_seed: bool = False, top_up: bool = False) -> dict:
     """The report; with `output`, rewritten there after every run, so a sweep cut short keeps what it measured.
-    `vary_seed`: repeat r runs with seed=r (training noise), else every repeat with the config's seed."""
+    `vary_seed`: repeat r runs with seed=r (training noise), else every repeat with the config's seed.
+    `top_up`: the report keeps `output`'s runs of the presets not run now."""
     names = [p for p in presets if available(p)]
     skipped = [p for p in presets if p not in names]
     if skipped:
         print(f"skipping presets not available yet: {', '.join(skipped)}")
-    runs: dict[str, list[dict]] = {n: [] for n in names}
     cfg = load_config(config, overrides)
+    workload = {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides, "target": str(target)}
+    runs: dict[str, list[dict]] = {**(kept_runs(output, workload, names) if top_up else {}), **{n: [] for n in names}}
 
     def report() -> dict:
         done = {n: v for n, v in runs.items() if v}
         equal_time_s = add_equal_time(done) if done else None
         results = {n: aggregate(v) for n, v in done.items()}
         return {
-            "workload": {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides,
-                         "target": str(target),
+            "workload": {**workload,
                          "target_accuracy": median_of([r for rs in done.values() for r in rs], "target_accuracy"),
                          "model": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers", "path"}),
                          "task": cfg.data.task, "seed": cfg.seed, "prompts_per_step": cfg.control.prompts_per_step,
@@ -357,6 +370,8 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a short workload: " + " ".join(QUICK))
     p.add_argument("--out-dir", default="runs/bench", help="where the runs and figures go")
     p.add_argument("--output", help="write the report JSON here")
+    p.add_argument("--top-up", action="store_true",
+                   help="keep --output's runs of the presets not given, measured on the same workload")
 
 
 def run_from_args(args) -> int:
@@ -364,7 +379,7 @@ def run_from_args(args) -> int:
     overrides = (QUICK if args.quick else []) + overrides
     out_dir = Path(args.out_dir)
     report = bench(config, overrides, args.presets.split(","), args.repeats, args.target, out_dir, args.output,
-                   args.vary_seed)
+                   args.vary_seed, args.top_up)
     print_table(report)
     for path in plot_bench(report, out_dir):
         print(f"wrote {path}")

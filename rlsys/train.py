@@ -270,19 +270,21 @@ class Controller:
 
     # --- eval, checkpoints, end -------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        """Eval's requests go through the pump beside training's, which goes on meanwhile (async keeps generating
-        and scoring); once the run is done, training's results are left unread. control.eval_every=0: none at
-        all, not even before and after training."""
+        """Eval's requests go through the pump beside training's: training's requests in flight wait, suspended
+        with their tokens, while rewards already asked for are scored; once the run is done, training's results
+        are left unread. control.eval_every=0: none at all, not even before and after training."""
         if not self.cfg.control.eval_every:
             return {}
         with self.paused():
             t = time.time()
             self.evaluation = Evaluation(self.tokenizer, self.eval_prompts, self.cfg.rollout)
+            self.rollout.suspend()  # training's requests wait with the clock, as if eval took no time
             self.rollout.submit(self.evaluation.requests)
             while not self.evaluation.done:
                 events = self.next_events()
                 if not self.done:
                     self.handle(events)
+            self.rollout.resume()
             metrics, self.evaluation = self.evaluation.metrics(), None
             ended = time.time()
             pace = engine_pace(self.rollout.stats((t, ended)), ended - t)

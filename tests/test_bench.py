@@ -116,3 +116,17 @@ def test_two_presets_joined_by_plus_combine_and_an_unknown_one_is_named():
     assert available("sorted+sagc")
     with pytest.raises(UserError, match=r"--presets: unknown preset 'G5' in 'sorted\+G5'"):
         preset_overrides("sorted+G5")
+
+
+def test_top_up_keeps_the_other_presets_runs_of_the_same_workload_only(tmp_path):
+    from rlsys.bench import kept_runs
+    from rlsys.errors import UserError
+
+    workload = {"config": "configs/tiny.yaml", "overrides": ["trainer.total_steps=4"], "target": "+0.03"}
+    output = tmp_path / "report.json"
+    assert kept_runs(str(output), workload, ["sync"]) == {}  # nothing measured yet
+    output.write_text(json.dumps({"workload": dict(workload, target_accuracy=0.2),
+                                  "runs": {"sync": [{"wall_s": 1.0}], "tail": [{"wall_s": 2.0}]}}))
+    assert kept_runs(str(output), workload, ["sync", "async"]) == {"tail": [{"wall_s": 2.0}]}  # sync is run again
+    with pytest.raises(UserError, match=r"--top-up: .* another workload \(overrides: \['trainer.total_steps=4'\]\)"):
+        kept_runs(str(output), dict(workload, overrides=["trainer.total_steps=8"]), ["async"])

@@ -141,17 +141,19 @@ class UnhurriedEngine(CPUEngine):
 
 
 def test_an_eval_runs_beside_async_training_on_its_steps_weights(tmp_path, ray_cluster, monkeypatch):
-    """Eval mid-run goes through the controller's pump: async generates and scores meanwhile and loses none of
-    it, the training clock stands still, and each eval equals `rlsys eval` of its step's checkpoint."""
+    """Eval mid-run goes through the controller's pump: async's requests in flight wait, suspended with their
+    tokens, and none is lost, the training clock stands still, and each eval equals `rlsys eval` of its step's
+    checkpoint."""
     from rlsys.evaluate import evaluate_path
     from rlsys.train import Controller
 
-    seen = []  # (evaluating mid-run, training events, training clock) at each turn of the pump
+    seen = []  # (evaluating mid-run, training's requests suspended, training clock) at each turn of the pump
     next_events = Controller.next_events
 
     def spy(self):
         events = next_events(self)
-        seen.append((self.evaluation is not None and not self.done, len(events), self.now()))
+        held = len(self.rollout.suspended) + len(self.rollout.suspending)
+        seen.append((self.evaluation is not None and not self.done, held, self.now()))
         return events
     monkeypatch.setattr(Controller, "next_events", spy)
     ray_cluster.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the engine, to the Ray workers
@@ -161,7 +163,8 @@ def test_an_eval_runs_beside_async_training_on_its_steps_weights(tmp_path, ray_c
                  "rollout.engine=unhurried", *SMALL]) == 0
     steps = [r for r in rows(out) if "timing/train_s" in r]
     assert [r["policy_version"] for r in steps] == [1, 2, 3] and all(r["samples"] == 16 for r in steps)
-    assert sum(n for evaluating, n, _ in seen if evaluating) > 0, "no training work during an eval: a weak test"
+    assert max(held for evaluating, held, _ in seen if evaluating) > 0, "nothing in flight at an eval: a weak test"
+    assert all(held == 0 for evaluating, held, _ in seen if not evaluating)  # all resumed once eval is done
     clock = [t for *_, t in seen]
     assert clock == sorted(clock)  # it never runs back
     assert all(a[2] == b[2] for a, b in zip(seen, seen[1:]) if a[0] and b[0])  # and stands still in an eval

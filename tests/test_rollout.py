@@ -220,3 +220,34 @@ def test_stats_count_the_decode_steps_of_a_window(manager):
                                                             for a, b in zip(window, before)] == [29, 29]
     later = time.time()
     assert [w["decode_steps_in_window"] for w in manager.stats((later, later + 1))] == [0, 0]
+
+
+def test_suspended_requests_make_no_progress_and_resume_where_they_stopped(manager, models):
+    """Eval runs with the run's clock paused: training's requests are suspended meanwhile (no token of theirs is
+    generated), then go on from their tokens to the same greedy answer as an uninterrupted run."""
+    path, _ = models
+    generated = lambda: sum(s["generated_tokens"] for s in manager.stats())  # noqa: E731
+    before = generated()
+    manager.submit([req("t0", 120), req("t1", 120, (4, 5))])
+    wait_for_tokens(lambda: {"generated_tokens": generated()}, before + 10)
+    manager.suspend()
+    at_suspend = generated()
+    evals = [Request(f"e{i}", "p", [6, 7], SamplingParams(max_new_tokens=8, temperature=0.0), on_clock=False)
+             for i in range(3)]
+    manager.submit(evals)
+    got = collect(manager, 3)
+    assert sorted(c.request_id for c in got) == ["e0", "e1", "e2"]  # the training partials are not delivered
+    assert generated() - at_suspend == sum(c.num_tokens for c in got)  # every token since was eval's
+    assert sorted(r.request_id for r in manager.suspended) == ["t0", "t1"]
+    assert all(0 < len(r.resume_ids) < 120 for r in manager.suspended)
+    manager.resume()
+    assert manager.suspended == []
+    done = {c.request_id: c for c in collect(manager, 2)}
+    engine = CPUEngine(path, slots=2)
+    engine.add(req("t0", 120))
+    engine.add(req("t1", 120, (4, 5)))
+    expected = {}
+    while engine.has_work():
+        expected.update((c.request_id, c.token_ids) for c in engine.step())
+    assert {rid: c.token_ids for rid, c in done.items()} == expected
+    assert all(c.finish_reason == "length" for c in done.values()) and manager.outstanding == [0, 0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Callable
 
 import ray
@@ -90,6 +91,9 @@ class RolloutManager:
         self.deaths = [0] * num_workers  # per worker, in a row: reset when it finishes a request
         self._drains: dict[ObjectRef, int] = {self._arm(i): i for i in range(num_workers)}
         self.undelivered: list[Completion] = []  # cut by a death outside collect(): for the next collect()
+        self.suspending: dict[str, Request] = {}  # cut by suspend(): their partials are not delivered ...
+        self.suspended: list[Request] = []  # ... but continue from there at resume()
+        self.on_hold = False  # between suspend() and resume()
 
     @property
     def capacity(self) -> int:
@@ -143,6 +147,39 @@ class RolloutManager:
                 cut += [c.request_id for c in lost if c.request_id in ids]
         return cut
 
+    def suspend(self) -> None:
+        """Stop every request on the run's clock (training's), keeping what each has generated: it goes on from
+        there at resume(). Eval runs while the clock is paused; training's requests generating meanwhile would
+        make progress off the clock (schedulers that generate across a step: sorted, async)."""
+        self.on_hold = True
+        ids = [rid for rid, r in self.requests.items() if r.on_clock and rid not in self.aborted]
+        self.suspending.update({rid: self.requests[rid] for rid in self.abort(ids)})
+
+    def resume(self) -> None:
+        """Give the suspended requests back to the engines (each prefills its prompt and its tokens again)."""
+        self.on_hold = False
+        again, self.suspended = self.suspended, []
+        if again:
+            self.submit(again)
+
+    def _hold_suspended(self, completions: list[Completion]) -> list[Completion]:
+        """The completions to deliver. A suspended request's partial becomes the request that continues it, kept
+        for resume() (or given back at once if resume() came first); one that finished before the cut is
+        delivered as usual."""
+        out = []
+        for c in completions:
+            request = self.suspending.pop(c.request_id, None)
+            if request is None or c.finish_reason != "abort":
+                out.append(c)
+                continue
+            again = replace(request, resume_ids=list(c.token_ids), resume_logprobs=list(c.logprobs),
+                            resume_versions=list(c.versions))
+            if self.on_hold:
+                self.suspended.append(again)
+            else:
+                self.submit([again])
+        return out
+
     def refs(self) -> list[ObjectRef]:
         return list(self._drains)
 
@@ -165,7 +202,7 @@ class RolloutManager:
             if completions:
                 self.deaths[i] = 0
             out.extend(completions)
-        return out
+        return self._hold_suspended(out)
 
     def generate(self, requests: list[Request]) -> list[Completion]:
         """Run requests to completion and return them in order (`rlsys eval`). Only on otherwise idle workers:
