@@ -9,6 +9,7 @@ sync; trainer MFU). Qwen2.5 shapes from arXiv 2412.15115 Table 1.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 BF16 = 2  # bytes
@@ -19,6 +20,7 @@ STEP_OVERHEAD_S = 1e-3  # scheduling and sampling on the CPU, per decode step
 DECODE_MFU = 0.5
 PREFILL_MFU = 0.45
 ALLREDUCE_S = 10e-6  # one tensor-parallel all-reduce (two per layer)
+TP_EFFICIENCY = 0.94  # per doubling of TP, of the ideal split of a step's reads and matmuls; fitted (benchmarks/sim_calibration.py tp_fit)
 TRAIN_MFU = 0.35  # ~0.33 on H100 in RL frameworks (docs/performance.md "Calibration sources")
 FORWARD_FLOPS = 2  # per parameter and token: one forward pass
 TRAIN_FLOPS = 6  # forward and backward
@@ -95,16 +97,19 @@ class EngineCost:
     @classmethod
     def build(cls, model: ModelShape, gpu: GPU, tp: int, memory_fraction: float = MEMORY_FRACTION,
               overhead_s: float = STEP_OVERHEAD_S, decode_mfu: float = DECODE_MFU, prefill_mfu: float = PREFILL_MFU,
-              allreduce_s: float = ALLREDUCE_S) -> "EngineCost":
+              allreduce_s: float = ALLREDUCE_S, tp_efficiency: float = TP_EFFICIENCY) -> "EngineCost":
         weights = model.params * BF16 / tp
         kv_token = model.kv_bytes_per_token / tp
         free = memory_fraction * gpu.memory - weights
         if free <= 0:
             raise ValueError(f"{model.params / 1e9:.1f}B parameters do not fit on {tp} GPU(s); raise cluster.tp")
         flops_per_token = 2 * model.params / tp
-        return cls(weight_s=weights / (0.75 * gpu.bandwidth),
-                   compute_s_per_seq=flops_per_token / (gpu.peak_flops * decode_mfu),
-                   kv_s_per_token=kv_token / (0.9 * gpu.bandwidth),
+        # TP shards split a step's reads and matmuls less than perfectly (sync, uneven kernels): each doubling
+        # keeps only `tp_efficiency` of the ideal speed-up; tp=1 pays nothing.
+        slow = tp_efficiency ** -math.log2(tp)
+        return cls(weight_s=slow * weights / (0.75 * gpu.bandwidth),
+                   compute_s_per_seq=slow * flops_per_token / (gpu.peak_flops * decode_mfu),
+                   kv_s_per_token=slow * kv_token / (0.9 * gpu.bandwidth),
                    overhead_s=overhead_s + (2 * model.layers * allreduce_s if tp > 1 else 0.0),  # 2 per layer
                    prefill_s_per_token=flops_per_token / (gpu.peak_flops * prefill_mfu),
                    kv_capacity=free / kv_token)

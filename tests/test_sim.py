@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from rlsys import costs
 from rlsys.config import ConfigError
 from rlsys.control.actions import Abort, Train
 from rlsys.control.metrics import bubble_ratio
@@ -17,6 +18,8 @@ from rlsys.sim.run import format_table, main, simulate
 from rlsys.sim.simulator import Simulation
 from rlsys.sim.workload import SampleDraw, Workload
 from rlsys.types import Prompt, Request
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "sim"
 
@@ -38,11 +41,27 @@ def without_wall(report):
 @pytest.mark.parametrize("model, tp, weight_ms, capacity_m", [
     ("qwen2.5-7b", 1, 6.1, 0.99), ("qwen2.5-14b", 2, 5.9, 0.58), ("qwen2.5-32b", 2, 12.9, 0.30)])
 def test_engine_constants_match_calibration_table(model, tp, weight_ms, capacity_m):
-    cost = EngineCost.build(MODELS[model], GPUS["h800"], tp, overhead_s=0.0)
+    cost = EngineCost.build(MODELS[model], GPUS["h800"], tp, overhead_s=0.0, tp_efficiency=1.0)  # the table's ideal split
     assert cost.weight_s * 1e3 == pytest.approx(weight_ms, rel=0.03)
     assert cost.kv_capacity / 1e6 == pytest.approx(capacity_m, rel=0.03)
     full = cost.step_s(64, cost.kv_capacity)  # published: ~24-28 ms with a full KV cache (docs/performance.md)
     assert 0.022 < full < 0.030
+
+
+def test_tp_efficiency_slows_each_doubling_and_leaves_tp1_alone():
+    shape, gpu = MODELS["qwen2.5-32b"], GPUS["h800"]
+    for tp in (1, 2, 4, 8):
+        ideal, real = (EngineCost.build(shape, gpu, tp, tp_efficiency=e) for e in (1.0, 0.8))
+        slow = 0.8 ** -{1: 0, 2: 1, 4: 2, 8: 3}[tp]
+        for field in ("weight_s", "kv_s_per_token", "compute_s_per_seq"):
+            assert getattr(real, field) == pytest.approx(slow * getattr(ideal, field))
+        assert (real.kv_capacity, real.overhead_s) == (ideal.kv_capacity, ideal.overhead_s)  # memory is split alike
+    assert costs.TP_EFFICIENCY < 1
+
+
+def test_tp_efficiency_is_the_calibration_fit():
+    fit = json.loads((RESULTS / "sim_calibration.json").read_text())["tp_fit"]
+    assert fit["fitted"] and fit["tp_efficiency"] == fit["in_costs"] == costs.TP_EFFICIENCY
 
 
 def test_decode_step_grows_with_live_tokens():

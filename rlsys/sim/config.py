@@ -74,6 +74,7 @@ class EngineSpec(Section):
     kv_watermark: float = Field(0.01, ge=0, lt=1)  # KV share kept free when admitting
     step_overhead_ms: float = Field(costs.STEP_OVERHEAD_S * 1e3, ge=0)  # scheduling and sampling on the CPU, per step
     allreduce_us: float = Field(costs.ALLREDUCE_S * 1e6, ge=0)  # one tensor-parallel all-reduce (two per layer)
+    tp_efficiency: float = Field(costs.TP_EFFICIENCY, gt=0, le=1)  # per TP doubling, of the ideal split (rlsys/costs.py)
     decode_mfu: float = Field(costs.DECODE_MFU, gt=0, le=1)
     prefill_mfu: float = Field(costs.PREFILL_MFU, gt=0, le=1)
 
@@ -221,7 +222,8 @@ class SimConfig(Section):
     def engine_cost(self, cluster: ClusterSpec) -> EngineCost:
         e = self.engine
         return EngineCost.build(self.shape(), GPUS[cluster.gpu], cluster.tp, e.memory_fraction,
-                                e.step_overhead_ms / 1e3, e.decode_mfu, e.prefill_mfu, e.allreduce_us / 1e6)
+                                e.step_overhead_ms / 1e3, e.decode_mfu, e.prefill_mfu, e.allreduce_us / 1e6,
+                                e.tp_efficiency)
 
 
 def load_sim_config(source: Union[str, Path, dict, SimConfig]) -> SimConfig:

@@ -469,6 +469,7 @@ class Simulation:
             "sim_time_s": sim_s,
             "step_time_s": sim_s / steps,
             "rollout_time_s": mean(self.rollout_s),
+            "rollout_by_step_s": self.rollout_s,
             "train_time_s": mean(self.train_s),
             "reward_wait_s": mean(self.reward_s),
             "weight_sync_s": self.sync_s,
