@@ -40,11 +40,12 @@ PLANNER = (  # the planner rows' shared reason, with this run's figures
     "still runs TP8 and gives 3.22x over 10 steps); its choices per round are unpublished")
 NOTES = {  # what each missing row's paper leaves unstated, and what we assumed for it
     "qwen32b_32k tail+reward+planner+stream": (
-        "the planner's gain is overstated (see the planner row); besides, the paper does not say how much of training its stream trainer overlaps; we let streamed groups use "
-        "rollout GPUs left idle, in whole trainer replicas (TP4 x CP4 = 16 GPUs at 32B). The 32B trainer "
-        "time fitted to the tail rows (~200 s a step, an effective MFU of 0.03: the paper's trainer time "
-        "folds in old-log-prob and reference passes, offload and pipeline bubbles) is all taken for "
-        "streamable compute, so much of it hides in the long rounds' idle GPUs"),
+        "the planner's gain is overstated (see the planner row); the stream trainer adds little besides: it is "
+        "credited only the forward and backward of a streamed group (6 of the 10 FLOPs a parameter and token; "
+        "we assume the reference and old-log-prob forwards run over the whole batch after the round, and the "
+        "optimizer step after the last group), on rollout GPUs idle after the group came, in whole trainer "
+        "replicas (TP4 x CP4 = 16 GPUs); only long rounds leave such GPUs idle, and there they, not the work, "
+        "bound it"),
     "scaling": (
         "RollPacker states batch and GPUs per point (weak scaling), not what it held fixed besides. Its own "
         "figures imply step time grows with the batch, about +160 s (veRL) and +50 s (RollPacker) per extra "

@@ -10,7 +10,7 @@ import yaml
 from rlsys.config import ConfigError
 from rlsys.costs import GPUS
 from rlsys.sim.config import load_sim_config
-from rlsys.sim.engine import replica_idle_gpu_s
+from rlsys.sim.engine import replica_idle_by_interval, replica_idle_gpu_s
 from rlsys.sim.run import simulate
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.simulator import Simulation, makespan
@@ -107,6 +107,22 @@ def test_idle_gpus_are_lent_only_in_whole_trainer_replicas():
     assert replica_idle_gpu_s([a, b], 0.0, 20.0, 2) == 2 * 5  # both idle only in [5, 10)
     assert replica_idle_gpu_s([a, b], 6.0, 8.0, 2) == 2 * 2  # clipped to the window
     assert replica_idle_gpu_s([a, b], 0.0, 20.0, 4) == 0
+    assert replica_idle_by_interval([a, b], [0.0, 6.0, 8.0, 20.0], 2) == [2 * 1, 2 * 2, 2 * 2]
+
+
+def test_streamed_groups_are_credited_only_their_gradients_on_gpus_idle_after_they_came():
+    cfg = load_sim_config(small({"s": {"name": "tail", "trainer": {"streamed": True, "flops_per_param_token": 10}}}))
+    sim = Simulation(cfg, cfg.runs()[0])
+    for engine in sim.engines:  # 4 GPUs idle over [0, 100]
+        engine.idle_spans = [(0.0, 100.0)]
+    sim.now, per_token = 100.0, sim._gpu_s(1)
+    sim.stream.add(round(100 / per_token), 50.0, 0.0)  # 100 GPU-s of training, 60 of them forward and backward
+    assert sim._streamed_gpu_s() == pytest.approx(60, rel=1e-3)
+    sim.stream.add(round(1000 / per_token), 50.0, 0.0)  # more than the 4 x 50 GPU-s idle after it came
+    assert sim._streamed_gpu_s() == pytest.approx(200)
+    sim.stream.add(round(100 / per_token), 50.0, 0.0)  # 60 GPU-s done before the next group comes
+    sim.stream.add(round(1000 / per_token), 90.0, 0.0)  # it finds only 4 x 10 GPU-s left, not the earlier idle time
+    assert sim._streamed_gpu_s() == pytest.approx(60 + 40, rel=1e-3)
 
 
 def test_a_replica_larger_than_the_cluster_streams_nothing():

@@ -239,6 +239,12 @@ class SimEngine:
 def replica_idle_gpu_s(engines: list[SimEngine], since: float, until: float, replica_gpus: int) -> float:
     """GPU-seconds in [since, until] that idle engines could lend a trainer whose replica needs
     `replica_gpus` GPUs: at each moment the idle GPUs, rounded down to whole replicas."""
+    return replica_idle_by_interval(engines, [since, until], replica_gpus)[0]
+
+
+def replica_idle_by_interval(engines: list[SimEngine], bounds: list[float], replica_gpus: int) -> list[float]:
+    """replica_idle_gpu_s over each interval between consecutive `bounds` (non-decreasing times)."""
+    since, until = bounds[0], bounds[-1]
     edges = []
     for engine in engines:
         for start, end in engine.idle_spans:
@@ -246,8 +252,14 @@ def replica_idle_gpu_s(engines: list[SimEngine], since: float, until: float, rep
             if end > start:
                 edges += [(start, engine.gpus), (end, -engine.gpus)]
     edges.sort()
-    total, idle, last = 0.0, 0, since
-    for t, change in edges:
-        total += idle // replica_gpus * replica_gpus * (t - last)
+    out = [0.0] * (len(bounds) - 1)
+    idle, last, i = 0, since, 0
+    for t, change in edges + [(until, 0)]:
+        lent = idle // replica_gpus * replica_gpus
+        while i < len(out) and bounds[i + 1] <= t:  # close the intervals that end by t
+            out[i] += lent * (bounds[i + 1] - last)
+            last, i = bounds[i + 1], i + 1
+        if i < len(out):
+            out[i] += lent * (t - last)
         idle, last = idle + change, t
-    return total
+    return out

@@ -19,11 +19,11 @@ from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.elastic_tp import ElasticTP, plan_tp
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
-from rlsys.costs import GPUS, sync_seconds, train_gpu_seconds
+from rlsys.costs import GPUS, TRAIN_FLOPS, sync_seconds, train_gpu_seconds
 from rlsys.data.cursor import PromptCursor
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
-from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_gpu_s
+from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_by_interval
 from rlsys.sim.workload import Workload
 from rlsys.step_stats import rollout_opens
 from rlsys.types import Completion, ScoredSample
@@ -286,16 +286,28 @@ class Simulation:
         free = self.now - self.trainer_free_at if self.training is None and not self.train_queue else 0.0
         return self.trainer_idle_s + free
 
-    def _streamable_gpu_s(self) -> float:
-        """GPU-seconds the step's streamed groups could have used: when colocated, rollout GPUs with nothing
-        to decode, in whole trainer replicas (a replica spans trainer.replica_gpus); else the trainer's own
-        GPUs while it had nothing to train."""
-        since, trainer_idle = self.stream.since, self.stream.trainer_idle
-        if since is None:
+    def _streamed_gpu_s(self) -> float:
+        """Trainer GPU-seconds the step's streamed groups got done during the rollout. Only a group's forward
+        and backward stream (we assume its reference and old-log-prob forwards run after the round over the
+        whole batch, as veRL and ROLL compute them, and the optimizer step after the last group), each on GPUs
+        idle after the group came, oldest first: when colocated, rollout GPUs with nothing to decode, in whole
+        trainer replicas (trainer.replica_gpus); else the trainer's own GPUs while it had nothing to train."""
+        arrivals = self.stream.take()
+        if not arrivals:
             return 0.0
-        if not self.colocated:
-            return self.trainer_gpus * (self._trainer_idle_s() - trainer_idle)
-        return replica_idle_gpu_s(self._all_engines(), since, self.now, self.trainer.replica_gpus)
+        bounds = [t for t, _, _ in arrivals] + [self.now]
+        if self.colocated:
+            room = replica_idle_by_interval(self._all_engines(), bounds, self.trainer.replica_gpus)
+        else:
+            idle = [i for _, _, i in arrivals] + [self._trainer_idle_s()]
+            room = [self.trainer_gpus * (b - a) for a, b in zip(idle, idle[1:])]
+        share = min(1.0, TRAIN_FLOPS / self.trainer.flops_per_param_token)  # forward and backward of the FLOPs
+        backlog = done = 0.0
+        for (_, tokens, _), free in zip(arrivals, room):
+            backlog += share * self._gpu_s(tokens)
+            used = min(backlog, free)
+            backlog, done = backlog - used, done + used
+        return done
 
     def _train(self, action: Train, touched: dict) -> None:
         self.round_lengths[self._long_round()] = [n for g in action.groups for n in g.lengths]
@@ -319,10 +331,9 @@ class Simulation:
         if self.trainer.streamed:
             for engine in self.engines:  # bring their idle time up to now
                 engine.advance_to(self.now)
-        idle = self._streamable_gpu_s()
+        streamed = self._streamed_gpu_s()
         for engine in self._all_engines():  # idle spans before now serve no later step
             engine.idle_spans = engine.idle_spans[-1:]
-        streamed = min(self._gpu_s(self.stream.take()), idle)  # gradient GPU-seconds done during the rollout
         work = max(0.0, self._gpu_s(self._tokens(action.groups)) - streamed)
         self.train_s.append(work / self.trainer_gpus + self.trainer.overhead_s)
         self.train_queue.append((action.groups, reward_s + self.train_s[-1]))
@@ -501,18 +512,16 @@ class Simulation:
 
 
 class Stream:
-    """Streamed training's ledger for one step: the tokens of the groups streamed so far, when the first
-    of them came, and the separate trainer's idle total then."""
+    """Streamed training's ledger for one step: each streamed batch of groups as it came (time, tokens, and
+    the separate trainer's idle total then)."""
 
     def __init__(self):
-        self.tokens, self.since, self.trainer_idle = 0, None, 0.0
+        self.arrivals: list[tuple[float, int, float]] = []
 
     def add(self, tokens: int, now: float, trainer_idle: float) -> None:
-        if self.since is None:
-            self.since, self.trainer_idle = now, trainer_idle
-        self.tokens += tokens
+        self.arrivals.append((now, tokens, trainer_idle))
 
-    def take(self) -> int:
-        """Closes the step: the streamed tokens."""
-        tokens, self.tokens, self.since = self.tokens, 0, None
-        return tokens
+    def take(self) -> list[tuple[float, int, float]]:
+        """Closes the step: its arrivals."""
+        arrivals, self.arrivals = self.arrivals, []
+        return arrivals
