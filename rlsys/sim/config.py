@@ -1,6 +1,7 @@
 """Workload configs for `rlsys simulate`: pydantic models, unknown keys refused with the field's name."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -116,6 +117,11 @@ class RewardSpec(Section):
 
 class TrainerSpec(Section):
     mfu: float = Field(costs.TRAIN_MFU, gt=0, le=1)
+    # Data parallelism over more GPUs loses MFU (Megatron on Qwen3-30B-A3B: 0.40 / 0.37 / 0.31 on 8 / 16 / 32
+    # GPUs, docs/performance.md "Calibration sources"): `mfu` holds on `mfu_gpus` trainer GPUs, and each doubling
+    # beyond them keeps `scale_efficiency` of it (each halving gains it back). mfu_gpus None: mfu on any count.
+    mfu_gpus: Optional[int] = Field(None, ge=1)
+    scale_efficiency: float = Field(1.0, gt=0, le=1)
     # forward+backward, and a forward for the old log-probs
     flops_per_param_token: float = Field(costs.TRAIN_FLOPS + costs.FORWARD_FLOPS, gt=0)
     overhead_s: float = Field(2.0, ge=0)
@@ -124,6 +130,11 @@ class TrainerSpec(Section):
     streamed: bool = False
     # GPUs of one trainer replica (TP x PP x CP): a streamed trainer borrows idle rollout GPUs in such blocks
     replica_gpus: int = Field(1, ge=1)
+
+    def mfu_on(self, gpus: int) -> float:
+        if self.mfu_gpus is None:
+            return self.mfu
+        return min(1.0, self.mfu * self.scale_efficiency ** math.log2(gpus / self.mfu_gpus))
 
 
 class WeightSyncSpec(Section):

@@ -279,7 +279,7 @@ class Simulation:
 
     def _gpu_s(self, tokens: float) -> float:
         t = self.trainer
-        return train_gpu_seconds(self.shape, self.gpu, tokens, t.mfu, t.flops_per_param_token)
+        return train_gpu_seconds(self.shape, self.gpu, tokens, t.mfu_on(self.trainer_gpus), t.flops_per_param_token)
 
     def _trainer_idle_s(self) -> float:
         """Seconds the separate trainer has had nothing to train, up to now."""
