@@ -164,6 +164,15 @@ def _planner_note(results: dict, label: str, base_tp: int) -> str | None:
                           kept=round_seconds(results["tail+reward"])["short"])
 
 
+def tp_rows(fit: dict) -> list[dict]:
+    """The TP fit's anchors as fitted rows: how near one efficiency comes to both."""
+    note = ("one efficiency for both: TP2 gains on RollPacker's short rounds and loses on its long ones, while the "
+            "simulated rounds (TP1 short {short:.0f} s, long {long:.0f} s, against 1,029 and 1,172) gain alike")
+    return [row(f"qwen3-8b/32k {kind} round TP2:TP1 speed", v["published"], v["simulated"], True,
+                note.format(**fit["tp1_round_s"]))
+            for kind, v in fit["tp2_over_tp1_speed"].items()]
+
+
 def scaling_rows(steps: int | None) -> list[dict]:
     """14B/16k, batch 128 -> 512 on 32 -> 128 GPUs; throughput in trained prompts/s relative to veRL at 32."""
     points, base = [], None
@@ -342,7 +351,7 @@ def calibrate(steps: int | None = None, with_search: bool = True, quick: bool = 
     steps = 1 if quick else steps
     fit = tp_fit(5, TP_GRID[::5]) if quick else tp_fit(steps)  # a long round comes every 5th step
     report = {"machine": machine(), "tp_fit": fit,
-              "rows": rollpacker_rows(steps) + scaling_rows(steps) + async_rows(steps)}
+              "rows": tp_rows(fit) + rollpacker_rows(steps) + scaling_rows(steps) + async_rows(steps)}
     report["hit_rate"] = hit_rate(report["rows"])
     if with_search:
         short = {"screen": steps, "confirm": steps} if steps else {}
