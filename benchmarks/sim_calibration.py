@@ -33,11 +33,12 @@ ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
 FITTED = {"rollout veRL", "rollout tail", "tail", "tail+reward"}  # see each config's header
 PLANNER = (  # the planner rows' shared reason, with this run's figures
     "the planner picks TP before each round by the cost model, whose TP efficiency is fitted (tp_fit); it ran "
-    "the rounds after the first at TP{tp}, whose short rounds take {planned:.0f} s against {kept:.0f} s at TP{base} "
-    "(bound by the step time of their last samples, which more GPUs per engine shorten); RollPacker's planner gains "
-    "0-2% over its reward scheduler, so it must leave TP{base} rarely or scale worse than any efficiency its "
-    "TP2:TP1 figures allow (at 32B, the lowest that keeps the fitted TP2 step, 0.72 with no CPU overhead left, "
-    "still runs TP8 and gives 3.22x over 10 steps); its choices per round are unpublished")
+    "the rounds after the first at TP{tp}: short rounds of {planned[short]:.0f} s against {kept[short]:.0f} s at "
+    "TP{base}, long rounds of {planned[long]:.0f} s against {kept[long]:.0f} s (bound by their longest samples, "
+    "which more GPUs per engine decode faster); RollPacker's planner gains 0-2% over its reward scheduler, so it "
+    "must leave TP{base} rarely or scale worse than any efficiency its TP2:TP1 figures allow (at 32B the lowest "
+    "that keeps the fitted TP2 step, 0.72 with no CPU overhead left, still ran TP8 in a 10-step probe); its "
+    "choices per round are unpublished")
 NOTES = {  # what each missing row's paper leaves unstated, and what we assumed for it
     "qwen32b_32k tail+reward+planner+stream": (
         "the planner's gain is overstated (see the planner row); the stream trainer adds little besides: it is "
@@ -155,13 +156,13 @@ def tp_fit(steps: int | None, grid: list[float] = TP_GRID) -> dict:
 
 
 def _planner_note(results: dict, label: str, base_tp: int) -> str | None:
-    """Why a planner row misses, from its run: the TP it chose and its short rounds against the planner-less run's."""
+    """Why a planner row misses, from its run: the TP it chose and its rounds against the planner-less run's."""
     if "planner" not in label:
         return None
     sizes = results[label]["tp_per_step"][1:] or results[label]["tp_per_step"]  # the first round plans nothing
-    return PLANNER.format(tp=max(set(sizes), key=sizes.count), base=base_tp,
-                          planned=round_seconds(results[label])["short"],
-                          kept=round_seconds(results["tail+reward"])["short"])
+    rounds = lambda r: {"short": math.nan, "long": math.nan, **round_seconds(r)}  # noqa: E731 (a short run has no long round)
+    return PLANNER.format(tp=max(set(sizes), key=sizes.count), base=base_tp, planned=rounds(results[label]),
+                          kept=rounds(results["tail+reward"]))
 
 
 def tp_rows(fit: dict) -> list[dict]:
