@@ -160,7 +160,7 @@ def _planner_note(results: dict, label: str, base_tp: int) -> str | None:
     if "planner" not in label:
         return None
     sizes = results[label]["tp_per_step"][1:] or results[label]["tp_per_step"]  # the first round plans nothing
-    rounds = lambda r: {"short": math.nan, "long": math.nan, **round_seconds(r)}  # noqa: E731 (a short run has no long round)
+    rounds = lambda r: {"short": math.nan, "long": math.nan, **round_seconds(r)}  # noqa: E731 (some lack long rounds)
     return PLANNER.format(tp=max(set(sizes), key=sizes.count), base=base_tp, planned=rounds(results[label]),
                           kept=rounds(results["tail+reward"]))
 
@@ -178,7 +178,8 @@ def scaling_rows(steps: int | None) -> list[dict]:
     """14B/16k, batch 128 -> 512 on 32 -> 128 GPUs; throughput in trained prompts/s relative to veRL at 32."""
     points, base = [], None
     for gpus, prompts in ((32, 128), (64, 256), (128, 512)):
-        cfg = load("qwen14b_16k", steps=steps or 10, schedulers=["sync", {**_stack_run("qwen14b_16k"), "label": "rollpacker"}],
+        stack = {**_stack_run("qwen14b_16k"), "label": "rollpacker"}
+        cfg = load("qwen14b_16k", steps=steps or 10, schedulers=["sync", stack],
                    cluster={"gpus": gpus}, control={"prompts_per_step": prompts})
         r = simulate(cfg, quiet=True)["results"]
         rate = {k: v["trained_prompts"] / v["sim_time_s"] for k, v in r.items()}

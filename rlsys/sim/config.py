@@ -75,7 +75,7 @@ class EngineSpec(Section):
     kv_watermark: float = Field(0.01, ge=0, lt=1)  # KV share kept free when admitting
     step_overhead_ms: float = Field(costs.STEP_OVERHEAD_S * 1e3, ge=0)  # scheduling and sampling on the CPU, per step
     allreduce_us: float = Field(costs.ALLREDUCE_S * 1e6, ge=0)  # one tensor-parallel all-reduce (two per layer)
-    tp_efficiency: float = Field(costs.TP_EFFICIENCY, gt=0, le=1)  # per TP doubling, of the ideal split (rlsys/costs.py)
+    tp_efficiency: float = Field(costs.TP_EFFICIENCY, gt=0, le=1)  # per TP doubling, of the ideal split (costs.py)
     decode_mfu: float = Field(costs.DECODE_MFU, gt=0, le=1)
     prefill_mfu: float = Field(costs.PREFILL_MFU, gt=0, le=1)
 
