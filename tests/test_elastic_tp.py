@@ -6,6 +6,7 @@ import pytest
 
 from rlsys.sim.config import ElasticTPConfig
 from rlsys.control.elastic_tp import ElasticTP, plan_tp, tp_sizes
+from rlsys import costs
 from rlsys.costs import GPUS, MODELS, EngineCost
 from rlsys.sim.run import simulate
 
@@ -126,11 +127,16 @@ def test_live_training_refuses_elastic_tp_which_only_the_simulator_models():
 
 def test_the_round_planner_sizes_tp_from_the_rounds_lengths():
     """7B on 64 H800: a round of 1,024 short samples waits on its longest, so the largest TP (fastest per
-    token) wins; a long round of 10,000 long samples is bound by throughput, so fewer GPUs per engine win."""
-    costs = {tp: EngineCost.build(MODELS["qwen2.5-7b"], GPUS["h800"], tp) for tp in (1, 2, 4, 8)}
-    short = plan_tp(costs, 64, samples=1024, mean_tokens=800, longest=4000, prompt_tokens=300, max_seqs=256)
-    long = plan_tp(costs, 64, samples=10000, mean_tokens=12000, longest=32768, prompt_tokens=300, max_seqs=256)
-    assert short == 8 and long == 2
+    token) wins; a long round of 10,000 long samples is bound by throughput, so fewer GPUs per engine win: TP2
+    for its KV room if TP split perfectly, TP1 at the fitted TP efficiency (TP2's steps 6% slower per GPU)."""
+    def plan(efficiency=costs.TP_EFFICIENCY):
+        sizes = {tp: EngineCost.build(MODELS["qwen2.5-7b"], GPUS["h800"], tp, tp_efficiency=efficiency)
+                 for tp in (1, 2, 4, 8)}
+        short = plan_tp(sizes, 64, samples=1024, mean_tokens=800, longest=4000, prompt_tokens=300, max_seqs=256)
+        long = plan_tp(sizes, 64, samples=10000, mean_tokens=12000, longest=32768, prompt_tokens=300, max_seqs=256)
+        return short, long
+
+    assert plan() == (8, 1) and plan(efficiency=1.0) == (8, 2)
 
 
 def test_the_simulated_planner_acts_before_each_round():
