@@ -82,6 +82,15 @@ def test_streamed_training_fills_idle_gpus_and_never_exceeds_the_work():
     assert one({"name": "sync", "trainer": {"streamed": True}})["step_time_s"] == one({"name": "sync"})["step_time_s"]
 
 
+def test_trainer_mfu_falls_per_doubling_beyond_the_gpus_it_was_fitted_on():
+    plain = one({"name": "sync"})  # 4 colocated GPUs
+    fitted_on_2 = one({"name": "sync"}, trainer={"mfu_gpus": 2, "scale_efficiency": 0.5})  # one doubling: half the MFU
+    fitted_on_4 = one({"name": "sync"}, trainer={"mfu_gpus": 4, "scale_efficiency": 0.5})
+    overhead = load_sim_config(small({"x": {"name": "sync"}})).trainer.overhead_s
+    assert fitted_on_4["train_time_s"] == plain["train_time_s"]
+    assert fitted_on_2["train_time_s"] - overhead == pytest.approx(2 * (plain["train_time_s"] - overhead))
+
+
 def test_h20_trains_slower_than_h800_and_decodes_no_slower():
     h800, h20 = one({"name": "sync"}), one({"name": "sync"}, cluster={"gpus": 4, "tp": 1, "gpu": "h20"})
     assert GPUS["h20"].peak_flops < GPUS["h800"].peak_flops / 5
