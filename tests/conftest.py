@@ -15,6 +15,13 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def ray_address(ray_cluster) -> str:
+    """The shared cluster's address, for `rlsys train` in a child process to join (`cluster.address=`): it
+    starts and stops no Ray of its own, which costs more than its steps. Its actors end with its driver."""
+    return ray_cluster.get_runtime_context().gcs_address
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """Tiny matmuls gain nothing from threads, and on a shared machine spare threads only contend."""

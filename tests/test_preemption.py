@@ -1,4 +1,4 @@
-"""Pre-emption of a real process: SIGKILL in the middle of a checkpoint write, SIGTERM in a live run."""
+"""Pre-emption of a real process: SIGKILL in the middle of a checkpoint write, SIGTERM and SIGINT in a live run."""
 import json
 import os
 import signal
@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save
 
 from rlsys.checkpoint import STATE_FILE, CheckpointManager
+from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
 from test_end_to_end import SMALL, rows
 
@@ -69,53 +70,75 @@ def test_sigkill_mid_checkpoint_write_leaves_the_previous_checkpoint_loadable(tm
     assert manager.latest() == root / "step_000003"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_ends_the_step_saves_a_checkpoint_and_resume_goes_on(tmp_path, signum):
-    """SIGTERM (a pre-emption notice) or SIGINT (Ctrl-C) to the driver once a step is logged: it finishes the
-    step it is in, checkpoints it (save_every=0: no other checkpoint before the end), skips the final eval and
-    export, exits 0 and prints the command that continues. Starting again without --resume is refused, losing
-    nothing; --resume finishes the run.
-    Steps take well under a second here, so the bounds allow for the time between reading the log and the
-    signal landing, and the run is long enough that the signal always lands before its end."""
-    out, total = tmp_path / "run", 8
-    cmd = [sys.executable, "-m", "rlsys.cli", "train", str(DEFAULT_CONFIG), f"trainer.total_steps={total}",
-           "control.save_every=0", "control.eval_every=0", f"output_dir={out}", *SMALL]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def trained_steps(out):
+    return [r["step"] for r in rows(out) if "timing/train_s" in r]
+
+
+def stop_once_a_step_is_logged(cmd, env, out, signum, after=0):
+    """Starts `cmd`, sends `signum` to the driver once it has logged a step past `after`, waits for it to exit:
+    (its output, the last step logged when the signal was sent)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         deadline = time.time() + 300
-        metrics = out / "metrics.jsonl"
-        while not (metrics.exists() and "timing/train_s" in metrics.read_text()):
-            assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
+        while not (out / "metrics.jsonl").exists() or max(trained_steps(out), default=0) <= after:
+            assert proc.poll() is None and time.time() < deadline, f"the run ended before a step past {after}"
             time.sleep(0.05)
-        logged = max(r["step"] for r in rows(out) if "timing/train_s" in r)
+        logged = max(trained_steps(out))
         proc.send_signal(signum)  # the driver only, as a pre-emption notice reaches it
         log, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, log[-3000:]
-    steps = [r["step"] for r in rows(out) if "timing/train_s" in r]
+    return log, logged
+
+
+def assert_stopped(out, log, signum, logged, total, go_on, kept) -> int:
+    """The run stopped by `signum` finished the step it was in, checkpointed it beside the earlier checkpoints
+    `kept`, wrote no export or final row and said how to go on: the step it stopped at."""
+    steps = trained_steps(out)
     stopped = steps[-1]
     # The step running at the signal is logged + 1, or logged + 2 if that one ended between the read and the send.
     assert steps == list(range(1, stopped + 1)) and logged < stopped <= logged + 2 < total
     assert signal.Signals(signum).name in log and "Traceback" not in log
-    assert f"stopped at step {stopped}; `rlsys train {' '.join(cmd[4:])} --resume` continues" in log
-    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped:06d}"]
+    assert f"stopped at step {stopped}; `{go_on}` continues" in log
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{s:06d}" for s in [*kept, stopped]]
     assert json.loads((out / "checkpoints" / f"step_{stopped:06d}" / STATE_FILE).read_text())["step"] == stopped
     assert not (out / "export").exists() and not any(r.get("final") for r in rows(out))
+    return stopped
+
+
+@pytest.mark.slow
+def test_a_stop_signal_ends_the_step_saves_a_checkpoint_and_resume_goes_on(tmp_path, ray_address, capsys):
+    """SIGTERM (a pre-emption notice) once a step is logged, then SIGINT (Ctrl-C) once the resumed run logs one: the
+    driver finishes the step it is in, checkpoints it (save_every=0: no other checkpoint before the end), skips the
+    final eval and export, exits 0 and prints the command that continues. Starting again without --resume is
+    refused, losing nothing; --resume goes on from the checkpoint, and the last one finishes the run.
+    Steps take well under a second here, so the bounds allow for the time between reading the log and the
+    signal landing, and the run is long enough that both signals always land before its end."""
+    out, total = tmp_path / "run", 10
+    args = ["train", str(DEFAULT_CONFIG), f"trainer.total_steps={total}", "control.save_every=0",
+            "control.eval_every=0", f"output_dir={out}", f"cluster.address={ray_address}", *SMALL]
+    cmd, go_on = [sys.executable, "-m", "rlsys.cli", *args], f"rlsys {' '.join(args)} --resume"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log, logged = stop_once_a_step_is_logged(cmd, env, out, signal.SIGTERM)
+    first = assert_stopped(out, log, signal.SIGTERM, logged, total, go_on, kept=[])
 
     logged_before = (out / "metrics.jsonl").read_text()
-    again = subprocess.run(cmd, env=env, timeout=120, capture_output=True, text=True)  # --resume forgotten
-    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
-    assert f"last checkpoint is step {stopped}). Continue it with --resume" in again.stderr
+    capsys.readouterr()
+    assert main(args) == 2  # --resume forgotten: refused before anything starts
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"last checkpoint is step {first}). Continue it with --resume" in err
     assert (out / "metrics.jsonl").read_text() == logged_before
-    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{stopped:06d}"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step_{first:06d}"]
+
+    log, logged = stop_once_a_step_is_logged(cmd + ["--resume"], env, out, signal.SIGINT, after=first)
+    assert f"at step {first}" in log
+    second = assert_stopped(out, log, signal.SIGINT, logged, total, go_on, kept=[first])
 
     resumed = subprocess.run(cmd + ["--resume"], env=env, timeout=300, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert f"at step {stopped}" in resumed.stdout
-    assert [r["step"] for r in rows(out) if "timing/train_s" in r] == list(range(1, total + 1))
+    assert f"at step {second}" in resumed.stdout
+    assert trained_steps(out) == list(range(1, total + 1))
     assert (out / "export" / "model.safetensors").exists() and rows(out)[-1].get("final")
