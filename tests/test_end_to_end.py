@@ -78,23 +78,24 @@ def trained_order(run_dir):
     return sorted((r["step"], r["request_id"], r["tokens"]) for r in rows(run_dir, "timeline.jsonl"))
 
 
-def test_killed_run_resumes_with_the_same_data_order(tmp_path):
+def test_killed_run_resumes_with_the_same_data_order(tmp_path, ray_address):
     """SIGKILL after the step-2 checkpoint, then --resume: same prompts, samples and weights as a run
     that was never interrupted."""
     common = [str(DEFAULT_CONFIG), "trainer.total_steps=4", "control.save_every=2", "control.eval_every=0", *SMALL]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "rlsys.cli", "train"]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    subprocess.run(cmd + common + [f"output_dir={whole}"], check=True, env=env, timeout=600)
+    assert main(["train", *common, f"output_dir={whole}"]) == 0
 
-    proc = subprocess.Popen(cmd + common + [f"output_dir={broken}"], env=env, start_new_session=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "rlsys.cli", "train", *common, f"output_dir={broken}",
+           f"cluster.address={ray_address}"]  # the shared Ray: the kill ends the driver, and Ray its actors
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     deadline = time.time() + 600
     while not (broken / "checkpoints" / "step_000002" / "controller.json").exists():
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run(cmd + common + [f"output_dir={broken}", "--resume"], check=True, env=env, timeout=600)
+    subprocess.run(cmd + ["--resume"], check=True, env=env, timeout=600)
 
     assert trained_order(broken) == trained_order(whole)
     a = load_file(str(whole / "export" / "model.safetensors"))
