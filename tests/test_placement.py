@@ -85,18 +85,49 @@ def test_idle_gpus_are_named_with_the_fields_that_would_use_them():
                           "in all")
 
 
+# One child process, with a Ray of 2 logical GPUs, for the two tests of live actors on a plan (starting and stopping
+# Ray costs more than either does in it): a colocated plan's actors on their GPUs, then, with those gone, a run
+# whose plan leaves a GPU idle.
+ON_TWO_GPUS = textwrap.dedent("""
+    import sys, ray
+    from rlsys.cli import main
+    from rlsys.models import prepare_model
+    from rlsys.placement import Placement, plan_from_config
+    from rlsys.rollout.manager import RolloutManager
+    from rlsys.startup import load_config
+    from rlsys.trainer.logprobs import Scoring
+    from rlsys.trainer.worker import TrainerGroup
+    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
+    cfg = load_config(None, ["cluster.gpus_per_node=2", "rollout.num_workers=2", "trainer.world_size=1",
+                             "trainer.backend=torch", "model.warm_start.steps=30"])
+    placement = Placement(plan_from_config(cfg), timeout_s=60)
+    model = prepare_model(cfg)
+    rollout = RolloutManager.from_config(cfg, model, placement)
+    trainer = TrainerGroup(cfg, str(model), Scoring.of(cfg.rollout), placement)
+    print("ROLLOUT", ray.get([w.gpu_ids.remote() for w in rollout.workers]))
+    print("TRAINER", ray.get([w.gpu_ids.remote() for w in trainer.workers]))
+    print("FREE_GPUS", ray.available_resources().get("GPU", 0), flush=True)
+    rollout.shutdown()
+    trainer.shutdown()
+    placement.remove()
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def on_two_gpus(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("idle") / "run"
+    return subprocess.run([sys.executable, "-c", ON_TWO_GPUS, "train", "cluster.gpus_per_node=2",
+                           "trainer.backend=torch", "trainer.total_steps=1", "model.warm_start.steps=0",
+                           "data.eval_size=4", "control.prompts_per_step=4", "control.group_size=4",
+                           "rollout.max_new_tokens=48", f"output_dir={run_dir}"],
+                          capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.slow
-def test_a_run_whose_plan_leaves_a_gpu_idle_says_so_at_start_up_and_trains_on(tmp_path):
+def test_a_run_whose_plan_leaves_a_gpu_idle_says_so_at_start_up_and_trains_on(on_two_gpus):
     """The warning comes before Ray starts, and is not fatal: on a Ray of 2 logical GPUs the run uses one."""
-    script = textwrap.dedent("""
-        import sys, ray
-        from rlsys.cli import main
-        ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
-        sys.exit(main(sys.argv[1:]))
-    """)
-    out = subprocess.run([sys.executable, "-c", script, "train", "cluster.gpus_per_node=2", "trainer.backend=torch",
-                          "trainer.total_steps=1", "model.warm_start.steps=0", "data.eval_size=4",
-                          f"output_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600)
+    out = on_two_gpus
     assert out.returncode == 0, out.stdout + out.stderr
     assert ("warning: 1 of 2 GPUs would sit idle (node 0: GPUs 1): trainer.world_size and rollout.num_workers must "
             "grow with cluster.nodes and cluster.gpus_per_node; to use all 2, set rollout.num_workers=2 and "
@@ -158,28 +189,9 @@ def test_placement_groups_schedule_actors_on_their_gpus():
 
 
 @pytest.mark.slow
-def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_gives_them():
+def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_gives_them(on_two_gpus):
     """The live actors (rollout workers, trainer ranks) in their placement groups, on logical GPUs."""
-    script = textwrap.dedent("""
-        import ray
-        from rlsys.models import prepare_model
-        from rlsys.placement import Placement, plan_from_config
-        from rlsys.rollout.manager import RolloutManager
-        from rlsys.startup import load_config
-        from rlsys.trainer.logprobs import Scoring
-        from rlsys.trainer.worker import TrainerGroup
-        ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
-        cfg = load_config(None, ["cluster.gpus_per_node=2", "rollout.num_workers=2", "trainer.world_size=1",
-                                 "trainer.backend=torch", "model.warm_start.steps=30"])
-        placement = Placement(plan_from_config(cfg), timeout_s=60)
-        model = prepare_model(cfg)
-        rollout = RolloutManager.from_config(cfg, model, placement)
-        trainer = TrainerGroup(cfg, str(model), Scoring.of(cfg.rollout), placement)
-        print("ROLLOUT", ray.get([w.gpu_ids.remote() for w in rollout.workers]))
-        print("TRAINER", ray.get([w.gpu_ids.remote() for w in trainer.workers]))
-        print("FREE_GPUS", ray.available_resources().get("GPU", 0))
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    out = on_two_gpus
     # engine 0 and trainer rank 0 share GPU 0 (half each); engine 1 has GPU 1; nothing outside the groups
     assert "ROLLOUT [[0], [1]]" in out.stdout and "TRAINER [[0]]" in out.stdout, out.stdout + out.stderr
     assert "FREE_GPUS 0" in out.stdout
