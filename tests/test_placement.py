@@ -164,27 +164,53 @@ def test_colocated_tp_engines_are_refused_before_any_group_is_made():
         Placement(plan_placement(1, 8, engines=4, tp=2, trainer_world=8, layout="colocated"))
 
 
+# One child process, with a Ray of 16 logical GPUs, for the two tests of scheduling on it: a plan's placement groups,
+# then, once they are removed, an actor holding every GPU as an unplanned engine on CUDA did.
+ON_SIXTEEN_GPUS = textwrap.dedent("""
+    import ray
+    from rlsys.placement import Placement, plan_placement
+    from rlsys.startup import load_config
+    from rlsys.trainer import worker
+    from rlsys.trainer.logprobs import Scoring
+    ray.init(num_cpus=16, num_gpus=16, include_dashboard=False, logging_level="ERROR")
+
+    @ray.remote
+    class Probe:
+        def gpus(self):
+            return ray.get_gpu_ids()
+
+    placement = Placement(plan_placement(2, 8, 4, 2, 8, "separate"), timeout_s=30)
+    probes = [Probe.options(**placement.actor_options(role, i)).remote()
+              for role, n in (("rollout", 4), ("trainer", 8)) for i in range(n)]
+    ids = [ray.get(p.gpus.remote()) for p in probes]
+    print("ENGINE_GPUS", [len(g) for g in ids[:4]], "DISTINCT", len({g for gs in ids for g in gs}), flush=True)
+    placement.remove()
+
+    @ray.remote(num_gpus=16)
+    class Engine:
+        def ready(self):
+            return True
+
+    engine = Engine.remote()
+    ray.get(engine.ready.remote())
+    worker.START_TIMEOUT_S = 3
+    try:
+        cfg = load_config(None, [])
+        worker.TrainerGroup(cfg, "no-model", Scoring.of(cfg.rollout))
+    except worker.NotScheduled as e:
+        print("REFUSED", e)
+""")
+
+
+@pytest.fixture(scope="module")
+def on_sixteen_gpus():
+    return subprocess.run([sys.executable, "-c", ON_SIXTEEN_GPUS], capture_output=True, text=True, timeout=180)
+
+
 @pytest.mark.slow
-def test_placement_groups_schedule_actors_on_their_gpus():
+def test_placement_groups_schedule_actors_on_their_gpus(on_sixteen_gpus):
     """Real Ray placement groups on a one-node Ray with 16 logical GPUs (in a child process)."""
-    script = textwrap.dedent("""
-        import ray
-        from rlsys.placement import Placement, plan_placement
-        ray.init(num_cpus=16, num_gpus=16, include_dashboard=False, logging_level="ERROR")
-
-        @ray.remote
-        class Probe:
-            def gpus(self):
-                return ray.get_gpu_ids()
-
-        placement = Placement(plan_placement(2, 8, 4, 2, 8, "separate"), timeout_s=30)
-        probes = [Probe.options(**placement.actor_options(role, i)).remote()
-                  for role, n in (("rollout", 4), ("trainer", 8)) for i in range(n)]
-        ids = [ray.get(p.gpus.remote()) for p in probes]
-        print("ENGINE_GPUS", [len(g) for g in ids[:4]], "DISTINCT", len({g for gs in ids for g in gs}))
-        placement.remove()
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    out = on_sixteen_gpus
     assert "ENGINE_GPUS [2, 2, 2, 2] DISTINCT 16" in out.stdout, out.stdout + out.stderr
 
 
@@ -205,30 +231,9 @@ def test_an_engine_on_cuda_without_a_plan_is_refused_naming_the_field():
 
 
 @pytest.mark.slow
-def test_a_trainer_rank_ray_cannot_schedule_is_reported_not_waited_for():
-    """A one-GPU Ray whose GPU another actor holds (as an unplanned engine on CUDA did): the trainer's start
-    names what it asked for within its deadline."""
-    script = textwrap.dedent("""
-        import ray
-        from rlsys.startup import load_config
-        from rlsys.trainer import worker
-        from rlsys.trainer.logprobs import Scoring
-        ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, logging_level="ERROR")
-
-        @ray.remote(num_gpus=1)
-        class Engine:
-            def ready(self):
-                return True
-
-        engine = Engine.remote()
-        ray.get(engine.ready.remote())
-        worker.START_TIMEOUT_S = 3
-        try:
-            cfg = load_config(None, [])
-            worker.TrainerGroup(cfg, "no-model", Scoring.of(cfg.rollout))
-        except worker.NotScheduled as e:
-            print("REFUSED", e)
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+def test_a_trainer_rank_ray_cannot_schedule_is_reported_not_waited_for(on_sixteen_gpus):
+    """A Ray whose GPUs another actor holds (as an unplanned engine on CUDA did): the trainer's start names what it
+    asked for within its deadline."""
+    out = on_sixteen_gpus
     assert "REFUSED 1 of 1 trainer rank(s) did not start within 3 s: each asks Ray for {'num_cpus': 1, " \
            "'num_gpus': 1}" in out.stdout, out.stdout + out.stderr
