@@ -58,7 +58,7 @@ def test_a_user_error_raised_inside_an_actor_is_recognised(ray_cluster):
 
 
 @pytest.mark.slow
-def test_training_on_prompts_longer_than_max_prompt_tokens_prints_the_reason_alone(tmp_path):
+def test_training_on_prompts_longer_than_max_prompt_tokens_prints_the_reason_alone(tmp_path, ray_address):
     """The newcomer's case: a veRL jsonl whose prompts all exceed the default data.max_prompt_tokens."""
     row = {"prompt": [{"role": "user", "content": "What is the sum of all positive integers n such that n^2 "
                                                    "+ 12n - 2007 is a perfect square? Box the answer."}],
@@ -66,7 +66,7 @@ def test_training_on_prompts_longer_than_max_prompt_tokens_prints_the_reason_alo
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(row) for _ in range(6)) + "\n")
     done = subprocess.run([sys.executable, "-m", "rlsys.cli", "train", "data.task=files", f"data.train_path={data}",
-                           "data.eval_size=2", f"output_dir={tmp_path / 'run'}", "cluster.num_cpus=2",
+                           "data.eval_size=2", f"output_dir={tmp_path / 'run'}", f"cluster.address={ray_address}",
                            "model.warm_start.steps=0"],  # the data check comes after the model is built
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
