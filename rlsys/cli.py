@@ -58,11 +58,12 @@ def cmd_train(args) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: the last checkpoint written is where to go on from
         print(f"\ninterrupted; `{go_on}` continues from the last checkpoint in {cfg.output_dir}", file=sys.stderr)
         return 130
-    if "eval/accuracy" not in final:  # stopped by SIGTERM or Ctrl-C: no final eval
+    if final["stopped"]:  # by SIGTERM or Ctrl-C: checkpointed, no final eval
         print(f"stopped at step {final['step']}; `{go_on}` continues (run folder {cfg.output_dir})")
         return 0
-    print(f"done: step {final['step']}, eval accuracy {final['eval/accuracy']:.3f} ± {final['eval/accuracy_se']:.3f}; "
-          f"run folder {cfg.output_dir} (rlsys plot {cfg.output_dir})")
+    accuracy = (f", eval accuracy {final['eval/accuracy']:.3f} ± {final['eval/accuracy_se']:.3f}"
+                if "eval/accuracy" in final else "")  # control.eval_every=0: no eval at all
+    print(f"done: step {final['step']}{accuracy}; run folder {cfg.output_dir} (rlsys plot {cfg.output_dir})")
     return 0
 
 

@@ -329,7 +329,7 @@ class Controller:
             print(f"no plots: {e.name} is not installed (`rlsys plot {self.run_dir}` draws them where it is)")
         else:
             plot_run(self.run_dir)
-        return final
+        return dict(final, stopped=self.stop_requested)  # what the command says: done, or how to go on
 
     def shutdown(self) -> None:
         for part in (self.rollout, self.rewards, self.trainer):

@@ -106,11 +106,13 @@ def test_killed_run_resumes_with_the_same_data_order(tmp_path, ray_address):
     assert resumed_steps == [1, 2, 3, 4]
 
 
-def test_tail_with_streamed_training_trains_every_announced_group(tmp_path, ray_cluster):
+def test_tail_with_streamed_training_trains_every_announced_group(tmp_path, ray_cluster, capsys):
     """trainer.streamed: each prompt's gradients are computed as it completes; one update per round."""
     out = tmp_path / "streamed"
     assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
                  "control.scheduler=tail", "trainer.streamed=true", "trainer.mini_batches=1", *SMALL]) == 0
+    said = capsys.readouterr().out
+    assert f"done: step 2; run folder {out}" in said and "stopped at step" not in said  # finished, with no eval
     steps = [r for r in rows(out) if "timing/train_s" in r]
     assert [r["policy_version"] for r in steps] == [1, 2]
     assert all(r["train/sequences"] == 16 and r["train/tokens"] > 0 and "train/loss" in r for r in steps)
