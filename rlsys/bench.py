@@ -173,9 +173,10 @@ def aggregate(runs: list[dict]) -> dict:
     """Median over repeats, with [min, max] spreads for the figures that vary; the final accuracy is the
     mean over repeats with its standard error (`repeated_accuracy`)."""
     out: dict = {"repeats": len(runs)}
-    for key in (k for k in runs[0] if k not in ("eval_curve", "final_accuracy_se")):
+    keys = dict.fromkeys(k for r in runs for k in r)  # a run stopped early lacks its final row's keys
+    for key in (k for k in keys if k not in ("eval_curve", "final_accuracy_se")):
         out[key] = median_of(runs, key)
-        values = [r[key] for r in runs if r[key] is not None]
+        values = [r[key] for r in runs if r.get(key) is not None]
         if len(values) > 1:
             out[f"{key}_spread"] = [min(values), max(values)]
     out["final_accuracy_se"] = None

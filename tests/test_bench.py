@@ -38,6 +38,8 @@ def test_aggregate_reports_the_median_and_spread_and_no_time_to_target_unless_ev
     assert out["step_time_s"] == pytest.approx(1.25) and out["step_time_s_spread"] == [1.0, 1.5]
     assert out["time_to_target_s"] is None
     assert "eval_curve" not in out
+    stopped = {k: v for k, v in a.items() if k != "overrun_share"}  # a run stopped before its final row
+    assert aggregate([dict(b, overrun_share=0.01), stopped])["overrun_share"] == 0.01
 
 
 def test_speed_up_is_the_median_of_each_repeats_pair_not_a_ratio_of_medians():
