@@ -253,6 +253,8 @@ class Controller:
             # and the engines keep these weights until the evaluation is done.
             metrics.update(self.evaluate())
         self.scheduler.on_trained(self.version, step.groups)
+        if self.cfg.rollout.max_new_tokens_at(self.step) != self.cfg.rollout.max_new_tokens_at(self.step - 1):
+            self.scheduler.sizer.workload_changed()  # the next step's answers have a new cap
         metrics.update(self.scheduler.metrics())
         if self.cfg.friction.on:
             metrics.update(self.friction.counts)

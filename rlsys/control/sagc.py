@@ -1,18 +1,28 @@
 """`sagc`: straggler-aware group control (docs/design.md "SAGC"), a drift-plus-penalty choice of G.
 
-Before each step: G_t = argmax over the allowed sizes of V * U(G) - Q_t * p(G).
-After it: Q_{t+1} = max(Q_t + S_t - delta, 0), S_t the step's realised straggler rate. Q is a
-virtual queue of straggler budget overspent so far; as long as the smallest size keeps S under delta
-on average, Q stays bounded and the long-run rate meets the budget (Neely's drift-plus-penalty).
+Before each step: G_t = argmax V * U(G) - max(Q_t, 0) * p(G) over the sizes whose risk p(G) fits the
+step's allowance delta - Q_t (the smallest size if none does). After it: Q_{t+1} = max(Q_t + S_t - delta,
+-delta), S_t the step's realised straggler rate. Q is a virtual queue of straggler budget overspent so far
+(Neely's drift-plus-penalty: as long as the smallest size keeps S under delta on average, Q stays bounded
+and the long-run rate meets the budget); below zero it is one step's unspent budget, carried as credit.
+
+Why the allowance: pure drift-plus-penalty starts with Q = 0, which ignores risk, so it takes the largest
+size and learns the spread only by paying for it; over a short run, or after the lengths drift, that
+overspends (measured: docs/performance.md "SAGC against static group sizes"). With the allowance every
+step is expected to stay within the budget, plus what the last step left unspent, so the sizer still
+mixes two sizes to spend the budget, and the queue still corrects what the model gets wrong.
 
 Risk model. A group straggles when its slowest sample exceeds kappa times its median. Taking each
 sample's length/median ratio as an independent draw from one distribution F gives
 p(G) = 1 - F(kappa)^G. Only F(kappa) matters, so the running empirical CDF is kept as two counts
 (ratios seen, ratios above kappa), discounted by `decay` each step so the fit follows lengths that
 drift during training, with a Beta prior (`prior_tail_share` over `prior_samples` pseudo-samples)
-that carries the first steps. Independence is the weak point (a group's samples share its median,
-so a group of 2 can never straggle when kappa >= 2), but the bias is harmless: the queue is fed
-realised rates, so it corrects whatever the model gets wrong, and the model only ranks sizes.
+that carries the first steps. When the run changes its workload on purpose (a new cap on answers,
+`rollout.max_new_tokens_stages`) the counts restart from the prior: the old spread says nothing of
+the new one. Independence is the weak point: a group's samples share its median, so the model
+overstates the risk (measured 4-6x at G 8-16 on the emulated runs). A calibration factor, the
+discounted ratio of straggling groups seen to the risk the model gave them (one pseudo-group of
+prior, so it starts at 1), scales p(G) to what is realised.
 
 Utility: `informative`, the expected share of groups whose rewards are not all equal,
 1 - p_s^G - (1 - p_s)^G with p_s the running share of rewards > 0.5; or `log`, log G.
@@ -23,8 +33,9 @@ Where it pays: the budget buys wall time only where a group's slowest sample hol
 waits for the slowest of all its samples whatever G is (docs/performance.md "Where group size costs wall time").
 
 Known limit: when even the smallest size overspends the budget, Q grows without bound, and once
-the lengths calm down the smallest size is kept until Q drains (measured: 200 such steps at
-delta 0.05 left Q at 6 and took 117 calm steps to return to the largest size).
+the lengths calm down the smallest size is kept until Q drains at delta a step (measured on scripted
+lengths: 200 steps with a 5% per-sample tail, where G4 straggles 19% of the time, at delta 0.05 left
+Q at 24 and took 490 calm steps to return to the largest size).
 
 The decision is taken when a step is observed (and at construction or restore), so `next_shape()`
 only reads it: the shape changes at step boundaries only, costs O(|sizes|), and depends on nothing
@@ -37,6 +48,8 @@ from bisect import bisect_right
 
 from rlsys.control.sizing import GROUP_SIZERS, GroupSizer, StepShape
 from rlsys.types import Group
+
+CALIBRATION_PRIOR_GROUPS = 1.0  # the calibration's prior: one straggling group, exactly as the model predicted
 
 UTILITIES = {
     "informative": lambda g, p_s: 1.0 - p_s ** g - (1.0 - p_s) ** g,
@@ -55,6 +68,8 @@ class SAGCSizer(GroupSizer):
         self.over = 0.0  # ... of those above kappa
         self.rewards = 0.0  # discounted count of observed rewards
         self.successes = 0.0  # ... of those above 0.5
+        self.realised = 0.0  # discounted count of straggling groups
+        self.predicted = 0.0  # ... and the sum of the risks the model gave them
         self.steps = 0
         self.last_rate = 0.0  # S of the last observed step
         self.last: tuple[int, float] | None = None  # (G, predicted risk) of the last observed step
@@ -72,16 +87,26 @@ class SAGCSizer(GroupSizer):
         prior = self.sagc.prior_samples
         return (self.successes + prior * 0.5) / (self.rewards + prior) if self.rewards + prior else 0.5
 
-    def risk(self, g: int) -> float:
-        """p(G): the chance that a group of g samples holds a straggler."""
+    def model_risk(self, g: int) -> float:
+        """The independence model's chance that a group of g samples holds a straggler."""
         return 1.0 - (1.0 - self.tail_share()) ** g
+
+    def calibration(self) -> float:
+        """Straggling groups seen over the model's risk for them: what scales the model to the realised rate."""
+        return (self.realised + CALIBRATION_PRIOR_GROUPS) / (self.predicted + CALIBRATION_PRIOR_GROUPS)
+
+    def risk(self, g: int) -> float:
+        """p(G): the calibrated chance that a group of g samples holds a straggler."""
+        return min(1.0, self.calibration() * self.model_risk(g))
 
     def _decide(self) -> None:
         utility, p_s = UTILITIES[self.sagc.utility], self.success_rate()
+        allowance = self.sagc.delta - self.queue
+        fitting = [g for g in self.sizes if self.risk(g) <= allowance] or self.sizes[:1]
         best = None
-        for g in self.sizes:  # ascending, and `>=` below hands ties to the larger size
+        for g in fitting:  # ascending, and `>=` below hands ties to the larger size
             risk = self.risk(g)
-            score = self.sagc.v * utility(g, p_s) - self.queue * risk
+            score = self.sagc.v * utility(g, p_s) - max(self.queue, 0.0) * risk
             if best is None or score >= best[0]:
                 best = (score, g, risk)
         _, g, self.chosen_risk = best
@@ -94,9 +119,10 @@ class SAGCSizer(GroupSizer):
         return self.shape
 
     def observe(self, groups: list[Group]) -> None:
+        model_risk = {}  # the model's risk for each size seen, before this step updates it
         self.last = (self.shape.group_size, self.chosen_risk)
         kappa, decay = self.cfg.straggler_kappa, self.sagc.decay
-        samples = successes = ratios = over = stragglers = 0
+        samples = successes = ratios = over = stragglers = predicted = 0
         for group in groups:  # one pass, one sort per group: this runs on every step's ~1000 samples
             samples += len(group.samples)
             successes += len([1 for s in group.samples if s.reward > 0.5])
@@ -108,11 +134,19 @@ class SAGCSizer(GroupSizer):
             group_over = n - bisect_right(lengths, kappa * max(median, 1))
             ratios, over = ratios + n, over + group_over
             stragglers += group_over > 0  # exactly metrics.is_straggler
+            if n not in model_risk:
+                model_risk[n] = self.model_risk(n)
+            predicted += model_risk[n]
+        self.realised, self.predicted = self.realised * decay + stragglers, self.predicted * decay + predicted
         self.ratios, self.over = self.ratios * decay + ratios, self.over * decay + over
         self.rewards, self.successes = self.rewards * decay + samples, self.successes * decay + successes
         self.last_rate = stragglers / len(groups) if groups else 0.0
-        self.queue = max(self.queue + self.last_rate - self.sagc.delta, 0.0)
+        self.queue = max(self.queue + self.last_rate - self.sagc.delta, -self.sagc.delta)
         self.steps += 1
+        self._decide()
+
+    def workload_changed(self) -> None:
+        self.ratios = self.over = 0.0
         self._decide()
 
     def metrics(self) -> dict[str, float]:
@@ -120,16 +154,20 @@ class SAGCSizer(GroupSizer):
         g, risk = self.last or (self.shape.group_size, self.chosen_risk)
         return {"group_size": g, "sagc/risk": risk, "sagc/queue": self.queue,
                 "sagc/straggler_rate": self.last_rate, "sagc/tail_share": self.tail_share(),
+                "sagc/calibration": self.calibration(),
                 "sagc/success_rate": self.success_rate(), "sagc/next_group_size": self.shape.group_size}
 
     def state_dict(self) -> dict:
         return {"queue": self.queue, "ratios": self.ratios, "over": self.over, "rewards": self.rewards,
-                "successes": self.successes, "steps": self.steps, "last_rate": self.last_rate,
+                "successes": self.successes, "realised": self.realised, "predicted": self.predicted,
+                "steps": self.steps, "last_rate": self.last_rate,
                 "last": list(self.last) if self.last else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.queue, self.ratios, self.over = state["queue"], state["ratios"], state["over"]
         self.rewards, self.successes, self.steps = state["rewards"], state["successes"], state["steps"]
+        # A checkpoint from before calibration starts it at its prior
+        self.realised, self.predicted = state.get("realised", 0.0), state.get("predicted", 0.0)
         self.last_rate = state["last_rate"]
         self.last = tuple(state["last"]) if state["last"] else None
         self._decide()

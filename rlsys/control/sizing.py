@@ -24,6 +24,9 @@ class GroupSizer:
     def observe(self, groups: list[Group]) -> None:
         """Called once per trained step with the realised groups."""
 
+    def workload_changed(self) -> None:
+        """The run changed what it asks for from the next step on (a new cap on answers)."""
+
     def metrics(self) -> dict[str, float]:
         return {}
 
