@@ -160,9 +160,11 @@ def test_bubble_ratio_agrees_with_the_control_metric():
     seen = []
     on_sample = sim.scheduler.on_sample
     sim.scheduler.on_sample = lambda s, now: seen.append(s.completion) or on_sample(s, now)
+    handovers, train = [], sim._train
+    sim._train = lambda action, touched: handovers.append(sim.now) or train(action, touched)
     r = sim.run()
     capacity = sum(e.slots for e in sim.engines)
-    expected = bubble_ratio(seen, capacity, 0.0, r["rollout_time_s"])
+    expected = bubble_ratio(seen, capacity, 0.0, handovers[0])  # the engines are allocated until the handover
     assert r["bubble_ratio"] == pytest.approx(expected, rel=1e-6)
 
 

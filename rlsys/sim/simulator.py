@@ -99,6 +99,7 @@ class Simulation:
         self.step_start = self.handover = self.last_finish = 0.0  # rollout window, last Train, last sample
         # (busy, allocated) slot-seconds: inside the rollout windows, at the window's opening, at the last Train
         self.in_windows, self.opened, self.at_handover = (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)
+        self.at_last_finish = (0.0, 0.0)
         self.rollout_s: list[float] = []
         self.train_s: list[float] = []
         self.step_ends: list[float] = []
@@ -318,12 +319,16 @@ class Simulation:
             self.group_lengths.append(lengths)
             self.trained_tokens += sum(lengths)
             self.truncated += sum(s.completion.finish_reason == "length" for s in group.samples)
-        self.rollout_s.append(self.now - self.step_start)
+        # The window closes at the last sample generated before the handover, as the live run's does: time after
+        # it (the batch ready, waiting for the trainer or the rewards) is neither rollout nor bubble.
+        generating = self.last_finish > self.step_start
+        self.rollout_s.append(self.last_finish - self.step_start if generating else 0.0)
         self.handover = self.now
         for engine in self.engines:
             engine.advance_to(self.now)
         self.at_handover = self._slot_seconds()
-        self.in_windows = tuple(w + now - then for w, now, then in zip(self.in_windows, self.at_handover, self.opened))
+        closed = self.at_last_finish if generating else self.opened
+        self.in_windows = tuple(w + now - then for w, now, then in zip(self.in_windows, closed, self.opened))
         # Without overlap the step's rewards are scored now, on the reward pool, before its training.
         reward_s = 0.0 if self.reward.overlap else makespan(self.reward_pending, self.reward.workers)
         self.reward_pending = []
@@ -355,6 +360,9 @@ class Simulation:
     def _generated(self, req: SimRequest) -> None:
         self.counts["finished"] += 1
         self.last_finish = self.now
+        for engine in self._all_engines():  # where a rollout window may close (_train)
+            engine.advance_to(self.now)
+        self.at_last_finish = self._slot_seconds()
         if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
             self.reward_pending.append(req.reward_latency)
             self._push(self.now, SAMPLE, req)
