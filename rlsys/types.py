@@ -40,8 +40,19 @@ class Request:
     resume_ids: list[int] = field(default_factory=list)
     resume_logprobs: list[float] = field(default_factory=list)
     resume_versions: list[int] = field(default_factory=list)
+    resume_mask: list[int] = field(default_factory=list)  # a conversation's: see Completion.mask
+    resume_turns: list["ToolTurn"] = field(default_factory=list)
     # Eval's requests are off the run's clock (paused there), so an emulating engine does not hold them to it
     on_clock: bool = True
+
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """One tool call of a conversation, for metrics: the tool, whether it answered, and how long it took."""
+    name: str
+    ok: bool
+    error: Optional[str] = None
+    elapsed_s: float = 0.0
 
 
 @dataclass
@@ -61,10 +72,23 @@ class Completion:
     start_time: float = 0.0  # when it took a slot
     end_time: float = 0.0
     stale_kv_tokens: int = 0  # tokens sampled over KV cache from older weights (weights.running_requests=keep)
+    # A conversation with tools (tools.fns): 1 per token the model sampled, 0 per token of a tool's answer (its
+    # log-prob 0.0, its version the one current when it came); empty: every token is the model's.
+    mask: list[int] = field(default_factory=list)
+    turns: list[ToolTurn] = field(default_factory=list)  # its tool calls, in order
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def model_mask(self) -> list[int]:
+        return list(self.mask) if self.mask else [1] * len(self.token_ids)
+
+    def resume_fields(self) -> dict:
+        """The Request fields that continue this cut completion from where it stopped (partial rollouts)."""
+        return dict(resume_ids=list(self.token_ids), resume_logprobs=list(self.logprobs),
+                    resume_versions=list(self.versions), resume_mask=list(self.mask), resume_turns=list(self.turns))
 
 
 @dataclass

@@ -215,9 +215,7 @@ class SortedScheduler(Scheduler):
             return []
         action = self.submit(entry.prompt, fresh + len(resumes))
         for rid, partial in zip(action.request_ids[fresh:], resumes):
-            action.resume[rid] = Request(
-                rid, partial.prompt_uid, partial.prompt_ids, resume_ids=partial.token_ids,
-                resume_logprobs=partial.logprobs, resume_versions=partial.versions)
+            action.resume[rid] = Request(rid, partial.prompt_uid, partial.prompt_ids, **partial.resume_fields())
         self.running.update((rid, i) for rid in action.request_ids)
         self.counts["resumed"] += len(resumes)
         return [action]

@@ -196,19 +196,21 @@ class DecoderModel:
             target.copy_(value)
 
     def forward(self, ids: Tensor, pos: Tensor, slots: Tensor, spans: list[Span] | None = None,
-                last: Tensor | None = None) -> Tensor:
+                last: Tensor | None = None, offset: int = 0) -> Tensor:
         """ids, pos: [N, T] tokens and their positions, written to cache rows `slots` [N].
         A prefill (spans None, `last` [N] each row's last real token): every row starts at position 0 and
         attends causally to its own new keys; its padding after `last` is never unmasked in the cache.
         A decode step (T = 1): each span of the batch attends to its own first kv_len cache positions, so a
-        short sequence never pays for a long one. Returns logits at `last` of T (T must be 1 without it)."""
+        short sequence never pays for a long one. A conversation's continuation (one row, `offset` > 0: its slot's
+        cache holds positions 0..offset-1) is a prefill that also attends to those keys. Returns logits at
+        `last` of T (T must be 1 without it)."""
         N, T = ids.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         NT = N * T
         flat_pos, flat_slots = pos.reshape(NT), slots[:, None].expand(N, T).reshape(NT)
         cos, sin = self.cos[flat_pos, None], self.signed_sin[flat_pos, None]  # [NT, 1, D]
         if spans is None:  # a slot's earlier occupant may have written further: its row starts anew
-            written = torch.arange(self.max_len, device=ids.device) <= last[:, None]
+            written = torch.arange(self.max_len, device=ids.device) <= (pos[:, 0] + last)[:, None]
             self.kv_mask[slots] = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device).masked_fill(
                 ~written, float("-inf"))
         else:
@@ -223,7 +225,9 @@ class DecoderModel:
             k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
             k_cache[flat_slots, :, flat_pos] = k
             v_cache[flat_slots, :, flat_pos] = v
-            if spans is None:
+            if offset:
+                o = self._attend_continuation(qk[:, :H], layer, slots, offset, T)
+            elif spans is None:
                 o = self._attend_prefill(qk[:, :H], k, v, N, T)
             else:
                 o = self._attend_decode(qk[:, :H].view(N, KV, H // KV, D), layer, slots, spans)
@@ -245,6 +249,16 @@ class DecoderModel:
         o = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), is_causal=True,
                                            enable_gqa=True)
         return o.transpose(1, 2).reshape(N * T, -1)
+
+    def _attend_continuation(self, q: Tensor, layer: int, slots: Tensor, offset: int, T: int) -> Tensor:
+        """Causal attention of one row's T new queries [T, heads, D] at positions offset.. over its slot's cache,
+        its earlier turns' keys included (just written with the new ones)."""
+        keys = self.k_cache[layer, slots, :, :offset + T]  # [1, KV, offset + T, D]
+        values = self.v_cache[layer, slots, :, :offset + T]
+        causal = torch.ones(T, offset + T, dtype=torch.bool, device=q.device).tril(offset)
+        o = F.scaled_dot_product_attention(q.view(1, T, -1, self.head_dim).transpose(1, 2), keys, values,
+                                           attn_mask=causal, enable_gqa=True)
+        return o.transpose(1, 2).reshape(T, -1)
 
     def _attend_decode(self, q: Tensor, layer: int, slots: Tensor, spans: list[Span]) -> Tensor:
         """One new token per row, q [N, KV, G, D] (a kv group's query heads share its keys, as the query
@@ -278,6 +292,10 @@ class _Running:
     versions: list[int] = field(default_factory=list)
     kv_version: int = 0  # the oldest weights that wrote the request's KV cache
     stale_kv_tokens: int = 0  # tokens sampled over KV written by older weights (weights.running_requests=keep)
+    mask: list[int] = field(default_factory=list)  # a conversation's: 1 per model token, 0 per tool token
+    turns: list = field(default_factory=list)  # its ToolTurns
+    held: bool = False  # waiting on a tool: no step decodes it; it keeps its slot and KV cache
+    continue_at: int | None = None  # a tool answered: the next step prefills tokens[continue_at - 1:]
 
 
 class CPUEngine(RolloutEngine):
@@ -325,46 +343,82 @@ class CPUEngine(RolloutEngine):
             raise ValueError(f"request {request.request_id}: request_id already in the engine")
         self.validate(request)
         entry = _Running(request, time.time(), sampled=len(request.resume_ids), tokens=list(request.resume_ids),
-                         logprobs=list(request.resume_logprobs), versions=list(request.resume_versions))
-        reason = resume_finish_reason(request, self.eos_ids, self.max_len)
+                         logprobs=list(request.resume_logprobs), versions=list(request.resume_versions),
+                         mask=list(request.resume_mask) or [1] * len(request.resume_ids),
+                         turns=list(request.resume_turns))
+        reason = resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(entry)
         if reason:
             self.finished_early.append(self._completion(entry, reason))
-        else:
+        else:  # cut while its tool ran: the call is made again, and the request waits for its answer
             self.waiting[request.request_id] = entry
+
+    def _call_or_end(self, entry: _Running) -> str | None:
+        """If the model's turn just ended at a tool call: hold the conversation and hand the call out, or, with
+        no tool calls left (tools.max_turns), end it: "length"."""
+        call = self._call_made(entry.tokens, entry.mask)
+        if call is None:
+            return None
+        if len(entry.turns) >= self.max_turns:
+            return "length"
+        entry.held, entry.sampled = True, len(entry.tokens)  # a token decoded past the call is dropped
+        self._calls.append((entry.request.request_id, len(entry.tokens), call))
+        return None
+
+    def extend(self, request_id: str, at: int, ids: list[int], turn) -> None:
+        entry = self.running.get(request_id) or self.waiting.get(request_id)
+        if entry is None or not entry.held or len(entry.tokens) != at:
+            return
+        p = entry.request
+        ids = list(ids[:max(0, min(p.params.max_new_tokens, self.max_len - len(p.prompt_ids)) - at)])
+        entry.tokens += ids
+        entry.logprobs += [0.0] * len(ids)
+        entry.versions += [self.version] * len(ids)
+        entry.mask += [0] * len(ids)
+        entry.turns.append(turn)
+        entry.held, entry.sampled = False, len(entry.tokens)
+        if self._spent(entry, len(entry.tokens)):  # the answer used up the budget: the conversation ends
+            self.finished_early.append(self._finish(entry.slot, "length") if entry.slot >= 0
+                                       else self._completion(self.waiting.pop(request_id), "length"))
+        elif entry.slot >= 0:
+            entry.continue_at = at
+
+    def can_step(self) -> bool:
+        return bool(self.finished_early or any(not e.held for e in (*self.waiting.values(), *self.running.values())))
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         t0 = time.perf_counter()
         done, self.finished_early = self.finished_early, []
-        admitted = self._admit()
+        self._prefilled_on_clock = 0
+        admitted, continued = self._admit(), self._continue()
         # An admitted request decodes in the same step unless its budget is spent. Whether its prefill token
-        # was an EOS is known only after the fetch: then the decoded token is dropped.
-        decoding = [e for e in self.running.values() if not self._spent(e, e.sampled)]
-        batches = [b for b in (admitted, self._decode_batch(decoding)) if b]
+        # was an EOS or ended a tool call is known only after the fetch: then the decoded token is dropped.
+        just_continued = {id(e) for e in continued[0]} if continued else set()
+        decoding = [e for e in self.running.values()
+                    if not e.held and id(e) not in just_continued and not self._spent(e, e.sampled)]
+        batches = [b for b in (admitted, continued, self._decode_batch(decoding)) if b]
         new_tokens = 0
         if batches:
             entries = [e for b in batches for e in b[0]]
             tokens, logprobs = self._fetch(torch.cat([b[1] for b in batches]), torch.cat([b[2] for b in batches]))
             for e, token, logprob in zip(entries, tokens, logprobs):
-                if self.slot_owner[e.slot] is e:
+                if self.slot_owner[e.slot] is e and not e.held:
                     new_tokens += 1
                     self._record(e, token, logprob, done)
         if self.pacer and batches:
-            self._pace(t0, admitted, decoding)
+            self._pace(t0, decoding)
         self.counters.record(len(decoding), self.slots, new_tokens, time.perf_counter() - t0)
         return done
 
-    def _pace(self, t0: float, admitted: tuple | None, decoding: list[_Running]) -> None:
+    def _pace(self, t0: float, decoding: list[_Running]) -> None:
         """emulate: hold the step until the modelled time of its prefill and of its decoding over the KV cache it
         read (each decoding entry's keys before this step's token). Requests off the run's clock (eval's) cost
         nothing modelled: a step of only those runs at the machine's speed."""
-        admitted_on = [e for e in admitted[0] if e.request.on_clock] if admitted else []
         decoding_on = [e for e in decoding if e.request.on_clock]
-        if not admitted_on and not decoding_on:
+        if not self._prefilled_on_clock and not decoding_on:
             return
-        prefilled = sum(len(e.request.prompt_ids) + len(e.request.resume_ids) for e in admitted_on)
         read_kv = sum(len(e.request.prompt_ids) + e.sampled - 1 for e in decoding_on)
-        self.pacer.step(t0, prefilled, len(decoding_on), read_kv)
+        self.pacer.step(t0, self._prefilled_on_clock, len(decoding_on), read_kv)
 
     def stats(self) -> dict:
         out = super().stats()
@@ -436,14 +490,39 @@ class CPUEngine(RolloutEngine):
     def _admit(self) -> tuple | None:
         """Move waiting requests into free slots with one batched prefill: (entries, tokens, log-probs)."""
         free = [slot for slot, owner in enumerate(self.slot_owner) if owner is None]
-        entries = [self.waiting.pop(next(iter(self.waiting))) for _ in range(min(len(free), len(self.waiting)))]
+        ready = [rid for rid, e in self.waiting.items() if not e.held][:len(free)]  # not those waiting on a tool
+        entries = [self.waiting.pop(rid) for rid in ready]
         if not entries:
             return None
         now = time.time()
         for e, slot in zip(entries, free):
             self._occupy(e, slot, now)
-        plan, logits = self._prefill(entries, [e.request.prompt_ids + e.request.resume_ids for e in entries])
+        seqs = [e.request.prompt_ids + e.tokens for e in entries]
+        self._count_prefill(entries, seqs)
+        plan, logits = self._prefill(entries, seqs)
         return self._sample_into(entries, plan, logits)
+
+    def _continue(self) -> tuple | None:
+        """Conversations whose tool answered: prefill only the call's last token (not yet in the cache) and the
+        answer, over the KV cache the conversation kept, and sample the model's next token."""
+        entries = [e for e in self.running.values() if e.continue_at is not None]
+        if not entries:
+            return None
+        seqs = [e.tokens[e.continue_at - 1:] for e in entries]
+        self._count_prefill(entries, seqs)
+        logits = []
+        for e, seq in zip(entries, seqs):
+            start = len(e.request.prompt_ids) + e.continue_at - 1
+            ids, pos = self._to_device(torch.tensor([seq])), torch.arange(start, start + len(seq), device=self.device)
+            logits.append(self.model.forward(ids, pos[None], self._to_device(torch.tensor([e.slot])),
+                                             last=self._to_device(torch.tensor([len(seq) - 1])), offset=start))
+            e.continue_at = None
+        plan = self._plan(entries, [len(e.request.prompt_ids) + len(e.tokens) - 1 for e in entries])
+        return self._sample_into(entries, plan, torch.cat(logits))
+
+    def _count_prefill(self, entries: list[_Running], seqs: list[list[int]]) -> None:
+        self.counters.prefilled_tokens += sum(map(len, seqs))
+        self._prefilled_on_clock += sum(len(s) for e, s in zip(entries, seqs) if e.request.on_clock)
 
     def _prefill(self, entries: list[_Running], seqs: list[list[int]]) -> tuple[Tensor, Tensor]:
         """Write each entry's tokens `seqs` into its slot's cache in batched forwards of at most PREFILL_TOKENS
@@ -494,11 +573,14 @@ class CPUEngine(RolloutEngine):
         entry.tokens.append(token)
         entry.logprobs.append(logprob)
         entry.versions.append(self.version)
+        entry.mask.append(1)
         entry.stale_kv_tokens += entry.kv_version < self.version
         if token in self.eos_ids:
             done.append(self._finish(entry.slot, "stop"))
         elif self._spent(entry, len(entry.tokens)):
             done.append(self._finish(entry.slot, "length"))
+        elif reason := self._call_or_end(entry):
+            done.append(self._finish(entry.slot, reason))
 
     def _spent(self, entry: _Running, n: int) -> bool:
         """Whether n tokens use up the request's budget. Prompt + response never exceeds max_len, so the
@@ -570,7 +652,8 @@ class CPUEngine(RolloutEngine):
                           entry.versions, reason, text=self._decode(entry.tokens), slot=entry.slot,
                           submit_time=entry.submit_time,
                           start_time=entry.start_time or time.time(), end_time=time.time(),
-                          stale_kv_tokens=entry.stale_kv_tokens)
+                          stale_kv_tokens=entry.stale_kv_tokens, mask=list(entry.mask) if 0 in entry.mask else [],
+                          turns=list(entry.turns))
 
     def validate(self, req: Request) -> None:
         check_request(req, self.model.vocab, self.max_len)

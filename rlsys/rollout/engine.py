@@ -20,7 +20,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from rlsys.types import Completion, Request
+from rlsys.types import Completion, Request, ToolTurn
 from rlsys.weights.transfer import WeightUpdate
 
 SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's tags, in the order an engine wakes (new weights load in between)
@@ -31,6 +31,10 @@ class RolloutEngine(ABC):
     tokenizer = None  # set by engines that return text
     eos_ids: set[int] = set()
     asleep: tuple[str, ...] = ()  # what sleep() gave back and wake_up() has not restored: no step runs meanwhile
+    # Conversations with tools (`use_tools`): a model turn ends when its text reaches call_close
+    call_open: str | None = None
+    call_close: str | None = None
+    max_turns: int = 0
 
     def _decode(self, tokens: list[int]) -> str:
         """The completion's text: what reward functions read."""
@@ -47,6 +51,44 @@ class RolloutEngine(ABC):
     def validate(self, request: Request) -> None:
         """Raise ValueError, naming the request and field, if this engine can never run the request.
         Depends only on the request and the model, so a worker may call it from any thread."""
+
+    def use_tools(self, call_open: str, call_close: str, max_turns: int) -> None:
+        """Make every request a conversation: the model's turn ends at a tool call (its text from call_open to
+        call_close), `take_calls` hands it out, and `extend` appends the tool's answer, up to max_turns calls.
+        The sequence keeps its place (and, where the engine can, its KV cache) while the tool runs."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.name}: tools need the model's tokenizer to read tool calls (none in its directory)")
+        self.call_open, self.call_close, self.max_turns = call_open, call_close, max_turns
+        self._calls: list[tuple[str, int, str]] = []
+        self._close_tokens = len(self.tokenizer.encode(call_close, add_special_tokens=False)) + 1
+
+    def take_calls(self) -> list[tuple[str, int, str]]:
+        """The tool calls made since the last take: (request id, its token count then, the call's text)."""
+        if not self.call_close:
+            return []
+        calls, self._calls = self._calls, []
+        return calls
+
+    def extend(self, request_id: str, at: int, ids: list[int], turn: ToolTurn) -> None:
+        """Append a tool's answer `ids` (tokenized once) to the conversation waiting on the call it made at
+        `at` tokens; the model goes on from there. A request no longer waiting (aborted, resumed) is ignored."""
+        raise NotImplementedError(f"{self.name} does not run conversations with tools")
+
+    def can_step(self) -> bool:
+        """Whether a step would do anything: not while every request it holds waits on a tool."""
+        return self.has_work()
+
+    def _call_made(self, tokens: list[int], mask: list[int]) -> str | None:
+        """The tool call's text if the model's turn just ended at one (its decoded tail reached call_close: the
+        ids are never re-tokenized), else None."""
+        if not self.call_close or not tokens or (mask and mask[-1] == 0):
+            return None
+        start = len(mask) - mask[::-1].index(0) if 0 in mask else 0  # this turn's first token
+        if self.call_close not in self.tokenizer.decode(tokens[max(start, len(tokens) - self._close_tokens):]):
+            return None
+        text = self.tokenizer.decode(tokens[start:])
+        opened = text.rfind(self.call_open)
+        return text[opened:] if opened >= 0 else text
 
     @abstractmethod
     def step(self) -> list[Completion]:
@@ -140,6 +182,9 @@ def check_request(req: Request, vocab: int, max_len: int) -> None:
         for i, t in enumerate(getattr(req, name)):
             if not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"request {rid}: {name}[{i}]={t!r} is not a token id in [0, {vocab})")
+    if req.resume_mask and len(req.resume_mask) != len(req.resume_ids):
+        raise ValueError(f"request {rid}: resume_mask has {len(req.resume_mask)} entries for {len(req.resume_ids)} "
+                         "resume_ids")
     if not len(req.resume_ids) == len(req.resume_logprobs) == len(req.resume_versions):
         raise ValueError(f"request {rid}: resume_ids, resume_logprobs and resume_versions must have the "
                          f"same length (got {len(req.resume_ids)}, {len(req.resume_logprobs)}, "
@@ -185,6 +230,7 @@ class EngineCounters:
     busy_s: float = 0.0
     saturated_tokens: int = 0
     saturated_s: float = 0.0
+    prefilled_tokens: int = 0  # written to the KV cache by prefills (admissions, conversations' continuations)
     steps: deque = field(default_factory=lambda: deque(maxlen=OCCUPANCY_HISTORY))
 
     def record(self, active: int, slots: int, new_tokens: int, elapsed: float) -> None:
@@ -228,7 +274,8 @@ class EngineCounters:
     def report(self) -> dict:
         sat = self.saturated_tokens / self.saturated_s if self.saturated_s > 0 else None
         return dict(decode_steps=self.decode_steps, active_slot_steps=self.active_slot_steps,
-                    generated_tokens=self.generated_tokens, busy_s=self.busy_s, saturated_tokens_per_s=sat)
+                    generated_tokens=self.generated_tokens, busy_s=self.busy_s, saturated_tokens_per_s=sat,
+                    prefilled_tokens=self.prefilled_tokens)
 
 
 def read_eos_ids(model_dir: Path, eos_token_id: int | None = None) -> set[int]:

@@ -172,8 +172,7 @@ class RolloutManager:
             if request is None or c.finish_reason != "abort":
                 out.append(c)
                 continue
-            again = replace(request, resume_ids=list(c.token_ids), resume_logprobs=list(c.logprobs),
-                            resume_versions=list(c.versions))
+            again = replace(request, **c.resume_fields())
             if self.on_hold:
                 self.suspended.append(again)
             else:
@@ -373,5 +372,6 @@ class RolloutManager:
         now = time.time()
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), list(r.resume_ids),
                           list(r.resume_logprobs), list(r.resume_versions), "abort", worker=worker,
-                          submit_time=now, start_time=now, end_time=now)
+                          submit_time=now, start_time=now, end_time=now, mask=list(r.resume_mask),
+                          turns=list(r.resume_turns))
 

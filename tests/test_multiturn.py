@@ -1,0 +1,100 @@
+"""Multi-turn rollouts with tools: the conversation as one request, tokens in and tokens out.
+
+Engine-level tests without Ray on one tiny char-level model (one token per byte). A random-init model writes
+no `<tool_call>` tags, so the engine's tool-call tags here are short strings its seeded sample is known to
+contain: the engine reads calls from its decoded tail whatever the tags are."""
+import time
+
+import pytest
+import torch
+
+from rlsys.config import ModelConfig
+from rlsys.models.tiny import build_tiny_model
+from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.types import Request, SamplingParams, ToolTurn
+
+SIZES = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=256)
+PROMPT = "What is 123*456? "
+ANSWER = "<tool_response>56088</tool_response>"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(ModelConfig(**SIZES), tmp_path_factory.mktemp("mt") / "m", seed=3))
+
+
+def engine(model_dir, slots=2, **kw) -> CPUEngine:
+    return CPUEngine(model_dir, slots, max_len=256, **kw)
+
+
+def sampled(n=60):
+    return SamplingParams(max_new_tokens=n, temperature=1.0, seed=7)
+
+
+def run(eng, requests, tool=None, limit=2000):
+    """Step until every request finished; `tool(call_text) -> answer text` answers each call at once."""
+    for r in requests:
+        eng.add(r)
+    done = {}
+    for _ in range(limit):
+        for c in eng.step():
+            done[c.request_id] = c
+        for rid, at, text in eng.take_calls():
+            ids = eng.tokenizer.encode(tool(text), add_special_tokens=False)
+            eng.extend(rid, at, ids, ToolTurn("echo", True, None, 0.0))
+        if len(done) == len(requests) and not eng.has_work():
+            return done
+    raise AssertionError("engine did not finish")
+
+
+@pytest.fixture(scope="module")
+def tags(model_dir):
+    """(prompt ids, single-turn tokens, call_open, call_close, first turn's length): call_close (two printable
+    characters) first appears in the single-turn sample at a known token, so a conversation's first turn ends
+    there; call_open is a printable character before it."""
+    eng = engine(model_dir)
+    prompt = eng.tokenizer.encode(PROMPT, add_special_tokens=False)
+    tokens = run(eng, [Request("r", "p", prompt, sampled())])["r"].token_ids
+    chars = [eng.tokenizer.decode([t]) for t in tokens]
+    printable = [len(ch) == 1 and ch.isascii() and ch.isprintable() for ch in chars]
+    k = next(k for k in range(8, len(tokens) - 2) if printable[k] and printable[k + 1]
+             and chars[k] + chars[k + 1] not in eng.tokenizer.decode(tokens[:k + 1]))
+    return prompt, tokens, chars[printable.index(True)], chars[k] + chars[k + 1], k + 2
+
+
+def test_a_turn_ends_at_a_tool_call_and_the_answer_joins_as_masked_tokens(model_dir, tags):
+    prompt, single, call_open, call_close, first_turn = tags
+    eng = engine(model_dir)
+    eng.use_tools(call_open, call_close, max_turns=1)
+    calls = []
+    c = run(eng, [Request("r", "p", prompt, sampled())], tool=lambda text: calls.append(text) or ANSWER)["r"]
+    answer = eng.tokenizer.encode(ANSWER, add_special_tokens=False)
+    assert c.token_ids[:first_turn] == single[:first_turn]
+    turn = eng.tokenizer.decode(single[:first_turn])
+    assert calls == [turn[turn.rfind(call_open):]]  # the call's text, from call_open to call_close
+    # the answer's ids once, as tokenized once, masked; logprob 0 there; the model's own tokens after it
+    assert c.token_ids[first_turn:first_turn + len(answer)] == answer
+    assert c.mask == [1] * first_turn + [0] * len(answer) + [1] * (len(c.token_ids) - first_turn - len(answer))
+    assert c.logprobs[first_turn:first_turn + len(answer)] == [0.0] * len(answer)
+    assert [t.name for t in c.turns] == ["echo"]
+    assert len(c.token_ids) <= 60  # the budget counts the whole conversation, tool tokens included
+
+
+def test_a_continuation_prefills_only_the_answer_over_the_kept_kv_cache(model_dir, tags):
+    """KV reuse: the turn after the tool prefills the call's last token and the answer, never the prompt or the
+    earlier turn, and samples exactly what a full prefill of the whole conversation so far would."""
+    prompt, _, call_open, call_close, first_turn = tags
+    eng = engine(model_dir)
+    eng.use_tools(call_open, call_close, max_turns=1)
+    c = run(eng, [Request("r", "p", prompt, sampled())], tool=lambda text: ANSWER)["r"]
+    answer = eng.tokenizer.encode(ANSWER, add_special_tokens=False)
+    assert eng.counters.prefilled_tokens == len(prompt) + 1 + len(answer)
+    # the same conversation resumed from its tokens up to the answer, prefilled whole by a fresh engine
+    cut = first_turn + len(answer)
+    again = engine(model_dir)
+    r = Request("r", "p", prompt, sampled(), resume_ids=c.token_ids[:cut], resume_logprobs=c.logprobs[:cut],
+                resume_versions=c.versions[:cut])
+    whole = run(again, [r])["r"]
+    assert again.counters.prefilled_tokens == len(prompt) + cut
+    assert whole.token_ids == c.token_ids
+    assert whole.logprobs[cut:] == pytest.approx(c.logprobs[cut:], abs=1e-4)
