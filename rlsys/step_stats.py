@@ -80,6 +80,7 @@ class StepStats:
             "rollout/engine_busy_share": pace["busy_share"],
             "rollout/generated_tokens": generated,
             "rollout/aborted": sum(c.finish_reason == "abort" for c in done),
+            **tool_metrics([s.completion for g in groups for s in g.samples]),
             "timing/rollout_s": rollout_s,
             "timing/reward_s": now - self.t_last_completion,  # reward time not hidden behind generation
         }
@@ -121,6 +122,14 @@ def engine_pace(engines: list[dict], window_s: float) -> dict[str, float]:
     busy = sum(e["busy_s_in_window"] for e in engines)
     return {"decode_steps": steps, "decode_step_ms": 1000 * busy / steps if steps else 0.0,
             "busy_share": busy / (window_s * len(engines)) if engines and window_s > 0 else 0.0}
+
+
+def tool_metrics(completions: list[Completion]) -> dict[str, float]:
+    """Of the samples handed to training (a conversation's partials carry their turns on, so each call counts
+    once): tool calls made, how many failed, and tool calls per conversation."""
+    calls = [t for c in completions for t in c.turns]
+    return {"rollout/tool_calls": len(calls), "rollout/tool_failures": sum(not t.ok for t in calls),
+            "rollout/turns": len(calls) / len(completions) if completions else 0.0}
 
 
 def tokens_within(completions: list[Completion], start: float, end: float) -> float:

@@ -178,7 +178,7 @@ def test_ranks_get_balanced_tokens_and_the_same_micro_batch_count():
     loads = [sum(s.num_tokens for s in r) for r in ranks]
     assert abs(loads[0] - loads[1]) <= 2 and sum(len(r) for r in ranks) == len(samples)
     _, totals = plan_step(samples, 2, token_budget=32)
-    assert totals.tokens == sum(s.response_len for s in samples) and totals.sequences == 8
+    assert totals.tokens == sum(s.trained_tokens for s in samples) and totals.sequences == 8
     assert totals.micro_batches == max(len(pack_micro_batches(r, 32)) for r in ranks)
 
 

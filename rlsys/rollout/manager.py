@@ -58,11 +58,11 @@ class RolloutManager:
         """The run's engines, as `cfg.rollout` and `cfg.cluster` describe them (in `placement`'s groups)."""
         return cls(str(model_dir), cfg.rollout.num_workers, cfg.rollout.slots, torch_threads=cfg.cluster.torch_threads,
                    engine_kwargs=engine_options(cfg), engine=cfg.rollout.engine, max_restarts=cfg.rollout.max_restarts,
-                   placement=placement, handoff_s=cfg.rollout.handoff_s)
+                   placement=placement, handoff_s=cfg.rollout.handoff_s, tools=cfg.tools)
 
     def __init__(self, model_dir: str, num_workers: int, slots: int, torch_threads: int | None = None,
                  engine_kwargs: dict | None = None, drain_timeout_s: float = 1.0, engine: str = "cpu",
-                 max_restarts: int = 3, placement=None, handoff_s: float = 0.0):
+                 max_restarts: int = 3, placement=None, handoff_s: float = 0.0, tools=None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         self.slots, self.drain_timeout_s, self.max_restarts = slots, drain_timeout_s, max_restarts
@@ -75,7 +75,7 @@ class RolloutManager:
             raise ValueError(f"{why}: each rollout worker needs {gpus} GPU(s) and the Ray cluster has {have:g}")
         self._options = ((lambda i: placement.actor_options(ROLLOUT, i)) if placement
                          else (lambda i: {"num_gpus": gpus}))
-        self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine_entry(engine).build)
+        self._worker_args = (model_dir, slots, torch_threads, engine_kwargs, engine_entry(engine).build, tools)
         self.asleep: tuple[str, ...] = ()  # what every engine has given back (sleep) and not yet taken back
         self.sleep_level = 0
         self.workers = [self._new_worker(i) for i in range(num_workers)]
@@ -284,9 +284,9 @@ class RolloutManager:
         return self.workers[i].drain.remote(self.drain_timeout_s, self.handoff_s)
 
     def _new_worker(self, i: int):
-        model_dir, slots, torch_threads, engine_kwargs, engine = self._worker_args
+        model_dir, slots, torch_threads, engine_kwargs, engine, tools = self._worker_args
         return RemoteRolloutWorker.options(**self._options(i)).remote(model_dir, slots, i, torch_threads,
-                                                                      engine_kwargs, engine)
+                                                                      engine_kwargs, engine, tools)
 
     def _forget(self, request_id: str) -> None:
         i = self.worker_of.pop(request_id, None)

@@ -6,11 +6,16 @@ update lands between decode steps and in-flight requests simply continue under t
 Finished completions pile up until `drain` takes them. An error on the generation thread stops
 the worker and is raised from the next call, never swallowed. While its engine sleeps (colocated
 layout) no step runs: requests submitted meanwhile wait for it to wake.
+
+With tools (`tools.fns`), every request is a conversation: when the model's turn ends at a tool call the engine
+holds the sequence and the call goes to a pool of tool threads, so the generation thread keeps decoding the
+others while the tool runs; the tool's answer, tokenized once on that thread, is appended between two steps and
+the model goes on (RolloutEngine.use_tools).
 """
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import ray
@@ -18,7 +23,7 @@ import torch
 
 from rlsys.rollout.engine import RolloutEngine
 from rlsys.rollout.registry import make_engine
-from rlsys.types import Completion, Request
+from rlsys.types import Completion, Request, ToolTurn
 from rlsys.weights import WeightUpdate
 
 MAX_CONCURRENCY = 8  # a pending drain, plus submit/abort/update/stats calls beside it
@@ -30,7 +35,8 @@ class WorkerStopped(RuntimeError):
 
 class RolloutWorker:
     def __init__(self, model_dir: str, slots: int, index: int = 0, torch_threads: int | None = None,
-                 engine_kwargs: dict | None = None, engine: str | Callable[..., RolloutEngine] = "cpu"):
+                 engine_kwargs: dict | None = None, engine: str | Callable[..., RolloutEngine] = "cpu",
+                 tools=None):
         self.index, self.torch_threads = index, torch_threads
         if torch_threads:
             torch.set_num_threads(torch_threads)
@@ -43,6 +49,14 @@ class RolloutWorker:
         self._error: BaseException | None = None  # the generation thread died of it
         self._submit_error: BaseException | None = None  # a submitted request was refused
         self._stopped = False
+        self.tools = self._tool_pool = None
+        if tools is not None and tools.fns:  # a ToolsConfig: this worker builds its own tools from it
+            from rlsys.tools.box import ToolBox
+            from rlsys.tools.format import CALL_CLOSE, CALL_OPEN
+
+            self.tools = ToolBox.from_config(tools)
+            self.engine.use_tools(CALL_OPEN, CALL_CLOSE, tools.max_turns)
+            self._tool_pool = ThreadPoolExecutor(tools.max_workers, thread_name_prefix=f"rollout-worker-{index}-tool")
         self._thread = threading.Thread(target=self._loop, name=f"rollout-worker-{index}", daemon=True)
         self._thread.start()
 
@@ -145,6 +159,8 @@ class RolloutWorker:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        if self._tool_pool is not None:
+            self._tool_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- the generation thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -161,6 +177,8 @@ class RolloutWorker:
                     self._run_op(fn, future)
                 if self._can_step():
                     self._publish(self.engine.step())
+                for call in self.engine.take_calls():
+                    self._tool_pool.submit(self._run_tool, *call)
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
             with self._cond:
                 self._error = e
@@ -172,7 +190,26 @@ class RolloutWorker:
             self._ops = []
 
     def _can_step(self) -> bool:
-        return self.engine.has_work() and not self.engine.asleep
+        return self.engine.can_step() and not self.engine.asleep
+
+    def _run_tool(self, request_id: str, at: int, call_text: str) -> None:
+        """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit), tokenize its
+        answer once, and hand the ids to the generation thread to append between two steps."""
+        from rlsys.tools.format import render_response
+
+        try:
+            result = self.tools.run(call_text)
+            ids = self.engine.tokenizer.encode(render_response(result), add_special_tokens=False)
+            turn = ToolTurn(result.name, result.ok, result.error, result.elapsed_s)
+            with self._cond:
+                if self._stopped or self._error is not None:
+                    return
+                self._ops.append((lambda: self.engine.extend(request_id, at, ids, turn), None))
+                self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - a bug here stops the worker, reported like the loop's own
+            with self._cond:
+                self._error = self._error or e
+                self._cond.notify_all()
 
     def _run_op(self, fn: Callable[[], Any], future: Future | None) -> None:
         try:

@@ -154,7 +154,8 @@ class TrainerBackend(ABC):
         """Each sample's KL to the reference, trainer.kl.estimator summed over its response tokens, from its
         behaviour log-probs (trainer.kl.in_reward; every rank runs `micro_batches` reference forwards)."""
         reference = self.compute_logprobs(samples, micro_batches, self.reference)
-        return [kl_penalty(torch.tensor(s.logprobs), torch.tensor(ref), self.cfg.kl.estimator).sum().item()
+        return [(kl_penalty(torch.tensor(s.logprobs), torch.tensor(ref), self.cfg.kl.estimator)
+                 * (1.0 if s.mask is None else torch.tensor(s.mask))).sum().item()  # a tool's tokens: no KL
                 for s, ref in zip(samples, reference)]
 
     def train_step(self, samples: list[TrainSample], totals: StepTotals, interpolate_at: int | None = None,
@@ -168,7 +169,7 @@ class TrainerBackend(ABC):
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
         stats = self.accumulate_gradients(samples, totals, interpolate_at=interpolate_at, at_start=at_start)
-        return self.close_step(stats, sum(s.response_len for s in samples), len(samples))
+        return self.close_step(stats, sum(s.trained_tokens for s in samples), len(samples))
 
     def skip_step(self) -> dict:
         """A step with no response tokens on any rank: no update, counted as skipped."""

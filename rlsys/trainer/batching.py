@@ -24,14 +24,18 @@ class TrainSample:
     logprobs: list[float]  # behaviour log-prob of each response token
     versions: list[int]  # policy version that sampled each response token
     proximal_logprobs: list[float] | None = None  # under the weights at the start of the step, when known
+    # A conversation's (Completion.mask): 1 per model token, 0 per tool token; a tool's tokens are context only,
+    # out of the loss, KL, entropy, the mismatch statistics and the token counts. None: every token is trained.
+    mask: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
     @property
-    def response_len(self) -> int:
-        return len(self.input_ids) - self.prompt_len
+    def trained_tokens(self) -> int:
+        """Response tokens the model sampled: what the loss counts (a tool's answer is not among them)."""
+        return sum(self.mask) if self.mask is not None else len(self.input_ids) - self.prompt_len
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,10 @@ def build_samples(groups: list[Group], advantage: str, penalties: list[float] | 
             if len(c.logprobs) != len(c.token_ids) or len(c.versions) != len(c.token_ids):
                 raise ValueError(f"completion {c.request_id}: {len(c.token_ids)} tokens but {len(c.logprobs)} "
                                  f"log-probs and {len(c.versions)} versions; the engine must record one per token")
+            if c.mask and len(c.mask) != len(c.token_ids):
+                raise ValueError(f"completion {c.request_id}: {len(c.token_ids)} tokens but a mask of {len(c.mask)}")
             samples.append(TrainSample(list(c.prompt_ids) + list(c.token_ids), len(c.prompt_ids), float(adv),
-                                       list(c.logprobs), list(c.versions)))
+                                       list(c.logprobs), list(c.versions), mask=list(c.mask) or None))
     return samples
 
 
@@ -104,7 +110,7 @@ def plan_step(samples: list[TrainSample], world_size: int, token_budget: int):
     """Each rank's samples, and the totals every rank needs to normalise its share of the step."""
     per_rank = split_across_ranks(samples, world_size)
     micro_batches = max(len(pack_micro_batches(s, token_budget)) for s in per_rank)
-    totals = StepTotals(tokens=sum(s.response_len for s in samples), sequences=len(samples),
+    totals = StepTotals(tokens=sum(s.trained_tokens for s in samples), sequences=len(samples),
                         micro_batches=micro_batches)
     return per_rank, totals
 
@@ -114,7 +120,7 @@ class MicroBatch:
     """Right-padded tensors. Per-token tensors are [B, L-1]: position t predicts input_ids[:, t+1]."""
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
-    response_mask: torch.Tensor  # float; 1.0 where the predicted token is a response token
+    response_mask: torch.Tensor  # float; 1.0 where the predicted token is a trained response token (not a tool's)
     advantages: torch.Tensor
     behaviour_logprobs: torch.Tensor
     versions: torch.Tensor
@@ -141,7 +147,7 @@ def collate(samples: list[TrainSample]) -> MicroBatch:
         input_ids[i, :s.num_tokens] = torch.tensor(s.input_ids)
         attention_mask[i, :s.num_tokens] = 1  # even on the padding row: a fully masked row gives NaN
         response = slice(s.prompt_len - 1, s.num_tokens - 1)
-        response_mask[i, response] = 1.0
+        response_mask[i, response] = 1.0 if s.mask is None else torch.tensor(s.mask, dtype=torch.float)
         advantages[i, response] = s.advantage
         behaviour[i, response] = torch.tensor(s.logprobs)
         versions[i, response] = torch.tensor(s.versions, dtype=torch.long)

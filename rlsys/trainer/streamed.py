@@ -39,7 +39,7 @@ class StreamedGradients:
         part = self.backend.accumulate_gradients(samples, unnormalised, closes_step=False)
         for k, v in part.items():
             self.stats[k] += v
-        self.tokens += sum(s.response_len for s in samples)
+        self.tokens += sum(s.trained_tokens for s in samples)
         self.sequences += len(samples)
 
     def finish(self, tokens: int, sequences: int) -> dict:

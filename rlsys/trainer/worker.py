@@ -264,7 +264,7 @@ class TrainerGroup:
         kls = [kl_of[id(s)] for s in samples]
         controller = self.kl_in_reward
         penalised = build_samples(groups, self.cfg.advantage, [controller.coef * kl for kl in kls])
-        mean_kl = sum(kl / s.response_len for kl, s in zip(kls, samples)) / max(len(samples), 1)
+        mean_kl = sum(kl / max(s.trained_tokens, 1) for kl, s in zip(kls, samples)) / max(len(samples), 1)
         self.reward_kl_metrics = {"reward_kl": mean_kl, "reward_kl_coef": controller.coef}
         controller.update(mean_kl, len(samples))
         return penalised
