@@ -4,14 +4,18 @@ Engine-level tests without Ray on one tiny char-level model (one token per byte)
 no `<tool_call>` tags, so the engine's tool-call tags here are short strings its seeded sample is known to
 contain: the engine reads calls from its decoded tail whatever the tags are."""
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
-from rlsys.config import ModelConfig
+from rlsys.config import ModelConfig, TrainerConfig
 from rlsys.models.tiny import build_tiny_model
 from rlsys.rollout.cpu_engine import CPUEngine
-from rlsys.types import Request, SamplingParams, ToolTurn
+from rlsys.trainer.backend import TorchBackend
+from rlsys.trainer.batching import build_samples, plan_step
+from rlsys.trainer.logprobs import Scoring
+from rlsys.types import Group, Prompt, Request, SamplingParams, ScoredSample, ToolTurn
 
 SIZES = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=256)
 PROMPT = "What is 123*456? "
@@ -98,3 +102,62 @@ def test_a_continuation_prefills_only_the_answer_over_the_kept_kv_cache(model_di
     assert again.counters.prefilled_tokens == len(prompt) + cut
     assert whole.token_ids == c.token_ids
     assert whole.logprobs[cut:] == pytest.approx(c.logprobs[cut:], abs=1e-4)
+
+
+# --- the trainer: tokens in, tokens out; a tool's tokens carry no gradient ---------------------------------
+@pytest.fixture(scope="module")
+def conversation(model_dir, tags):
+    """A conversation of the engine (first turn, tool answer, second turn) and the answer's ids."""
+    prompt, _, call_open, call_close, first_turn = tags
+    eng = engine(model_dir)
+    eng.use_tools(call_open, call_close, max_turns=1)
+    c = run(eng, [Request("r", "p", prompt, sampled())], tool=lambda text: ANSWER)["r"]
+    return c, eng.tokenizer.encode(ANSWER, add_special_tokens=False), first_turn
+
+
+def group_of(*completions):
+    samples = [ScoredSample(c, reward) for c, reward in zip(completions, (1.0, 0.0))]
+    return Group(Prompt("p", PROMPT, ""), samples)
+
+
+def test_the_trainer_scores_exactly_the_ids_the_engine_sampled(model_dir, conversation):
+    c, answer, first_turn = conversation
+    other = replace(c, request_id="o", token_ids=c.token_ids[:first_turn], logprobs=c.logprobs[:first_turn],
+                    versions=c.versions[:first_turn], mask=[], turns=[])
+    sample = build_samples([group_of(c, other)], "grpo")[0]
+    assert sample.input_ids == c.prompt_ids + c.token_ids  # never re-tokenized from the text
+    tool_run = sample.input_ids[len(c.prompt_ids) + first_turn:][:len(answer)]
+    assert tool_run == answer and sample.mask == c.mask
+    scored = TorchBackend(TrainerConfig(backend="torch"), model_dir, Scoring(1.0)).compute_logprobs([sample])[0]
+    model_tokens = [i for i, m in enumerate(c.mask) if m]
+    assert [scored[i] for i in model_tokens] == pytest.approx([c.logprobs[i] for i in model_tokens], abs=2e-4)
+
+
+def test_a_tools_tokens_carry_no_gradient_loss_kl_or_count(model_dir, conversation):
+    """A conversation cut right after the tool's answer trains exactly as its first turn alone: the answer adds
+    nothing to the gradient (policy loss, KL, entropy bonus) nor to the token count the loss divides by."""
+    c, answer, first_turn = conversation
+    n = first_turn + len(answer)
+    with_answer = replace(c, token_ids=c.token_ids[:n], logprobs=c.logprobs[:n], versions=c.versions[:n],
+                          mask=c.mask[:n], finish_reason="length")
+    alone = replace(c, token_ids=c.token_ids[:first_turn], logprobs=c.logprobs[:first_turn],
+                    versions=c.versions[:first_turn], mask=[], turns=[])
+    other = replace(c, request_id="o", token_ids=c.token_ids[:3], logprobs=c.logprobs[:3], versions=c.versions[:3],
+                    mask=[], turns=[])
+    cfg = TrainerConfig(backend="torch", loss="grpo", kl={"estimator": "k3", "coef": 0.1}, entropy_coeff=0.01)
+    backend = TorchBackend(cfg, model_dir, Scoring(1.0))
+
+    def gradients(completion):
+        samples = build_samples([group_of(completion, other)], cfg.advantage)
+        _, totals = plan_step(samples, 1, cfg.micro_batch_tokens)
+        backend.accumulate_gradients(samples, totals)
+        grads = {k: p.grad.clone() for k, p in backend.model.named_parameters() if p.grad is not None}
+        backend.model.zero_grad(set_to_none=True)
+        return totals.tokens, grads
+
+    tokens, grads = gradients(with_answer)
+    tokens_alone, grads_alone = gradients(alone)
+    assert tokens == tokens_alone == first_turn + 3
+    assert grads.keys() == grads_alone.keys() and grads
+    for k in grads:
+        assert torch.allclose(grads[k], grads_alone[k], atol=1e-7, rtol=1e-5), k
