@@ -182,6 +182,26 @@ class RewardConfig(Section):
         return self
 
 
+class ToolsConfig(Section):
+    """Tools the model may call in a rollout (rlsys/tools/): a conversation of several turns per sample."""
+    # Built-in names (calculator, python) or the user's module:function or file.py:function; empty: single-turn
+    fns: list[str] = []
+    max_turns: int = Field(4, ge=1)  # tool calls per conversation; the model's next call gets no answer
+    timeout_s: float = Field(5.0, gt=0)  # per call: past it the call is abandoned and fails
+    max_response_chars: int = Field(2000, ge=16)  # longer answers are cut, with a marker saying how much went
+    on_failure: Literal["keep", "drop"] = "keep"  # a failed call: its error is the answer | the sample is dropped
+    max_workers: int = Field(4, ge=1)  # calls running at once per rollout worker
+    sandbox: SandboxConfig = SandboxConfig()  # the python tool's limits (its wall clock is timeout_s)
+
+    @field_validator("fns")
+    @classmethod
+    def _distinct(cls, fns: list[str]) -> list[str]:
+        repeated = sorted({f for f in fns if fns.count(f) > 1})
+        if repeated:
+            raise ValueError(f"names a tool twice: {', '.join(repeated)}")
+        return fns
+
+
 class KLConfig(Section):
     estimator: Optional[Literal["k1", "k2", "k3"]] = None
     coef: float = Field(0.0, ge=0)
@@ -488,6 +508,7 @@ class Config(Section):
     logging: LoggingConfig = LoggingConfig()
     friction: FrictionConfig = FrictionConfig()
     emulate: EmulateConfig = EmulateConfig()
+    tools: ToolsConfig = ToolsConfig()
     output_dir: str = "runs/tiny"
     seed: int = 0
 

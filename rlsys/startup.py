@@ -21,6 +21,7 @@ from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.registry import engine_entry
+from rlsys.tools.box import user_tools
 from rlsys.trainer.advantages import ADVANTAGES
 from rlsys.trainer.losses import POLICY_LOSSES, check_loss_options
 
@@ -32,6 +33,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
      or (task_family(cfg.data.task) if is_spec(cfg.data.task) else TASKS.get(cfg.data.task))),
     (("data", "loader"), lambda cfg: cfg.data.loader and row_loader(cfg.data.loader)),
     (("reward", "fn"), lambda cfg: reward_fn(cfg.reward.fn)),
+    (("tools", "fns"), lambda cfg: user_tools(cfg.tools)),
     (("rollout", "engine"), lambda cfg: engine_entry(cfg.rollout.engine)),
     (("control", "scheduler"), lambda cfg: SCHEDULERS.get(cfg.control.scheduler)),
     (("control", "group_sizer"), lambda cfg: GROUP_SIZERS.get(cfg.control.group_sizer)),
@@ -61,14 +63,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
-USER_CODE = (("data", "task"), ("data", "loader"), ("reward", "fn"))  # the fields that may name the user's code
+USER_CODE = (("data", "task"), ("data", "loader"), ("reward", "fn"), ("tools", "fns"))  # may name the user's code
+
+
+def _listed(value: str | list[str] | None) -> list[str]:
+    return value if isinstance(value, list) else [value or ""]
 
 
 def check_report(cfg: Config) -> str:
     """What a config loaded by `load_config` would start: the user code it imported, which GPU would hold which
     engine and trainer rank on each node (logical GPUs: no Ray, no GPU needed), and what would sit idle."""
     specs = [f"{section}.{key}={value}" for section, key in USER_CODE
-             if is_spec(value := getattr(getattr(cfg, section), key) or "")]
+             for value in _listed(getattr(getattr(cfg, section), key)) if is_spec(value)]
     lines = [f"user code imported: {', '.join(specs)}"] if specs else []
     plan = plan_from_config(cfg)
     if plan is None:

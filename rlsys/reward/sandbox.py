@@ -68,6 +68,14 @@ class SandboxResult:
     seconds: float
 
 
+@dataclass
+class ScriptResult:
+    output: str | None  # what the script printed (cut to max_chars); None when it did not finish
+    chars: int  # characters it printed in all
+    reason: str  # "ran", or why it did not finish
+    seconds: float
+
+
 class AdaptiveTimeout:
     """min(max(t_min, 1.5 x T_anchor), t_max), T_anchor the slowest passing run so far: room for slow
     correct code once some has been seen, without waiting t_max on every infinite loop."""
@@ -144,12 +152,30 @@ class Sandbox:
         expected = json.loads(json.dumps([want for _, want in cases]))  # as the results come back
         with tempfile.TemporaryDirectory(prefix="rlsys-sandbox-") as private:
             start = time.monotonic()
-            rc, out, err = self._start_and_wait(code, fn, [list(args) for args, _ in cases], private, timeout_s)
+            job = {"code": code, "fn": fn, "args": [list(args) for args, _ in cases]}
+            rc, out, err = self._start_and_wait(job, private, timeout_s)
             seconds = time.monotonic() - start
         reason = _verdict(rc, out, err, expected, timeout_s)
         return SandboxResult(reason == "passed", reason, seconds)
 
-    def _start_and_wait(self, code: str, fn: str, args: list, private: str, timeout_s: float):
+    def run_script(self, code: str, timeout_s: float, max_chars: int) -> ScriptResult:
+        """Run `code` as a script (the python tool): what it printed, its first `max_chars` characters, with
+        the exception that ended it as the last line, as Python's REPL shows it."""
+        with tempfile.TemporaryDirectory(prefix="rlsys-sandbox-") as private:
+            start = time.monotonic()
+            rc, out, err = self._start_and_wait({"code": code, "fn": None, "max_chars": max_chars}, private, timeout_s)
+            seconds = time.monotonic() - start
+        failure = _failure(rc, err, timeout_s)
+        if failure:
+            return ScriptResult(None, 0, failure, seconds)
+        lines = out.strip().splitlines()
+        try:
+            report = json.loads(lines[-1])
+            return ScriptResult(report["stdout"], report["chars"], "ran", seconds)
+        except (IndexError, json.JSONDecodeError, KeyError, TypeError):
+            return ScriptResult(None, 0, "unreadable output", seconds)
+
+    def _start_and_wait(self, job: dict, private: str, timeout_s: float):
         """(exit code or None on timeout, stdout, stderr tail) of one child."""
         workdir = "/tmp" if self.isolated else private
         spec = {"isolate": self.isolated, "uid": self.cfg.uid, "workdir": workdir, "keep": self.keep,
@@ -159,7 +185,7 @@ class Sandbox:
                 "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir,
                         "LANG": "C.UTF-8"}}
         paths = {name: os.path.join(private, name) for name in ("in", "out", "err")}
-        Path(paths["in"]).write_text(json.dumps({"code": code, "fn": fn, "args": args}))
+        Path(paths["in"]).write_text(json.dumps(job))
         with open(paths["in"]) as stdin, open(paths["out"], "w") as stdout, open(paths["err"], "w") as stderr:
             proc = subprocess.Popen([self.exe, "-I", "-S", "-c", CHILD_SOURCE, "launch", json.dumps(spec)],
                                     stdin=stdin, stdout=stdout, stderr=stderr, cwd=private, env=spec["env"],
@@ -188,8 +214,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _verdict(rc: int | None, out: str, err: str, expected: list, timeout_s: float) -> str:
-    """"passed" or what went wrong."""
+def _failure(rc: int | None, err: str, timeout_s: float) -> str | None:
+    """Why the child did not finish its job (timeout, setup, a limit's signal), or None when it exited 0."""
     if rc is None:
         return f"timed out after {timeout_s:.1f}s"
     if rc == SETUP_FAILED:
@@ -199,6 +225,14 @@ def _verdict(rc: int | None, out: str, err: str, expected: list, timeout_s: floa
         if sig in SIGNAL_NAMES:
             return SIGNAL_NAMES[sig]
         return f"exited with {rc}: {err.strip()[-200:]}"
+    return None
+
+
+def _verdict(rc: int | None, out: str, err: str, expected: list, timeout_s: float) -> str:
+    """"passed" or what went wrong."""
+    failure = _failure(rc, err, timeout_s)
+    if failure:
+        return failure
     lines = out.strip().splitlines()
     try:
         report = json.loads(lines[-1]) if lines else {"error": "no output"}

@@ -118,11 +118,44 @@ def launch(spec: dict) -> None:
         os._exit(SETUP_FAILED)
 
 
+class _Capped:
+    """A stdout that keeps the first `limit` characters and counts the rest."""
+
+    def __init__(self, limit: int):
+        self.limit, self.parts, self.kept, self.chars = limit, [], 0, 0
+
+    def write(self, text: str) -> int:
+        text = str(text)
+        if self.kept < self.limit:
+            self.parts.append(text[:self.limit - self.kept])
+            self.kept += len(self.parts[-1])
+        self.chars += len(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def run_script(job: dict, out) -> None:
+    """Run the code as a script (the python tool) and report what it printed, ended by its exception if any."""
+    printed = _Capped(job["max_chars"])
+    sys.stdout = printed
+    try:
+        exec(compile(job["code"], "<tool>", "exec"), {"__name__": "__main__"})
+    except BaseException as e:  # noqa: B036 - the model's code failing is its answer
+        printed.write(f"{type(e).__name__}: {e}\n")
+    out.write(json.dumps({"stdout": "".join(printed.parts), "chars": printed.chars}) + "\n")
+    out.flush()
+    os._exit(0)
+
+
 def run() -> None:
     """Run the code and print only the return values: the expected ones never enter the sandbox."""
     job = json.load(sys.stdin)
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # the code's prints go to stderr, so stdout carries only the harness's line
+    if job["fn"] is None:
+        run_script(job, out)
     try:
         namespace = {"__name__": "solution"}
         exec(compile(job["code"], "<solution>", "exec"), namespace)

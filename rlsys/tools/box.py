@@ -1,0 +1,246 @@
+"""The tools of a run (`tools.fns`) and the one call a rollout makes: `ToolBox.run(call_text)`.
+
+Where each tool runs, so that no call can stop the rollout worker that makes it:
+- `calculator` runs in the calling thread: its guards (rlsys/tools/calculator.py) bound every call.
+- `python` runs the model's code in the code reward's sandbox (rlsys/reward/sandbox.py: namespaces, rlimits,
+  a user without rights), a fresh process per call killed at `tools.timeout_s`; what it printed is the answer.
+- the user's tools run in child processes (rlsys/tools/user_child.py), one per concurrent call: a call past
+  `tools.timeout_s` is abandoned by killing its process, which is started again for the next call; a tool
+  that crashes its process (a segfault, os._exit) is a failed call, not a dead worker.
+`run` never raises: a malformed call, an unknown tool, an exception, a timeout, a crash, or an answer that is
+not a string is a failed ToolResult whose text (`error: ...`) is the tool's answer to the model; the caller
+keeps or drops the sample by `tools.on_failure`. Answers over `tools.max_response_chars` are cut with a
+marker. A ToolBox pickles as its config and is built again where it lands (a rollout worker), importing the
+user's tools there as rlsys/startup.py did.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from rlsys.config import ToolsConfig
+from rlsys.plugins import PluginError, is_spec, load_function
+from rlsys.registry import Registry
+from rlsys.tools.calculator import CalculatorError, calculator
+from rlsys.tools.format import DEFAULT, ToolCallError, ToolFormat
+
+START_TIMEOUT_S = 60.0  # for a user tools' process to import them, beyond a call's own limit
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str  # the tool called, "" when the call could not be read
+    text: str  # the answer appended to the conversation: the tool's, or "error: ..." when it failed
+    ok: bool
+    error: str | None
+    elapsed_s: float
+
+
+class ToolFailure(Exception):
+    """A call that produced no answer; the message says why."""
+
+
+def truncated(text: str, chars: int, limit: int) -> str:
+    """`text` (the first of `chars` characters) cut to `limit`, the marker saying how many went."""
+    if chars <= limit:
+        return text
+    marker = f"...[{chars - limit} more characters cut]"
+    return text[:max(0, limit - len(marker))] + marker
+
+
+# Built-in tools: a name, and how to call it with the model's arguments in the box, giving (the answer, or its
+# first characters, and its length).
+BUILTINS: Registry[Callable[["ToolBox", dict], tuple[str, int]]] = Registry("tool")
+
+
+@BUILTINS.register("calculator")
+def _calculator(box: "ToolBox", arguments: dict) -> tuple[str, int]:
+    try:
+        answer = calculator(**arguments)
+    except CalculatorError as e:
+        raise ToolFailure(str(e)) from None
+    return answer, len(answer)
+
+
+@BUILTINS.register("python")
+def _python(box: "ToolBox", arguments: dict) -> tuple[str, int]:
+    code = arguments.get("code")
+    if not isinstance(code, str) or set(arguments) != {"code"}:
+        raise ToolFailure('python takes one argument, "code" (a string)')
+    result = box.sandbox().run_script(code, box.cfg.timeout_s, box.cfg.max_response_chars)
+    if result.output is None:
+        raise ToolFailure(f"the code did not finish: {result.reason}")
+    return result.output, result.chars
+
+
+def user_tools(cfg: ToolsConfig) -> dict[str, str]:
+    """{tool name: spec} of the user's tools in `tools.fns`, each imported once here to check it (file specs
+    made absolute, so a process started elsewhere finds them); a PluginError naming the field otherwise."""
+    specs = {}
+    for spec in cfg.fns:
+        if not is_spec(spec):
+            BUILTINS.get(spec)  # UnknownName, with the choices
+            continue
+        fn = load_function(spec, "tools.fns")
+        name = getattr(fn, "__name__", spec.rpartition(":")[2])
+        if name in BUILTINS or name in specs:
+            raise PluginError(f"tools.fns: {spec!r} is called {name!r}, as another tool is; rename one")
+        module, _, attr = spec.rpartition(":")
+        specs[name] = f"{Path(module).resolve()}:{attr}" if module.endswith(".py") else spec
+    return specs
+
+
+class ToolBox:
+    def __init__(self, cfg: ToolsConfig, fmt: ToolFormat = DEFAULT):
+        self.cfg, self.fmt = cfg, fmt
+        self.user_specs = user_tools(cfg)
+        self.names = [n for n in cfg.fns if not is_spec(n)] + list(self.user_specs)
+        self._children: queue.Queue[_UserToolProcess] = queue.Queue()
+        for _ in range(cfg.max_workers if self.user_specs else 0):
+            self._children.put(_UserToolProcess(self.user_specs, cfg.max_response_chars))
+        self._sandbox = None
+        self._lock = threading.Lock()
+        self.counts = {"calls": 0, "failed": 0, "timed_out": 0, "truncated": 0}
+
+    @classmethod
+    def from_config(cls, cfg: ToolsConfig, fmt: ToolFormat = DEFAULT) -> "ToolBox":
+        """The tools of `cfg`, each checked (an unknown name or a user tool that does not import fails here,
+        naming tools.fns)."""
+        return cls(cfg, fmt)
+
+    def __reduce__(self):
+        return ToolBox, (self.cfg, self.fmt)
+
+    def sandbox(self):
+        """The python tool's sandbox, built on its first call (it probes the machine's namespaces once)."""
+        with self._lock:
+            if self._sandbox is None:
+                from rlsys.reward.sandbox import Sandbox  # imports the reward pool and Ray: only when used
+                self._sandbox = Sandbox(self.cfg.sandbox)
+            return self._sandbox
+
+    def run(self, call_text: str) -> ToolResult:
+        """Run the call the model wrote (from the opening tag to the closing one). Blocks up to about
+        tools.timeout_s; never raises."""
+        start, name = time.monotonic(), ""
+        try:
+            call = self.fmt.parse_call(call_text)
+            name = call.name
+            text, chars = self._call(call.name, call.arguments)
+            if chars > self.cfg.max_response_chars:
+                text = truncated(text, chars, self.cfg.max_response_chars)
+                with self._lock:
+                    self.counts["truncated"] += 1
+            result = ToolResult(name, text, True, None, time.monotonic() - start)
+        except ToolCallError as e:
+            result = self._failed(name, f"the call cannot be read: {e.reason}", start)
+        except ToolFailure as e:
+            result = self._failed(name, str(e), start)
+        except Exception as e:  # a built-in refusing its arguments (CalculatorError, TypeError)
+            result = self._failed(name, f"{type(e).__name__}: {e}", start)
+        with self._lock:
+            self.counts["calls"] += 1
+        return result
+
+    def _call(self, name: str, arguments: dict) -> tuple[str, int]:
+        if name in self.user_specs:
+            child = self._children.get()
+            try:
+                return child.call(name, arguments, self.cfg.timeout_s)
+            finally:
+                self._children.put(child)
+        if name not in self.names:
+            raise ToolFailure(f"no tool {name!r}; the tools are: {', '.join(self.names)}")
+        return BUILTINS.get(name)(self, arguments)
+
+    def _failed(self, name: str, error: str, start: float) -> ToolResult:
+        with self._lock:
+            self.counts["failed"] += 1
+            self.counts["timed_out"] += "timed out" in error
+            n = self.counts["failed"]
+        if n <= 10 or n % 100 == 0:
+            log.warning("tool call %d failed (%s): %s", n, name or "unreadable", error)
+        return ToolResult(name, f"error: {error}", False, error, time.monotonic() - start)
+
+    def close(self) -> None:
+        """End the user tools' processes (they also die with this process)."""
+        while not self._children.empty():
+            self._children.get_nowait().stop()
+
+
+class _UserToolProcess:
+    """One process running the user's tools, started on first use and again after a timeout or a crash."""
+
+    def __init__(self, specs: dict[str, str], max_chars: int):
+        self.specs, self.max_chars = specs, max_chars
+        self.proc: subprocess.Popen | None = None
+        self.buffer = b""
+
+    def call(self, name: str, arguments: dict, timeout_s: float) -> tuple[str, int]:
+        """(the answer's first max_chars characters, its length)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        try:
+            self.proc.stdin.write((json.dumps({"name": name, "arguments": arguments}) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise ToolFailure(self._died()) from None
+        reply = self._reply(timeout_s)
+        if "error" in reply:
+            raise ToolFailure(reply["error"])
+        return reply["text"], reply["chars"]
+
+    def _start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        self.buffer = b""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlsys.tools.user_child", json.dumps(self.specs), str(self.max_chars)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
+        reply = self._reply(START_TIMEOUT_S, starting=True)
+        if "error" in reply:
+            self.stop()
+            raise ToolFailure(reply["error"])
+
+    def _reply(self, timeout_s: float, starting: bool = False) -> dict:
+        """The next line the process writes, parsed; ToolFailure if it takes over `timeout_s` or dies."""
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.stop()
+                what = "starting the user tools' process" if starting else "the tool"
+                raise ToolFailure(f"{what} timed out after {timeout_s:g}s (its process was killed)")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise ToolFailure(self._died())
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    def _died(self) -> str:
+        rc = self.proc.wait()
+        self.proc = None
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
+        return f"the tool's process died ({how})"
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None

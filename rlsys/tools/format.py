@@ -1,0 +1,91 @@
+"""How the model calls a tool and how the answer comes back, as text.
+
+The model writes `<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>`
+(Hermes' tags, which Qwen2.5's chat template uses); its turn ends at the closing tag, rlsys runs the tool and
+appends `<tool_response>...</tool_response>`, tokenized once and kept as ids from then on. A model whose chat
+template names other tags of that shape gets those (`ToolFormat.from_chat_template`).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
+MAX_CALL_CHARS = 20_000  # a call longer than this is refused unread: JSON parsing is not free
+
+
+class ToolCallError(ValueError):
+    """The model's call cannot be read; `reason` says why, and becomes the tool's answer."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """The four tags; the default is Hermes' (Qwen2.5)."""
+    call_open: str = CALL_OPEN
+    call_close: str = CALL_CLOSE
+    response_open: str = RESPONSE_OPEN
+    response_close: str = RESPONSE_CLOSE
+
+    @classmethod
+    def from_chat_template(cls, template: str | None) -> "ToolFormat":
+        """The tags a chat template writes around tool calls and tool answers (`<function_call>` ...
+        `</function_call>`, say), where it has both pairs; else the default ones."""
+        call = _tag_pair(template or "", r"(?:tool|function)_?calls?")
+        response = _tag_pair(template or "", r"(?:tool|function)_?(?:response|result|output)s?")
+        if not (call and response):
+            return cls()
+        return cls(*call, *response)
+
+    def parse_call(self, text: str) -> ToolCall:
+        """The call in `text`, the model's text from the opening tag to the closing one (either tag may be
+        missing); ToolCallError with the reason when it is not a JSON object {"name": str, "arguments": {...}}."""
+        if len(text) > MAX_CALL_CHARS:
+            raise ToolCallError(f"the call is {len(text)} characters long, over the {MAX_CALL_CHARS} allowed")
+        body = text.strip().removeprefix(self.call_open).removesuffix(self.call_close).strip()
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise ToolCallError(f"the call is not JSON ({e.msg} at character {e.pos})") from None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            raise ToolCallError('the call must be a JSON object {"name": "...", "arguments": {...}}')
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            raise ToolCallError(f'"arguments" must be a JSON object, got {type(arguments).__name__}')
+        extra = set(call) - {"name", "arguments"}
+        if extra:
+            raise ToolCallError(f"the call has keys besides name and arguments: {', '.join(sorted(extra))}")
+        return ToolCall(call["name"], arguments)
+
+    def render_response(self, result) -> str:
+        """The text appended after the call: the tool's answer (a ToolResult's text, or a str) in its tags."""
+        return f"{self.response_open}{getattr(result, 'text', result)}{self.response_close}"
+
+
+def _tag_pair(template: str, name: str) -> tuple[str, str] | None:
+    match = re.search(rf"<({name})>", template)
+    if match and f"</{match.group(1)}>" in template:
+        return f"<{match.group(1)}>", f"</{match.group(1)}>"
+    return None
+
+
+DEFAULT = ToolFormat()
+parse_call = DEFAULT.parse_call
+render_response = DEFAULT.render_response

@@ -1,0 +1,46 @@
+"""The process that runs the user's tools, started by rlsys/tools/box.py as `python -m rlsys.tools.user_child`.
+
+One request per line on stdin, {"name", "arguments"}; one reply per line on the stdout it was started with,
+{"text", "chars"} or {"error"}. The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's
+text is cut to the size limit here, so a flood never crosses the pipe. The first line is {"ready": true}
+once every tool is imported (or {"error"} if one fails).
+"""
+import ctypes
+import json
+import os
+import signal
+import sys
+
+from rlsys.plugins import load_function
+
+PR_SET_PDEATHSIG = 1
+
+
+def serve(specs: dict[str, str], max_chars: int) -> None:
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    if sys.platform == "linux":  # die with the rollout worker, even when a tool never returns
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    try:
+        fns = {name: load_function(spec, "tools.fns") for name, spec in specs.items()}
+        reply = {"ready": True}
+    except Exception as e:
+        fns, reply = {}, {"error": f"importing the tools raised {type(e).__name__}: {e}"}
+    out.write(json.dumps(reply) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            value = fns[request["name"]](**request["arguments"])
+            if isinstance(value, str):
+                reply = {"text": value[:max_chars], "chars": len(value)}
+            else:
+                reply = {"error": f"returned {type(value).__name__}, not a string: {repr(value)[:100]}"}
+        except Exception as e:
+            reply = {"error": f"raised {type(e).__name__}: {str(e)[:300]}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    serve(json.loads(sys.argv[1]), int(sys.argv[2]))
