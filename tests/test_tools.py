@@ -1,16 +1,19 @@
 """Tools (rlsys/tools/): the call format, the calculator, the tools section of the config, and ToolBox.run,
 which never raises: every fault of a tool (hang, crash, flood, junk, escape) comes back as a ToolResult."""
 import json
+import os
 import pickle
+import socket
 import time
 
 import pytest
 
-from rlsys.config import ConfigError, ToolsConfig
-from rlsys.startup import load_config
+from rlsys.config import ConfigError, SandboxConfig, ToolsConfig
+from rlsys.startup import check_report, load_config
 from rlsys.tools import (CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN, ToolBox, ToolCall, ToolCallError,
                          ToolFormat, parse_call, render_response)
 from rlsys.tools.calculator import CalculatorError, calculator
+from test_sandbox import needs_isolation
 
 
 def call(name: str, **arguments) -> str:
@@ -115,3 +118,139 @@ def test_the_box_pickles_as_its_config_and_is_built_again_where_it_lands():
     copy = pickle.loads(pickle.dumps(tools))
     assert copy.cfg == tools.cfg and copy.names == ["calculator"]
     assert copy.run(call("calculator", expression="6*7")).text == "42"
+
+
+# --- the user's tools: each fault of a tool is a failed call, and the next call works ---
+
+FAULTY_TOOLS = '''
+import os
+
+
+def lookup(word):
+    """The user's tool as it should be: a string back."""
+    print("a tool's print goes to stderr, not into the reply")
+    return {"apple": "a fruit"}.get(word, "not found")
+
+
+def hang():
+    while True:  # holds the GIL of its process the whole time
+        pass
+
+
+def crash():
+    os._exit(3)
+
+
+def flood():
+    return "x" * 10_000_000
+
+
+def junk():
+    return {"not": "a string"}
+
+
+def fails():
+    raise RuntimeError("the service is down")
+'''
+
+
+@pytest.fixture(scope="module")
+def user_box(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "my_tools.py"
+    path.write_text(FAULTY_TOOLS)
+    names = ["lookup", "hang", "crash", "flood", "junk", "fails"]
+    tools = box("calculator", *(f"{path}:{name}" for name in names), timeout_s=1.0, max_response_chars=100,
+                max_workers=1)
+    yield tools
+    tools.close()
+
+
+def test_a_user_tool_answers_by_its_function_name(user_box):
+    assert user_box.names == ["calculator", "lookup", "hang", "crash", "flood", "junk", "fails"]
+    result = user_box.run(call("lookup", word="apple"))
+    assert (result.text, result.ok) == ("a fruit", True)
+
+
+def test_a_hung_tool_is_abandoned_at_the_time_limit_and_its_process_killed(user_box):
+    user_box.run(call("lookup", word="apple"))  # its process is up: the limit is the call's alone
+    pid = user_box._children.queue[0].proc.pid
+    result = user_box.run(call("hang"))
+    assert not result.ok and result.error == "the tool timed out after 1s (its process was killed)"
+    assert 1.0 <= result.elapsed_s < 3.0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert user_box.run(call("lookup", word="pear")).text == "not found"  # a fresh process
+
+
+def test_a_tool_that_crashes_its_process_is_a_failed_call_not_a_dead_worker(user_box):
+    result = user_box.run(call("crash"))
+    assert not result.ok and result.error == "the tool's process died (exit status 3)"
+    assert user_box.run(call("lookup", word="apple")).ok
+
+
+def test_a_flood_is_cut_to_the_size_limit_with_a_marker(user_box):
+    result = user_box.run(call("flood"))
+    assert result.ok and len(result.text) == 100
+    assert result.text.endswith("...[9999900 more characters cut]") and result.text.startswith("x" * 60)
+
+
+def test_junk_and_exceptions_are_failed_calls_with_the_reason(user_box):
+    junk, fails = user_box.run(call("junk")), user_box.run(call("fails"))
+    assert not junk.ok and junk.error == "returned dict, not a string: {'not': 'a string'}"
+    assert not fails.ok and fails.error == "raised RuntimeError: the service is down"
+    wrong = user_box.run(call("lookup", colour="red"))
+    assert not wrong.ok and "unexpected keyword argument 'colour'" in wrong.error
+
+
+def test_a_user_tool_is_imported_as_the_config_loads_and_a_typo_names_the_field(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_tools.py").write_text(FAULTY_TOOLS)
+    cfg = load_config(None, ["tools.fns=[calculator, my_tools.py:lookup]"])
+    assert "user code imported: tools.fns=my_tools.py:lookup" in check_report(cfg)
+    with pytest.raises(ConfigError, match=r"tools.fns: file 'my_tools.py' has no function 'lokup'"):
+        load_config(None, ["tools.fns=[my_tools.py:lokup]"])
+    with pytest.raises(ConfigError, match=r"tools.fns: './my_tools.py:lookup' is called 'lookup', as another"):
+        load_config(None, ["tools.fns=[my_tools.py:lookup, ./my_tools.py:lookup]"])
+
+
+# --- the python tool: the model's code in the code reward's sandbox ---
+
+@pytest.fixture(scope="module")
+def python_box():
+    return box("python", timeout_s=3.0, max_response_chars=200, sandbox=SandboxConfig(max_processes=8))
+
+
+def run_code(tools: ToolBox, code: str):
+    return tools.run(call("python", code=code))
+
+
+@needs_isolation
+def test_the_python_tool_answers_with_what_the_code_printed_and_its_error(python_box):
+    assert run_code(python_box, "print(sum(range(10)))\nprint('done')").text == "45\ndone\n"
+    result = run_code(python_box, "print('before')\n1/0")
+    assert result.ok and result.text == "before\nZeroDivisionError: division by zero\n"  # the model's error
+    flood = run_code(python_box, "while True:\n    print('y' * 1000)")  # cut in the sandbox, and timed out
+    assert not flood.ok and flood.error == "the code did not finish: timed out after 3.0s"
+    flood = run_code(python_box, "print('y' * 10**6)")
+    assert flood.ok and len(flood.text) == 200 and flood.text.endswith("...[999801 more characters cut]")
+
+
+@needs_isolation
+def test_the_python_tool_cannot_read_the_trainer_s_files_reach_the_network_or_fork_without_bound(
+        python_box, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the trainer's secret")
+    read = run_code(python_box, f"print(open({str(secret)!r}).read())")
+    assert "secret" not in read.text.replace(str(secret), "") and "FileNotFoundError" in read.text
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        net = run_code(python_box, f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                                   "print('connected')")
+    assert "connected" not in net.text and "Error" in net.text
+    bomb = run_code(python_box, "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+                                "            time.sleep(60)\n        n += 1\nexcept OSError:\n"
+                                "    print('forks refused after', n)")
+    assert bomb.ok and bomb.text.startswith("forks refused after") and int(bomb.text.split()[-1]) < 8
+    assert bomb.elapsed_s < 3.0  # the sleeping children died with the sandbox, not at their minute
