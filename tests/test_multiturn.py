@@ -9,9 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlsys.config import ModelConfig, TrainerConfig
+from rlsys.config import EmulateConfig, ModelConfig, ToolsConfig, TrainerConfig
+from rlsys.emulate import Emulation
 from rlsys.models.tiny import build_tiny_model
 from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.worker import RolloutWorker
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.logprobs import Scoring
@@ -161,3 +163,93 @@ def test_a_tools_tokens_carry_no_gradient_loss_kl_or_count(model_dir, conversati
     assert grads.keys() == grads_alone.keys() and grads
     for k in grads:
         assert torch.allclose(grads[k], grads_alone[k], atol=1e-7, rtol=1e-5), k
+
+
+# --- the rollout worker: real tools on threads beside the generation thread (no Ray) --------------------------
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>'
+SLOW_TOOL = "import time\n\ndef slow(seconds):\n    time.sleep(seconds)\n    return 'done'\n"
+
+
+def worker_with(model_dir, fns, slots=2, pacer=None, **tools):
+    return RolloutWorker(model_dir, slots, engine_kwargs={"max_len": 256, "pacer": pacer},
+                         tools=ToolsConfig(fns=fns, **tools))
+
+
+def cut_at_call(eng_tokenizer, prompt, call=CALL, rid="r", n=180):
+    """A conversation cut while its tool ran: its tokens end with the model's call (resumed, it is made again)."""
+    ids = eng_tokenizer.encode(call, add_special_tokens=False)
+    return Request(rid, "p", prompt, sampled(n), resume_ids=ids, resume_logprobs=[-1.0] * len(ids),
+                   resume_versions=[0] * len(ids), resume_mask=[1] * len(ids))
+
+
+def drain_all(worker, n, timeout_s=60):
+    got, deadline = {}, time.time() + timeout_s
+    while len(got) < n and time.time() < deadline:
+        got.update((c.request_id, c) for c in worker.drain(timeout_s=1.0))
+    assert len(got) == n, f"{len(got)} of {n} completions"
+    return got
+
+
+def test_a_conversation_cut_during_its_tool_call_resumes_with_the_calculators_answer(model_dir):
+    worker = worker_with(model_dir, ["calculator"])
+    try:
+        tok = worker.engine.tokenizer
+        prompt = tok.encode(PROMPT, add_special_tokens=False)
+        r = cut_at_call(tok, prompt)
+        worker.submit([r])
+        c = drain_all(worker, 1)["r"]
+    finally:
+        worker.stop()
+    answer = tok.encode("<tool_response>56088</tool_response>", add_special_tokens=False)
+    n = len(r.resume_ids)
+    assert c.token_ids[:n] == r.resume_ids and c.token_ids[n:n + len(answer)] == answer
+    assert c.mask == [1] * n + [0] * len(answer) + [1] * (len(c.token_ids) - n - len(answer))
+    assert [(t.name, t.ok) for t in c.turns] == [("calculator", True)]
+    assert worker.engine.counters.prefilled_tokens == len(prompt) + n + len(answer)  # once, on admission
+
+
+def test_a_slow_tool_takes_the_conversations_time_while_other_sequences_decode(model_dir, tmp_path):
+    """On the emulated clock: tool latency is the run's wall time; the engine keeps stepping meanwhile."""
+    (tmp_path / "slow.py").write_text(SLOW_TOOL)
+    pacer = Emulation(EmulateConfig(gpu="h100", model="qwen2.5-7b")).engine_pacer()
+    worker = worker_with(model_dir, [f"{tmp_path / 'slow.py'}:slow"], pacer=pacer)
+    try:
+        tok = worker.engine.tokenizer
+        prompt = tok.encode(PROMPT, add_special_tokens=False)
+        slow = cut_at_call(tok, prompt, '<tool_call>{"name": "slow", "arguments": {"seconds": 1.0}}</tool_call>',
+                           "slow", n=150)
+        worker.submit([slow, Request("other", "p", prompt, sampled(200))])
+        done = drain_all(worker, 2)
+    finally:
+        worker.stop()
+    c, turn = done["slow"], done["slow"].turns[0]
+    assert turn.ok and turn.elapsed_s >= 1.0
+    assert c.start_time - c.submit_time >= 1.0  # it waited on its tool, in the run's own time
+    assert c.end_time - c.submit_time >= turn.elapsed_s
+    # the other sequence decoded, paced, while the tool ran
+    assert worker.engine.counters.decode_steps_within(c.submit_time + 0.05, c.submit_time + 0.5) > 0
+    assert pacer.held > 0
+
+
+def test_abort_while_the_tool_runs_then_resume_goes_on_as_if_never_cut(model_dir, tags, conversation):
+    """Cut while its tool runs (it holds its slot): the partial carries its tokens and mask; resumed from them, the
+    call is made again and the conversation ends exactly as the uninterrupted one (seeded sampling)."""
+    prompt, _, call_open, call_close, first_turn = tags
+    uninterrupted = conversation[0]
+    eng = engine(model_dir)
+    eng.use_tools(call_open, call_close, max_turns=1)
+    eng.add(Request("r", "p", prompt, sampled()))
+    calls = []
+    while not calls:
+        assert not eng.step()
+        calls = eng.take_calls()
+    eng.step()  # the engine steps on while the tool runs; the held conversation gains no token
+    [cut] = eng.abort(["r"])
+    assert cut.finish_reason == "abort" and len(cut.token_ids) == first_turn and cut.mask == []
+    eng.extend("r", first_turn, [5, 6], ToolTurn("late", True))  # the cut call's answer, come too late: ignored
+    assert not eng.has_work()
+    resumed = Request("r", "p", prompt, sampled(), **cut.resume_fields())
+    c = run(eng, [resumed], tool=lambda text: ANSWER)["r"]
+    assert c.token_ids == uninterrupted.token_ids and c.mask == uninterrupted.mask
+    assert c.logprobs == pytest.approx(uninterrupted.logprobs, abs=1e-4)
+    assert [t.name for t in c.turns] == ["echo"]

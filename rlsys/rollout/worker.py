@@ -52,10 +52,11 @@ class RolloutWorker:
         self.tools = self._tool_pool = None
         if tools is not None and tools.fns:  # a ToolsConfig: this worker builds its own tools from it
             from rlsys.tools.box import ToolBox
-            from rlsys.tools.format import CALL_CLOSE, CALL_OPEN
+            from rlsys.tools.format import ToolFormat
 
-            self.tools = ToolBox.from_config(tools)
-            self.engine.use_tools(CALL_OPEN, CALL_CLOSE, tools.max_turns)
+            fmt = ToolFormat.from_chat_template(getattr(self.engine.tokenizer, "chat_template", None))
+            self.tools = ToolBox.from_config(tools, fmt)
+            self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns)
             self._tool_pool = ThreadPoolExecutor(tools.max_workers, thread_name_prefix=f"rollout-worker-{index}-tool")
         self._thread = threading.Thread(target=self._loop, name=f"rollout-worker-{index}", daemon=True)
         self._thread.start()
@@ -161,6 +162,7 @@ class RolloutWorker:
         self._thread.join(timeout=10)
         if self._tool_pool is not None:
             self._tool_pool.shutdown(wait=False, cancel_futures=True)
+            self.tools.close()
 
     # --- the generation thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -195,11 +197,9 @@ class RolloutWorker:
     def _run_tool(self, request_id: str, at: int, call_text: str) -> None:
         """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit), tokenize its
         answer once, and hand the ids to the generation thread to append between two steps."""
-        from rlsys.tools.format import render_response
-
         try:
             result = self.tools.run(call_text)
-            ids = self.engine.tokenizer.encode(render_response(result), add_special_tokens=False)
+            ids = self.engine.tokenizer.encode(self.tools.fmt.render_response(result), add_special_tokens=False)
             turn = ToolTurn(result.name, result.ok, result.error, result.elapsed_s)
             with self._cond:
                 if self._stopped or self._error is not None:
