@@ -19,7 +19,7 @@ from rlsys.control.scheduler import version_counts
 from rlsys.control.sorted import span
 from rlsys.data.cursor import PromptCursor
 from rlsys.runs import Runs
-from rlsys.types import Completion, Prompt, Request, ScoredSample
+from rlsys.types import Completion, Prompt, Request, ScoredSample, ToolTurn
 
 from helpers import next_step
 
@@ -301,13 +301,16 @@ def test_partial_resumes_with_the_tokens_logprobs_and_versions_of_the_abort():
     assert abort == Abort(b.request_ids)
     assert next_step(sched, 1, train.groups, 2) == []  # b's partial output is not back yet
     resumed = []
-    for old in b.request_ids:
-        partial = Completion(old, b.prompt.uid, [1, 2], [5, 6, 7], [-0.1, -0.2, -0.3], [0, 0, 0], "abort")
+    turn = ToolTurn("calculator", True, None, 0.5)
+    for old in b.request_ids:  # conversations cut after a tool's answer (token 7): they go on from there
+        partial = Completion(old, b.prompt.uid, [1, 2], [5, 6, 7], [-0.1, -0.2, 0.0], [0, 0, 0], "abort",
+                             mask=[1, 1, 0], turns=[turn])
         (resubmit,) = sched.on_abort(partial, 3)
         (rid,) = resubmit.request_ids
         assert resubmit.prompt == b.prompt and rid not in b.request_ids
         assert resubmit.resume == {rid: Request(rid, b.prompt.uid, [1, 2], resume_ids=[5, 6, 7],
-                                                resume_logprobs=[-0.1, -0.2, -0.3], resume_versions=[0, 0, 0])}
+                                                resume_logprobs=[-0.1, -0.2, 0.0], resume_versions=[0, 0, 0],
+                                                resume_mask=[1, 1, 0], resume_turns=[turn])}
         resumed.append(rid)
     done = [sample(rid, b.prompt.uid, tokens=5, versions=[0, 0, 0, 1, 1]) for rid in resumed]
     assert sched.on_sample(done[0], 4) == []

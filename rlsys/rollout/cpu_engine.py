@@ -349,34 +349,22 @@ class CPUEngine(RolloutEngine):
         reason = resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(entry)
         if reason:
             self.finished_early.append(self._completion(entry, reason))
-        else:  # cut while its tool ran: the call is made again, and the request waits for its answer
+        else:  # one cut while its tool ran (held) has made its call again and waits for the answer
             self.waiting[request.request_id] = entry
 
     def _call_or_end(self, entry: _Running) -> str | None:
-        """If the model's turn just ended at a tool call: hold the conversation and hand the call out, or, with
-        no tool calls left (tools.max_turns), end it: "length"."""
-        call = self._call_made(entry.tokens, entry.mask)
-        if call is None:
-            return None
-        if len(entry.turns) >= self.max_turns:
-            return "length"
-        entry.held, entry.sampled = True, len(entry.tokens)  # a token decoded past the call is dropped
-        self._calls.append((entry.request.request_id, len(entry.tokens), call))
-        return None
+        reason = super()._call_or_end(entry)
+        if entry.held:
+            entry.sampled = len(entry.tokens)  # a token decoded past the call in the same step is dropped
+        return reason
 
     def extend(self, request_id: str, at: int, ids: list[int], turn) -> None:
         entry = self.running.get(request_id) or self.waiting.get(request_id)
         if entry is None or not entry.held or len(entry.tokens) != at:
             return
-        p = entry.request
-        ids = list(ids[:max(0, min(p.params.max_new_tokens, self.max_len - len(p.prompt_ids)) - at)])
-        entry.tokens += ids
-        entry.logprobs += [0.0] * len(ids)
-        entry.versions += [self.version] * len(ids)
-        entry.mask += [0] * len(ids)
-        entry.turns.append(turn)
-        entry.held, entry.sampled = False, len(entry.tokens)
-        if self._spent(entry, len(entry.tokens)):  # the answer used up the budget: the conversation ends
+        spent = self._append_answer(entry, ids, turn)
+        entry.sampled = len(entry.tokens)
+        if spent:
             self.finished_early.append(self._finish(entry.slot, "length") if entry.slot >= 0
                                        else self._completion(self.waiting.pop(request_id), "length"))
         elif entry.slot >= 0:

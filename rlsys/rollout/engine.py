@@ -90,6 +90,33 @@ class RolloutEngine(ABC):
         opened = text.rfind(self.call_open)
         return text[opened:] if opened >= 0 else text
 
+    # `seq` below is an engine's record of a request: request, tokens, logprobs, versions, mask, turns, held
+    def _call_or_end(self, seq) -> str | None:
+        """If the model's turn just ended at a tool call: hold the conversation and hand the call out; with no
+        tool calls left (tools.max_turns), end it: "length"."""
+        call = self._call_made(seq.tokens, seq.mask)
+        if call is None:
+            return None
+        if len(seq.turns) >= self.max_turns:
+            return "length"
+        seq.held = True
+        self._calls.append((seq.request.request_id, len(seq.tokens), call))
+        return None
+
+    def _append_answer(self, seq, ids: list[int], turn: ToolTurn) -> bool:
+        """Append a tool's answer to a held conversation, cut to its token budget (a tool's tokens count in
+        max_new_tokens); True if the answer used the budget up, which ends the conversation."""
+        p = seq.request
+        room = min(p.params.max_new_tokens, self.max_len - len(p.prompt_ids)) - len(seq.tokens)
+        ids = list(ids[:max(0, room)])
+        seq.tokens += ids
+        seq.logprobs += [0.0] * len(ids)
+        seq.versions += [self.version] * len(ids)
+        seq.mask += [0] * len(ids)
+        seq.turns.append(turn)
+        seq.held = False
+        return len(ids) >= room
+
     @abstractmethod
     def step(self) -> list[Completion]:
         """Advance generation by one step; return the requests that finished during it."""

@@ -90,6 +90,9 @@ class _Sample:
     start_time: float = 0.0  # when its first new token came out
     kv_version: int = 0  # the oldest weights in its KV cache
     stale_kv_tokens: int = 0  # tokens sampled over KV from older weights
+    mask: list[int] = field(default_factory=list)  # a conversation's: 1 per model token, 0 per tool token
+    turns: list = field(default_factory=list)
+    held: bool = False  # waiting on a tool: out of vLLM until its answer comes (then resubmitted)
 
 
 class VLLMEngine(RolloutEngine):
@@ -114,7 +117,10 @@ class VLLMEngine(RolloutEngine):
                           dtype=dtype, max_model_len=max_len, max_num_seqs=slots,
                           seed=zlib.crc32(f"{seed}:{name}".encode()),
                           logprobs_mode="processed_logprobs", skip_tokenizer_init=True,
-                          worker_extension_cls=EXTENSION, **engine_args)
+                          worker_extension_cls=EXTENSION,
+                          # a conversation's next turn is a new vLLM request on the ids so far: its earlier turns'
+                          # KV comes from the prefix cache (unrun: vLLM is not installed where this was written)
+                          **{"enable_prefix_caching": True, **engine_args})
         self.llm = LLMEngine.from_engine_args(args)
         self.name, self.slots, self.version = name, slots, 0
         self.running_requests = running_requests  # weights.running_requests: "recompute" or "keep"
@@ -129,28 +135,48 @@ class VLLMEngine(RolloutEngine):
 
     # --- interface --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        rid, p, resumed = request.request_id, request.params, request.resume_ids
+        rid, resumed = request.request_id, request.resume_ids
         if rid in self.samples:
             raise ValueError(f"request {rid}: request_id already in the engine")
         self.validate(request)
         sample = _Sample(request, time.time(), list(resumed), list(request.resume_logprobs),
-                         list(request.resume_versions), kv_version=self.version)
-        reason = resume_finish_reason(request, self.eos_ids, self.max_len)
+                         list(request.resume_versions), kv_version=self.version,
+                         mask=list(request.resume_mask) or [1] * len(resumed), turns=list(request.resume_turns))
+        reason = resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(sample)
         if reason:
             self.finished_early.append(self._completion(sample, reason))
             return
+        self.samples[rid] = sample
+        if not sample.held:  # one cut while its tool ran waits for the call's answer (made again)
+            self._submit(sample)
+
+    def _submit(self, sample: _Sample) -> None:
+        """Give vLLM the request's ids so far: the prompt, and a resumed or continued conversation's tokens."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        request, p = sample.request, sample.request.params
         # vLLM seeds each request's sampler afresh: a resumed seeded sample is reproducible, but not the
         # draw an uninterrupted run would have made.
-        params = SamplingParams(n=1, max_tokens=p.max_new_tokens - len(resumed), temperature=p.temperature,
+        params = SamplingParams(n=1, max_tokens=p.max_new_tokens - len(sample.tokens), temperature=p.temperature,
                                 top_p=p.top_p, seed=p.seed, logprobs=0, stop_token_ids=sorted(self.eos_ids),
                                 ignore_eos=True,  # else the model's generation_config.json EOS ids stop it too
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
-        self.llm.add_request(rid, TokensPrompt(prompt_token_ids=request.prompt_ids + resumed), params)
-        self.samples[rid] = sample
+        self.llm.add_request(request.request_id, TokensPrompt(prompt_token_ids=request.prompt_ids + sample.tokens),
+                             params)
+
+    def extend(self, request_id: str, at: int, ids: list[int], turn) -> None:
+        sample = self.samples.get(request_id)
+        if sample is None or not sample.held or len(sample.tokens) != at:
+            return
+        if self._append_answer(sample, ids, turn):
+            self.finished_early.append(self._completion(self.samples.pop(request_id), "length"))
+        else:
+            self._submit(sample)
+
+    def can_step(self) -> bool:
+        return bool(self.finished_early or any(not s.held for s in self.samples.values()))
 
     def step(self) -> list[Completion]:
         t0 = time.perf_counter()
@@ -159,7 +185,7 @@ class VLLMEngine(RolloutEngine):
         now = time.time()
         for out in self.llm.step():
             sample = self.samples.get(out.request_id)
-            if sample is None:  # aborted after this step's outputs were made
+            if sample is None or sample.held:  # aborted (or held for a tool) after this step's outputs were made
                 continue
             seq = out.outputs[0]
             tokens = list(seq.token_ids)
@@ -167,12 +193,22 @@ class VLLMEngine(RolloutEngine):
                 if seq.logprobs is None or len(seq.logprobs) != len(tokens):
                     raise RuntimeError(f"{self.name}: request {out.request_id} came back without a log-prob "
                                        "per token (SamplingParams.logprobs=0 was set)")
-                sample.tokens += tokens
-                sample.logprobs += [seq.logprobs[i][t].logprob for i, t in enumerate(tokens)]
-                sample.versions += [self.version] * len(tokens)
-                sample.stale_kv_tokens += len(tokens) if sample.kv_version < self.version else 0
+                for i, t in enumerate(tokens):  # one by one: a tool call may end inside the delta
+                    sample.tokens.append(t)
+                    sample.logprobs.append(seq.logprobs[i][t].logprob)
+                    sample.versions.append(self.version)
+                    sample.mask.append(1)
+                    sample.stale_kv_tokens += sample.kv_version < self.version
+                    reason = self._call_or_end(sample)
+                    if reason or sample.held:  # the turn ends here: vLLM's request goes, the rest is dropped
+                        self.llm.abort_request([out.request_id])
+                        if reason:
+                            done.append(self._completion(self.samples.pop(out.request_id), reason))
+                        break
                 sample.start_time = sample.start_time or now
                 active, new_tokens = active + 1, new_tokens + len(tokens)
+                if sample.held or out.request_id not in self.samples:
+                    continue
             if out.finished:
                 if seq.finish_reason not in ("stop", "length", "abort"):
                     raise RuntimeError(f"{self.name}: request {out.request_id} finished with "
@@ -184,8 +220,9 @@ class VLLMEngine(RolloutEngine):
 
     def abort(self, request_ids: list[str]) -> list[Completion]:
         held = [rid for rid in request_ids if rid in self.samples]
-        if held:
-            self.llm.abort_request(held)
+        in_vllm = [rid for rid in held if not self.samples[rid].held]
+        if in_vllm:
+            self.llm.abort_request(in_vllm)
         return [self._completion(self.samples.pop(rid), "abort") for rid in held]
 
     def has_work(self) -> bool:
@@ -249,4 +286,5 @@ class VLLMEngine(RolloutEngine):
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), sample.tokens, sample.logprobs,
                           sample.versions, reason, text=self._decode(sample.tokens), submit_time=sample.submit_time,
                           start_time=sample.start_time or time.time(), end_time=time.time(),
-                          stale_kv_tokens=sample.stale_kv_tokens)
+                          stale_kv_tokens=sample.stale_kv_tokens, mask=list(sample.mask) if 0 in sample.mask else [],
+                          turns=list(sample.turns))
