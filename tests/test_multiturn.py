@@ -5,6 +5,7 @@ no `<tool_call>` tags, so the engine's tool-call tags here are short strings its
 contain: the engine reads calls from its decoded tail whatever the tags are."""
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from rlsys.config import EmulateConfig, ModelConfig, ToolsConfig, TrainerConfig
 from rlsys.emulate import Emulation
 from rlsys.models.tiny import build_tiny_model
 from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.engine import read_tokenizer
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
@@ -253,3 +255,40 @@ def test_abort_while_the_tool_runs_then_resume_goes_on_as_if_never_cut(model_dir
     assert c.token_ids == uninterrupted.token_ids and c.mask == uninterrupted.mask
     assert c.logprobs == pytest.approx(uninterrupted.logprobs, abs=1e-4)
     assert [t.name for t in c.turns] == ["echo"]
+
+
+# --- the manager: workers as Ray actors, each building its tools from the config ------------------------------
+def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_cluster, model_dir, tmp_path):
+    """RolloutManager.suspend (eval's pause) cuts a conversation waiting on its tool: the cut keeps its tokens and
+    no answer; resume() gives it back, the call is made again and the conversation goes on to its end."""
+    import ray
+
+    from rlsys.rollout.manager import RolloutManager
+
+    (tmp_path / "slow.py").write_text(SLOW_TOOL)
+    manager = RolloutManager(model_dir, num_workers=1, slots=2, torch_threads=1, drain_timeout_s=0.5,
+                             engine_kwargs={"max_len": 256}, tools=ToolsConfig(fns=[f"{tmp_path / 'slow.py'}:slow"]))
+    try:
+        tok = read_tokenizer(Path(model_dir))
+        prompt = tok.encode(PROMPT, add_special_tokens=False)
+        call = '<tool_call>{"name": "slow", "arguments": {"seconds": 0.5}}</tool_call>'
+        r = cut_at_call(tok, prompt, call, "c", n=150)
+        manager.submit([r])
+        time.sleep(0.2)  # its tool runs
+        manager.suspend()
+        while not manager.suspended:
+            ready, _ = ray.wait(manager.refs(), num_returns=1, timeout=1.0)
+            assert manager.collect(ready) == []  # the partial is held for resume, not delivered
+        [held] = manager.suspended
+        assert held.resume_ids == r.resume_ids and held.resume_turns == []  # cut before the tool's answer
+        manager.resume()
+        deadline, got = time.time() + 60, []
+        while not got and time.time() < deadline:
+            ready, _ = ray.wait(manager.refs(), num_returns=1, timeout=1.0)
+            got = manager.collect(ready)
+    finally:
+        manager.shutdown()
+    [c] = got
+    n, answer = len(r.resume_ids), tok.encode("<tool_response>done</tool_response>", add_special_tokens=False)
+    assert c.token_ids[:n + len(answer)] == r.resume_ids + answer and c.mask[n:n + len(answer)] == [0] * len(answer)
+    assert [(t.name, t.ok) for t in c.turns] == [("slow", True)]
