@@ -33,6 +33,9 @@ class WarmStartConfig(Section):
     # afresh each time an example is seen: the policy learns the right answer as its mode but samples the
     # noise, as a model fine-tuned on imperfect data does, and RL has that spread to remove.
     label_noise: float = Field(0.0, ge=0, lt=1)
+    # Share of examples that demonstrate a tool call instead (a task with demonstrations: tool_arith), drawn
+    # afresh each time: the policy starts out calling the tool sometimes and guessing otherwise.
+    tool_share: float = Field(0.0, ge=0, le=1)
 
 
 class ModelConfig(Section):

@@ -15,7 +15,7 @@ from typing import Callable
 from rlsys.config import Config, read_config
 from rlsys.control.scheduler import SCHEDULERS
 from rlsys.control.sizing import GROUP_SIZERS
-from rlsys.data import row_loader, task_family
+from rlsys.data import demonstrations, row_loader, task_family
 from rlsys.data.synthetic import TASKS
 from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
@@ -34,6 +34,8 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     (("data", "loader"), lambda cfg: cfg.data.loader and row_loader(cfg.data.loader)),
     (("reward", "fn"), lambda cfg: reward_fn(cfg.reward.fn)),
     (("tools", "fns"), lambda cfg: user_tools(cfg.tools)),
+    (("model", "warm_start", "tool_share"), lambda cfg: not cfg.model.warm_start.tool_share
+     or demonstrations(cfg.data.task)),
     (("rollout", "engine"), lambda cfg: engine_entry(cfg.rollout.engine)),
     (("control", "scheduler"), lambda cfg: SCHEDULERS.get(cfg.control.scheduler)),
     (("control", "group_sizer"), lambda cfg: GROUP_SIZERS.get(cfg.control.group_sizer)),

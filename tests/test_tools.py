@@ -3,12 +3,18 @@ which never raises: every fault of a tool (hang, crash, flood, junk, escape) com
 import json
 import os
 import pickle
+import random
 import socket
 import time
 
 import pytest
 
-from rlsys.config import ConfigError, SandboxConfig, ToolsConfig
+from rlsys.config import ConfigError, DataConfig, SandboxConfig, ToolsConfig, WarmStartConfig
+from rlsys.data import load_datasets
+from rlsys.data.tool_tasks import demonstrate
+from rlsys.models.tiny import build_char_tokenizer
+from rlsys.models.warm_start import IGNORE, draw_batch, encode_demonstration
+from rlsys.reward.registry import final_answer
 from rlsys.startup import check_report, load_config
 from rlsys.tools import (CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN, ToolBox, ToolCall, ToolCallError,
                          ToolFormat, parse_call, render_response)
@@ -254,3 +260,43 @@ def test_the_python_tool_cannot_read_the_trainer_s_files_reach_the_network_or_fo
                                 "    print('forks refused after', n)")
     assert bomb.ok and bomb.text.startswith("forks refused after") and int(bomb.text.split()[-1]) < 8
     assert bomb.elapsed_s < 3.0  # the sleeping children died with the sandbox, not at their minute
+
+
+# --- the task where the tool is needed ---
+
+def test_tool_arith_prompts_offer_the_calculator_and_its_demonstration_calls_it_to_the_right_answer():
+    train, evals = load_datasets(DataConfig(task="tool_arith", train_size=200, eval_size=50))
+    assert not {p.text for p in train} & {p.text for p in evals}
+    tools = box("calculator")
+    for prompt in train[:20]:
+        expression = prompt.text.removeprefix("calculator may help: ").removesuffix("=")
+        terms = [int(t) for t in expression.replace("*", "+").split("+")]
+        assert prompt.answer == str(terms[0] * terms[1] if "*" in expression else sum(terms))
+        (call_text, mine), (response, tools_own), (answer, final) = demonstrate(prompt)
+        assert mine and final and not tools_own and answer == prompt.answer
+        assert render_response(tools.run(call_text)) == response  # the demonstration is what a rollout gets
+        conversation = call_text + response + answer
+        assert final_answer(conversation, prompt.answer) == 1.0
+        assert final_answer(call_text + response + "1" + answer, prompt.answer) == 0.0  # copied wrong
+    assert final_answer("2051153", "2051153") == 1.0  # answered without the tool
+    assert max(len(p.text) for p in train) <= DataConfig().max_prompt_tokens
+
+
+def test_the_warm_start_trains_the_call_and_the_final_answer_not_the_tool_s_answer():
+    tokenizer = build_char_tokenizer()
+    prompt = load_datasets(DataConfig(task="tool_arith", train_size=1, eval_size=1))[0][0]
+    prompt_ids = tokenizer(prompt.text)["input_ids"]
+    ids, labels = encode_demonstration(tokenizer, prompt_ids, demonstrate(prompt))
+    trained = tokenizer.decode([i for i, label in zip(ids, labels) if label != IGNORE])
+    call_text, response, answer = (text for text, _ in demonstrate(prompt))
+    assert tokenizer.decode(ids) == prompt.text + call_text + response + answer + "<eos>"
+    assert trained == call_text + answer + "<eos>"
+    examples = [(prompt_ids + tokenizer(prompt.answer)["input_ids"] + [tokenizer.eos_token_id], len(prompt_ids))]
+    cfg = WarmStartConfig(batch_size=400, tool_share=0.3)
+    batch = draw_batch(random.Random(0), examples, [prompt], cfg, tokenizer, [(ids, labels)])
+    assert 0.2 < sum(example == (ids, labels) for example in batch) / 400 < 0.4  # the rest answer directly
+
+
+def test_a_tool_share_needs_a_task_with_demonstrations():
+    with pytest.raises(ConfigError, match=r"model.warm_start.tool_share: data.task='synthetic' has no tool-use"):
+        load_config(None, ["model.warm_start.tool_share=0.3"])

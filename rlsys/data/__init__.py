@@ -11,6 +11,7 @@ from rlsys.registry import Registry
 from rlsys.data.files import DataError, chat_text, read_prompts
 from rlsys.data import code_tasks  # noqa: F401  registers the `code` family
 from rlsys.data import math_tasks  # noqa: F401  registers the `math` family
+from rlsys.data import tool_tasks  # noqa: F401  registers the `tool_arith` family
 from rlsys.data import word_problems  # noqa: F401  registers the `word_problems` family
 from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
 from rlsys.plugins import is_spec, resolve
@@ -19,7 +20,7 @@ from rlsys.types import Prompt
 log = logging.getLogger(__name__)
 LOADERS: Registry = Registry("data loader")  # only the user's, each under its `module:function` spec
 
-__all__ = ["DataError", "TASKS", "filter_long_prompts", "length_stats", "load_datasets", "load_prompts",
+__all__ = ["DataError", "TASKS", "demonstrations", "filter_long_prompts", "length_stats", "load_datasets", "load_prompts",
            "read_prompts", "row_loader", "task_family"]
 
 
@@ -27,6 +28,15 @@ def task_family(name: str):
     """The family `data.task` names: registered, or the user's `module:function`, called as fn(rng) with a
     random.Random and returning (prompt text, answer)."""
     return resolve(TASKS, name, "data.task", ("rng",))
+
+
+def demonstrations(task: str):
+    """The tool-use demonstrations of `task`'s family for the warm start (model.warm_start.tool_share), a
+    function of a Prompt giving its conversation as (text, the model's?) parts; ValueError if it has none."""
+    if task not in tool_tasks.DEMONSTRATIONS:
+        raise ValueError(f"data.task={task!r} has no tool-use demonstrations; the families that have them: "
+                         f"{', '.join(tool_tasks.DEMONSTRATIONS)}")
+    return tool_tasks.DEMONSTRATIONS[task]
 
 
 def row_loader(spec: str):

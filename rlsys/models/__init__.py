@@ -74,7 +74,7 @@ def prepare_model(cfg: Config) -> Path:
 
 
 def _build(cfg: Config, out: Path) -> None:
-    from rlsys.data import load_datasets
+    from rlsys.data import demonstrations, load_datasets
     from rlsys.models.tiny import build_tiny_model
     from rlsys.models.warm_start import exact_match_accuracy, warm_start
 
@@ -86,7 +86,7 @@ def _build(cfg: Config, out: Path) -> None:
         (out / BUILD_INFO).write_text(json.dumps(info, indent=1))
         print("warm start: off (model.warm_start.steps=0)", flush=True)
         return
-    metrics = warm_start(out, train, ws)
+    metrics = warm_start(out, train, ws, demonstrations(cfg.data.task) if ws.tool_share else None)
     t = time.time()
     metrics["eval_greedy_accuracy"] = exact_match_accuracy(out, evals, max_new_tokens=cfg.rollout.max_new_tokens)
     metrics["eval_seconds"] = time.time() - t

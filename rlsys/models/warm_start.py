@@ -1,5 +1,6 @@
 """Supervised warm start: a short fine-tune on prompt + answer + eos, so RL starts from a partly right
-policy (as it does in practice, from an instruction-tuned model). Plain torch; loss on answer tokens only.
+policy (as it does in practice, from an instruction-tuned model). Plain torch; loss on answer tokens only
+(and, in a tool-use demonstration, not on the tool's answer).
 """
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import string
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.config import WarmStartConfig
 from rlsys.types import Prompt
+
+Example = tuple[list[int], int]  # token ids of prompt + answer + eos, and the prompt's length
+Labelled = tuple[list[int], list[int]]  # token ids, and their labels (IGNORE where there is no loss)
 
 IGNORE = -100  # label value the HF loss skips
 MICRO_BATCH = 16
@@ -45,31 +50,48 @@ def encode_examples(tokenizer, prompts: list[Prompt], max_len: int
     return [e for e, _ in kept], [p for _, p in kept], len(examples) - len(kept)
 
 
-def draw_batch(rng: random.Random, examples, prompts: list[Prompt], cfg: WarmStartConfig, tokenizer):
-    """`cfg.batch_size` examples drawn with replacement, a `label_noise` share of them given a near miss."""
-    picks = rng.choices(range(len(examples)), k=cfg.batch_size)
-    if not cfg.label_noise:
-        return [examples[i] for i in picks]
+def encode_demonstration(tokenizer, prompt_ids: list[int], parts: list[tuple[str, bool]]) -> Labelled:
+    """A tool-use conversation after its prompt, each part tokenized on its own as a rollout appends it (the
+    tool's answer once, as ids), labelled where it is the model's; eos closes it."""
+    ids, labels = list(prompt_ids), [IGNORE] * len(prompt_ids)
+    for text, the_models in parts:
+        part = tokenizer(text)["input_ids"]
+        ids += part
+        labels += part if the_models else [IGNORE] * len(part)
+    return ids + [tokenizer.eos_token_id], labels + [tokenizer.eos_token_id]
+
+
+def draw_batch(rng: random.Random, examples: list[Example], prompts: list[Prompt], cfg: WarmStartConfig,
+               tokenizer, demos: list[Labelled] | None = None) -> list[Labelled]:
+    """`cfg.batch_size` examples drawn with replacement: a `tool_share` of them their tool-use demonstration
+    (`demos`, one per example), the others answered directly, a `label_noise` share of those a near miss."""
     batch = []
-    for i in picks:
+    for i in rng.choices(range(len(examples)), k=cfg.batch_size):
+        if demos and rng.random() < cfg.tool_share:
+            batch.append(demos[i])
+            continue
         ids, n_prompt = examples[i]
-        if rng.random() < cfg.label_noise:
+        if cfg.label_noise and rng.random() < cfg.label_noise:
             wrong = tokenizer(near_miss(prompts[i].answer, rng))["input_ids"]
             ids = ids[:n_prompt] + wrong + [tokenizer.eos_token_id]
-        batch.append((ids, n_prompt))
+        batch.append((ids, [IGNORE] * n_prompt + ids[n_prompt:]))
     return batch
 
 
-def collate(examples: list[tuple[list[int], int]], pad_id: int) -> dict[str, torch.Tensor]:
+def collate(examples: list[Labelled], pad_id: int) -> dict[str, torch.Tensor]:
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_id)
     labels = torch.full((len(examples), width), IGNORE)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (ids, n_prompt) in enumerate(examples):
+    for row, (ids, row_labels) in enumerate(examples):
         input_ids[row, :len(ids)] = torch.tensor(ids)
-        labels[row, n_prompt:len(ids)] = torch.tensor(ids[n_prompt:])
+        labels[row, :len(ids)] = torch.tensor(row_labels)
         mask[row, :len(ids)] = 1
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+
+def trained_tokens(example: Labelled) -> int:
+    return sum(label != IGNORE for label in example[1])
 
 
 def lr_factor(step: int, total: int) -> float:
@@ -93,15 +115,17 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def warm_start(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig) -> dict:
-    """Fine-tune the model in `model_dir` for `cfg.steps` steps and save it back; returns loss figures."""
+def warm_start(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig,
+               demonstrate: Callable[[Prompt], list[tuple[str, bool]]] | None = None) -> dict:
+    """Fine-tune the model in `model_dir` for `cfg.steps` steps and save it back; returns loss figures.
+    `demonstrate` gives a prompt's tool-use conversation (rlsys.data.demonstrations), for `cfg.tool_share`."""
     if not train_prompts:
         raise ValueError("warm start: the training split is empty")
     with one_thread():
-        return _train(model_dir, train_prompts, cfg)
+        return _train(model_dir, train_prompts, cfg, demonstrate)
 
 
-def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig) -> dict:
+def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig, demonstrate) -> dict:
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -109,20 +133,24 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
     examples, kept, dropped = encode_examples(tokenizer, train_prompts, model.config.max_position_embeddings)
     if not examples:
         raise ValueError("warm start: every training example is longer than max_position_embeddings")
+    demos = None
+    if cfg.tool_share and demonstrate:
+        demos = [encode_demonstration(tokenizer, ids[:n_prompt], demonstrate(p))
+                 for (ids, n_prompt), p in zip(examples, kept)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps))
     rng = random.Random(cfg.seed)
     model.train()
     losses = []
     for _ in range(cfg.steps):
-        batch = sorted(draw_batch(rng, examples, kept, cfg, tokenizer), key=lambda e: len(e[0]))
-        n_answer = sum(len(ids) - n for ids, n in batch)
+        batch = sorted(draw_batch(rng, examples, kept, cfg, tokenizer, demos), key=lambda e: len(e[0]))
+        n_answer = sum(map(trained_tokens, batch))
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         # Length-sorted micro-batches: the rare long answer does not pad the whole batch to its length.
         for start in range(0, len(batch), MICRO_BATCH):
             micro = batch[start:start + MICRO_BATCH]
-            share = sum(len(ids) - n for ids, n in micro) / n_answer
+            share = sum(map(trained_tokens, micro)) / n_answer
             loss = model(**collate(micro, tokenizer.pad_token_id)).loss * share  # token-mean overall
             loss.backward()
             loss_sum += loss.item()

@@ -1,0 +1,39 @@
+"""The `tool_arith` task family: arithmetic too long for the tiny model to do in its head, with a calculator.
+
+`calculator may help: 347*5821=` -> `2019887`: a product of a 3-digit and a 3-4 digit number, or a sum of
+three to five numbers of 3-4 digits. Trained with `tools.fns: [calculator]` (configs/tool_arith.yaml), the
+model may call the calculator before it answers; its reward, `final_answer`, is the exact match of what it
+writes after the last tool answer. The warm start's demonstrations (`demonstrate`) show the call, so the
+policy starts out calling sometimes and guessing otherwise, and RL learns to call.
+"""
+from __future__ import annotations
+
+import json
+import random
+
+from rlsys.data.synthetic import TASKS
+from rlsys.tools.calculator import calculator
+from rlsys.tools.format import CALL_CLOSE, CALL_OPEN, render_response
+from rlsys.types import Prompt
+
+HINT = "calculator may help: "
+
+
+@TASKS.register("tool_arith")
+def tool_arith(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        expression = f"{rng.randint(100, 999)}*{rng.randint(100, 9999)}"
+    else:
+        expression = "+".join(str(rng.randint(100, 9999)) for _ in range(rng.randint(3, 5)))
+    return f"{HINT}{expression}=", calculator(expression)
+
+
+def demonstrate(prompt: Prompt) -> list[tuple[str, bool]]:
+    """The conversation that answers `prompt` with the calculator, as (text, whether it is the model's) parts:
+    the call, the tool's answer (not the model's: no loss on it), the final answer."""
+    expression = prompt.text.removeprefix(HINT).removesuffix("=")
+    call = CALL_OPEN + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + CALL_CLOSE
+    return [(call, True), (render_response(calculator(expression)), False), (prompt.answer, True)]
+
+
+DEMONSTRATIONS = {"tool_arith": demonstrate}  # task family -> its tool-use demonstrations for the warm start
