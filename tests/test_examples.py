@@ -58,3 +58,20 @@ def test_the_verl_style_example_reward_scores_the_example_data_with_its_data_sou
         assert score(cfg.reward, f"\\boxed{{{int(p.answer) + 1}}}", p.answer, 10, None, p.data_source) == 0.0
     with pytest.raises(ValueError, match="no reward for data_source 'gsm8k'"):
         score(cfg.reward, "\\boxed{7}", "7", 10, None, "gsm8k")
+
+
+def test_the_own_tools_example_loads_its_tool_and_the_model_can_call_it(in_repo):
+    from rlsys.tools import ToolBox
+
+    cfg = load_config(REPO / "examples" / "own_tools" / "cpu.yaml")
+    tools = ToolBox.from_config(cfg.tools)
+    try:
+        assert tools.names == ["calculator", "convert"]
+        miles = tools.run('<tool_call>{"name": "convert", "arguments": {"value": 3, "unit": "mile", "to": "km"}}'
+                          '</tool_call>')
+        assert (miles.ok, miles.text) == (True, "4.82803 km")
+        furlongs = tools.run('<tool_call>{"name": "convert", "arguments": {"value": 1, "unit": "furlong", "to": '
+                             '"m"}}</tool_call>')
+        assert not furlongs.ok and furlongs.text.startswith("error: raised ValueError: unknown unit 'furlong'")
+    finally:
+        tools.close()
