@@ -119,9 +119,10 @@ def _python_paths() -> tuple[str, list[str]]:
 
 class Sandbox:
     """Runs code in the sandbox with an adaptive timeout. `isolation=None` checks whether namespaces
-    work here (one short run); False runs without them, which the config must allow."""
+    work here (one short run); False runs without them, which the config must allow. `field` is the config
+    section its limits come from, named in its refusal."""
 
-    def __init__(self, cfg: SandboxConfig, isolation: bool | None = None):
+    def __init__(self, cfg: SandboxConfig, isolation: bool | None = None, field: str = "reward.sandbox"):
         self.cfg = cfg
         self.timeout = AdaptiveTimeout(cfg.t_min_s, cfg.t_max_s)
         self.exe, self.keep = _python_paths()  # fixed for the worker's life: not looked up on every run
@@ -134,7 +135,7 @@ class Sandbox:
         if not isolation and not cfg.allow_unsandboxed:
             raise SandboxUnavailable(
                 f"the sandbox cannot isolate model-written code on this machine ({why}); it needs Linux "
-                "namespaces (root, or unprivileged user namespaces). Set reward.sandbox.allow_unsandboxed="
+                f"namespaces (root, or unprivileged user namespaces). Set {field}.allow_unsandboxed="
                 "true to run it with resource limits only (no network, file or process isolation)")
         if not isolation:
             log.warning("the sandbox runs model-written code WITHOUT isolation (%s): only resource limits "

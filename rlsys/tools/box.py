@@ -79,7 +79,7 @@ def _python(box: "ToolBox", arguments: dict) -> tuple[str, int]:
     code = arguments.get("code")
     if not isinstance(code, str) or set(arguments) != {"code"}:
         raise ToolFailure('python takes one argument, "code" (a string)')
-    result = box.sandbox().run_script(code, box.cfg.timeout_s, box.cfg.max_response_chars)
+    result = box.sandbox.run_script(code, box.cfg.timeout_s, box.cfg.max_response_chars)
     if result.output is None:
         raise ToolFailure(f"the code did not finish: {result.reason}")
     return result.output, result.chars
@@ -110,8 +110,8 @@ class ToolBox:
         self._children: queue.Queue[_UserToolProcess] = queue.Queue()
         for _ in range(cfg.max_workers if self.user_specs else 0):
             self._children.put(_UserToolProcess(self.user_specs, cfg.max_response_chars))
-        self._sandbox = None
         self._lock = threading.Lock()
+        self.sandbox = self._build_sandbox() if "python" in self.names else None
         self.counts = {"calls": 0, "failed": 0, "timed_out": 0, "truncated": 0}
 
     @classmethod
@@ -123,13 +123,11 @@ class ToolBox:
     def __reduce__(self):
         return ToolBox, (self.cfg, self.fmt)
 
-    def sandbox(self):
-        """The python tool's sandbox, built on its first call (it probes the machine's namespaces once)."""
-        with self._lock:
-            if self._sandbox is None:
-                from rlsys.reward.sandbox import Sandbox  # imports the reward pool and Ray: only when used
-                self._sandbox = Sandbox(self.cfg.sandbox)
-            return self._sandbox
+    def _build_sandbox(self):
+        """The python tool's sandbox; it probes the machine's namespaces once, and refuses to run without them
+        unless tools.sandbox.allow_unsandboxed."""
+        from rlsys.reward.sandbox import Sandbox  # imports the reward pool and Ray: only when the tool is used
+        return Sandbox(self.cfg.sandbox, field="tools.sandbox")
 
     def run(self, call_text: str) -> ToolResult:
         """Run the call the model wrote (from the opening tag to the closing one). Blocks up to about
