@@ -165,6 +165,8 @@ class Controller:
                 self.prompts.pop(completion.request_id, None)
                 events.append(Aborted(completion))
             else:
+                if self.cfg.tools.on_failure == "drop" and not all(t.ok for t in completion.turns):
+                    completion.drop_from_training()
                 events.append(Generated(completion))
         self.rewards.submit(evaluated)
         for result in self.rewards.collect([r for r in reward_refs if r in ready]) + self.rewards.reap():

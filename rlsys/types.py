@@ -85,6 +85,11 @@ class Completion:
     def model_mask(self) -> list[int]:
         return list(self.mask) if self.mask else [1] * len(self.token_ids)
 
+    def drop_from_training(self) -> None:
+        """Mask every token (tools.on_failure=drop, after a failed tool call): the sample still counts in its
+        group's advantages, as an empty answer does, but trains nothing."""
+        self.mask = [0] * len(self.token_ids)
+
     def resume_fields(self) -> dict:
         """The Request fields that continue this cut completion from where it stopped (partial rollouts)."""
         return dict(resume_ids=list(self.token_ids), resume_logprobs=list(self.logprobs),

@@ -47,7 +47,8 @@ class StepTotals:
 
 
 def build_samples(groups: list[Group], advantage: str, penalties: list[float] | None = None) -> list[TrainSample]:
-    """One sample per completion with a response; empty responses still count in their group's advantages.
+    """One sample per completion with a token to train; empty responses, and conversations dropped from training
+    (every token masked), still count in their group's advantages.
     `penalties`: one per sample returned, in order (trainer.kl.in_reward's coef x KL), taken off its reward
     before its group's advantages."""
     samples = []
@@ -58,7 +59,7 @@ def build_samples(groups: list[Group], advantage: str, penalties: list[float] | 
             rewards = [r - (next(penalty) if s.completion.token_ids else 0.0) for r, s in zip(rewards, group.samples)]
         for scored, adv in zip(group.samples, group_advantages(rewards, advantage)):
             c = scored.completion
-            if not c.token_ids:
+            if not c.token_ids or (c.mask and not any(c.mask)):
                 continue
             if not c.prompt_ids:
                 raise ValueError(f"completion {c.request_id}: empty prompt, so no position predicts its first token")
