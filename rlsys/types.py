@@ -81,10 +81,6 @@ class Completion:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    @property
-    def model_mask(self) -> list[int]:
-        return list(self.mask) if self.mask else [1] * len(self.token_ids)
-
     def drop_from_training(self) -> None:
         """Mask every token (tools.on_failure=drop, after a failed tool call): the sample still counts in its
         group's advantages, as an empty answer does, but trains nothing."""
