@@ -336,6 +336,7 @@ class CPUEngine(RolloutEngine):
         self.uniforms = torch.zeros(S, L, device=dev)  # pre-drawn per request from its own seeded generator
         self.counters = EngineCounters()
         self.pacer = pacer  # emulate: each step held until its modelled time on the emulated GPU
+        self._prefilled_on_clock = 0  # this step's prefilled tokens of requests on the run's clock, for the pacer
 
     # --- interface --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
