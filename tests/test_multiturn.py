@@ -89,6 +89,17 @@ def test_a_turn_ends_at_a_tool_call_and_the_answer_joins_as_masked_tokens(model_
     assert len(c.token_ids) <= 60  # the budget counts the whole conversation, tool tokens included
 
 
+def test_a_tools_answer_counts_in_the_token_budget_and_is_cut_to_it(model_dir, tags):
+    prompt, _, call_open, call_close, first_turn = tags
+    eng = engine(model_dir)
+    eng.use_tools(call_open, call_close, max_turns=1)
+    params = SamplingParams(max_new_tokens=first_turn + 5, temperature=1.0, seed=7)
+    c = run(eng, [Request("r", "p", prompt, params)], tool=lambda text: ANSWER)["r"]
+    answer = eng.tokenizer.encode(ANSWER, add_special_tokens=False)
+    assert c.finish_reason == "length" and c.token_ids[first_turn:] == answer[:5] and c.mask[first_turn:] == [0] * 5
+    assert eng.counters.prefilled_tokens == len(prompt)  # nothing left to generate: the answer is never prefilled
+
+
 def test_a_continuation_prefills_only_the_answer_over_the_kept_kv_cache(model_dir, tags):
     """KV reuse: the turn after the tool prefills the call's last token and the answer, never the prompt or the
     earlier turn, and samples exactly what a full prefill of the whole conversation so far would."""
