@@ -222,6 +222,26 @@ def test_a_conversation_cut_during_its_tool_call_resumes_with_the_calculators_an
     assert worker.engine.counters.prefilled_tokens == len(prompt) + n + len(answer)  # once, on admission
 
 
+def test_a_call_the_tools_cannot_read_is_answered_with_its_error_over_the_kept_kv_cache(model_dir, tags):
+    """The worker's path for a call the model wrote (tags as in `tags`): the ToolBox cannot read it, so its
+    error is the answer (tools.on_failure=keep), appended over the slot's KV cache, and the model goes on."""
+    prompt, single, call_open, call_close, first_turn = tags
+    worker = worker_with(model_dir, ["calculator"])
+    worker.engine.use_tools(call_open, call_close, max_turns=1)  # before any request: the thread is idle
+    try:
+        worker.submit([Request("r", "p", prompt, sampled(200))])  # room for the error after the first turn
+        c = drain_all(worker, 1)["r"]
+    finally:
+        worker.stop()
+    [turn] = c.turns
+    assert not turn.ok and "cannot be read" in turn.error
+    n = c.mask.index(1, first_turn) if 1 in c.mask[first_turn:] else len(c.mask)
+    answer = worker.engine.tokenizer.decode(c.token_ids[first_turn:n])
+    assert c.token_ids[:first_turn] == single[:first_turn] and answer.startswith("<tool_response>error: the call")
+    assert n < len(c.mask)  # the model went on after the answer
+    assert worker.engine.counters.prefilled_tokens == len(prompt) + 1 + n - first_turn
+
+
 def test_a_slow_tool_takes_the_conversations_time_while_other_sequences_decode(model_dir, tmp_path):
     """On the emulated clock: tool latency is the run's wall time; the engine keeps stepping meanwhile."""
     (tmp_path / "slow.py").write_text(SLOW_TOOL)
