@@ -83,12 +83,17 @@ class RolloutEngine(ABC):
         ids are never re-tokenized), else None."""
         if not self.call_close or not tokens or (mask and mask[-1] == 0):
             return None
-        start = len(mask) - mask[::-1].index(0) if 0 in mask else 0  # this turn's first token
-        if self.call_close not in self.tokenizer.decode(tokens[max(start, len(tokens) - self._close_tokens):]):
+        k = min(self._close_tokens, len(tokens))  # read per token: the tail only, the model's own tokens of it
+        if self.call_close not in self.tokenizer.decode(tokens[len(tokens) - k + self._turn_start(mask[-k:]):]):
             return None
-        text = self.tokenizer.decode(tokens[start:])
+        text = self.tokenizer.decode(tokens[self._turn_start(mask):])
         opened = text.rfind(self.call_open)
         return text[opened:] if opened >= 0 else text
+
+    @staticmethod
+    def _turn_start(mask: list[int]) -> int:
+        """The index of the current model turn's first token: after the last tool token."""
+        return len(mask) - mask[::-1].index(0) if 0 in mask else 0
 
     # `seq` below is an engine's record of a request: request, tokens, logprobs, versions, mask, turns, held
     def _call_or_end(self, seq) -> str | None:
