@@ -101,15 +101,18 @@ def test_each_engine_step_lasts_its_modelled_time(engine_dir):
     for i, p in enumerate(prompts):
         engine.add(Request(f"r{i}", "p", p, SamplingParams(max_new_tokens=6, temperature=0.0)))
     cost, k, scale = pacer.cost, pacer.k, pacer.time_scale
-    # Step 1 prefills every prompt and decodes each once; then each step decodes the three over a KV one longer.
+    # Step 1 prefills every prompt: the token it samples stands for k emulated ones, the first from the prefill,
+    # the other k - 1 decoded over the prompts' KV (k steps charged, one too many, as the simulator charges a
+    # request of n tokens n decode steps); then each step decodes the three over a KV one longer. A request of
+    # 6 tokens takes 6 paced steps, 6 k emulated decode steps.
     expected = [k * sum(map(len, prompts)) * cost.prefill_s_per_token
-                + k * cost.step_s(3, k * sum(len(p) + 1 for p in prompts) + 3 * (k - 1) / 2)]
-    expected += [k * cost.step_s(3, k * sum(len(p) + s for p in prompts) + 3 * (k - 1) / 2) for s in range(2, 6)]
+                + k * cost.step_s(3, k * sum(map(len, prompts)) + 3 * (k - 1) / 2)]
+    expected += [k * cost.step_s(3, k * sum(len(p) + s for p in prompts) + 3 * (k - 1) / 2) for s in range(1, 6)]
     for modelled in expected:
         started = time.perf_counter()
         engine.step()
         assert time.perf_counter() - started >= modelled * scale
-    assert engine.stats()["emulate"]["held"] == 5  # overruns depend on the machine: the run reports them
+    assert engine.stats()["emulate"]["held"] == 6  # overruns depend on the machine: the run reports them
     assert not engine.step() and not engine.has_work()  # the sixth token ended every request last step
 
 
@@ -135,10 +138,11 @@ def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engi
     started = time.perf_counter()
     engine.step()
     engine.step()
-    # The training prompt's 2 tokens prefilled, then its one sequence decoding over its own KV (read after the
-    # step's record: prompt + sampled - 1); the eval request's 4 prompt tokens and its KV are in neither.
-    assert held == [(2, 1, 3), (0, 1, 4)] and engine.stats()["emulate"]["held"] == 2
-    assert time.perf_counter() - started >= pacer.step_s(2, 1, 3) + pacer.step_s(0, 1, 4)
+    # The training prompt's 2 tokens prefilled and the rest of its prefill token decoded over them, then its one
+    # sequence decoding over its own KV (read after the step's record: prompt + sampled - 1); the eval request's
+    # 4 prompt tokens and its KV are in neither.
+    assert held == [(2, 1, 2), (0, 1, 3)] and engine.stats()["emulate"]["held"] == 2
+    assert time.perf_counter() - started >= pacer.step_s(2, 1, 2) + pacer.step_s(0, 1, 3)
 
 
 def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F811

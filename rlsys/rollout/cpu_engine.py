@@ -380,11 +380,14 @@ class CPUEngine(RolloutEngine):
         done, self.finished_early = self.finished_early, []
         self._prefilled_on_clock = 0
         admitted, continued = self._admit(), self._continue()
+        prefilled = [e for batch in (admitted, continued) if batch for e in batch[0]]
         # An admitted request decodes in the same step unless its budget is spent. Whether its prefill token
         # was an EOS or ended a tool call is known only after the fetch: then the decoded token is dropped.
-        just_continued = {id(e) for e in continued[0]} if continued else set()
+        # Not when emulating: the token a prefill samples stands for k emulated tokens, of which a prefill makes
+        # only the first; the other k - 1 are this step's paced decode steps, as the simulator charges them.
+        fresh = {id(e) for e in (prefilled if self.pacer else continued[0] if continued else [])}
         decoding = [e for e in self.running.values()
-                    if not e.held and id(e) not in just_continued and not self._spent(e, e.sampled)]
+                    if not e.held and id(e) not in fresh and not self._spent(e, e.sampled)]
         batches = [b for b in (admitted, continued, self._decode_batch(decoding)) if b]
         new_tokens = 0
         if batches:
@@ -395,14 +398,15 @@ class CPUEngine(RolloutEngine):
                     new_tokens += 1
                     self._record(e, token, logprob, done)
         if self.pacer and batches:
-            self._pace(t0, decoding)
+            self._pace(t0, decoding + prefilled)
         self.counters.record(len(decoding), self.slots, new_tokens, time.perf_counter() - t0)
         return done
 
     def _pace(self, t0: float, decoding: list[_Running]) -> None:
         """emulate: hold the step until the modelled time of its prefill and of its decoding over the KV cache it
-        read (each decoding entry's keys before this step's token). Requests off the run's clock (eval's) cost
-        nothing modelled: a step of only those runs at the machine's speed."""
+        read (each decoding entry's keys before this step's token; a prefilled entry decodes the rest of its
+        prefill token's k). Requests off the run's clock (eval's) cost nothing modelled: a step of only those
+        runs at the machine's speed."""
         decoding_on = [e for e in decoding if e.request.on_clock]
         if not self._prefilled_on_clock and not decoding_on:
             return
