@@ -399,7 +399,8 @@ class CPUEngine(RolloutEngine):
                     self._record(e, token, logprob, done)
         if self.pacer and batches:
             self._pace(t0, decoding + prefilled)
-        self.counters.record(len(decoding), self.slots, new_tokens, time.perf_counter() - t0)
+        generating = len(decoding) + sum(id(e) in fresh for e in prefilled)  # slots this step kept busy
+        self.counters.record(generating, self.slots, new_tokens, time.perf_counter() - t0)
         return done
 
     def _pace(self, t0: float, decoding: list[_Running]) -> None:

@@ -266,7 +266,7 @@ class EngineCounters:
     steps: deque = field(default_factory=lambda: deque(maxlen=OCCUPANCY_HISTORY))
 
     def record(self, active: int, slots: int, new_tokens: int, elapsed: float) -> None:
-        """One step: `active` sequences decoded (0: none), `new_tokens` sampled in all, in `elapsed` seconds."""
+        """One step: `active` sequences generated (0: none), `new_tokens` sampled in all, in `elapsed` seconds."""
         if active:
             self.decode_steps += 1
             self.active_slot_steps += active
