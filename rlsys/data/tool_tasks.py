@@ -1,7 +1,8 @@
 """The `tool_arith` task family: arithmetic too long for the tiny model to do in its head, with a calculator.
 
-`calculator may help: 347*5821=` -> `2019887`: a product of a 3-digit and a 3-4 digit number, or a sum of
-three to five numbers of 3-4 digits. Trained with `tools.fns: [calculator]` (configs/tool_arith.yaml), the
+`calculator may help: 47*582=` -> `27354`: a product of a 2-digit and a 3-digit number, or a sum of three
+3-digit numbers (the default model's `add`, a 3-digit number and a digit, is already beyond it). Short
+numbers, because the model must copy them into its call and copy the tool's answer back. Trained with `tools.fns: [calculator]` (configs/tool_arith.yaml), the
 model may call the calculator before it answers; its reward, `final_answer`, is the exact match of what it
 writes after the last tool answer. The warm start's demonstrations (`demonstrate`) show the call, so the
 policy starts out calling sometimes and guessing otherwise, and RL learns to call.
@@ -22,9 +23,9 @@ HINT = "calculator may help: "
 @TASKS.register("tool_arith")
 def tool_arith(rng: random.Random) -> tuple[str, str]:
     if rng.random() < 0.5:
-        expression = f"{rng.randint(100, 999)}*{rng.randint(100, 9999)}"
+        expression = f"{rng.randint(10, 99)}*{rng.randint(100, 999)}"
     else:
-        expression = "+".join(str(rng.randint(100, 9999)) for _ in range(rng.randint(3, 5)))
+        expression = "+".join(str(rng.randint(100, 999)) for _ in range(3))
     return f"{HINT}{expression}=", calculator(expression)
 
 
