@@ -17,11 +17,14 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from rlsys.types import Completion, Request, ToolTurn
-from rlsys.weights.transfer import WeightUpdate
+
+if TYPE_CHECKING:  # annotations only: `rlsys check` loads the engine registry without torch
+    from torch import Tensor
+
+    from rlsys.weights.transfer import WeightUpdate
 
 SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's tags, in the order an engine wakes (new weights load in between)
 

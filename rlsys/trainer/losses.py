@@ -51,13 +51,13 @@ Conventions (where they differ from, or are not written down by, veRL):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Callable, Optional
 
 from rlsys.config import MismatchConfig, TrainerConfig
 from rlsys.registry import Registry
+
+if TYPE_CHECKING:  # torch is imported where a loss is computed: `rlsys check` reads the registry without it
+    from torch import Tensor
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| beyond this is clamped before exp (veRL's bound)
 GSPO_LOG_RATIO_BOUND = 10.0  # GSPO's sequence log-ratio is clamped from above at this (veRL's GSPO)
@@ -87,11 +87,12 @@ def loglinear_proximal(behaviour: Tensor, current: Tensor, versions: Tensor, ver
     log pi_prox = log pi_behav + alpha (log pi - log pi_behav), alpha = (version - v) / (version + 1 - v).
     A token sampled by the starting weights keeps its behaviour log-prob (alpha 0), one a version older
     lies halfway. `current` is the mini-batch's own forward, detached."""
+    import torch
     alpha = ((version - versions) / (version + 1 - versions).clamp(min=1)).clamp(0.0, 1.0)
     return torch.lerp(behaviour, current, alpha.to(current.dtype))
 
 
-PerTokenLoss = Callable[[LossInputs, TrainerConfig], tuple[Tensor, dict[str, Tensor]]]
+PerTokenLoss = Callable[[LossInputs, TrainerConfig], "tuple[Tensor, dict[str, Tensor]]"]
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ def bounded_exp(log_ratio: Tensor) -> Tensor:
 def clipped_objective(ratio: Tensor, adv: Tensor, cfg: TrainerConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """-min(rho' A, clip(rho, 1 - eps_low, 1 + eps_high) A), rho' = min(rho, delta) with trainer.delta (TRL's
     two-sided cap: with A < 0 no token loses more than -A delta); with dual-clip, at most -A c when A < 0."""
+    import torch
     eps_low, eps_high = clip_range(cfg)
     capped = ratio if cfg.delta is None else ratio.clamp(max=cfg.delta)
     loss = -torch.minimum(capped * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
@@ -249,6 +251,7 @@ def gmpo_loss(inp: LossInputs, cfg: TrainerConfig):
     """GMPO (Zhao et al., 2025): -A exp(mean_t clip'(log rho_t)) per sequence, the geometric mean of the token
     ratios, each log-ratio clipped to [-eps_low, eps_high] on the side its advantage pushes it (PPO's min, taken
     in log space). eps are log-space bounds: the paper's range (e^-0.4, e^0.4) is eps_low = eps_high = 0.4."""
+    import torch
     eps_low, eps_high = clip_range(cfg)
     log_ratio = inp.logprobs - inp.old_logprobs
     sign = inp.advantages.sign()
@@ -281,6 +284,7 @@ def covariance(inp: LossInputs) -> Tensor:
 
 def top_tokens(score: Tensor, eligible: Tensor, count: int) -> Tensor:
     """A mask of the `count` eligible tokens of highest score (fewer if fewer are eligible)."""
+    import torch
     score = score.masked_fill(~eligible, float("-inf")).flatten()
     count = min(count, int(eligible.sum()))
     picked = torch.zeros_like(score, dtype=torch.bool)
@@ -297,6 +301,7 @@ def clip_cov_loss(inp: LossInputs, cfg: TrainerConfig):
     """Clip-Cov: the clipped surrogate, with the gradient of a share `cov_ratio` of tokens removed, those of
     highest covariance among the unclipped ones with covariance inside `clip_cov_bounds` (veRL draws them at
     random among those; rlsys takes the highest, so a step is reproducible)."""
+    import torch
     loss, stats = clipped_ppo(inp, cfg)
     cov, (low, high) = covariance(inp), cfg.clip_cov_bounds
     eligible = (inp.mask > 0) & (stats["clip_fraction"] == 0) & (cov > low) & (cov < high)
@@ -309,6 +314,7 @@ def clip_cov_loss(inp: LossInputs, cfg: TrainerConfig):
 def kl_cov_loss(inp: LossInputs, cfg: TrainerConfig):
     """KL-Cov: the unclipped surrogate -rho A, plus kl_cov_coef |log rho| on a share `cov_ratio` of tokens, those
     of highest covariance."""
+    import torch
     log_ratio = inp.logprobs - inp.old_logprobs
     loss = -bounded_exp(log_ratio) * inp.advantages
     picked = top_tokens(covariance(inp), inp.mask > 0, picked_count(inp, cfg))
@@ -344,6 +350,7 @@ def ppo_naive_loss(inp: LossInputs, cfg: TrainerConfig):
 
 def delight_gate(advantages: Tensor, logprobs: Tensor, eta: float) -> Tensor:
     """sigmoid(A * l / eta), l = -log pi (detached): rare successes pass, rare failures are damped."""
+    import torch
     return torch.sigmoid(advantages * -logprobs.detach() / eta)
 
 
@@ -386,6 +393,7 @@ def mismatch_rejected(inp: LossInputs, m: MismatchConfig) -> Tensor:
 def mismatch_weight(inp: LossInputs, m: MismatchConfig) -> tuple[Tensor, Tensor]:
     """The detached weight per token from rho = pi_old / pi_behav, and which tokens it truncated or masked
     (rejected ones included)."""
+    import torch
     log_rho = (inp.old_logprobs - inp.behaviour_logprobs).detach() * inp.mask
     if m.level == "sequence":  # the product of the sequence's token ratios, on each of its tokens
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
@@ -447,6 +455,7 @@ def dropped_tokens(inp: LossInputs, cfg: TrainerConfig) -> dict[str, Tensor]:
       trainer.off_policy_mask (DeepSeek-V3.2's sequence mask; pi detached, as TRL's).
     - low_entropy_dropped: tokens below the (1 - trainer.top_entropy_share) quantile of the micro-batch's
       response-token entropies (TRL takes the quantile over its whole batch)."""
+    import torch
     dropped = {}
     if cfg.off_policy_mask is not None:
         drift = sequence_mean(inp.behaviour_logprobs - inp.logprobs.detach(), inp.mask)
@@ -461,6 +470,7 @@ def dropped_tokens(inp: LossInputs, cfg: TrainerConfig) -> dict[str, Tensor]:
 
 def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, float]]:
     """This micro-batch's share of the step loss, and its share of each statistic."""
+    import torch
     policy = POLICY_LOSSES.get(cfg.loss)
     per_token, token_stats = policy.per_token(inp, cfg)
     correction = correction_for(policy, cfg)
