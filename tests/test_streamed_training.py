@@ -159,11 +159,14 @@ def one_rank_process_group():
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_streamed_steps_equal_synchronous_steps(model_dir, one_rank_process_group, stage):  # noqa: F811
+    from deepspeed import comm
+
     from rlsys.trainer.deepspeed_backend import DeepSpeedBackend
 
     cfg = trainer_config(backend="deepspeed", zero_stage=stage, grad_clip=0.05)
     steps = step_groups([0, 1])
     sync_backend = DeepSpeedBackend(cfg, model_dir, SCORING)
+    assert comm.comm.cdb.shm_comm_op is None  # DeepSpeed's inference all-reduce op, neither compiled nor loaded on a CPU
     initial = sync_backend.state_dict_for_rollout()
     sync = sync_steps(sync_backend, steps)
     streamed = streamed_steps(DeepSpeedBackend(cfg, model_dir, SCORING), steps)

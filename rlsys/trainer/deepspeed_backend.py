@@ -29,6 +29,7 @@ from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_paramete
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
 MASTER = "master"  # the fp32 master weights, kept apart from bf16 model weights
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU op that init_distributed builds unless told it cannot
 
 
 class DeepSpeedBackend(TrainerBackend):
@@ -38,6 +39,8 @@ class DeepSpeedBackend(TrainerBackend):
         accelerator = get_accelerator()
         super().__init__(cfg, model_dir, scoring, rank, world_size, accelerator.current_device_name())
         check_device_supports(cfg, accelerator)
+        if accelerator.device_name() == "cpu":  # its shared-memory all-reduce serves DeepSpeed inference only:
+            deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # not compiled (~40 s, a C++ compiler) nor loaded
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
         self.stage, self.ds_config = cfg.zero_stage, deepspeed_config(cfg, world_size)
         model = self._load_partitioned()
