@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,12 +17,11 @@ from rlsys.config import DEFAULT_CONFIG
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.rollout.registry import register_engine
 
+from helpers import SMALL
+
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 
-# Small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
-SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=16", "rollout.slots=16",
-         "rollout.max_new_tokens=48", "model.warm_start.steps=30", "logging.progress=false"]
 STEP_KEYS = ["step", "time_s", "policy_version", "samples", "reward/mean", "response_length/mean",
              "response_length/max", "response_length/p99", "group_size", "rollout/bubble_ratio",
              "rollout/straggler_rate", "timing/rollout_s", "timing/reward_s", "timing/train_s",
@@ -33,11 +33,8 @@ def rows(run_dir, name="metrics.jsonl"):
     return [json.loads(line) for line in (run_dir / name).read_text().splitlines() if line]
 
 
-def test_two_step_run_writes_metrics_checkpoint_export_and_plots(tmp_path, ray_cluster):
-    out = tmp_path / "run"
-    # Staged lengthening: step 1's answers capped at 4 tokens, step 2's at SMALL's 48 (eval's always 48)
-    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", *SMALL,
-                 "rollout.max_new_tokens_stages=[[0, 4], [1, 48]]"]) == 0
+def test_two_step_run_writes_metrics_checkpoint_export_and_plots(two_step_run):
+    out = two_step_run  # answers capped at 4 tokens in step 1, at SMALL's 48 in step 2 (conftest.py)
     metrics = rows(out)
     steps = [r for r in metrics if "timing/train_s" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -83,18 +80,31 @@ def test_killed_run_resumes_with_the_same_data_order(tmp_path, ray_address):
     that was never interrupted."""
     common = [str(DEFAULT_CONFIG), "trainer.total_steps=4", "control.save_every=2", "control.eval_every=0", *SMALL]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
-    assert main(["train", *common, f"output_dir={whole}"]) == 0
-
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "rlsys.cli", "train", *common, f"output_dir={broken}",
            f"cluster.address={ray_address}"]  # the shared Ray: the kill ends the driver, and Ray its actors
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    deadline = time.time() + 600
-    while not (broken / "checkpoints" / "step_000002" / "controller.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    ended_first = []  # the broken run finished, or ran out of time, before its step-2 checkpoint
+
+    def kill_at_the_checkpoint():
+        deadline = time.time() + 600
+        while not (broken / "checkpoints" / "step_000002" / "controller.json").exists():
+            if proc.poll() is not None or time.time() > deadline:
+                ended_first.append(proc.poll())
+                break
+            time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    # The uninterrupted run here meanwhile (the signal handlers it installs need the main thread): the two overlap.
+    killer = threading.Thread(target=kill_at_the_checkpoint)
+    killer.start()
+    try:
+        assert main(["train", *common, f"output_dir={whole}"]) == 0
+    finally:
+        killer.join()
+    assert not ended_first, f"the run ended before its first checkpoint (exit code {ended_first[0]})"
     subprocess.run(cmd + ["--resume"], check=True, env=env, timeout=600)
 
     assert trained_order(broken) == trained_order(whole)

@@ -85,39 +85,69 @@ def test_idle_gpus_are_named_with_the_fields_that_would_use_them():
                           "in all")
 
 
-# One child process, with a Ray of 2 logical GPUs, for the two tests of live actors on a plan (starting and stopping
-# Ray costs more than either does in it): a colocated plan's actors on their GPUs, then, with those gone, a run
-# whose plan leaves a GPU idle.
-ON_TWO_GPUS = textwrap.dedent("""
+# One child process, with a Ray of 16 logical GPUs, for the four tests of live actors on plans (starting and stopping
+# Ray costs more than any of them does in it): a colocated plan's actors on their GPUs; once they are gone, a larger
+# plan's placement groups; once those are removed, an actor holding every GPU as an unplanned engine on CUDA did, so
+# that a trainer rank cannot start; with that actor gone, a run whose plan leaves a GPU idle.
+ON_SIXTEEN_GPUS = textwrap.dedent("""
     import sys, ray
     from rlsys.cli import main
     from rlsys.models import prepare_model
-    from rlsys.placement import Placement, plan_from_config
+    from rlsys.placement import Placement, plan_from_config, plan_placement
     from rlsys.rollout.manager import RolloutManager
     from rlsys.startup import load_config
+    from rlsys.trainer import worker
     from rlsys.trainer.logprobs import Scoring
-    from rlsys.trainer.worker import TrainerGroup
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(num_cpus=16, num_gpus=16, include_dashboard=False, logging_level="ERROR")
+
     cfg = load_config(None, ["cluster.gpus_per_node=2", "rollout.num_workers=2", "trainer.world_size=1",
                              "trainer.backend=torch", "model.warm_start.steps=30"])
     placement = Placement(plan_from_config(cfg), timeout_s=60)
     model = prepare_model(cfg)
     rollout = RolloutManager.from_config(cfg, model, placement)
-    trainer = TrainerGroup(cfg, str(model), Scoring.of(cfg.rollout), placement)
+    trainer = worker.TrainerGroup(cfg, str(model), Scoring.of(cfg.rollout), placement)
     print("ROLLOUT", ray.get([w.gpu_ids.remote() for w in rollout.workers]))
     print("TRAINER", ray.get([w.gpu_ids.remote() for w in trainer.workers]))
     print("FREE_GPUS", ray.available_resources().get("GPU", 0), flush=True)
     rollout.shutdown()
     trainer.shutdown()
     placement.remove()
+
+    @ray.remote
+    class Probe:
+        def gpus(self):
+            return ray.get_gpu_ids()
+
+    placement = Placement(plan_placement(2, 8, 4, 2, 8, "separate"), timeout_s=30)
+    probes = [Probe.options(**placement.actor_options(role, i)).remote()
+              for role, n in (("rollout", 4), ("trainer", 8)) for i in range(n)]
+    ids = [ray.get(p.gpus.remote()) for p in probes]
+    print("ENGINE_GPUS", [len(g) for g in ids[:4]], "DISTINCT", len({g for gs in ids for g in gs}), flush=True)
+    placement.remove()
+
+    @ray.remote(num_gpus=16)
+    class Engine:
+        def ready(self):
+            return True
+
+    engine = Engine.remote()
+    ray.get(engine.ready.remote())
+    start_timeout_s, worker.START_TIMEOUT_S = worker.START_TIMEOUT_S, 3
+    try:
+        cfg = load_config(None, [])
+        worker.TrainerGroup(cfg, "no-model", Scoring.of(cfg.rollout))
+    except worker.NotScheduled as e:
+        print("REFUSED", e, flush=True)
+    ray.kill(engine)
+    worker.START_TIMEOUT_S = start_timeout_s
     sys.exit(main(sys.argv[1:]))
 """)
 
 
 @pytest.fixture(scope="module")
-def on_two_gpus(tmp_path_factory):
+def on_sixteen_gpus(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("idle") / "run"
-    return subprocess.run([sys.executable, "-c", ON_TWO_GPUS, "train", "cluster.gpus_per_node=2",
+    return subprocess.run([sys.executable, "-c", ON_SIXTEEN_GPUS, "train", "cluster.gpus_per_node=2",
                            "trainer.backend=torch", "trainer.total_steps=1", "model.warm_start.steps=0",
                            "data.eval_size=4", "control.prompts_per_step=4", "control.group_size=4",
                            "rollout.max_new_tokens=48", f"output_dir={run_dir}"],
@@ -125,9 +155,9 @@ def on_two_gpus(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_run_whose_plan_leaves_a_gpu_idle_says_so_at_start_up_and_trains_on(on_two_gpus):
-    """The warning comes before Ray starts, and is not fatal: on a Ray of 2 logical GPUs the run uses one."""
-    out = on_two_gpus
+def test_a_run_whose_plan_leaves_a_gpu_idle_says_so_at_start_up_and_trains_on(on_sixteen_gpus):
+    """The warning comes before the run starts, and is not fatal: of its plan's 2 GPUs the run uses one."""
+    out = on_sixteen_gpus
     assert out.returncode == 0, out.stdout + out.stderr
     assert ("warning: 1 of 2 GPUs would sit idle (node 0: GPUs 1): trainer.world_size and rollout.num_workers must "
             "grow with cluster.nodes and cluster.gpus_per_node; to use all 2, set rollout.num_workers=2 and "
@@ -164,49 +194,6 @@ def test_colocated_tp_engines_are_refused_before_any_group_is_made():
         Placement(plan_placement(1, 8, engines=4, tp=2, trainer_world=8, layout="colocated"))
 
 
-# One child process, with a Ray of 16 logical GPUs, for the two tests of scheduling on it: a plan's placement groups,
-# then, once they are removed, an actor holding every GPU as an unplanned engine on CUDA did.
-ON_SIXTEEN_GPUS = textwrap.dedent("""
-    import ray
-    from rlsys.placement import Placement, plan_placement
-    from rlsys.startup import load_config
-    from rlsys.trainer import worker
-    from rlsys.trainer.logprobs import Scoring
-    ray.init(num_cpus=16, num_gpus=16, include_dashboard=False, logging_level="ERROR")
-
-    @ray.remote
-    class Probe:
-        def gpus(self):
-            return ray.get_gpu_ids()
-
-    placement = Placement(plan_placement(2, 8, 4, 2, 8, "separate"), timeout_s=30)
-    probes = [Probe.options(**placement.actor_options(role, i)).remote()
-              for role, n in (("rollout", 4), ("trainer", 8)) for i in range(n)]
-    ids = [ray.get(p.gpus.remote()) for p in probes]
-    print("ENGINE_GPUS", [len(g) for g in ids[:4]], "DISTINCT", len({g for gs in ids for g in gs}), flush=True)
-    placement.remove()
-
-    @ray.remote(num_gpus=16)
-    class Engine:
-        def ready(self):
-            return True
-
-    engine = Engine.remote()
-    ray.get(engine.ready.remote())
-    worker.START_TIMEOUT_S = 3
-    try:
-        cfg = load_config(None, [])
-        worker.TrainerGroup(cfg, "no-model", Scoring.of(cfg.rollout))
-    except worker.NotScheduled as e:
-        print("REFUSED", e)
-""")
-
-
-@pytest.fixture(scope="module")
-def on_sixteen_gpus():
-    return subprocess.run([sys.executable, "-c", ON_SIXTEEN_GPUS], capture_output=True, text=True, timeout=180)
-
-
 @pytest.mark.slow
 def test_placement_groups_schedule_actors_on_their_gpus(on_sixteen_gpus):
     """Real Ray placement groups on a one-node Ray with 16 logical GPUs (in a child process)."""
@@ -215,12 +202,13 @@ def test_placement_groups_schedule_actors_on_their_gpus(on_sixteen_gpus):
 
 
 @pytest.mark.slow
-def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_gives_them(on_two_gpus):
+def test_a_colocated_run_puts_each_engine_and_trainer_rank_on_the_gpu_the_plan_gives_them(on_sixteen_gpus):
     """The live actors (rollout workers, trainer ranks) in their placement groups, on logical GPUs."""
-    out = on_two_gpus
-    # engine 0 and trainer rank 0 share GPU 0 (half each); engine 1 has GPU 1; nothing outside the groups
+    out = on_sixteen_gpus
+    # engine 0 and trainer rank 0 share GPU 0 (half each); engine 1 has GPU 1; nothing outside the groups: the
+    # plan's 2 GPUs are all taken, the other 14 of the Ray's 16 all free
     assert "ROLLOUT [[0], [1]]" in out.stdout and "TRAINER [[0]]" in out.stdout, out.stdout + out.stderr
-    assert "FREE_GPUS 0" in out.stdout
+    assert "FREE_GPUS 14" in out.stdout
 
 
 def test_an_engine_on_cuda_without_a_plan_is_refused_naming_the_field():
