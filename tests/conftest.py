@@ -22,6 +22,22 @@ def ray_address(ray_cluster) -> str:
     return ray_cluster.get_runtime_context().gcs_address
 
 
+@pytest.fixture(scope="session")
+def two_step_run(ray_cluster, tmp_path_factory):
+    """One run of the embedded default, two short steps, with evals, its checkpoint and export, asserted on by
+    tests/test_end_to_end.py (what it logs and writes) and tests/test_safe_formats.py (its files' formats)."""
+    from helpers import SMALL
+
+    from rlsys.cli import main
+    from rlsys.config import DEFAULT_CONFIG
+
+    out = tmp_path_factory.mktemp("two_step") / "run"
+    # Staged lengthening: step 1's answers capped at 4 tokens, step 2's at SMALL's 48 (eval's always 48)
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", *SMALL,
+                 "rollout.max_new_tokens_stages=[[0, 4], [1, 48]]"]) == 0
+    return out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
     """Tiny matmuls gain nothing from threads, and on a shared machine spare threads only contend."""

@@ -1,5 +1,9 @@
 """What several test files do the way a driver does it."""
 
+# A run's overrides small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
+SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=16", "rollout.slots=16",
+         "rollout.max_new_tokens=48", "model.warm_start.steps=30", "logging.progress=false"]
+
 
 def next_step(sched, version, groups, now):
     """Cross a step boundary as the live controller and the simulator do: `on_trained`, then `start`."""

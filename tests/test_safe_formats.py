@@ -12,8 +12,7 @@ import psutil  # DeepSpeed's dependency
 import pytest
 from safetensors import safe_open
 
-from rlsys.cli import main
-from rlsys.config import DEFAULT_CONFIG, ClusterConfig, TrainerConfig
+from rlsys.config import ClusterConfig, TrainerConfig
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.logprobs import Scoring
 
@@ -132,15 +131,11 @@ def assert_safetensors_and_json_only(folder: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_real_run_checkpoints_and_exports_safetensors_and_json_only(tmp_path, ray_cluster):
-    run = tmp_path / "run"
-    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=1", f"output_dir={run}",
-                 "control.prompts_per_step=4", "control.group_size=4", "data.eval_size=8", "rollout.slots=16",
-                 "rollout.max_new_tokens=48", "model.warm_start.steps=30", "control.eval_every=0",
-                 "logging.progress=false"]) == 0
+def test_a_real_run_checkpoints_and_exports_safetensors_and_json_only(tmp_path, two_step_run):
+    run = two_step_run  # the embedded default's (conftest.py)
     checkpoint = assert_safetensors_and_json_only(run / "checkpoints")  # DeepSpeed (ZeRO-2) and the controller
-    assert {"step_000001/controller.json", "step_000001/trainer/model.safetensors",
-            "step_000001/trainer/optimizer_shard0.safetensors"} <= set(checkpoint)
+    assert {"step_000002/controller.json", "step_000002/trainer/model.safetensors",
+            "step_000002/trainer/optimizer_shard0.safetensors"} <= set(checkpoint)
     assert "model.safetensors" in assert_safetensors_and_json_only(run / "export")
 
     backend = TorchBackend(TrainerConfig(backend="torch"), str(run / "export"), Scoring())  # the other backend's files
