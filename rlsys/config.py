@@ -164,7 +164,7 @@ class SandboxConfig(Section):
     @model_validator(mode="after")
     def _timeouts_ordered(self):
         if self.t_min_s > self.t_max_s:
-            raise ValueError("reward.sandbox.t_min_s must be at most reward.sandbox.t_max_s")
+            raise ValueError(f"t_min_s ({self.t_min_s}) must be at most t_max_s ({self.t_max_s})")
         return self
 
 
