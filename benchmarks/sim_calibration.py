@@ -32,21 +32,11 @@ ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
 }
 FITTED = {"rollout veRL", "rollout tail", "tail", "tail+reward"}  # see each config's header
 PLANNER = (  # the planner rows' shared reason, with this run's figures
-    "the planner picks TP before each round by the cost model, whose TP efficiency is fitted (tp_fit); it ran "
-    "the rounds after the first at TP{tp}: short rounds of {planned[short]:.0f} s against {kept[short]:.0f} s at "
-    "TP{base}, long rounds of {planned[long]:.0f} s against {kept[long]:.0f} s (bound by their longest samples, "
-    "which more GPUs per engine decode faster); RollPacker's planner gains 0-2% over its reward scheduler, so it "
-    "must leave TP{base} rarely or scale worse than any efficiency its TP2:TP1 figures allow (at 32B the lowest "
-    "that keeps the fitted TP2 step, 0.72 with no CPU overhead left, still ran TP8 in a 10-step probe); its "
-    "choices per round are unpublished")
+    "the planner picks each round's TP before it starts: short rounds by the cost model, long rounds at most TP{base} "
+    "(RollPacker measured its long rounds slower at the larger TP; see the TP2:TP1 rows); it ran the short rounds "
+    "after the first mostly at TP{tp}: {planned[short]:.0f} s against {kept[short]:.0f} s at TP{base}, long rounds "
+    "{planned[long]:.0f} s against {kept[long]:.0f} s")
 NOTES = {  # what each missing row's paper leaves unstated, and what we assumed for it
-    "qwen32b_32k tail+reward+planner+stream": (
-        "the planner's gain is overstated (see the planner row); the stream trainer adds little besides: it is "
-        "credited only the forward and backward of a streamed group (6 of the 10 FLOPs a parameter and token; "
-        "we assume the reference and old-log-prob forwards run over the whole batch after the round, and the "
-        "optimizer step after the last group), on rollout GPUs idle after the group came, in whole trainer "
-        "replicas (TP4 x CP4 = 16 GPUs); only long rounds leave such GPUs idle, and there they, not the work, "
-        "bound it"),
     "scaling": (
         "RollPacker states batch and GPUs per point (weak scaling), not what it held fixed besides. We hold both "
         "reward pools at their 32-GPU fit (veRL's 18 workers, the reward scheduler's 45), lose the published "

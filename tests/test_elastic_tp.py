@@ -141,10 +141,12 @@ def test_the_round_planner_sizes_tp_from_the_rounds_lengths():
 
 def test_the_simulated_planner_acts_before_each_round():
     """Under tail with the round rule the first round runs the configured TP (nothing is known yet), then the
-    planner moves TP without a single preemption to react to."""
+    planner moves TP without a single preemption to react to: short rounds up, the long round kept at the
+    configured TP (RollPacker measured long rounds slower at the larger TP; the cost model alone picks TP4)."""
     cfg = {"name": "planner", "steps": 6, "model": "qwen2.5-7b", "cluster": {"gpus": 8, "tp": 1},
            "workload": {"max_tokens": 8192, "median_tokens": 600},
            "control": {"prompts_per_step": 32, "group_size": 8, "elastic_tp": {"enabled": True, "max_tp": 4}},
            "schedulers": ["tail"]}
     r = simulate(cfg, quiet=True)["results"]["tail"]
     assert r["tp_per_step"][0] == 1 and max(r["tp_per_step"]) > 1 and sum(r["preemptions_by_step"]) == 0
+    assert r["long_round_steps"] == [4] and r["tp_per_step"][4] == 1 and r["tp_per_step"][1:4] == [4, 4, 4]
