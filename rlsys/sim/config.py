@@ -18,7 +18,8 @@ class ElasticTPConfig(Section):
     simulated only. Sizes are the powers of two from min_tp to max_tp."""
     enabled: bool = False
     # round: before each round, the size that finishes it soonest by the cost model, from the round's type
-    # (tail's long or short) and lengths (rlsys/control/elastic_tp.py plan_tp); preemptions: the reactive
+    # (tail's long or short) and lengths (rlsys/control/elastic_tp.py plan_tp), a long round at most at
+    # cluster.tp (rlsys/sim/simulator.py _plan_next_round says why); preemptions: the reactive
     # rule below, from the last round's preemptions
     rule: Literal["round", "preemptions"] = "round"
     min_tp: int = Field(1, ge=1)
