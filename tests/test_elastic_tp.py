@@ -4,11 +4,12 @@ import sys
 
 import pytest
 
-from rlsys.sim.config import ElasticTPConfig
+from rlsys.sim.config import ElasticTPConfig, load_sim_config
 from rlsys.control.elastic_tp import ElasticTP, plan_tp, tp_sizes
 from rlsys import costs
 from rlsys.costs import GPUS, MODELS, EngineCost
 from rlsys.sim.run import simulate
+from rlsys.sim.simulator import Simulation
 
 PRESSURE, CALM = (100, 1000), (0, 1000)  # (preemptions, requests) of one round
 
@@ -150,3 +151,18 @@ def test_the_simulated_planner_acts_before_each_round():
     r = simulate(cfg, quiet=True)["results"]["tail"]
     assert r["tp_per_step"][0] == 1 and max(r["tp_per_step"]) > 1 and sum(r["preemptions_by_step"]) == 0
     assert r["long_round_steps"] == [4] and r["tp_per_step"][4] == 1 and r["tp_per_step"][1:4] == [4, 4, 4]
+
+
+def test_engines_retired_by_a_tp_change_hold_no_more_gpu_time():
+    """After a TP change the old engines' GPUs belong to the new ones: allocated GPU-seconds over all engines,
+    retired ones included, stay within the rollout GPUs' time (retired engines advanced at every finish once
+    counted as idle GPUs, which a streamed trainer then borrowed)."""
+    cfg = load_sim_config({"name": "planner", "steps": 6, "model": "qwen2.5-7b", "cluster": {"gpus": 8, "tp": 1},
+                           "workload": {"max_tokens": 8192, "median_tokens": 600},
+                           "control": {"prompts_per_step": 32, "group_size": 8,
+                                       "elastic_tp": {"enabled": True, "max_tp": 4}},
+                           "schedulers": ["tail"]})
+    sim = Simulation(cfg, cfg.runs()[0])
+    r = sim.run()
+    assert sim.retired, "the planner changed TP"
+    assert sum(e.gpus * e.alloc_s for e in sim._all_engines()) <= 8 * r["sim_time_s"] * (1 + 1e-9)

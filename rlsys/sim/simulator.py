@@ -360,7 +360,7 @@ class Simulation:
     def _generated(self, req: SimRequest) -> None:
         self.counts["finished"] += 1
         self.last_finish = self.now
-        for engine in self._all_engines():  # where a rollout window may close (_train)
+        for engine in self.engines:  # where a rollout window may close (_train); retired engines hold no GPUs
             engine.advance_to(self.now)
         self.at_last_finish = self._slot_seconds()
         if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
