@@ -87,9 +87,11 @@ class Completion:
         self.mask = [0] * len(self.token_ids)
 
     def resume_fields(self) -> dict:
-        """The Request fields that continue this cut completion from where it stopped (partial rollouts)."""
-        return dict(resume_ids=list(self.token_ids), resume_logprobs=list(self.logprobs),
-                    resume_versions=list(self.versions), resume_mask=list(self.mask), resume_turns=list(self.turns))
+        """The Request fields that continue this cut completion from where it stopped (partial rollouts). The
+        token sequences pass as they are, not copied, as before conversations: the simulator's are run-length Runs,
+        too long to walk."""
+        return dict(resume_ids=self.token_ids, resume_logprobs=self.logprobs, resume_versions=self.versions,
+                    resume_mask=list(self.mask), resume_turns=list(self.turns))
 
 
 @dataclass
