@@ -71,6 +71,11 @@ class SimEngine:
         return self.kv_offset + self.n * self.progress
 
     # --- time --------------------------------------------------------------------------------
+    def slot_seconds_at(self, t: float) -> tuple[float, float]:
+        """(busy, allocated) slot-seconds up to t, as advance_to(t) would count them, without running to t."""
+        span = max(0.0, t - max(self.clock, self.paused_until))
+        return self.busy_slot_s + min(self.n, self.slots) * span, self.slots * (self.alloc_s + span)
+
     def advance_to(self, t: float, target: Optional[float] = None) -> None:
         """Run until time t with the current batch (no internal event may fall before t)."""
         if t <= self.clock:

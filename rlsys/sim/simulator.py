@@ -135,10 +135,14 @@ class Simulation:
     def _all_engines(self) -> list[SimEngine]:
         return self.engines + self.retired
 
-    def _slot_seconds(self) -> tuple[float, float]:
-        """Busy and allocated slot-seconds of every engine so far (engines advanced to now)."""
-        engines = self._all_engines()
-        return sum(e.busy_slot_s for e in engines), sum(e.slots * e.alloc_s for e in engines)
+    def _slot_seconds(self, at: Optional[float] = None) -> tuple[float, float]:
+        """Busy and allocated slot-seconds of every engine so far (engines advanced to now), or up to `at` (read,
+        not run: no engine's batch changes before `at`); retired engines hold what they held."""
+        def of(e: SimEngine) -> tuple[float, float]:
+            return e.slot_seconds_at(at) if at is not None and e in live else (e.busy_slot_s, e.slots * e.alloc_s)
+        live = set(self.engines)
+        seconds = [of(e) for e in self._all_engines()]
+        return sum(b for b, _ in seconds), sum(a for _, a in seconds)
 
     # --- the loop ------------------------------------------------------------------------
     def run(self, trace: Optional[list] = None) -> dict:
@@ -360,9 +364,7 @@ class Simulation:
     def _generated(self, req: SimRequest) -> None:
         self.counts["finished"] += 1
         self.last_finish = self.now
-        for engine in self.engines:  # where a rollout window may close (_train); retired engines hold no GPUs
-            engine.advance_to(self.now)
-        self.at_last_finish = self._slot_seconds()
+        self.at_last_finish = self._slot_seconds(at=self.now)  # where a rollout window may close (_train)
         if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
             self.reward_pending.append(req.reward_latency)
             self._push(self.now, SAMPLE, req)
