@@ -51,8 +51,9 @@ class RecordingCursor(PromptCursor):
 
 def build(scheduler, sizer, control):
     rule = "constant_prompts" if scheduler == "async" else "constant_samples"  # async keeps B prompts
+    # sagc's delta: a budget these lengths let it spend, so its sizes move and every case has its checkpoint
     cfg = ControlConfig(scheduler=scheduler, group_sizer=sizer, prompts_per_step=4, group_size=4,
-                        sagc={"sizes": [2, 4, 8], "delta": 0.05, "prompt_rule": rule}, **control)
+                        sagc={"sizes": [2, 4, 8], "delta": 0.2, "prompt_rule": rule}, **control)
     cursor = RecordingCursor([Prompt(f"train-{i}", f"q{i}", str(i), index=i) for i in range(5000)], seed=1)
     return SCHEDULERS.get(scheduler)(cfg, cursor, GROUP_SIZERS.get(sizer)(cfg))
 
