@@ -160,13 +160,15 @@ def test_an_eval_runs_beside_async_training_on_its_steps_weights(tmp_path, ray_c
     from rlsys.evaluate import evaluate_path
     from rlsys.train import Controller
 
-    seen = []  # (evaluating mid-run, training's requests suspended, training clock) at each turn of the pump
+    # (evaluating mid-run, training's requests held suspended, their cuts still on the way, training clock) at each
+    # turn of the pump
+    seen = []
     next_events = Controller.next_events
 
     def spy(self):
         events = next_events(self)
-        held = len(self.rollout.suspended) + len(self.rollout.suspending)
-        seen.append((self.evaluation is not None and not self.done, held, self.now()))
+        seen.append((self.evaluation is not None and not self.done, len(self.rollout.suspended),
+                     len(self.rollout.suspending), self.now()))
         return events
     monkeypatch.setattr(Controller, "next_events", spy)
     ray_cluster.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the engine, to the Ray workers
@@ -176,11 +178,12 @@ def test_an_eval_runs_beside_async_training_on_its_steps_weights(tmp_path, ray_c
                  "rollout.engine=unhurried", *SMALL]) == 0
     steps = [r for r in rows(out) if "timing/train_s" in r]
     assert [r["policy_version"] for r in steps] == [1, 2, 3] and all(r["samples"] == 16 for r in steps)
-    assert max(held for evaluating, held, _ in seen if evaluating) > 0, "nothing in flight at an eval: a weak test"
-    assert all(held == 0 for evaluating, held, _ in seen if not evaluating)  # all resumed once eval is done
+    assert max(held + cut for evaluating, held, cut, _ in seen if evaluating) > 0, "nothing in flight at an eval"
+    # All resumed once eval is done: none held back; a cut still on its way is given back as it arrives
+    assert all(held == 0 for evaluating, held, _, _ in seen if not evaluating) and seen[-1][2] == 0
     clock = [t for *_, t in seen]
     assert clock == sorted(clock)  # it never runs back
-    assert all(a[2] == b[2] for a, b in zip(seen, seen[1:]) if a[0] and b[0])  # and stands still in an eval
+    assert all(a[3] == b[3] for a, b in zip(seen, seen[1:]) if a[0] and b[0])  # and stands still in an eval
     collected = [r["request_id"] for r in rows(out, "timeline.jsonl")]
     assert len(collected) == len(set(collected))  # each sample once (the ledger balanced at every step)
     again, _ = evaluate_path(str(out / "checkpoints" / "step_000002"), [])  # the last two are kept
