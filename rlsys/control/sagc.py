@@ -119,7 +119,6 @@ class SAGCSizer(GroupSizer):
         return self.shape
 
     def observe(self, groups: list[Group]) -> None:
-        model_risk = {}  # the model's risk for each size seen, before this step updates it
         self.last = (self.shape.group_size, self.chosen_risk)
         kappa, decay = self.cfg.straggler_kappa, self.sagc.decay
         samples = successes = ratios = over = stragglers = predicted = 0
@@ -134,9 +133,7 @@ class SAGCSizer(GroupSizer):
             group_over = n - bisect_right(lengths, kappa * max(median, 1))
             ratios, over = ratios + n, over + group_over
             stragglers += group_over > 0  # exactly metrics.is_straggler
-            if n not in model_risk:
-                model_risk[n] = self.model_risk(n)
-            predicted += model_risk[n]
+            predicted += self.model_risk(n)  # the counts it reads change after the loop
         self.realised, self.predicted = self.realised * decay + stragglers, self.predicted * decay + predicted
         self.ratios, self.over = self.ratios * decay + ratios, self.over * decay + over
         self.rewards, self.successes = self.rewards * decay + samples, self.successes * decay + successes

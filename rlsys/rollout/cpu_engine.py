@@ -23,7 +23,7 @@ from torch import Tensor
 
 from rlsys.emulate import EnginePacer
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
-                                  resume_finish_reason)
+                                  resume_finish_reason, token_budget)
 from rlsys.types import Completion, Request
 from rlsys.weights import WeightGroup, WeightUpdate
 
@@ -345,8 +345,7 @@ class CPUEngine(RolloutEngine):
         self.validate(request)
         entry = _Running(request, time.time(), sampled=len(request.resume_ids), tokens=list(request.resume_ids),
                          logprobs=list(request.resume_logprobs), versions=list(request.resume_versions),
-                         mask=list(request.resume_mask) or [1] * len(request.resume_ids),
-                         turns=list(request.resume_turns))
+                         **self._conversation_so_far(request))
         reason = resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(entry)
         if reason:
             self.finished_early.append(self._completion(entry, reason))
@@ -360,8 +359,8 @@ class CPUEngine(RolloutEngine):
         return reason
 
     def extend(self, request_id: str, at: int, ids: list[int], turn) -> None:
-        entry = self.running.get(request_id) or self.waiting.get(request_id)
-        if entry is None or not entry.held or len(entry.tokens) != at:
+        entry = self._waiting_on(request_id, at)
+        if entry is None:
             return
         spent = self._append_answer(entry, ids, turn)
         entry.sampled = len(entry.tokens)
@@ -371,8 +370,11 @@ class CPUEngine(RolloutEngine):
         elif entry.slot >= 0:
             entry.continue_at = at
 
-    def can_step(self) -> bool:
-        return bool(self.finished_early or any(not e.held for e in (*self.waiting.values(), *self.running.values())))
+    def _records(self):
+        return (*self.waiting.values(), *self.running.values())
+
+    def _record_of(self, request_id: str):
+        return self.running.get(request_id) or self.waiting.get(request_id)
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
@@ -577,9 +579,8 @@ class CPUEngine(RolloutEngine):
             done.append(self._finish(entry.slot, reason))
 
     def _spent(self, entry: _Running, n: int) -> bool:
-        """Whether n tokens use up the request's budget. Prompt + response never exceeds max_len, so the
-        trainer can score the whole sequence."""
-        return n >= entry.request.params.max_new_tokens or len(entry.request.prompt_ids) + n >= self.max_len
+        """Whether n tokens use up the request's budget."""
+        return n >= token_budget(entry.request, self.max_len)
 
     def _occupy(self, entry: _Running, slot: int, now: float) -> None:
         req, p = entry.request, entry.request.params
@@ -646,8 +647,7 @@ class CPUEngine(RolloutEngine):
                           entry.versions, reason, text=self._decode(entry.tokens), slot=entry.slot,
                           submit_time=entry.submit_time,
                           start_time=entry.start_time or time.time(), end_time=time.time(),
-                          stale_kv_tokens=entry.stale_kv_tokens, mask=list(entry.mask) if 0 in entry.mask else [],
-                          turns=list(entry.turns))
+                          stale_kv_tokens=entry.stale_kv_tokens, **self._conversation_of(entry))
 
     def validate(self, req: Request) -> None:
         check_request(req, self.model.vocab, self.max_len)

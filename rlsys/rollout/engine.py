@@ -79,7 +79,21 @@ class RolloutEngine(ABC):
 
     def can_step(self) -> bool:
         """Whether a step would do anything: not while every request it holds waits on a tool."""
-        return self.has_work()
+        if not self.call_close:  # no conversations: nothing ever waits on a tool
+            return self.has_work()
+        return bool(self.finished_early or any(not seq.held for seq in self._records()))
+
+    def _records(self):
+        """The engine's record (`seq` below) of every request it holds."""
+        raise NotImplementedError(f"{self.name} does not run conversations with tools")
+
+    def _record_of(self, request_id: str):
+        raise NotImplementedError(f"{self.name} does not run conversations with tools")
+
+    def _waiting_on(self, request_id: str, at: int):
+        """The record of `request_id` if it still waits on the call it made at `at` tokens, else None."""
+        seq = self._record_of(request_id)
+        return seq if seq is not None and seq.held and len(seq.tokens) == at else None
 
     def _call_made(self, tokens: list[int], mask: list[int]) -> str | None:
         """The tool call's text if the model's turn just ended at one (its decoded tail reached call_close: the
@@ -99,6 +113,16 @@ class RolloutEngine(ABC):
         return len(mask) - mask[::-1].index(0) if 0 in mask else 0
 
     # `seq` below is an engine's record of a request: request, tokens, logprobs, versions, mask, turns, held
+    @staticmethod
+    def _conversation_so_far(request: Request) -> dict:
+        """A new record's mask and turns: those of the conversation it resumes (a plain resume: all the model's)."""
+        return dict(mask=list(request.resume_mask) or [1] * len(request.resume_ids), turns=list(request.resume_turns))
+
+    @staticmethod
+    def _conversation_of(seq) -> dict:
+        """A completion's mask and turns (an empty mask: every token is the model's)."""
+        return dict(mask=list(seq.mask) if 0 in seq.mask else [], turns=list(seq.turns))
+
     def _call_or_end(self, seq) -> str | None:
         """If the model's turn just ended at a tool call: hold the conversation and hand the call out; with no
         tool calls left (tools.max_turns), end it: "length"."""
@@ -114,8 +138,7 @@ class RolloutEngine(ABC):
     def _append_answer(self, seq, ids: list[int], turn: ToolTurn) -> bool:
         """Append a tool's answer to a held conversation, cut to its token budget (a tool's tokens count in
         max_new_tokens); True if the answer used the budget up, which ends the conversation."""
-        p = seq.request
-        room = min(p.params.max_new_tokens, self.max_len - len(p.prompt_ids)) - len(seq.tokens)
+        room = token_budget(seq.request, self.max_len) - len(seq.tokens)
         ids = list(ids[:max(0, room)])
         seq.tokens += ids
         seq.logprobs += [0.0] * len(ids)
@@ -243,9 +266,15 @@ def resume_finish_reason(req: Request, eos_ids: set[int], max_len: int) -> str |
         return None
     if r[-1] in eos_ids:
         return "stop"
-    if len(r) >= req.params.max_new_tokens or len(req.prompt_ids) + len(r) >= max_len:
+    if len(r) >= token_budget(req, max_len):
         return "length"
     return None
+
+
+def token_budget(req: Request, max_len: int) -> int:
+    """The response tokens a request may have, tool answers included: max_new_tokens, and no more than the
+    context leaves after its prompt (prompt + response never exceeds max_len, so the trainer can score it)."""
+    return min(req.params.max_new_tokens, max_len - len(req.prompt_ids))
 
 
 OCCUPANCY_HISTORY = 200_000  # decode steps kept for occupied_slot_s (minutes of generation)

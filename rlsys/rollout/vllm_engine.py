@@ -140,8 +140,7 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"request {rid}: request_id already in the engine")
         self.validate(request)
         sample = _Sample(request, time.time(), list(resumed), list(request.resume_logprobs),
-                         list(request.resume_versions), kv_version=self.version,
-                         mask=list(request.resume_mask) or [1] * len(resumed), turns=list(request.resume_turns))
+                         list(request.resume_versions), kv_version=self.version, **self._conversation_so_far(request))
         reason = resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(sample)
         if reason:
             self.finished_early.append(self._completion(sample, reason))
@@ -167,16 +166,19 @@ class VLLMEngine(RolloutEngine):
                              params)
 
     def extend(self, request_id: str, at: int, ids: list[int], turn) -> None:
-        sample = self.samples.get(request_id)
-        if sample is None or not sample.held or len(sample.tokens) != at:
+        sample = self._waiting_on(request_id, at)
+        if sample is None:
             return
         if self._append_answer(sample, ids, turn):
             self.finished_early.append(self._completion(self.samples.pop(request_id), "length"))
         else:
             self._submit(sample)
 
-    def can_step(self) -> bool:
-        return bool(self.finished_early or any(not s.held for s in self.samples.values()))
+    def _records(self):
+        return self.samples.values()
+
+    def _record_of(self, request_id: str):
+        return self.samples.get(request_id)
 
     def step(self) -> list[Completion]:
         t0 = time.perf_counter()
@@ -286,5 +288,4 @@ class VLLMEngine(RolloutEngine):
         return Completion(r.request_id, r.prompt_uid, list(r.prompt_ids), sample.tokens, sample.logprobs,
                           sample.versions, reason, text=self._decode(sample.tokens), submit_time=sample.submit_time,
                           start_time=sample.start_time or time.time(), end_time=time.time(),
-                          stale_kv_tokens=sample.stale_kv_tokens, mask=list(sample.mask) if 0 in sample.mask else [],
-                          turns=list(sample.turns))
+                          stale_kv_tokens=sample.stale_kv_tokens, **self._conversation_of(sample))

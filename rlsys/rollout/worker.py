@@ -23,7 +23,7 @@ import torch
 
 from rlsys.rollout.engine import RolloutEngine
 from rlsys.rollout.registry import make_engine
-from rlsys.types import Completion, Request, ToolTurn
+from rlsys.types import Completion, Request
 from rlsys.weights import WeightUpdate
 
 MAX_CONCURRENCY = 8  # a pending drain, plus submit/abort/update/stats calls beside it
@@ -200,11 +200,10 @@ class RolloutWorker:
         try:
             result = self.tools.run(call_text)
             ids = self.engine.tokenizer.encode(self.tools.fmt.render_response(result), add_special_tokens=False)
-            turn = ToolTurn(result.name, result.ok, result.error, result.elapsed_s)
             with self._cond:
                 if self._stopped or self._error is not None:
                     return
-                self._ops.append((lambda: self.engine.extend(request_id, at, ids, turn), None))
+                self._ops.append((lambda: self.engine.extend(request_id, at, ids, result.turn), None))
                 self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - a bug here stops the worker, reported like the loop's own
             with self._cond:

@@ -110,6 +110,7 @@ class Simulation:
         self.tp = cluster.tp
         self.engines = self._build_engines(cluster.tp)
         self.retired: list[SimEngine] = []  # engines of earlier TP sizes, kept for their figures
+        self.retired_slot_s = (0.0, 0.0)  # their (busy, allocated) slot-seconds, fixed once retired
         self.elastic = (ElasticTP(control.elastic_tp, cluster.tp, cfg.tp_sizes(cluster, control.elastic_tp))
                         if control.elastic_tp.enabled else None)
         self.next_tp = cluster.tp
@@ -135,14 +136,14 @@ class Simulation:
     def _all_engines(self) -> list[SimEngine]:
         return self.engines + self.retired
 
-    def _slot_seconds(self, at: Optional[float] = None) -> tuple[float, float]:
-        """Busy and allocated slot-seconds of every engine so far (engines advanced to now), or up to `at` (read,
-        not run: no engine's batch changes before `at`); retired engines hold what they held."""
-        def of(e: SimEngine) -> tuple[float, float]:
-            return e.slot_seconds_at(at) if at is not None and e in live else (e.busy_slot_s, e.slots * e.alloc_s)
-        live = set(self.engines)
-        seconds = [of(e) for e in self._all_engines()]
-        return sum(b for b, _ in seconds), sum(a for _, a in seconds)
+    def _slot_seconds(self) -> tuple[float, float]:
+        """Busy and allocated slot-seconds of every engine up to now: the live ones read to now, not run to it
+        (no engine's batch changes between events), the retired ones as they were left."""
+        busy, allocated = self.retired_slot_s
+        for engine in self.engines:
+            b, a = engine.slot_seconds_at(self.now)
+            busy, allocated = busy + b, allocated + a
+        return busy, allocated
 
     # --- the loop ------------------------------------------------------------------------
     def run(self, trace: Optional[list] = None) -> dict:
@@ -364,7 +365,7 @@ class Simulation:
     def _generated(self, req: SimRequest) -> None:
         self.counts["finished"] += 1
         self.last_finish = self.now
-        self.at_last_finish = self._slot_seconds(at=self.now)  # where a rollout window may close (_train)
+        self.at_last_finish = self._slot_seconds()  # where a rollout window may close (_train)
         if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
             self.reward_pending.append(req.reward_latency)
             self._push(self.now, SAMPLE, req)
@@ -433,6 +434,9 @@ class Simulation:
             for engine in self.engines:
                 engine.advance_to(self.now)
             self.retired += self.engines
+            busy, allocated = self.retired_slot_s
+            self.retired_slot_s = (busy + sum(e.busy_slot_s for e in self.engines),
+                                   allocated + sum(e.slots * e.alloc_s for e in self.engines))
             self.engines, self.tp = self._build_engines(self.next_tp), self.next_tp
             for engine in self.engines:  # the re-sharded engines load the weights, as after a weight sync
                 engine.pause(self.now, self.now + self.sync_s)

@@ -34,6 +34,7 @@ from rlsys.plugins import PluginError, is_spec, load_function
 from rlsys.registry import Registry
 from rlsys.tools.calculator import CalculatorError, calculator
 from rlsys.tools.format import DEFAULT, ToolCallError, ToolFormat
+from rlsys.types import ToolTurn
 
 START_TIMEOUT_S = 60.0  # for a user tools' process to import them, beyond a call's own limit
 log = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ class ToolResult:
     ok: bool
     error: str | None
     elapsed_s: float
+
+    @property
+    def turn(self) -> ToolTurn:
+        """What the conversation's sample records of this call."""
+        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s)
 
 
 class ToolFailure(Exception):
