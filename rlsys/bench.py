@@ -25,7 +25,7 @@ from rlsys.startup import load_config
 PRESETS: dict[str, list[str]] = {
     "sync": [],
     "tail": ["control.scheduler=tail"],
-    "tail-streamed": ["control.scheduler=tail", "trainer.streamed=true", "trainer.mini_batches=1"],
+    "tail-streamed": ["control.scheduler=tail", "trainer.streamed=true"],
     "sorted": ["control.scheduler=sorted"],
     "sorted-partial": ["control.scheduler=sorted", "control.sorted.mode=partial", "trainer.loss=decoupled_ppo"],
     "sagc": ["control.group_sizer=sagc"],

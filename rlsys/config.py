@@ -336,11 +336,22 @@ class TrainerConfig(Section):
                              "only ZeRO-3 partitions the weights")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("trainer.offload_optimizer needs trainer.zero_stage of 1, 2 or 3 (got 0)")
-        if self.streamed and self.mini_batches != 1:  # a streamed step ends in exactly one update
-            raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {self.mini_batches})")
-        if self.streamed and self.kl.in_reward:  # the reward's KL needs a reference forward before the gradients
+        return self
+
+    @model_validator(mode="after")
+    def _streamed(self):
+        if not self.streamed:
+            return self
+        if self.kl.in_reward:  # the reward's KL needs a reference forward before the gradients
             raise ValueError("trainer.streamed takes gradients as groups complete; trainer.kl.in_reward needs the "
                              "whole batch's reference forward first: use one or the other")
+        # A streamed mini-batch after the first trains on weights that already moved: the step's starting
+        # weights are gone, so its pi_prox cannot be recomputed (trainer/streamed.py).
+        if self.mini_batches > 1 and self.mismatch.active:
+            raise ValueError(f"trainer.streamed with trainer.mini_batches={self.mini_batches}: the mini-batches "
+                             f"after the first train on moved weights, so pi_old cannot be recomputed, and "
+                             f"{self.mismatch.describe()} corrects against the trainer's own pi_old: use "
+                             "trainer.mini_batches=1 or trainer.streamed=false with a correction")
         return self
 
 

@@ -137,7 +137,7 @@ class Controller:
                 if isinstance(action, Abort):
                     self.rollout.abort(action.request_ids)
                 elif isinstance(action, Accumulate):
-                    self.accumulate(action.groups)
+                    self.accumulate(action)
                 elif isinstance(action, Train):
                     self.start_training(action.groups)
                 else:
@@ -202,14 +202,15 @@ class Controller:
         self.stats.submitted(len(requests))
         self.rollout.submit(requests)
 
-    def accumulate(self, groups) -> None:
-        """trainer.streamed: gradients of groups the next Train will hold, computed while generation goes on."""
+    def accumulate(self, action: Accumulate) -> None:
+        """trainer.streamed: gradients of groups the next Train will hold, computed while generation goes on,
+        and the updates of the mini-batches they complete."""
         if not self.cfg.trainer.streamed:
             return
         if not self.streamed_groups:
-            self.trainer.stream_begin()
-        self.trainer.stream_groups(groups)
-        self.streamed_groups += len(groups)
+            self.trainer.stream_begin(action.train_groups, self.version)
+        self.trainer.stream_groups(action.groups)
+        self.streamed_groups += len(action.groups)
 
     def start_training(self, groups) -> None:
         """Launch the train step; generation and scoring go on while it runs (sync simply has no work)."""

@@ -11,7 +11,7 @@ from test_trainer import SCORING, make_groups, max_diff, model_dir, trainer_conf
 from rlsys.config import Config, ConfigError
 from rlsys.startup import load_config
 from rlsys.trainer.backend import TorchBackend
-from rlsys.trainer.batching import build_samples, plan_step
+from rlsys.trainer.batching import build_samples, mini_batch_ends, plan_step, sampled_by, split_mini_batches
 from rlsys.trainer.streamed import StreamedGradients
 from rlsys.trainer.worker import TrainerGroup
 
@@ -36,24 +36,38 @@ def record_gradients(backend) -> list:
     return seen
 
 
-def sync_steps(backend, steps):
+def arrival_order(groups):
+    return [groups[i] for chunk in ARRIVALS for i in chunk]
+
+
+def sync_steps(backend, steps, version=None):
+    """The synchronous steps on the groups in the order they arrive in a stream (its mini-batches' order)."""
     metrics, weights = [], []
     for groups in steps:
-        samples = build_samples(groups, backend.cfg.advantage)
-        metrics.append(backend.train_step(samples, plan_step(samples, 1, backend.cfg.micro_batch_tokens)[1]))
+        samples = build_samples(arrival_order(groups), backend.cfg.advantage)
+        parts = [plan_step(part, 1, backend.cfg.micro_batch_tokens)
+                 for part in split_mini_batches(samples, backend.cfg.mini_batches)]
+        metrics.append(backend.train_mini_batches([(mine[0], totals) for mine, totals in parts],
+                                                  sampled_by(samples, version), 0, version))
         weights.append(backend.state_dict_for_rollout())
     return metrics, weights
 
 
-def streamed_steps(backend, steps):
+def streamed_steps(backend, steps, version=None):
+    """Each step streamed in ARRIVALS' chunks; a mini-batch closed after the chunk that completes it, as
+    TrainerGroup.stream_groups closes it."""
     metrics, weights = [], []
     for groups in steps:
-        stream, tokens, sequences = StreamedGradients(backend), 0, 0
+        stream, tokens, sequences, arrived = StreamedGradients(backend, version), 0, 0, 0
+        ends = mini_batch_ends(len(groups), backend.cfg.mini_batches)
         for chunk in ARRIVALS:
             samples = build_samples([groups[i] for i in chunk], backend.cfg.advantage)
             _, part = plan_step(samples, 1, backend.cfg.micro_batch_tokens)
             stream.accumulate(samples, part.micro_batches)
-            tokens, sequences = tokens + part.tokens, sequences + part.sequences
+            tokens, sequences, arrived = tokens + part.tokens, sequences + part.sequences, arrived + len(chunk)
+            if arrived in ends[:-1]:
+                stream.close(tokens, sequences)
+                tokens = sequences = 0
         metrics.append(stream.finish(tokens, sequences))
         weights.append(backend.state_dict_for_rollout())
     return metrics, weights
@@ -131,11 +145,44 @@ def test_a_nan_in_a_streamed_step_skips_it_and_the_next_one_trains(model_dir):  
     assert max_diff(before, weights[0]) > 0.0
 
 
-def test_streamed_refuses_several_mini_batches(model_dir):  # noqa: F811
-    with pytest.raises(ConfigError, match="trainer.streamed needs trainer.mini_batches=1"):
-        load_config(None, ["trainer.streamed=true", "trainer.mini_batches=2"])
-    with pytest.raises(ValueError, match="trainer.mini_batches=1"):
-        StreamedGradients(TorchBackend(trainer_config(mini_batches=2), model_dir, SCORING))
+@pytest.mark.parametrize("overrides,version", [
+    ({"loss": "dapo"}, 0),  # fresh: pi_prox is the behaviour log-probs in both
+    ({"loss": "grpo", "kl": {"estimator": "k3", "coef": 0.1}}, 0),
+    ({"loss": "decoupled_ppo", "proximal": "loglinear"}, 1),  # a version behind: the later one interpolated
+])
+def test_streamed_mini_batches_equal_the_synchronous_mini_batches(model_dir, overrides, version):  # noqa: F811
+    """trainer.mini_batches=2 over 6 groups: the first 3 to arrive are the first mini-batch, updated on its own
+    totals before the rest arrive, exactly as the synchronous step splits the same batch."""
+    cfg = trainer_config(mini_batches=2, **overrides)
+    steps = step_groups([0, 1])
+    sync_backend, streamed_backend = TorchBackend(cfg, model_dir, SCORING), TorchBackend(cfg, model_dir, SCORING)
+    initial = sync_backend.state_dict_for_rollout()
+    # The second update's forward runs on the first's weights: with AdamW's eps at 1e-8, the first update
+    # would turn rounding in near-zero gradients into moves of a sizeable share of lr (assert_equivalent) and
+    # the second update's gradients would differ by ~1e-4. At 1e-5 in both, every update is held tight.
+    for backend in (sync_backend, streamed_backend):
+        backend.optimizer.param_groups[0]["eps"] = 1e-5
+    sync_grads, streamed_grads = record_gradients(sync_backend), record_gradients(streamed_backend)
+    sync = sync_steps(sync_backend, steps, version)
+    streamed = streamed_steps(streamed_backend, steps, version)
+    assert_equivalent(sync, streamed, initial)
+    assert len(streamed_grads) == len(sync_grads) == 4  # two updates a step
+    assert all(relative_error(s, g) < 1e-5 for s, g in zip(sync_grads, streamed_grads))
+    moved = max_diff(initial, sync[1][0])
+    assert all(max_diff(s, w) < 1e-3 * moved for s, w in zip(sync[1], streamed[1]))
+    assert "mismatch_kl" in sync[0][0] and sync[0][0]["mismatch_kl"] == pytest.approx(streamed[0][0]["mismatch_kl"])
+
+
+def test_a_stale_later_streamed_mini_batch_needs_loglinear(model_dir):  # noqa: F811
+    backend = TorchBackend(trainer_config(mini_batches=2), model_dir, SCORING)
+    with pytest.raises(ValueError, match="mini-batch 2 has tokens not sampled by version 1.*trainer.proximal=loglinear"):
+        streamed_steps(backend, step_groups([0]), version=1)  # sampled by version 0, recompute configured
+
+
+def test_streamed_mini_batches_refuse_a_mismatch_correction():
+    load_config(None, ["trainer.streamed=true", "trainer.mini_batches=4"])  # the emulated preset's: accepted
+    with pytest.raises(ConfigError, match=r"trainer.streamed with trainer.mini_batches=2.*trainer.mismatch.mode=tis"):
+        load_config(None, ["trainer.streamed=true", "trainer.mini_batches=2", "trainer.mismatch.mode=tis"])
 
 
 # --- DeepSpeed on one rank, in process (gloo) ---------------------------------------------------------
@@ -175,18 +222,25 @@ def test_deepspeed_streamed_steps_equal_synchronous_steps(model_dir, one_rank_pr
 
 # --- the Ray actors: two DeepSpeed ranks against the in-process synchronous step -----------------------
 @pytest.mark.slow
-def test_trainer_group_streams_across_two_ranks(ray_cluster, model_dir):  # noqa: F811
-    cfg = trainer_config(backend="deepspeed", zero_stage=2, world_size=2, streamed=True, grad_clip=0.05)
+def test_trainer_group_streams_mini_batches_across_two_ranks(ray_cluster, model_dir):  # noqa: F811
+    """trainer.mini_batches=2: the first mini-batch's update is done while the stream still waits for the
+    step's last groups; each step equals the synchronous one on the same mini-batches."""
+    cfg = trainer_config(backend="deepspeed", zero_stage=2, world_size=2, streamed=True, grad_clip=0.05,
+                         mini_batches=2)
     steps = step_groups([0, 1])
-    local = TorchBackend(trainer_config(grad_clip=0.05), model_dir, SCORING)
+    local = TorchBackend(trainer_config(grad_clip=0.05, mini_batches=2), model_dir, SCORING)
     initial = local.state_dict_for_rollout()
-    sync = sync_steps(local, steps)
+    sync = sync_steps(local, steps, version=0)
     trainer = TrainerGroup(Config(trainer=cfg), model_dir, SCORING)
     try:
         metrics, weights = [], []
         for groups in steps:
-            trainer.stream_begin()
-            refs = [trainer.stream_groups([groups[i] for i in chunk]) for chunk in ARRIVALS]
+            before = trainer_weights(trainer)
+            trainer.stream_begin(len(groups), version=0)
+            first = trainer.stream_groups([groups[i] for i in ARRIVALS[0]])  # the first half: its update
+            ray.get(first)
+            assert max_diff(before, trainer_weights(trainer)) > 1e-3  # moved before the rest arrived
+            refs = [trainer.stream_groups([groups[i] for i in chunk]) for chunk in ARRIVALS[1:]]
             # Nothing is waited for; groups arriving while the ranks are busy go with the next part.
             assert all(isinstance(r, ray.ObjectRef) for part in refs for r in part) and refs[0]
             metrics.append(stream_finish(trainer))

@@ -26,6 +26,7 @@ class Train:
 
 @dataclass
 class Accumulate:
-    """These complete groups will be in the next Train, unchanged: a trainer may compute their gradients
-    now, while the round still generates (trainer.streamed). A driver is free to ignore it."""
+    """These complete groups will be in the next Train, unchanged and in this order: a trainer may compute
+    their gradients now, while the round still generates (trainer.streamed). A driver is free to ignore it."""
     groups: list[Group]
+    train_groups: int  # how many the next Train holds: where a streamed trainer cuts its mini-batches

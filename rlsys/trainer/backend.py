@@ -212,6 +212,11 @@ class TrainerBackend(ABC):
         interpolate_at = version if interpolate else None
         per_part = [self.train_step(samples, totals, interpolate_at if i else None, at_start=i == 0)
                     for i, (samples, totals) in enumerate(parts)]
+        return self.merge_mini_batches(per_part)
+
+    def merge_mini_batches(self, per_part: list[dict]) -> dict:
+        """A step's metrics from its mini-batches' (`train_step`'s): means over the parts that report a
+        statistic, sums of tokens and sequences, the last part's skip count, the pacer's counts now."""
         keys = set().union(*per_part)
         merged = {k: sum(m[k] for m in per_part if k in m) / sum(k in m for m in per_part) for k in keys}
         merged.update(tokens=sum(m["tokens"] for m in per_part), sequences=sum(m["sequences"] for m in per_part),

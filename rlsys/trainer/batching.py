@@ -73,6 +73,11 @@ def build_samples(groups: list[Group], advantage: str, penalties: list[float] | 
     return samples
 
 
+def sampled_by(samples: list[TrainSample], version: int | None) -> bool:
+    """Every token of `samples` was sampled by the weights of `version` (None: not known, so no)."""
+    return version is not None and all(v == version for s in samples for v in s.versions)
+
+
 def split_across_ranks(samples: list[TrainSample], world_size: int) -> list[list[TrainSample]]:
     """Longest first, each to the rank with the fewest tokens so far: near-equal work per rank."""
     ranks: list[list[TrainSample]] = [[] for _ in range(world_size)]
@@ -99,12 +104,17 @@ def pack_micro_batches(samples: list[TrainSample], token_budget: int) -> list[li
     return batches
 
 
+def mini_batch_ends(items: int, count: int) -> list[int]:
+    """Where `count` contiguous, near-equal slices of `items` things end (at most one slice per thing)."""
+    count = max(1, min(count, items))
+    return [round(i * items / count) for i in range(1, count + 1)]
+
+
 def split_mini_batches(samples: list[TrainSample], count: int) -> list[list[TrainSample]]:
     """`count` contiguous, near-equal slices in the scheduler's order (a group's samples stay together
     when the groups are equal in size; under SortedRL the order is short to long, a micro-curriculum)."""
-    count = max(1, min(count, len(samples)))
-    bounds = [round(i * len(samples) / count) for i in range(count + 1)]
-    return [samples[bounds[i]:bounds[i + 1]] for i in range(count)]
+    ends = mini_batch_ends(len(samples), count)
+    return [samples[start:end] for start, end in zip([0] + ends, ends)]
 
 
 def plan_step(samples: list[TrainSample], world_size: int, token_budget: int):

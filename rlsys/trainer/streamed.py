@@ -1,52 +1,81 @@
 """A streamed train step: gradients of completed prompts accumulate while the round is still generating,
-and one optimizer update at the end equals the synchronous step's (docs/design.md "Tail batching").
+and each of the step's `trainer.mini_batches` optimizer updates runs as soon as its groups are all in
+(docs/design.md "Tail batching"). Each update equals the synchronous step's on the same mini-batch.
 
-The losses divide by the step's token (or sequence) count, which is unknown until the round ends. So each
-part is accumulated un-normalised (step totals of 1) and `finish` divides the summed gradients by the count
-before clipping and stepping: the same gradient as the synchronous step up to float rounding. Statistics
-are divided the same way. Each part is planned on its own (`plan_step`), so every rank runs the same number
-of micro-batches per part, as ZeRO-2/3 need.
+The losses divide by the mini-batch's token (or sequence) count, which is unknown until its last group is
+in. So each part is accumulated un-normalised (totals of 1) and `close` divides the summed gradients by the
+count before clipping and stepping: the same gradient as the synchronous step up to float rounding.
+Statistics are divided the same way. Each part is planned on its own (`plan_step`), so every rank runs the
+same number of micro-batches per part, as ZeRO-2/3 need.
+
+pi_prox of a mini-batch after the first cannot be recomputed: the weights that started the step are gone.
+A part whose every token the starting weights sampled (tail's rounds are on-policy) takes the behaviour
+log-probs, as the synchronous step does when fresh; an older part is interpolated with
+`trainer.proximal=loglinear`, and refused otherwise.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 from rlsys.trainer.backend import TrainerBackend
-from rlsys.trainer.batching import StepTotals, TrainSample
+from rlsys.trainer.batching import StepTotals, TrainSample, sampled_by
 from rlsys.trainer.losses import STEP_NORMALISER, aggregation_of
 
 LOSS_STATS = ("loss", "pg_loss")  # aggregated by the loss's own mode; every other statistic is a token mean
 
 
 class StreamedGradients:
-    """One rank's streamed step: `accumulate` any number of parts, then `finish` once."""
+    """One rank's streamed step: `accumulate` any number of parts, `close` each mini-batch but the last, then
+    `finish` once. `version`: the policy version of the weights that started the step (None: not known)."""
 
-    def __init__(self, backend: TrainerBackend):
+    def __init__(self, backend: TrainerBackend, version: int | None = None):
         cfg = backend.cfg
-        if cfg.mini_batches != 1:
-            raise ValueError(f"trainer.streamed needs trainer.mini_batches=1 (got {cfg.mini_batches}): "
-                             "a streamed step ends in exactly one optimizer update")
-        self.backend = backend
+        self.backend, self.version = backend, version
         self.normaliser = STEP_NORMALISER[aggregation_of(cfg)]
+        self.closed: list[dict] = []  # the metrics of each mini-batch updated so far
+        self._open()
+
+    def _open(self) -> None:
         self.stats: dict[str, float] = defaultdict(float)
-        self.tokens = self.sequences = 0  # this rank's share
+        self.tokens = self.sequences = 0  # this rank's share of the open mini-batch
 
     def accumulate(self, samples: list[TrainSample], micro_batches: int) -> None:
         """Add this rank's samples of one part; `micro_batches` is the part's count, the same on every rank."""
         if micro_batches == 0:
             return
+        cfg, first = self.backend.cfg, not self.closed
+        interpolate_at = None
+        if cfg.mini_batches > 1:  # pi_prox as train_mini_batches takes it, without a recomputing forward
+            fresh = sampled_by(samples, self.version)
+            for sample in samples:
+                sample.proximal_logprobs = list(sample.logprobs) if fresh else None  # None: this forward's
+            if not (fresh or first):
+                if cfg.proximal != "loglinear" or self.version is None:
+                    raise ValueError(
+                        f"trainer.streamed with trainer.mini_batches={cfg.mini_batches}: mini-batch "
+                        f"{len(self.closed) + 1} has tokens not sampled by version {self.version}, and its pi_prox "
+                        "cannot be recomputed on weights that already moved: set trainer.proximal=loglinear")
+                interpolate_at = self.version
         unnormalised = StepTotals(tokens=1, sequences=1, micro_batches=micro_batches)
-        part = self.backend.accumulate_gradients(samples, unnormalised, closes_step=False)
+        part = self.backend.accumulate_gradients(samples, unnormalised, closes_step=False,
+                                                 interpolate_at=interpolate_at, at_start=first)
         for k, v in part.items():
             self.stats[k] += v
         self.tokens += sum(s.trained_tokens for s in samples)
         self.sequences += len(samples)
 
-    def finish(self, tokens: int, sequences: int) -> dict:
-        """The one optimizer update; `tokens` and `sequences` are the step's totals over every rank.
-        Returns what `TrainerBackend.train_step` returns, this rank's shares of the step's values."""
+    def close(self, tokens: int, sequences: int) -> None:
+        """The open mini-batch's optimizer update; `tokens` and `sequences` are its totals over every rank."""
         if tokens == 0:  # nothing streamed anywhere, so no rank ran a micro-batch: nothing to step on
-            return self.backend.skip_step()
-        divisor = {"tokens": tokens, "sequences": sequences}[self.normaliser]
-        stats = {k: v / (divisor if k in LOSS_STATS else tokens) for k, v in self.stats.items()}
-        return self.backend.close_step(stats, self.tokens, self.sequences, divisor=float(divisor))
+            self.closed.append(self.backend.skip_step())
+        else:
+            divisor = {"tokens": tokens, "sequences": sequences}[self.normaliser]
+            stats = {k: v / (divisor if k in LOSS_STATS else tokens) for k, v in self.stats.items()}
+            self.closed.append(self.backend.close_step(stats, self.tokens, self.sequences, divisor=float(divisor)))
+        self._open()
+
+    def finish(self, tokens: int, sequences: int) -> dict:
+        """The last mini-batch's update (`close`). Returns what `TrainerBackend.train_mini_batches` returns,
+        this rank's shares of the step's values."""
+        self.close(tokens, sequences)
+        return self.backend.merge_mini_batches(self.closed)

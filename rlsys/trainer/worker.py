@@ -30,8 +30,8 @@ from rlsys.placement import TRAINER
 from rlsys.registry import Registry
 from rlsys.trainer.advantages import KLController
 from rlsys.trainer.backend import TorchBackend, TrainerBackend
-from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, pack_micro_batches, plan_step,
-                                   split_mini_batches)
+from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, mini_batch_ends, pack_micro_batches,
+                                   plan_step, sampled_by, split_mini_batches)
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.losses import mismatch_warning
 from rlsys.trainer.streamed import StreamedGradients
@@ -105,18 +105,23 @@ class TrainerWorker:
                                                       self.world_size)
         self.backend.pacer = pacer
 
-    def stream_begin(self) -> None:
+    def stream_begin(self, version: int | None = None) -> None:
         if self.stream is not None:
             raise RuntimeError("stream_begin: the previous streamed step was never finished")
-        self.stream = StreamedGradients(self.backend)
+        self.stream = StreamedGradients(self.backend, version)
 
     def stream_accumulate(self, samples: list[TrainSample], micro_batches: int) -> None:
         if self.stream is None:
             raise RuntimeError("stream_accumulate: no streamed step is open (stream_begin first)")
         self.stream.accumulate(samples, micro_batches)
 
+    def stream_close(self, tokens: int, sequences: int, *parts) -> None:
+        # `parts`: this rank's calls so far, resolved by Ray first, so a failed part fails the update.
+        if self.stream is None:
+            raise RuntimeError("stream_close: no streamed step is open (stream_begin first)")
+        self.stream.close(tokens, sequences)
+
     def stream_finish(self, tokens: int, sequences: int, *parts) -> dict:
-        # `parts`: this rank's accumulate refs, resolved by Ray first, so a failed part fails the finish.
         if self.stream is None:
             raise RuntimeError("stream_finish: no streamed step is open (stream_begin first)")
         stream, self.stream = self.stream, None
@@ -199,8 +204,10 @@ def done_or_failed(refs: list[ray.ObjectRef]) -> bool:
 @dataclass
 class RunningStream:
     """A streamed step between `stream_begin` and `stream_end`, as the driver tracks it."""
-    calls: list[list[ray.ObjectRef]]  # each rank's calls, handed to its finish: an error in any fails the step
-    tokens: int = 0  # response tokens streamed so far, over every rank
+    calls: list[list[ray.ObjectRef]]  # each rank's calls, handed to its updates: an error in any fails the step
+    ends: list[int]  # groups streamed when each mini-batch is complete
+    groups: int = 0  # groups streamed so far
+    tokens: int = 0  # response tokens of the open mini-batch so far, over every rank
     sequences: int = 0
     waiting: list = field(default_factory=list)  # completed groups held while the ranks are busy
 
@@ -245,8 +252,7 @@ class TrainerGroup:
             samples = self._with_kl_in_reward(groups, samples)
         world, budget = self.cfg.world_size, self.cfg.micro_batch_tokens
         plans = [plan_step(part, world, budget) for part in split_mini_batches(samples, self.cfg.mini_batches)]
-        fresh = version is not None and all(v == version for s in samples for v in s.versions)
-        fresh &= not self.cfg.mismatch.active  # a correction needs the trainer's own pi_old, not the engine's
+        fresh = sampled_by(samples, version) and not self.cfg.mismatch.active  # a correction needs the trainer's own pi_old, not the engine's
         parts = [[(per_rank[rank], totals) for per_rank, totals in plans] for rank in range(world)]
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
@@ -279,20 +285,31 @@ class TrainerGroup:
         return metrics
 
     # --- streamed step (trainer.streamed, streamed.py): groups train as they complete ------------------
-    def stream_begin(self) -> None:
-        """Open a streamed step; the weights must not change until it ends."""
-        self.stream = RunningStream([[w.stream_begin.remote()] for w in self.workers])
+    def stream_begin(self, step_groups: int, version: int | None = None) -> None:
+        """Open a streamed step of `step_groups` groups, started by the weights of `version`. Its groups are cut
+        into trainer.mini_batches contiguous mini-batches in the order they come, at `mini_batch_ends` over
+        groups (the synchronous step cuts its samples there: the same mini-batches when the groups' sample
+        counts are equal and the mini-batch count divides the group count)."""
+        self.stream = RunningStream([[w.stream_begin.remote(version)] for w in self.workers],
+                                    mini_batch_ends(step_groups, self.cfg.mini_batches))
 
     def stream_groups(self, groups: list[Group]) -> list[ray.ObjectRef]:
-        """Accumulate the gradients of these completed groups; returns at once: one ref per rank, or none
-        while the ranks are busy with the last part. A group's advantages need only its own rewards."""
-        if self.stream is None:
+        """Accumulate the gradients of these completed groups, and run the update of each mini-batch they
+        complete (but the step's last: `stream_end`); returns at once the calls made, one per rank each. A
+        part waits while the ranks are busy with the last call. A group's advantages need only its own rewards."""
+        stream = self.stream
+        if stream is None:
             raise RuntimeError("stream_groups: call stream_begin first")
-        self.stream.waiting += groups
-        calls = self.stream.calls  # each rank's stream_begin, then its parts
+        refs = []
+        for group in groups:
+            stream.waiting.append(group)
+            stream.groups += 1
+            if stream.groups in stream.ends[:-1]:
+                refs += self._send_waiting() + self._update("stream_close")
+        calls = stream.calls  # each rank's stream_begin, then its parts and updates
         if len(calls[0]) > 1 and not done_or_failed([mine[-1] for mine in calls]):
-            return []  # sent with the next part: one part of many groups costs less than many parts of one
-        return self._send_waiting()
+            return refs  # sent with the next part: one part of many groups costs less than many parts of one
+        return refs + self._send_waiting()
 
     def _send_waiting(self) -> list[ray.ObjectRef]:
         groups, self.stream.waiting = self.stream.waiting, []
@@ -307,14 +324,23 @@ class TrainerGroup:
             calls.append(ref)
         return refs
 
+    def _update(self, method: str) -> list[ray.ObjectRef]:
+        """Each rank's update of the open mini-batch (`stream_close`, or `stream_finish` for the last)."""
+        stream = self.stream
+        refs = [getattr(w, method).remote(stream.tokens, stream.sequences, *calls)
+                for w, calls in zip(self.workers, stream.calls)]
+        for calls, ref in zip(stream.calls, refs):
+            calls.append(ref)
+        stream.tokens = stream.sequences = 0
+        return refs
+
     def stream_end(self) -> list[ray.ObjectRef]:
-        """Launch the step's one optimizer update; pass the refs to `finish_train_step` (or ray.wait on them)."""
+        """Launch the step's last optimizer update; pass the refs to `finish_train_step` (or ray.wait on them)."""
         if self.stream is None:
             raise RuntimeError("stream_end: call stream_begin first")
         self._send_waiting()
-        stream, self.stream = self.stream, None
-        return [w.stream_finish.remote(stream.tokens, stream.sequences, *calls)
-                for w, calls in zip(self.workers, stream.calls)]
+        refs, self.stream = self._update("stream_finish"), None
+        return refs
 
     # --- weights and files ------------------------------------------------------------------------
     def open_senders(self, transport: Transport, ranks: list[int]) -> list:
