@@ -62,6 +62,7 @@ class FakeEngine:
         self.seen, self.aborted = set(), set()
         self.trains, self.submits = [], []  # what the scheduler asked for, in order
         self.accumulated = []  # groups announced for streamed training since the last Train
+        self.announced = 0  # the Train's group count they announced
 
     def push(self, t, kind, rid, prompt, t0):
         self._seq += 1
@@ -83,11 +84,14 @@ class FakeEngine:
                     if rid in self.live and self.rng.random() >= self.late:
                         self.push(self.now, "abort", rid, self.live.pop(rid), self.now)
             elif isinstance(a, Accumulate):
+                assert not self.accumulated or a.train_groups == self.announced  # one size for the whole round
                 self.accumulated += a.groups
+                self.announced = a.train_groups
             else:
                 assert isinstance(a, Train)
-                # tail announces every group it trains, unchanged and in order (sync and sorted announce none)
-                assert not self.accumulated or a.groups == self.accumulated
+                # tail announces every group it trains, unchanged and in order (sync and sorted announce none),
+                # and how many the Train holds: where a streamed trainer cuts its mini-batches
+                assert not self.accumulated or (a.groups == self.accumulated and len(a.groups) == self.announced)
                 self.trains.append(a.groups)
                 self.accumulated = []
 

@@ -295,9 +295,10 @@ class Simulation:
     def _streamed_gpu_s(self) -> float:
         """Trainer GPU-seconds the step's streamed groups got done during the rollout. Only a group's forward
         and backward stream (we assume its reference and old-log-prob forwards run after the round over the
-        whole batch, as veRL computes them, and the optimizer step after the last group), each on GPUs
-        idle after the group came, oldest first: when colocated, rollout GPUs with nothing to decode, in whole
-        trainer replicas (trainer.replica_gpus); else the trainer's own GPUs while it had nothing to train."""
+        whole batch, as veRL computes them; the optimizer updates, one per mini-batch, cost no modelled time),
+        each on GPUs idle after the group came, oldest first: when colocated, rollout GPUs with nothing to
+        decode, in whole trainer replicas (trainer.replica_gpus); else the trainer's own GPUs while it had
+        nothing to train."""
         arrivals = self.stream.take()
         if not arrivals:
             return 0.0
