@@ -81,7 +81,7 @@ class TailScheduler(Scheduler):
         if not builder.complete:
             return self._fill() if self.long_round else []
         self.complete.append(i)
-        stream = [Accumulate([builder.group()], self.shape.prompts)]  # it is trained with this round, whatever comes next
+        stream = [Accumulate([builder.group()], self.shape.prompts)]  # trained with this round, whatever comes next
         if len(self.complete) < self.shape.prompts:
             refill = self._fill() if self.long_round else []
             return stream + self._abort(self.running[i]) + refill  # the prompt's extra samples

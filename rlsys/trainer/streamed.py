@@ -65,10 +65,10 @@ class StreamedGradients:
         self.sequences += len(samples)
 
     def close(self, tokens: int, sequences: int) -> None:
-        """The open mini-batch's optimizer update; `tokens` and `sequences` are its totals over every rank."""
-        if tokens == 0:  # nothing streamed anywhere, so no rank ran a micro-batch: nothing to step on
-            self.closed.append(self.backend.skip_step())
-        else:
+        """The open mini-batch's optimizer update; `tokens` and `sequences` are its totals over every rank.
+        None where it has no token on any rank (no rank ran a micro-batch), as the synchronous split has no
+        mini-batch without samples."""
+        if tokens:
             divisor = {"tokens": tokens, "sequences": sequences}[self.normaliser]
             stats = {k: v / (divisor if k in LOSS_STATS else tokens) for k, v in self.stats.items()}
             self.closed.append(self.backend.close_step(stats, self.tokens, self.sequences, divisor=float(divisor)))
@@ -76,6 +76,6 @@ class StreamedGradients:
 
     def finish(self, tokens: int, sequences: int) -> dict:
         """The last mini-batch's update (`close`). Returns what `TrainerBackend.train_mini_batches` returns,
-        this rank's shares of the step's values."""
+        this rank's shares of the step's values; a step with no token at all is skipped."""
         self.close(tokens, sequences)
-        return self.backend.merge_mini_batches(self.closed)
+        return self.backend.merge_mini_batches(self.closed) if self.closed else self.backend.skip_step()
