@@ -117,10 +117,11 @@ def test_killed_run_resumes_with_the_same_data_order(tmp_path, ray_address):
 
 
 def test_tail_with_streamed_training_trains_every_announced_group(tmp_path, ray_cluster, capsys):
-    """trainer.streamed: each prompt's gradients are computed as it completes; one update per round."""
+    """trainer.streamed: each prompt's gradients are computed as it completes; each of the round's two
+    mini-batches is updated once its groups are in."""
     out = tmp_path / "streamed"
     assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
-                 "control.scheduler=tail", "trainer.streamed=true", "trainer.mini_batches=1", *SMALL]) == 0
+                 "control.scheduler=tail", "trainer.streamed=true", "trainer.mini_batches=2", *SMALL]) == 0
     said = capsys.readouterr().out
     assert f"done: step 2; run folder {out}" in said and "stopped at step" not in said  # finished, with no eval
     steps = [r for r in rows(out) if "timing/train_s" in r]

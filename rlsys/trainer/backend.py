@@ -257,7 +257,9 @@ class TrainerBackend(ABC):
         return dict(stats)
 
     def _pace(self, started: float, batch: list[TrainSample], flops_per_param_token: float) -> None:
-        if self.pacer:
+        # An empty micro-batch (a rank's padding, DeepSpeed's boundary before a streamed update) is modelled at
+        # no time, so holding it would count its real compute as an overrun.
+        if self.pacer and batch:
             self.pacer.micro_batch(started, sum(s.num_tokens for s in batch), flops_per_param_token)
 
     def _micro_batches(self, samples: list[TrainSample], count: int) -> list[list[TrainSample]]:
