@@ -73,6 +73,15 @@ def streamed_steps(backend, steps, version=None):
     return metrics, weights
 
 
+def steady_adam(*backends) -> None:
+    """A step's second update runs on its first's weights: with AdamW's eps at 1e-8, the first update turns
+    rounding in near-zero gradients into moves of a sizeable share of lr (assert_equivalent), and the second
+    update's gradients differ by ~1e-4. With eps 1e-5 in both backends every update is held tight."""
+    for backend in backends:
+        for group in backend.optimizer.param_groups:
+            group["eps"] = 1e-5
+
+
 def relative_error(a: dict, b: dict) -> float:
     """|a - b| / |a| over every tensor together."""
     diff = sum(((a[k] - b[k]) ** 2).sum() for k in a)
@@ -157,11 +166,7 @@ def test_streamed_mini_batches_equal_the_synchronous_mini_batches(model_dir, ove
     steps = step_groups([0, 1])
     sync_backend, streamed_backend = TorchBackend(cfg, model_dir, SCORING), TorchBackend(cfg, model_dir, SCORING)
     initial = sync_backend.state_dict_for_rollout()
-    # The second update's forward runs on the first's weights: with AdamW's eps at 1e-8, the first update
-    # would turn rounding in near-zero gradients into moves of a sizeable share of lr (assert_equivalent) and
-    # the second update's gradients would differ by ~1e-4. At 1e-5 in both, every update is held tight.
-    for backend in (sync_backend, streamed_backend):
-        backend.optimizer.param_groups[0]["eps"] = 1e-5
+    steady_adam(sync_backend, streamed_backend)
     sync_grads, streamed_grads = record_gradients(sync_backend), record_gradients(streamed_backend)
     sync = sync_steps(sync_backend, steps, version)
     streamed = streamed_steps(streamed_backend, steps, version)
@@ -204,19 +209,21 @@ def one_rank_process_group():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_deepspeed_streamed_steps_equal_synchronous_steps(model_dir, one_rank_process_group, stage):  # noqa: F811
+@pytest.mark.parametrize("stage,mini_batches", [(0, 1), (1, 2), (2, 1), (3, 2)])
+def test_deepspeed_streamed_steps_equal_synchronous_steps(model_dir, one_rank_process_group, stage,  # noqa: F811
+                                                          mini_batches):
     from deepspeed import comm
 
     from rlsys.trainer.deepspeed_backend import DeepSpeedBackend
 
-    cfg = trainer_config(backend="deepspeed", zero_stage=stage, grad_clip=0.05)
+    cfg = trainer_config(backend="deepspeed", zero_stage=stage, grad_clip=0.05, mini_batches=mini_batches)
     steps = step_groups([0, 1])
-    sync_backend = DeepSpeedBackend(cfg, model_dir, SCORING)
+    sync_backend, streamed_backend = (DeepSpeedBackend(cfg, model_dir, SCORING) for _ in range(2))
     assert comm.comm.cdb.shm_comm_op is None  # DeepSpeed's inference all-reduce op, neither compiled nor loaded on a CPU
+    steady_adam(sync_backend, streamed_backend)
     initial = sync_backend.state_dict_for_rollout()
-    sync = sync_steps(sync_backend, steps)
-    streamed = streamed_steps(DeepSpeedBackend(cfg, model_dir, SCORING), steps)
+    sync = sync_steps(sync_backend, steps, version=0)
+    streamed = streamed_steps(streamed_backend, steps, version=0)
     assert_equivalent(sync, streamed, initial)
 
 
@@ -229,10 +236,14 @@ def test_trainer_group_streams_mini_batches_across_two_ranks(ray_cluster, model_
                          mini_batches=2)
     steps = step_groups([0, 1])
     local = TorchBackend(trainer_config(grad_clip=0.05, mini_batches=2), model_dir, SCORING)
+    steady_adam(local)
     initial = local.state_dict_for_rollout()
     sync = sync_steps(local, steps, version=0)
     trainer = TrainerGroup(Config(trainer=cfg), model_dir, SCORING)
     try:
+        # steady_adam on each rank (a nested function: Ray's workers cannot import this module)
+        ray.get([w.__ray_call__.remote(lambda worker: worker.backend.optimizer.param_groups[0].update(eps=1e-5))
+                 for w in trainer.workers])
         metrics, weights = [], []
         for groups in steps:
             before = trainer_weights(trainer)
