@@ -168,14 +168,16 @@ def tp_rows(fit: dict) -> list[dict]:
             "10-step probes with long rounds admitted at once (the published ones pre-empted 2,900 times), the "
             "published preemption counts pin the KV room: memory_fraction 0.42 gives 4,000-4,700 a short round at "
             "TP1 and 2,800-3,300 a long one (published 5,199 and 2,900; at 0.9 about 1,200-1,900 and 1,500), and "
-            "there TP2's larger KV share per GPU speeds short rounds 1.44-1.51x and long ones 1.34-1.40x. A per-step "
-            "cost of TP2 (its all-reduces' latency) slows both alike: the long round's gain stayed at most 0.11 below "
-            "the short round's (published 0.43) over prompt_share 0-0.65, sigma 0.4-1, runaway_share 0.01-0.04, "
-            "memory_fraction 0.42-0.9 and max_seqs 64-1,024, so both rows land within 15% only near 80 us an "
-            "all-reduce (1.14 and 1.04 at memory 0.42, sigma 1), 10.2 ms a step for the 32B setting's 128 "
-            "all-reduces, more than the whole fixed step cost its veRL rollout is fitted with (5.4 ms). The "
-            "simulated long round stays bound by throughput under pre-emption (its late samples wait for KV room), "
-            "not by its longest samples' latency, where RollPacker places TP2's communication cost")
+            "there TP2's larger KV share per GPU speeds short rounds 1.31-1.51x and long ones 1.20-1.40x. A per-step "
+            "cost of TP2 (its all-reduces' latency, in place of the efficiency) slows both alike: wherever the TP1 "
+            "short round lasted within 25% of the published 1,029 s, the long round's gain stayed at most 0.13 below "
+            "the short round's (published 0.43), over memory_fraction 0.42-0.9, median_tokens 2,000-7,500, sigma "
+            "0.4-1.2, prompt_share 0-0.65, runaway_share 0-0.06, max_seqs 64-1,024, efficiency 0.8-1 and "
+            "all-reduces of 10-80 us. Both rows landed within 15% once, at 80 us an all-reduce and memory 0.42 "
+            "(1.14 and 1.04), with TP1 rounds of 1,959 and 2,817 s; and 80 us is 10.2 ms a step for the 32B "
+            "setting's 128 all-reduces, more than the whole fixed step cost its veRL rollout is fitted with (5.4 ms). "
+            "The simulated long round stays bound by throughput under pre-emption (its late samples wait for KV "
+            "room), not by its longest samples' latency, where RollPacker places TP2's communication cost")
     return [row(f"qwen3-8b/32k {kind} round TP2:TP1 speed", v["published"], v["simulated"], True,
                 note.format(**fit["tp1_round_s"]))
             for kind, v in fit["tp2_over_tp1_speed"].items()]
