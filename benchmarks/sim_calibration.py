@@ -39,14 +39,14 @@ PLANNER = (  # the planner rows' shared reason, with this run's figures
 NOTES = {  # what each missing row's paper leaves unstated, and what we assumed for it
     "scaling": (
         "RollPacker states batch and GPUs per point (weak scaling), not what it held fixed besides. We hold both "
-        "reward pools at their 32-GPU fit (veRL's 18 workers, the reward scheduler's 45), lose the published "
-        "MFU per doubling of data-parallel trainer GPUs (0.88) and keep rollout work per GPU; a longer batch "
+        "reward pools at their 32-GPU fit (veRL's 18 workers, the reward scheduler's 45), lose trainer MFU as "
+        "Megatron's published MFU falls with data-parallel GPUs (trainer.comm_per_gpu) and keep rollout work per "
+        "GPU; a longer batch "
         "maximum adds nothing here, as 1% runaway samples reach the 16k cap at every size. Then {who}'s step "
         "grows {sim:.2f}x from 32 GPUs against the {published:.2f}x the paper's throughput implies; over the "
         "doublings {steps}. The paper's veRL step grows by about 0.4 of its 32-GPU step on each doubling and "
         "hardly in proportion to the batch (1.41x, then 1.30x); ours grows mostly in proportion (the reward wait "
-        "on the fixed pool, about 15% of the 32-GPU step) and 5-7% a doubling (the trainer's MFU loss), so it "
-        "matches the second doubling and misses the first. {missing}"),
+        "on the fixed pool, about 15% of the 32-GPU step) and by the trainer's MFU loss. {missing}"),
     "verl fully-async": (
         "the page states 128 H20, 28k responses, 512 x 16 samples, 64:64 GPUs and its phase times, not "
         "the response lengths or the staleness as an age bound; we fit each mode's trainer MFU to its published "
@@ -224,8 +224,7 @@ def _missing_cost(points: list, verl: dict) -> str:
     return (f"What is missing grows with the scale's logarithm, not with the batch: {extra:.2f} of the 32-GPU step "
             f"more on each doubling would put both veRL rows within 15% (1.00, {at_128(2 * extra):.2f}), the same per "
             f"128 more prompts would miss at 128 GPUs ({at_128(3 * extra):.2f}). The trainer alone would have to keep "
-            f"{keep:.2f} of its MFU on the first doubling (Megatron keeps about 0.88 a doubling); colocated, weight "
-            "sync stays within each node; what grew is unstated")
+            f"{keep:.2f} of its MFU on the first doubling; colocated, weight sync stays within each node")
 
 
 def _doublings(points: list, col: int) -> str:

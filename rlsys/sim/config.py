@@ -1,7 +1,6 @@
 """Workload configs for `rlsys simulate`: pydantic models, unknown keys refused with the field's name."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -119,10 +118,12 @@ class RewardSpec(Section):
 class TrainerSpec(Section):
     mfu: float = Field(costs.TRAIN_MFU, gt=0, le=1)
     # Data parallelism over more GPUs loses MFU (Megatron on Qwen3-30B-A3B: 0.40 / 0.37 / 0.31 on 8 / 16 / 32
-    # GPUs, docs/performance.md "Calibration sources"): `mfu` holds on `mfu_gpus` trainer GPUs, and each doubling
-    # beyond them keeps `scale_efficiency` of it (each halving gains it back). mfu_gpus None: mfu on any count.
+    # GPUs, docs/performance.md "Calibration sources"), and loses more per doubling the more GPUs there are: each
+    # GPU adds `comm_per_gpu` of unhidden communication to a step's compute, so the step takes 1 + comm_per_gpu * GPUs
+    # of its compute (0.0134 fits those three points). `mfu` holds on `mfu_gpus` trainer GPUs and scales by that
+    # law to other counts. mfu_gpus None: mfu on any count.
     mfu_gpus: Optional[int] = Field(None, ge=1)
-    scale_efficiency: float = Field(1.0, gt=0, le=1)
+    comm_per_gpu: float = Field(0.0, ge=0)
     # forward+backward, and a forward for the old log-probs
     flops_per_param_token: float = Field(costs.TRAIN_FLOPS + costs.FORWARD_FLOPS, gt=0)
     overhead_s: float = Field(2.0, ge=0)
@@ -135,7 +136,7 @@ class TrainerSpec(Section):
     def mfu_on(self, gpus: int) -> float:
         if self.mfu_gpus is None:
             return self.mfu
-        return min(1.0, self.mfu * self.scale_efficiency ** math.log2(gpus / self.mfu_gpus))
+        return min(1.0, self.mfu * (1 + self.comm_per_gpu * self.mfu_gpus) / (1 + self.comm_per_gpu * gpus))
 
 
 class WeightSyncSpec(Section):
