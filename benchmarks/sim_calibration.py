@@ -309,7 +309,7 @@ def search_runs(regime: str, schedules=SCHEDULES, sizers=SIZERS) -> list[dict]:
 def search(screen: int = SCREEN_STEPS, confirm: int = CONFIRM_STEPS, schedules=SCHEDULES, sizers=SIZERS) -> dict:
     """Each regime's search; the 32k one (the papers' largest gains) is the headline `best_128`."""
     found = {regime: search_regime(regime, screen, confirm, schedules, sizers) for regime in REGIMES}
-    best = next(e for e in found["32k"]["ranked"] if e["schedule"] != "veRL-sync" and e["complete"])
+    best = next(e for e in found["32k"]["ranked"] if e["schedule"] != "veRL-sync" and at_equal_utility(e))
     return {"best_128": {"schedule": best["schedule"], "speedup_vs_sync": best["speedup_vs_sync"]},
             "search_128": found["32k"], "search_128_16k": found["16k"]}
 
@@ -324,7 +324,7 @@ def search_regime(regime: str, screen: int, confirm: int, schedules, sizers) -> 
     prompts = REGIMES[regime][1]
     runs = search_runs(regime, schedules, sizers)
     screened = _ranked(regime, runs, screen, prompts)
-    complete = [e for e in screened if e["complete"] and e["schedule"] != "veRL-sync"]
+    complete = [e for e in screened if at_equal_utility(e) and e["schedule"] != "veRL-sync"]
     best_of = {}  # schedule -> its fastest complete run
     for e in complete:
         best_of.setdefault(e["schedule"].split("/")[0], e)
@@ -335,19 +335,27 @@ def search_regime(regime: str, screen: int, confirm: int, schedules, sizers) -> 
             "confirm_steps": confirm, "ranked": final, "screened": screened, "sagc": sagc_verdicts(screened)}
 
 
+def at_equal_utility(entry: dict) -> bool:
+    """A run that may head the search: it starved no long prompts and trains as many samples a step as veRL."""
+    return entry["complete"] and entry["equal_samples"]
+
+
 def _ranked(regime: str, runs: list[dict], steps: int, prompts: int) -> list[dict]:
     """The runs' figures against veRL-style sync, fastest first. `complete`: tail's long-prompt queue holds at
     most one step's prompts; more means it starved its long prompts, a speedup not at equal utility.
-    `long_round_vs_verl_step`: tail's slowest long round (its rollout and training) over veRL's mean step."""
+    `equal_samples`: within 5% of veRL's samples a step (async with sagc holds its prompts, so its sample count
+    moves with G). `long_round_vs_verl_step`: tail's slowest long round (its rollout and training) over veRL's
+    mean step."""
     results = simulate(regime_config(regime, steps, runs), quiet=True)["results"]
     reference = results["veRL-sync"]["step_time_s"]
+    samples = {label: round(r["tokens_per_s"] * r["sim_time_s"] / r["response_tokens"]["mean"] / r["steps"])
+               for label, r in results.items()}
     ranked = []
     for label, r in results.items():
         entry = {"schedule": label, "speedup_vs_sync": round(reference / r["step_time_s"], 3),
                  "step_time_s": round(r["step_time_s"], 1), "bubble_ratio": round(r["bubble_ratio"], 3),
-                 "straggler_rate": round(r["straggler_rate"], 3),
-                 "samples_per_step": round(r["tokens_per_s"] * r["sim_time_s"] / r["response_tokens"]["mean"]
-                                           / r["steps"]),
+                 "straggler_rate": round(r["straggler_rate"], 3), "samples_per_step": samples[label],
+                 "equal_samples": abs(samples[label] - samples["veRL-sync"]) <= 0.05 * samples["veRL-sync"],
                  "deferred_prompts": _deferred(r), "complete": _deferred(r) <= prompts,
                  "preemptions_per_step": round(r["preemptions_per_step"], 1)}
         ends = [0.0] + r["step_ends_s"]
@@ -422,6 +430,7 @@ def _print_ranking(found: dict, ranked: list[dict], steps: int) -> None:
           f"{steps} steps each")
     for e in ranked:
         starved = "" if e["complete"] else f"  {e['deferred_prompts']} long prompts never trained"
+        starved += "" if e["equal_samples"] else "  fewer samples than veRL"
         if "long_round_vs_verl_step" in e:
             starved += f"  long round {e['long_round_vs_verl_step']:.2f}x a veRL step"
         print(f"{e['schedule']:<28} {e['speedup_vs_sync']:>5.2f}x  step {e['step_time_s']:>7.1f} s  "

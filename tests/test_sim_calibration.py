@@ -23,7 +23,9 @@ def test_quick_calibration_writes_the_issue_schema(tmp_path):
     for table in (screened, ranked):
         assert [e["speedup_vs_sync"] for e in table] == sorted((e["speedup_vs_sync"] for e in table), reverse=True)
     assert best == next({"schedule": e["schedule"], "speedup_vs_sync": e["speedup_vs_sync"]} for e in ranked
-                        if e["schedule"] != "veRL-sync" and e["complete"])
+                        if e["schedule"] != "veRL-sync" and e["complete"] and e["equal_samples"])
+    reference = next(e["samples_per_step"] for e in screened if e["schedule"] == "veRL-sync")
+    assert all(e["equal_samples"] == (abs(e["samples_per_step"] - reference) <= 0.05 * reference) for e in screened)
     assert {v["schedule"] for v in found["sagc"]} == {"sync", "tail", "async-eta1-T32"}
     assert found["config"] == "qwen32b_32k" and report["search_128_16k"]["config"] == "qwen14b_16k"
     hits = report["hit_rate"]  # predictions only: neither fitted rows nor rows equal to another by construction
