@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from rlsys.config import EmulateConfig, ModelConfig, ToolsConfig, TrainerConfig
+from rlsys.config import ControlConfig, EmulateConfig, ModelConfig, ToolsConfig, TrainerConfig
+from rlsys.control import GROUP_SIZERS, SCHEDULERS
+from rlsys.control.actions import Abort, Submit, Train
+from rlsys.data.cursor import PromptCursor
 from rlsys.emulate import Emulation
 from rlsys.models.tiny import build_tiny_model
 from rlsys.rollout.cpu_engine import CPUEngine
@@ -337,3 +341,109 @@ def test_a_conversation_dropped_for_a_failed_call_trains_nothing_but_counts_in_i
     assert trained.input_ids == other.prompt_ids + other.token_ids and trained.advantage < 0
     assert tool_metrics([failed, other]) == {"rollout/tool_calls": 1, "rollout/tool_failures": 1,
                                              "rollout/tool_dropped": 1, "rollout/turns": 0.5}
+
+
+# --- the schedulers: a conversation is one request to tail and async -------------------------------------------
+class Driver:
+    """Applies a scheduler's actions to one engine, as the controller does, with the tool under the test's
+    control: a call is answered at once unless its request is in `hold` (its tool still running)."""
+
+    def __init__(self, sched, eng):
+        self.sched, self.eng, self.hold, self.waiting, self.trains, self.uids = sched, eng, set(), {}, [], {}
+        self.answer = eng.tokenizer.encode(ANSWER, add_special_tokens=False)
+
+    def apply(self, actions):
+        for a in actions:
+            if isinstance(a, Submit):
+                prompt = self.eng.tokenizer.encode(a.prompt.text, add_special_tokens=False)
+                for rid in a.request_ids:
+                    self.uids[rid] = a.prompt.uid
+                    self.eng.add(Request(rid, a.prompt.uid, prompt, sampled()))
+            elif isinstance(a, Abort):
+                for c in self.eng.abort(a.request_ids):
+                    self.apply(self.sched.on_abort(c, 0.0))
+            elif isinstance(a, Train):
+                self.trains.append(a.groups)
+
+    def reply(self, rid):
+        self.eng.extend(rid, self.waiting.pop(rid), self.answer, ToolTurn("echo", True, None, 0.0))
+
+    def until(self, done, limit=2000):
+        """Step the engine, delivering finished samples, until `done()`."""
+        for _ in range(limit):
+            if done():
+                return
+            for c in self.eng.step():
+                self.apply(self.sched.on_sample(ScoredSample(c, float(len(c.turns))), 0.0))
+            for rid, at, _ in self.eng.take_calls():
+                self.waiting[rid] = at
+                if rid not in self.hold:
+                    self.reply(rid)
+        raise AssertionError("the engine never got there")
+
+
+def scheduler(name, **control):
+    cfg = ControlConfig(scheduler=name, prompts_per_step=1, group_size=2, **control)
+    prompts = [Prompt(f"q{i}", PROMPT, "56088", index=i) for i in range(8)]
+    return SCHEDULERS.get(name)(cfg, PromptCursor(prompts, seed=0), GROUP_SIZERS.get("fixed")(cfg))
+
+
+def test_tail_defers_a_conversation_waiting_on_its_tool_then_runs_it_whole_in_a_long_round(model_dir, tags):
+    """A short round draws two prompts; the second's tool hangs, so the first completes the round: the second's
+    conversations are cut mid-conversation, queued, and regenerated from scratch in the next (long) round."""
+    _, _, call_open, call_close, first_turn = tags
+    eng = engine(model_dir, slots=4)
+    eng.use_tools(call_open, call_close, max_turns=1)
+    sched = scheduler("tail", tail={"eta_p": 2.0, "eta_r": 1.0})
+    d = Driver(sched, eng)
+    first = sched.start(0.0)
+    slow = first[1].prompt.uid
+    d.hold = set(first[1].request_ids)
+    d.apply(first)
+    d.until(lambda: d.trains)
+    [[group]] = d.trains
+    assert group.prompt.uid != slow and all(len(s.completion.turns) == 1 for s in group.samples)
+    assert [p.uid for p in sched.queue] == [slow] and not eng.has_work()  # cut while waiting on its tool
+    assert sched.counts["wasted_tokens"] == 2 * first_turn
+    sched.on_trained(1, d.trains[0])
+    d.hold, second = set(), sched.start(0.0)
+    assert sched.long_round and [a.prompt.uid for a in second] == [slow]
+    assert not set(second[0].request_ids) & set(first[1].request_ids)  # fresh requests, nothing resumed
+    d.apply(second)
+    d.until(lambda: len(d.trains) == 2)
+    [[deferred]] = d.trains[1:]
+    assert deferred.prompt.uid == slow
+    for s in deferred.samples:
+        c = s.completion
+        assert len(c.turns) == 1 and c.mask[first_turn:first_turn + len(d.answer)] == [0] * len(d.answer)
+
+
+def test_async_a_conversation_spanning_a_weight_publish_records_each_tokens_version(model_dir, tags, conversation):
+    """Async (eta=1): the second prompt's conversations wait on their tool while the first prompt trains and
+    version 1 is published; their first turns keep version 0, the tool's answer and the turn after it are 1,
+    and the Train that takes them is within the staleness bound."""
+    _, _, call_open, call_close, first_turn = tags
+    eng = engine(model_dir, slots=4)
+    eng.use_tools(call_open, call_close, max_turns=1)
+    sched = scheduler("async", staleness={"eta": 1})
+    d = Driver(sched, eng)
+    admitted = sched.start(0.0)
+    assert len(admitted) == 2  # eta=1: a second batch is admitted ahead of the first train
+    d.hold = set(admitted[1].request_ids)
+    d.apply(admitted)
+    d.until(lambda: d.trains)
+    assert d.waiting.keys() == d.hold  # the second prompt's conversations wait on their tool
+    eng.load_weights(load_file(Path(model_dir) / "model.safetensors"), 1)  # version 1's publish, while they wait
+    sched.on_trained(1, d.trains[0])
+    d.apply(sched.start(0.0))
+    for rid in sorted(d.hold):
+        d.reply(rid)
+    d.until(lambda: len(d.trains) == 2)
+    [[group]] = d.trains[1:]
+    n = len(d.answer)
+    for s in group.samples:
+        c = s.completion
+        assert c.token_ids == conversation[0].token_ids  # the same weights: the same conversation
+        assert c.versions == [0] * first_turn + [1] * (len(c.token_ids) - first_turn)
+        assert c.mask[first_turn:first_turn + n] == [0] * n
+    sched.ledger.check(sched.in_flight_prompts())
