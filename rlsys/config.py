@@ -32,7 +32,11 @@ class WarmStartConfig(Section):
     # Share of warm-start answers replaced by a near miss (one character changed, dropped or doubled), drawn
     # afresh each time an example is seen: the policy learns the right answer as its mode but samples the
     # noise, as a model fine-tuned on imperfect data does, and RL has that spread to remove.
-    label_noise: float = Field(0.0, ge=0, lt=1)
+    label_noise: float = Field(0.0, ge=0, le=1)
+    # What replaces an answer: near_miss, above; or guess, as many random characters (digits for digits): it
+    # carries nothing of the answer, so a model that cannot compute it learns no half-computation that would
+    # outvote copying a tool's answer (tool_arith; measured in docs/performance.md "Tools").
+    noise: Literal["near_miss", "guess"] = "near_miss"
     # Share of examples that demonstrate a tool call instead (a task with demonstrations: tool_arith), drawn
     # afresh each time: the policy starts out calling the tool sometimes and guessing otherwise.
     tool_share: float = Field(0.0, ge=0, le=1)

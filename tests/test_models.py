@@ -11,7 +11,7 @@ from rlsys.config import Config, DataConfig, ModelConfig, WarmStartConfig
 from rlsys.data.synthetic import make_split
 from rlsys.models import ModelDirError, cache_key, load_tokenizer, prepare_model, validate_model_dir
 from rlsys.models.tiny import build_char_tokenizer, build_tiny_model
-from rlsys.models.warm_start import draw_batch, encode_examples, near_miss, warm_start
+from rlsys.models.warm_start import draw_batch, encode_examples, guess, near_miss, warm_start
 
 SMALL = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=128)
 
@@ -135,6 +135,26 @@ def test_label_noise_replaces_that_share_of_warm_start_answers(tmp_path):
     assert all(ids[-1] == tok.eos_token_id for ids, _ in batch)
     quiet = draw_batch(random.Random(1), examples, kept, WarmStartConfig(batch_size=200), tok)
     assert all(tuple(ids) in clean for ids, _ in quiet)  # no noise: the clean examples only
+
+
+def test_guess_noise_keeps_the_answers_shape_and_nothing_of_its_digits():
+    """noise=guess: every direct answer replaced (label_noise=1) by characters of its kinds, each digit drawn
+    uniformly whatever the answer's: unlike a near miss, a guess agrees with the answer at a digit 1 time in 10."""
+    rng = random.Random(0)
+    answers = [str(rng.randint(1000, 99999)) for _ in range(400)] + ["ab-12"]
+    guesses = [guess(a, rng) for a in answers]
+    assert all(len(g) == len(a) and all(x.isdigit() == y.isdigit() for x, y in zip(g, a))
+               for g, a in zip(guesses, answers))
+    assert guess("ab-12", random.Random(1))[2] == "-"
+    digits = [(x, y) for g, a in zip(guesses, answers) for x, y in zip(g, a) if y.isdigit()]
+    assert abs(sum(x == y for x, y in digits) / len(digits) - 0.1) < 0.03
+    tok = build_char_tokenizer()
+    prompts = make_split("synthetic", "train", 50, seed=0)
+    examples, kept, _ = encode_examples(tok, prompts, max_len=128)
+    cfg = WarmStartConfig(batch_size=500, label_noise=1.0, noise="guess")
+    batch = draw_batch(random.Random(1), examples, kept, cfg, tok)
+    clean = {tuple(ids) for ids, _ in examples}
+    assert sum(tuple(ids) in clean for ids, _ in batch) < 0.1 * len(batch)  # a digit answer guessed right by chance
 
 
 def test_the_builds_exact_match_generates_no_longer_than_the_longest_answer(tmp_path, monkeypatch):

@@ -39,6 +39,18 @@ def near_miss(answer: str, rng: random.Random) -> str:
     return answer[:i] + rng.choice(pool.replace(answer[i], "")) + answer[i + 1:]
 
 
+def guess(answer: str, rng: random.Random) -> str:
+    """As many random characters as `answer` has, each from its own kind (digit, letter, else kept)."""
+    def one(ch: str) -> str:
+        if ch.isdigit():
+            return rng.choice(string.digits)
+        return rng.choice(string.ascii_lowercase) if ch.isalpha() else ch
+    return "".join(map(one, answer))
+
+
+WRONG = {"near_miss": near_miss, "guess": guess}  # model.warm_start.noise -> how an answer is replaced
+
+
 def encode_examples(tokenizer, prompts: list[Prompt], max_len: int
                     ) -> tuple[list[tuple[list[int], int]], list[Prompt], int]:
     """(token ids of prompt + answer + eos, prompt length) per kept prompt, the kept prompts, and how many
@@ -64,7 +76,7 @@ def encode_demonstration(tokenizer, prompt_ids: list[int], parts: list[tuple[str
 def draw_batch(rng: random.Random, examples: list[Example], prompts: list[Prompt], cfg: WarmStartConfig,
                tokenizer, demos: list[Labelled] | None = None) -> list[Labelled]:
     """`cfg.batch_size` examples drawn with replacement: a `tool_share` of them their tool-use demonstration
-    (`demos`, one per example), the others answered directly, a `label_noise` share of those a near miss."""
+    (`demos`, one per example), the others answered directly, a `label_noise` share of those wrong (`noise`)."""
     batch = []
     for i in rng.choices(range(len(examples)), k=cfg.batch_size):
         if demos and rng.random() < cfg.tool_share:
@@ -72,7 +84,7 @@ def draw_batch(rng: random.Random, examples: list[Example], prompts: list[Prompt
             continue
         ids, n_prompt = examples[i]
         if cfg.label_noise and rng.random() < cfg.label_noise:
-            wrong = tokenizer(near_miss(prompts[i].answer, rng))["input_ids"]
+            wrong = tokenizer(WRONG[cfg.noise](prompts[i].answer, rng))["input_ids"]
             ids = ids[:n_prompt] + wrong + [tokenizer.eos_token_id]
         batch.append((ids, [IGNORE] * n_prompt + ids[n_prompt:]))
     return batch
