@@ -35,6 +35,7 @@ PRESETS: dict[str, list[str]] = {
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
     "async-eta2": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.staleness.eta=2"],
     "async-loglinear": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "trainer.proximal=loglinear"],
+    "no-tools": ["tools.fns=[]"],  # the same run without its tools: the baseline of a task that needs them
     "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc",
                    "control.sagc.prompt_rule=constant_prompts"],  # async keeps B prompts per update
 }
@@ -126,12 +127,20 @@ def summarise_run(rows: list[dict], target: float | Target) -> dict:
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
         "final_accuracy_se": evals[-1].get("eval/accuracy_se") if evals else None,
         "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
+        "initial_accuracy_se": evals[0].get("eval/accuracy_se") if evals else None,
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
         "response_length": mean("response_length/mean"),
         "group_size": mean("group_size"),
         **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/emulating") if k in rows[-1]},
+        **tool_calls(steps),
     }
+
+
+def tool_calls(steps: list[dict]) -> dict:
+    """A run with tools: its tool calls per sample at the first and the last step (none without tools)."""
+    turns = [r["rollout/turns"] for r in steps if "rollout/turns" in r]
+    return {"tool_calls_first": turns[0], "tool_calls_last": turns[-1]} if turns else {}
 
 
 def accuracy_at(run: dict, t: float) -> float | None:
