@@ -139,6 +139,26 @@ def bench_async() -> str:
                  "final avg@1, sync / preset"], body)
 
 
+def lift(r: dict) -> tuple[float, float]:
+    """A run's final accuracy minus its first eval's, and the error of that difference."""
+    return (r["final_accuracy"] - r["initial_accuracy"],
+            (r["final_accuracy_se"] ** 2 + r["initial_accuracy_se"] ** 2) ** 0.5)
+
+
+@table("tool_arith")
+def tool_arith() -> str:
+    j = load("tool_arith_cpu")
+    steps = j["workload"]["total_steps"]
+    body = []
+    for preset, r in j["results"].items():
+        gain, se = lift(r)
+        body.append([f"`{preset}`", r["repeats"], f"{r['initial_accuracy']:.3f} ± {r['initial_accuracy_se']:.3f}",
+                     acc_se(r), f"{gain:+.3f} ± {se:.3f}", f"{gain / se:.0f}",
+                     f"{r['tool_calls_first']:.2f} / {r['tool_calls_last']:.2f}", num(r["step_time_s"], 1)])
+    return rows(["preset", "runs", "avg@1 at step 0", f"avg@1 at step {steps}", "lift", "lift / its error",
+                 "calls per sample, first / last step", "step s"], body)
+
+
 def loss_grid(conditions: dict[str, str], first_column: str) -> str:
     """Losses x conditions from the loss sweep: each cell the mean final avg@1 over its runs ± its error; the
     losses are those run under every one of the conditions."""
