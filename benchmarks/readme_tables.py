@@ -159,6 +159,16 @@ def tool_arith() -> str:
                  "calls per sample, first / last step", "step s"], body)
 
 
+@table("tool_copy")
+def tool_copy() -> str:
+    j = load("tool_copy_cpu")
+    body = [[f"`{name}`", r["warm_start"]["steps"], f"{r['warm_start']['tool_share']:.1f}",
+             f"{r['warm_start']['label_noise']:.1f}", num(r["call_exact"]), num(r["copy_back"]), num(r["call_rate"])]
+            for name, r in j["results"].items()]
+    return rows(["direct answers", "steps", "tool_share", "label_noise", "call written right (greedy)",
+                 "tool's answer copied back (greedy)", "starts with a call (temperature 1)"], body)
+
+
 def loss_grid(conditions: dict[str, str], first_column: str) -> str:
     """Losses x conditions from the loss sweep: each cell the mean final avg@1 over its runs ± its error; the
     losses are those run under every one of the conditions."""
