@@ -147,10 +147,12 @@ def lift(r: dict) -> tuple[float, float]:
 
 @table("tool_arith")
 def tool_arith() -> str:
+    from rlsys.bench import PRESETS
+
     j = load("tool_arith_cpu")
     steps = j["workload"]["total_steps"]
     body = []
-    for preset, r in j["results"].items():
+    for preset, r in sorted(j["results"].items(), key=lambda item: list(PRESETS).index(item[0])):
         gain, se = lift(r)
         body.append([f"`{preset}`", r["repeats"], f"{r['initial_accuracy']:.3f} ± {r['initial_accuracy_se']:.3f}",
                      acc_se(r), f"{gain:+.3f} ± {se:.3f}", f"{gain / se:.0f}" if se else "-",
@@ -163,10 +165,10 @@ def tool_arith_figures() -> list[str]:
     r = load("tool_arith_cpu")["results"]
     tools = [v for k, v in r.items() if k != "no-tools"]
     ratios = [gain / se for gain, se in map(lift, tools)]
-    last = [v["tool_calls_last"] for v in tools]
+    first, last = ([v[f"tool_calls_{end}"] for v in tools] for end in ("first", "last"))
     return [f"lifts the task by {min(ratios):.0f} to {max(ratios):.0f} times its error",
-            f"({tools[0]['tool_calls_first']:.2f} calls per sample at the first step, {min(last):.2f} to {max(last):.2f} "
-            "at the last)",
+            f"({min(first):.2f} to {max(first):.2f} calls per sample at the first step, {min(last):.2f} to "
+            f"{max(last):.2f} at the last)",
             f"when it has one ({load('tool_copy_cpu')['results']['guess']['copy_back']:.3f} below)",
             f"answers {r['no-tools']['final_accuracy']:.3f} of the 500 at every eval"]
 
