@@ -86,6 +86,13 @@ def available(name: str) -> bool:
             and values.get("control.group_sizer", "fixed") in GROUP_SIZERS)
 
 
+def changing_nothing(config: str | None, overrides: list[str], presets: list[str]) -> list[str]:
+    """The presets that leave the workload's config as it is (no-tools on a task without tools): each would
+    only run the baseline again."""
+    cfg = load_config(config, overrides)
+    return [p for p in presets if preset_overrides(p) and load_config(config, overrides + preset_overrides(p)) == cfg]
+
+
 def machine() -> dict:
     import torch
 
@@ -259,6 +266,10 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     if skipped:
         print(f"skipping presets not available yet: {', '.join(skipped)}")
     cfg = load_config(config, overrides)
+    same = changing_nothing(config, overrides, names)
+    if same:
+        print(f"skipping presets that change nothing on this workload: {', '.join(same)}")
+        names = [p for p in names if p not in same]
     workload = {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides, "target": str(target)}
     runs: dict[str, list[dict]] = {**(kept_runs(output, workload, names) if top_up else {}), **{n: [] for n in names}}
 

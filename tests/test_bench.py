@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlsys.bench import Target, add_equal_time, aggregate, summarise_run
+from rlsys.bench import Target, add_equal_time, aggregate, changing_nothing, summarise_run
 from rlsys.cli import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -143,3 +143,8 @@ def test_top_up_keeps_the_other_presets_runs_of_the_same_workload_only(tmp_path)
     assert kept_runs(str(output), workload, ["sync", "async"]) == {"tail": [{"wall_s": 2.0}]}  # sync is run again
     with pytest.raises(UserError, match=r"--top-up: .* another workload \(overrides: \['trainer.total_steps=4'\]\)"):
         kept_runs(str(output), dict(workload, overrides=["trainer.total_steps=8"]), ["async"])
+
+
+def test_a_preset_that_changes_nothing_on_the_workload_is_skipped_as_the_baseline_again():
+    assert changing_nothing(None, [], ["sync", "tail", "no-tools"]) == ["no-tools"]  # the default task has no tools
+    assert changing_nothing("configs/tool_arith.yaml", [], ["sync", "no-tools"]) == []
