@@ -365,9 +365,10 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        rows = read_jsonl(out_dir / f"{name}-r0" / "timeline.jsonl")
+    # A preset kept by --top-up may have its runs under another --out-dir: its timeline is not drawn here.
+    timelines = {n: rows for n in names if (rows := read_jsonl(out_dir / f"{n}-r0" / "timeline.jsonl"))}
+    fig, axes = plt.subplots(1, max(1, len(timelines)), figsize=(5 * max(1, len(timelines)), 4), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], timelines.items()):
         steps = sorted({x["step"] for x in rows})
         shown = steps[len(steps) // 2: len(steps) // 2 + 3]  # three steps from the middle of the run
         draw_timeline(ax, [x for x in rows if x["step"] in shown], f"{name}: steps {shown[0]}-{shown[-1]}")

@@ -51,3 +51,15 @@ def test_the_bench_accuracy_plot_draws_each_runs_standard_error(tmp_path, saved)
     sync, async_ = error_bars(saved["accuracy_vs_time.png"].axes[0])
     assert sync == pytest.approx([0.0, 0.2, 0.3, 3.0, 0.4, 0.6])
     assert async_ == pytest.approx([0.0, 0.3, 0.4, 3.0, 0.5, 0.7])
+
+
+def test_the_bench_plots_skip_the_timeline_of_a_preset_whose_runs_are_under_another_out_dir(tmp_path, saved):
+    run = tmp_path / "tail-r0"  # "sync" was kept by --top-up from a file whose runs are elsewhere
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in EVALS))
+    (run / "timeline.jsonl").write_text(json.dumps({"step": 1, "worker": 0, "slot": 0, "start": 0.0, "end": 1.0}) + "\n")
+    report = {"results": {name: {"repeats": 1, "bubble_ratio": 0.1} for name in ("sync", "tail")},
+              "workload": {"target_accuracy": 0.5}}
+    plot_bench(report, tmp_path)
+    [ax] = saved["timelines.png"].axes
+    assert ax.get_title().startswith("tail: steps 1-1")
