@@ -259,10 +259,10 @@ def async_rows(steps: int | None) -> list[dict]:
             row("verl rollout wait async s", 33, max(wait, 0.0), note=note)]
 
 
-# Screen every run over one of tail batching's periods (4 short rounds + 1 long), then run the best few for
-# four periods: sorted's early steps flatter it (its pool starts fresh), and its place against tail settles
-# only by 20 steps (at 10, sorted-partial-K4 led tail by 5%; at 20 they tie within 1%).
-SCREEN_STEPS, CONFIRM_STEPS, CONFIRM_WITHIN = 5, 20, 0.9  # confirm each schedule's best within 10% of the top
+# Screen every run over one of tail batching's periods (4 short rounds + 1 long), then run each schedule's best
+# for four periods: sorted's early steps flatter it (its pool starts fresh: 2.89x in the screen, 2.42x over 20
+# steps at 32k), and tail's later long rounds run longer than its first.
+SCREEN_STEPS, CONFIRM_STEPS = 5, 20
 REGIMES = {  # the calibrated configs at 128 H800, the batch grown with the GPUs (weak scaling, as RollPacker's)
     "32k": ("qwen32b_32k", 256),  # 128 prompts x 8 on 64 GPUs
     "16k": ("qwen14b_16k", 512),  # 128 prompts x 8 on 32 GPUs; RollPacker's own 128-GPU point
@@ -271,6 +271,9 @@ SCHEDULES = {  # label: run fields, each with the reward scheduler and streamed 
     "sync": {"name": "sync"},
     "tail": {"name": "tail"},  # with the stream trainer: RollPacker's full stack but the planner
     "tail+planner": {"name": "tail", "control": {"elastic_tp": {"enabled": True, "max_tp": 8}}},
+    # RollPacker's stream trainer whole: the rollout scaled down to half its engines at 40% of the groups (its
+    # artifact's setting). The live engines do not move requests between them: a modelled schedule only.
+    "tail+scale-down": {"name": "tail", "trainer": {"scale_down_at": 0.4}},
     "sorted": {"name": "sorted"},  # on-policy: a sample spans one version (partial mode with K=1 is the same)
     **{f"sorted-partial-K{k}": {"name": "sorted", "control": {"sorted": {"mode": "partial", "max_versions": k}}}
        for k in (2, 4)},
@@ -302,7 +305,7 @@ def search_runs(regime: str, schedules=SCHEDULES, sizers=SIZERS) -> list[dict]:
                 control["sagc"] = {"prompt_rule": "constant_prompts"}
             merged = {**run.get("control", {}), **control}
             runs.append({**run, "label": f"{label}/{sizer}", "control": merged,
-                         "reward": reward, "trainer": {"streamed": True}})
+                         "reward": reward, "trainer": {**run.get("trainer", {}), "streamed": True}})
     return runs
 
 
@@ -328,9 +331,8 @@ def search_regime(regime: str, screen: int, confirm: int, schedules, sizers) -> 
     best_of = {}  # schedule -> its fastest complete run
     for e in complete:
         best_of.setdefault(e["schedule"].split("/")[0], e)
-    top = {e["schedule"] for e in best_of.values()
-           if e["speedup_vs_sync"] >= CONFIRM_WITHIN * complete[0]["speedup_vs_sync"]} | {"veRL-sync"}
-    final = _ranked(regime, [r for r in runs if r["label"] in top], confirm, prompts)
+    confirmed = {e["schedule"] for e in best_of.values()} | {"veRL-sync"}
+    final = _ranked(regime, [r for r in runs if r["label"] in confirmed], confirm, prompts)
     return {"config": REGIMES[regime][0], "gpus": 128, "prompts_per_step": prompts, "screen_steps": screen,
             "confirm_steps": confirm, "ranked": final, "screened": screened, "sagc": sagc_verdicts(screened)}
 

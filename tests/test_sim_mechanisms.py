@@ -10,7 +10,7 @@ import yaml
 from rlsys.config import ConfigError
 from rlsys.costs import GPUS
 from rlsys.sim.config import load_sim_config
-from rlsys.sim.engine import replica_idle_by_interval, replica_idle_gpu_s
+from rlsys.sim.engine import SimRequest, replica_idle_by_interval, replica_idle_gpu_s
 from rlsys.sim.run import simulate
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.simulator import Simulation, makespan
@@ -143,11 +143,63 @@ def test_streamed_groups_are_credited_only_their_gradients_on_gpus_idle_after_th
     assert sim._streamed_gpu_s() == pytest.approx(60 + 40, rel=1e-3)
 
 
+def test_a_scaled_down_trainer_streams_only_on_the_engines_it_freed():
+    trainer = {"streamed": True, "flops_per_param_token": 6, "scale_down_at": 0.4}
+    cfg = load_sim_config(small({"s": {"name": "tail", "trainer": trainer}}))
+    sim = Simulation(cfg, cfg.runs()[0])
+    for engine in sim.engines:  # 4 GPUs idle over [0, 100], one of them scaled down
+        engine.idle_spans = [(0.0, 100.0)]
+    sim.lent, sim.now, per_token = {3}, 100.0, sim._gpu_s(1)
+    sim.stream.add(round(1000 / per_token), 0.0, 0.0)
+    assert sim._streamed_gpu_s() == pytest.approx(100)  # 1 GPU x 100 s, not 4
+
+
 def test_a_replica_larger_than_the_cluster_streams_nothing():
     plain = one({"name": "tail"})
     lent = one({"name": "tail", "trainer": {"streamed": True, "replica_gpus": 2}})
     whole = one({"name": "tail", "trainer": {"streamed": True, "replica_gpus": 8}})  # 4 GPUs in all
     assert whole["train_time_s"] == plain["train_time_s"] > lent["train_time_s"]
+
+
+def test_an_evicted_request_resumes_elsewhere_with_its_tokens_and_is_prefilled_again():
+    cfg = load_sim_config(small({"x": {"name": "tail"}}))
+    sim = Simulation(cfg, cfg.runs()[0])
+    donor, receiver = sim.engines[0], sim.engines[1]
+    draw = SimpleNamespace(length=1000, truncated=False, reward=1.0, reward_latency=0.0)
+    running, waiting = (SimRequest(rid, "p", 100, draw, 0.0) for rid in ("a", "b"))
+    donor.max_seqs = 1  # "b" waits in the queue
+    for req in (running, waiting):
+        donor.enqueue(req)
+    donor.settle(0.0)
+    donor.advance_to(donor.next_event()[0] / 2)  # part-way through "a"
+    moved = donor.evict_all()
+    assert moved == [running, waiting] and 0 < running.done < 1000 and waiting.done == 0
+    assert donor.load == 0 and donor.live_kv() == 0 and donor.next_event() is None
+    receiver.advance_to(donor.clock)
+    for req in moved:
+        receiver.enqueue(req)
+    receiver.settle(donor.clock)
+    assert receiver.prefill_until - donor.clock == pytest.approx(
+        (100 + running.done + 100) * receiver.cost.prefill_s_per_token)  # its prompt and tokens again, and b's
+    t, _ = receiver.next_event()
+    receiver.advance_to(t)
+    assert receiver.settle(t) == [running] and running.done == 1000  # finishes at its own length
+
+
+def test_scaling_down_lends_half_the_engines_to_the_streamed_trainer():
+    streamed = {"name": "tail", "trainer": {"streamed": True}}
+    fast = {"kinds": {"rule": {"share": 1, "median_s": 0.005}}, "workers": 8}  # groups complete while others run
+    plain = one(streamed, reward=fast)
+    scaled = one({**streamed, "trainer": {"streamed": True, "scale_down_at": 0.4}}, reward=fast)
+    assert scaled["requests"]["migrated"] > 0 and plain["requests"]["migrated"] == 0  # Simulation.check held
+    again = one({**streamed, "trainer": {"streamed": True, "scale_down_at": 0.4}}, reward=fast)
+    assert {k: v for k, v in again.items() if k != "wall"} == {k: v for k, v in scaled.items() if k != "wall"}
+    assert scaled["train_time_s"] < plain["train_time_s"]  # more idle GPUs for the streamed gradients
+    for run in ({"name": "tail", "trainer": {"scale_down_at": 0.4}},
+                {**streamed, "cluster": {"trainer_gpus": 2}, "trainer": {"streamed": True, "scale_down_at": 0.4}}):
+        with pytest.raises(ConfigError, match="trainer.scale_down_at .* set trainer.streamed and leave "
+                                              "cluster.trainer_gpus unset"):
+            load_sim_config(small({"x": run}))
 
 
 def test_resumed_versions_are_read_off_runs_not_token_by_token(monkeypatch):

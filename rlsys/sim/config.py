@@ -130,6 +130,11 @@ class TrainerSpec(Section):
     # Gradients of the groups a scheduler streams (Accumulate) are computed on GPUs idle during the rollout
     # (RollPacker's stream trainer); only the rest is left for after the round.
     streamed: bool = False
+    # RollPacker's stream trainer scales the rollout down: once this share of a streamed step's groups is
+    # complete, half the engines move their requests (resumed with the tokens they have, prefilled again) to
+    # the other half, and the streamed gradients run on the freed GPUs alone until the step ends (its
+    # artifact: infer_scaling_down_progress_ratio 0.4). None: on whatever engines are idle. Colocated only.
+    scale_down_at: Optional[float] = Field(None, gt=0, le=1)
     # GPUs of one trainer replica (TP x PP x CP): a streamed trainer borrows idle rollout GPUs in such blocks
     replica_gpus: int = Field(1, ge=1)
 
@@ -191,6 +196,11 @@ class SimConfig(Section):
         if min(self.engine_cost(self.cluster_for(r)).kv_capacity for r in self.runs()) < need:
             raise ValueError(f"engine KV cache holds fewer tokens than one request needs ({need}); "
                              "raise cluster.tp or lower workload.max_tokens")
+        for run in self.runs():
+            trainer = self.trainer_for(run)
+            if trainer.scale_down_at is not None and not (trainer.streamed and self.cluster_for(run).trainer_gpus is None):
+                raise ValueError(f"{run.label}: trainer.scale_down_at lends rollout engines to a streamed trainer "
+                                 "on the same GPUs: set trainer.streamed and leave cluster.trainer_gpus unset")
         for run in self.runs():
             cluster, elastic = self.cluster_for(run), self.control_for(run).elastic_tp
             if elastic.enabled and cluster.tp not in self.tp_sizes(cluster, elastic):

@@ -151,6 +151,20 @@ class SimEngine:
         req.state, req.end_time = ABORTED, now
         self.epoch += 1
 
+    def evict_all(self) -> list[SimRequest]:
+        """Take every request off the engine (advanced to now), each keeping the tokens it has, to be resumed
+        on another engine, which prefills them again as after a preemption."""
+        moving = [req for key, req in self.admitted if self._valid(key, req)]
+        for req in moving:
+            self._remove(req)
+            req.state = QUEUED
+        moving += [req for req in self.queue if req.state == QUEUED]
+        self.queue.clear()
+        self.queued, self.kv_offset = 0, 0.0
+        self.running, self.admitted = [], []  # all stale now, and a key may recur on the next engine
+        self.epoch += 1
+        return moving
+
     def settle(self, now: float) -> list[SimRequest]:
         """Finish what has finished, preempt while the KV cache is full, admit what fits."""
         finished = []

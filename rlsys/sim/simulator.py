@@ -120,6 +120,8 @@ class Simulation:
         self.tp_per_step: list[int] = []
         self.preemptions_by_step: list[int] = []
         self._round_start = (0, 0)  # (preemptions, submitted requests) when the step's round began
+        self.streamed_groups = 0  # groups the step has streamed so far
+        self.lent: set[int] = set()  # engines scaled down for the trainer until the step's Train
 
     def _build_engines(self, tp: int) -> list[SimEngine]:
         cost = self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}))
@@ -219,7 +221,7 @@ class Simulation:
         for action in actions:
             if isinstance(action, Submit):
                 if loads is None:
-                    loads = [(e.load, e.index) for e in self.engines]
+                    loads = [(e.load, e.index) for e in self.engines if e.index not in self.lent]
                     heapq.heapify(loads)
                 self._submit(action, loads, touched)
             elif isinstance(action, Abort):
@@ -230,6 +232,11 @@ class Simulation:
             elif isinstance(action, Accumulate):
                 if self.trainer.streamed:
                     self.stream.add(self._tokens(action.groups), self.now, self._trainer_idle_s())
+                    self.streamed_groups += len(action.groups)
+                    at = self.trainer.scale_down_at
+                    if at is not None and not self.lent and self.streamed_groups >= at * action.train_groups:
+                        self._scale_down(touched)
+                        loads = None
             else:
                 raise SimulationError(f"unknown action {action!r}")
         for engine in touched.values():
@@ -261,6 +268,24 @@ class Simulation:
             engine.enqueue(req)
             self.requests[rid] = req
             self.counts["submitted"] += 1
+
+    def _scale_down(self, touched: dict) -> None:
+        """Half the engines hand their requests to the other half (least loaded first) and, idle, lend their
+        GPUs to the streamed trainer until the step's Train."""
+        keep = max(1, len(self.engines) // 2)
+        moving = []
+        for engine in self.engines[keep:]:
+            self._touch(engine, touched)
+            moving += engine.evict_all()
+            self.lent.add(engine.index)
+        loads = [(e.load, e.index) for e in self.engines[:keep]]
+        heapq.heapify(loads)
+        for req in moving:
+            _, index = loads[0]
+            heapq.heapreplace(loads, (loads[0][0] + 1, index))
+            self._touch(self.engines[index], touched)
+            self.engines[index].enqueue(req)
+        self.counts["migrated"] += len(moving)
 
     def _abort(self, action: Abort, touched: dict) -> None:
         for rid in action.request_ids:
@@ -297,14 +322,18 @@ class Simulation:
         and backward stream (we assume its reference and old-log-prob forwards run after the round over the
         whole batch, as veRL computes them; the optimizer updates, one per mini-batch, cost no modelled time),
         each on GPUs idle after the group came, oldest first: when colocated, rollout GPUs with nothing to
-        decode, in whole trainer replicas (trainer.replica_gpus); else the trainer's own GPUs while it had
+        decode (under trainer.scale_down_at, only the engines scaled down), in whole trainer replicas
+        (trainer.replica_gpus); else the trainer's own GPUs while it had
         nothing to train."""
         arrivals = self.stream.take()
         if not arrivals:
             return 0.0
         bounds = [t for t, _, _ in arrivals] + [self.now]
         if self.colocated:
-            room = replica_idle_by_interval(self._all_engines(), bounds, self.trainer.replica_gpus)
+            lenders = self._all_engines()
+            if self.trainer.scale_down_at is not None:  # RollPacker trains only on the engines it scaled down
+                lenders = [e for e in self.engines if e.index in self.lent]
+            room = replica_idle_by_interval(lenders, bounds, self.trainer.replica_gpus)
         else:
             idle = [i for _, _, i in arrivals] + [self._trainer_idle_s()]
             room = [self.trainer_gpus * (b - a) for a, b in zip(idle, idle[1:])]
@@ -343,6 +372,7 @@ class Simulation:
             for engine in self.engines:  # bring their idle time up to now
                 engine.advance_to(self.now)
         streamed = self._streamed_gpu_s()
+        self.streamed_groups, self.lent = 0, set()
         for engine in self._all_engines():  # idle spans before now serve no later step
             engine.idle_spans = engine.idle_spans[-1:]
         work = max(0.0, self._gpu_s(self._tokens(action.groups)) - streamed)
@@ -520,7 +550,7 @@ class Simulation:
             "recomputed_tokens_per_step": sum(e.recomputed_tokens for e in engines) / steps,
             "preemptions_by_step": self.preemptions_by_step,
             "tp_per_step": self.tp_per_step,
-            "requests": {k: self.counts[k] for k in ("submitted", "finished", "aborted", "late_aborts")},
+            "requests": {k: self.counts[k] for k in ("submitted", "finished", "aborted", "late_aborts", "migrated")},
             "prompts": self.scheduler.metrics(),
             "step_ends_s": self.step_ends,
             "long_round_steps": self.long_steps,
