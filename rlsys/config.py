@@ -291,7 +291,8 @@ class TrainerConfig(Section):
     # weights) or loglinear (AReaL's interpolation by version between the behaviour log-probs and the
     # mini-batch's own forward: no extra forward; trainer/losses.py)
     proximal: Literal["recompute", "loglinear"] = "recompute"
-    streamed: bool = False  # gradients of completed prompts while the round generates (trainer/streamed.py)
+    # Gradients of completed prompts while the round generates (trainer/streamed.py); control.scheduler=tail only
+    streamed: bool = False
     advantage: str = "grpo"
     loss: str = "dapo"
     eps_low: float = Field(0.2, ge=0)
@@ -545,6 +546,16 @@ class Config(Section):
         if self.emulate.on and self.rollout.engine != "cpu":
             raise ValueError(f"emulate.gpu={self.emulate.gpu} paces the built-in engine only: it needs "
                              f"rollout.engine=cpu (got {self.rollout.engine})")
+        return self
+
+    @model_validator(mode="after")
+    def _streamed_under_tail(self):
+        # Only tail announces the groups of its next Train while the round generates (Accumulate): under any other
+        # scheduler nothing would stream and the step would train exactly as without trainer.streamed.
+        if self.trainer.streamed and self.control.scheduler != "tail":
+            raise ValueError(f"trainer.streamed=true needs control.scheduler=tail (got control.scheduler="
+                             f"{self.control.scheduler}): only tail batching hands its groups to the trainer as they "
+                             "complete, so nothing would stream; set control.scheduler=tail or trainer.streamed=false")
         return self
 
     @model_validator(mode="after")

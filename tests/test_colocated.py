@@ -39,7 +39,7 @@ def test_sleep_mode_defaults_on_only_where_engines_share_gpus():
     (["rollout.gpu_memory_utilization=0.95"], ["rollout.gpu_memory_utilization=0.95", "at most 0.9"]),
     (["control.scheduler=async"], ["rollout.enable_sleep_mode", "control.scheduler=async",
                                    "control.staleness.eta=1"]),
-    (["trainer.streamed=true", "trainer.mini_batches=1"], ["rollout.enable_sleep_mode", "trainer.streamed"]),
+    (["control.scheduler=tail", "trainer.streamed=true"], ["rollout.enable_sleep_mode", "trainer.streamed"]),
 ], ids=["no sleep", "no room for the trainer", "async", "streamed"])
 def test_what_colocated_engines_cannot_do_is_refused_naming_the_fields(overrides, fields):
     with pytest.raises(ConfigError) as err:
@@ -49,8 +49,8 @@ def test_what_colocated_engines_cannot_do_is_refused_naming_the_fields(overrides
 
 def test_the_refused_combinations_are_fine_where_engines_do_not_sleep():
     two_nodes = ["cluster.nodes=2", "cluster.layout=separate", "weights.transfer=object_store"]
-    for extra in (["rollout.gpu_memory_utilization=0.95"], ["control.scheduler=async"], ["trainer.streamed=true",
-                                                                                        "trainer.mini_batches=1"]):
+    for extra in (["rollout.gpu_memory_utilization=0.95"], ["control.scheduler=async"], ["control.scheduler=tail",
+                                                                                        "trainer.streamed=true"]):
         assert not load_config(ONE_NODE, two_nodes + extra).rollout.enable_sleep_mode
     assert load_config(ONE_NODE, ["control.scheduler=async", "control.staleness.eta=0"]).rollout.enable_sleep_mode
 

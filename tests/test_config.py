@@ -1,5 +1,6 @@
 import pytest
 
+from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG, ConfigError, ControlConfig, parse_overrides
 from rlsys.startup import load_config
 
@@ -63,3 +64,16 @@ def test_staged_answer_caps_apply_from_their_step_and_are_checked(tmp_path):
         load_config(path)
     assert "the cap from step 4 (64) must be between 1 and rollout.max_new_tokens (48)" in str(refused.value)
     assert str(path) in str(refused.value)
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "sorted", "async"])
+def test_streamed_training_under_a_scheduler_that_streams_nothing_is_refused_naming_both_fields(scheduler, capsys):
+    """Only tail hands its groups to the trainer as they complete (Accumulate): under another scheduler
+    trainer.streamed would change nothing, while its user believes the step streams."""
+    overrides = [f"control.scheduler={scheduler}", "trainer.streamed=true", "trainer.loss=decoupled_ppo"]
+    assert main(["check", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert (f"trainer.streamed=true needs control.scheduler=tail (got control.scheduler={scheduler})" in err
+            and "set control.scheduler=tail or trainer.streamed=false" in err), err
+    assert "command-line override: trainer.streamed, control.scheduler" in err and "Traceback" not in err
+    assert load_config(None, overrides[1:] + ["control.scheduler=tail"]).trainer.streamed

@@ -185,9 +185,10 @@ def test_a_stale_later_streamed_mini_batch_needs_loglinear(model_dir):  # noqa: 
 
 
 def test_streamed_mini_batches_refuse_a_mismatch_correction():
-    load_config(None, ["trainer.streamed=true", "trainer.mini_batches=4"])  # the emulated preset's: accepted
+    streamed = ["control.scheduler=tail", "trainer.streamed=true"]
+    load_config(None, [*streamed, "trainer.mini_batches=4"])  # the emulated preset's: accepted
     with pytest.raises(ConfigError, match=r"trainer.streamed with trainer.mini_batches=2.*trainer.mismatch.mode=tis"):
-        load_config(None, ["trainer.streamed=true", "trainer.mini_batches=2", "trainer.mismatch.mode=tis"])
+        load_config(None, [*streamed, "trainer.mini_batches=2", "trainer.mismatch.mode=tis"])
 
 
 # --- DeepSpeed on one rank, in process (gloo) ---------------------------------------------------------
@@ -239,7 +240,7 @@ def test_trainer_group_streams_mini_batches_across_two_ranks(ray_cluster, model_
     steady_adam(local)
     initial = local.state_dict_for_rollout()
     sync = sync_steps(local, steps, version=0)
-    trainer = TrainerGroup(Config(trainer=cfg), model_dir, SCORING)
+    trainer = TrainerGroup(Config(trainer=cfg, control={"scheduler": "tail"}), model_dir, SCORING)
     try:
         # steady_adam on each rank (a nested function: Ray's workers cannot import this module)
         ray.get([w.__ray_call__.remote(lambda worker: worker.backend.optimizer.param_groups[0].update(eps=1e-5))
