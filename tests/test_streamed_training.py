@@ -184,6 +184,15 @@ def test_a_stale_later_streamed_mini_batch_needs_loglinear(model_dir):  # noqa: 
         streamed_steps(backend, step_groups([0]), version=1)  # sampled by version 0, recompute configured
 
 
+def test_a_later_streamed_mini_batch_under_a_mismatch_correction_is_refused_though_fresh(model_dir):  # noqa: F811
+    """As the synchronous step, a correction takes no behaviour log-probs as pi_old (it needs the trainer's own):
+    the step's second mini-batch would need a recomputing forward. The config refuses the combination with
+    trainer.streamed; the trainer still never takes the engine's log-probs for pi_old under it."""
+    backend = TorchBackend(trainer_config(mini_batches=2, mismatch={"mode": "tis"}), model_dir, SCORING)
+    with pytest.raises(ValueError, match=r"mini-batch 2 is corrected by trainer.mismatch.mode=tis .*mini_batches=1"):
+        streamed_steps(backend, step_groups([0]), version=0)  # every token sampled by version 0
+
+
 def test_streamed_mini_batches_refuse_a_mismatch_correction():
     streamed = ["control.scheduler=tail", "trainer.streamed=true"]
     load_config(None, [*streamed, "trainer.mini_batches=4"])  # the emulated preset's: accepted

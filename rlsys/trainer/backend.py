@@ -119,6 +119,17 @@ def write_hf_model(weights: dict[str, torch.Tensor], config_dir: str, out_dir: s
     model.save_pretrained(str(out_dir))
 
 
+def proximal_source(cfg: TrainerConfig, fresh: bool, version: int | None) -> str:
+    """Where a step's PPO mini-batches after the first, on weights that have moved, take pi_prox (the policy of
+    the weights that started the step, at `version`; None: not known). `fresh`: every token was sampled by
+    those weights. "behaviour": the engine's log-probs are pi_prox, for the first mini-batch too; not under a
+    mismatch correction, which needs the trainer's own pi_old. "loglinear": interpolated from each mini-batch's
+    own forward (trainer.proximal=loglinear). "recompute": a forward on the starting weights."""
+    if fresh and not cfg.mismatch.active:
+        return "behaviour"
+    return "loglinear" if cfg.proximal == "loglinear" and version is not None else "recompute"
+
+
 class TrainerBackend(ABC):
     """One rank's trainer. Subclasses set `model` (what forward runs through) and `optimizer` (torch). Every
     forward scores tokens by `scoring`, the run's (logprobs.py)."""
@@ -192,24 +203,24 @@ class TrainerBackend(ABC):
                            proximal_micro_batches: int = 0, version: int | None = None) -> dict:
         """One optimizer step per part (veRL's PPO mini-batches) on a rollout batch. From the second part
         on the weights have moved, so every part is scored against the proximal policy (the weights at
-        the start): the behaviour log-probs when `fresh` (every token sampled by these very weights),
-        else recomputed here, or with `trainer.proximal=loglinear` interpolated from each part's own
-        forward (`version` is the weights' at the start). Statistics are means over the parts that report
-        them (mismatch_kl: the first alone); tokens and sequences are sums."""
-        interpolate = not fresh and self.cfg.proximal == "loglinear" and version is not None
+        the start, of `version`), taken as `proximal_source` says: the behaviour log-probs when `fresh`
+        (every token sampled by these very weights), else recomputed here, or interpolated from each part's
+        own forward. Statistics are means over the parts that report them (mismatch_kl: the first alone);
+        tokens and sequences are sums."""
+        source = proximal_source(self.cfg, fresh, version)
         if len(parts) > 1:
             # The first part runs on the proximal weights themselves: its own forward is pi_prox, exactly, so
             # only the later parts need one recomputed (a quarter of that forward saved at 4 mini-batches),
             # or interpolated from their own forwards (accumulate_gradients).
             later = [s for part, _ in parts[1:] for s in part]
-            if not interpolate:
-                proximal = ([s.logprobs for s in later] if fresh else
+            if source != "loglinear":
+                proximal = ([s.logprobs for s in later] if source == "behaviour" else
                             self.compute_logprobs(later, proximal_micro_batches))
             for i, sample in enumerate(later):
-                sample.proximal_logprobs = None if interpolate else list(proximal[i])
-            for sample in parts[0][0]:  # fresh: pi_old is the engine's for every part alike (losses.py)
-                sample.proximal_logprobs = list(sample.logprobs) if fresh else None
-        interpolate_at = version if interpolate else None
+                sample.proximal_logprobs = None if source == "loglinear" else list(proximal[i])
+            for sample in parts[0][0]:  # behaviour: pi_old is the engine's for every part alike (losses.py)
+                sample.proximal_logprobs = list(sample.logprobs) if source == "behaviour" else None
+        interpolate_at = version if source == "loglinear" else None
         per_part = [self.train_step(samples, totals, interpolate_at if i else None, at_start=i == 0)
                     for i, (samples, totals) in enumerate(parts)]
         return self.merge_mini_batches(per_part)

@@ -9,15 +9,16 @@ Statistics are divided the same way. Each part is planned on its own (`plan_step
 same number of micro-batches per part, as ZeRO-2/3 need.
 
 pi_prox of a mini-batch after the first cannot be recomputed: the weights that started the step are gone.
-A part whose every token the starting weights sampled (tail's rounds are on-policy) takes the behaviour
-log-probs, as the synchronous step does when fresh; an older part is interpolated with
-`trainer.proximal=loglinear`, and refused otherwise.
+Each part takes it as the synchronous step does (`proximal_source`), judged on the part's own tokens: one
+whose every token the starting weights sampled (tail's rounds are on-policy) takes the behaviour log-probs,
+an older one is interpolated with `trainer.proximal=loglinear`; one that needs a recomputing forward is
+refused.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from rlsys.trainer.backend import TrainerBackend
+from rlsys.trainer.backend import TrainerBackend, proximal_source
 from rlsys.trainer.batching import StepTotals, TrainSample, sampled_by
 from rlsys.trainer.losses import STEP_NORMALISER, aggregation_of
 
@@ -47,14 +48,17 @@ class StreamedGradients:
         interpolate_at = None
         if cfg.mini_batches > 1:  # pi_prox as train_mini_batches takes it, without a recomputing forward
             fresh = sampled_by(samples, self.version)
-            for sample in samples:
-                sample.proximal_logprobs = list(sample.logprobs) if fresh else None  # None: this forward's
-            if not (fresh or first):
-                if cfg.proximal != "loglinear" or self.version is None:
-                    raise ValueError(
-                        f"trainer.streamed with trainer.mini_batches={cfg.mini_batches}: mini-batch "
-                        f"{len(self.closed) + 1} has tokens not sampled by version {self.version}, and its pi_prox "
-                        "cannot be recomputed on weights that already moved: set trainer.proximal=loglinear")
+            source = proximal_source(cfg, fresh, self.version)
+            for sample in samples:  # None: this forward's
+                sample.proximal_logprobs = list(sample.logprobs) if source == "behaviour" else None
+            if not first and source == "recompute":
+                why, fix = ((f"is corrected by {cfg.mismatch.describe()} against the trainer's own pi_old",
+                             "use trainer.mini_batches=1") if fresh else
+                            (f"has tokens not sampled by version {self.version}", "set trainer.proximal=loglinear"))
+                raise ValueError(f"trainer.streamed with trainer.mini_batches={cfg.mini_batches}: mini-batch "
+                                 f"{len(self.closed) + 1} {why}, and its pi_prox cannot be recomputed on weights "
+                                 f"that already moved: {fix}")
+            if not first and source == "loglinear":
                 interpolate_at = self.version
         unnormalised = StepTotals(tokens=1, sequences=1, micro_batches=micro_batches)
         part = self.backend.accumulate_gradients(samples, unnormalised, closes_step=False,

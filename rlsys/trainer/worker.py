@@ -252,7 +252,7 @@ class TrainerGroup:
             samples = self._with_kl_in_reward(groups, samples)
         world, budget = self.cfg.world_size, self.cfg.micro_batch_tokens
         plans = [plan_step(part, world, budget) for part in split_mini_batches(samples, self.cfg.mini_batches)]
-        fresh = sampled_by(samples, version) and not self.cfg.mismatch.active  # a correction needs the trainer's own pi_old, not the engine's
+        fresh = sampled_by(samples, version)  # over the whole step: every rank takes pi_prox alike
         parts = [[(per_rank[rank], totals) for per_rank, totals in plans] for rank in range(world)]
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
