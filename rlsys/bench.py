@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlsys.config import DEFAULT_CONFIG, split_config_and_overrides
+from rlsys.config import DEFAULT_CONFIG, Config, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.emulate import clock_label
 from rlsys.errors import UserError
@@ -86,11 +86,11 @@ def available(name: str) -> bool:
             and values.get("control.group_sizer", "fixed") in GROUP_SIZERS)
 
 
-def changing_nothing(config: str | None, overrides: list[str], presets: list[str]) -> list[str]:
-    """The presets that leave the workload's config as it is (no-tools on a task without tools): each would
-    only run the baseline again."""
-    cfg = load_config(config, overrides)
-    return [p for p in presets if preset_overrides(p) and load_config(config, overrides + preset_overrides(p)) == cfg]
+def changing_nothing(workload: Config, config: str | None, overrides: list[str], presets: list[str]) -> list[str]:
+    """The presets that leave `workload` (`config` with `overrides`, loaded) as it is (no-tools on a task without
+    tools): each would only run the baseline again."""
+    return [p for p in presets
+            if preset_overrides(p) and load_config(config, overrides + preset_overrides(p)) == workload]
 
 
 def machine() -> dict:
@@ -266,7 +266,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     if skipped:
         print(f"skipping presets not available yet: {', '.join(skipped)}")
     cfg = load_config(config, overrides)
-    same = changing_nothing(config, overrides, names)
+    same = changing_nothing(cfg, config, overrides, names)
     if same:
         print(f"skipping presets that change nothing on this workload: {', '.join(same)}")
         names = [p for p in names if p not in same]

@@ -6,6 +6,7 @@ import pytest
 
 from rlsys.bench import Target, add_equal_time, aggregate, changing_nothing, summarise_run
 from rlsys.cli import build_parser
+from rlsys.startup import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -146,5 +147,7 @@ def test_top_up_keeps_the_other_presets_runs_of_the_same_workload_only(tmp_path)
 
 
 def test_a_preset_that_changes_nothing_on_the_workload_is_skipped_as_the_baseline_again():
-    assert changing_nothing(None, [], ["sync", "tail", "no-tools"]) == ["no-tools"]  # the default task has no tools
-    assert changing_nothing("configs/tool_arith.yaml", [], ["sync", "no-tools"]) == []
+    default = load_config(None, [])  # the default task has no tools
+    assert changing_nothing(default, None, [], ["sync", "tail", "no-tools"]) == ["no-tools"]
+    tools = "configs/tool_arith.yaml"
+    assert changing_nothing(load_config(tools, []), tools, [], ["sync", "no-tools"]) == []
