@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -73,7 +72,7 @@ def main() -> None:
     report = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"results": {}}
     report["results"][args.name] = figures
     report.update(command=f"python benchmarks/tool_copy.py --name NAME --prompts {args.prompts} [overrides]",
-                  config=os.path.relpath(CONFIG), prompts=args.prompts, machine=machine())
+                  config=CONFIG, prompts=args.prompts, machine=machine())
     RESULTS.write_text(json.dumps(report, indent=1) + "\n")
     print(args.name, {k: v for k, v in figures.items() if k in ("call_exact", "copy_back", "call_rate")})
 

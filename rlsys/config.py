@@ -29,13 +29,14 @@ class WarmStartConfig(Section):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
-    # Share of warm-start answers replaced by a near miss (one character changed, dropped or doubled), drawn
-    # afresh each time an example is seen: the policy learns the right answer as its mode but samples the
-    # noise, as a model fine-tuned on imperfect data does, and RL has that spread to remove.
+    # Share of warm-start answers replaced by a wrong one (`noise`), drawn afresh each time an example is seen:
+    # the policy learns the right answer as its mode but samples the noise, as a model fine-tuned on imperfect
+    # data does, and RL has that spread to remove.
     label_noise: float = Field(0.0, ge=0, le=1)
-    # What replaces an answer: near_miss, above; or guess, as many random characters (digits for digits): it
-    # carries nothing of the answer, so a model that cannot compute it learns no half-computation that would
-    # outvote copying a tool's answer (tool_arith; measured in docs/performance.md "Tools").
+    # What replaces an answer: near_miss, one character changed, dropped or doubled; or guess, as many random
+    # characters (digits for digits): it carries nothing of the answer, so a model that cannot compute it
+    # learns no half-computation that would outvote copying a tool's answer (tool_arith, where every direct
+    # answer is a guess: label_noise 1; measured in docs/performance.md "Tools").
     noise: Literal["near_miss", "guess"] = "near_miss"
     # Share of examples that demonstrate a tool call instead (a task with demonstrations: tool_arith), drawn
     # afresh each time: the policy starts out calling the tool sometimes and guessing otherwise.

@@ -70,8 +70,8 @@ class StreamedGradients:
 
     def close(self, tokens: int, sequences: int) -> None:
         """The open mini-batch's optimizer update; `tokens` and `sequences` are its totals over every rank.
-        None where it has no token on any rank (no rank ran a micro-batch), as the synchronous split has no
-        mini-batch without samples."""
+        No update where it has no token on any rank (no rank ran a micro-batch), as the synchronous split has
+        no mini-batch without samples."""
         if tokens:
             divisor = {"tokens": tokens, "sequences": sequences}[self.normaliser]
             stats = {k: v / (divisor if k in LOSS_STATS else tokens) for k, v in self.stats.items()}
