@@ -29,7 +29,7 @@ class WarmStartConfig(Section):
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
-    # Share of warm-start answers replaced by a wrong one (`noise`), drawn afresh each time an example is seen:
+    # Share of warm-start answers replaced by `noise`, drawn afresh each time an example is seen:
     # the policy learns the right answer as its mode but samples the noise, as a model fine-tuned on imperfect
     # data does, and RL has that spread to remove.
     label_noise: float = Field(0.0, ge=0, le=1)

@@ -48,7 +48,7 @@ def guess(answer: str, rng: random.Random) -> str:
     return "".join(map(one, answer))
 
 
-WRONG = {"near_miss": near_miss, "guess": guess}  # model.warm_start.noise -> how an answer is replaced
+NOISE = {"near_miss": near_miss, "guess": guess}  # model.warm_start.noise -> what replaces an answer
 
 
 def encode_examples(tokenizer, prompts: list[Prompt], max_len: int
@@ -76,7 +76,8 @@ def encode_demonstration(tokenizer, prompt_ids: list[int], parts: list[tuple[str
 def draw_batch(rng: random.Random, examples: list[Example], prompts: list[Prompt], cfg: WarmStartConfig,
                tokenizer, demos: list[Labelled] | None = None) -> list[Labelled]:
     """`cfg.batch_size` examples drawn with replacement: a `tool_share` of them their tool-use demonstration
-    (`demos`, one per example), the others answered directly, a `label_noise` share of those wrong (`noise`)."""
+    (`demos`, one per example), the others answered directly, a `label_noise` share of those replaced by
+    `noise` (a near miss is always wrong, a guess rarely right)."""
     batch = []
     for i in rng.choices(range(len(examples)), k=cfg.batch_size):
         if demos and rng.random() < cfg.tool_share:
@@ -84,7 +85,7 @@ def draw_batch(rng: random.Random, examples: list[Example], prompts: list[Prompt
             continue
         ids, n_prompt = examples[i]
         if cfg.label_noise and rng.random() < cfg.label_noise:
-            wrong = tokenizer(WRONG[cfg.noise](prompts[i].answer, rng))["input_ids"]
+            wrong = tokenizer(NOISE[cfg.noise](prompts[i].answer, rng))["input_ids"]
             ids = ids[:n_prompt] + wrong + [tokenizer.eos_token_id]
         batch.append((ids, [IGNORE] * n_prompt + ids[n_prompt:]))
     return batch
