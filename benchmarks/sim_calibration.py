@@ -267,7 +267,7 @@ REGIMES = {  # the calibrated configs at 128 H800, the batch grown with the GPUs
     "32k": ("qwen32b_32k", 256),  # 128 prompts x 8 on 64 GPUs
     "16k": ("qwen14b_16k", 512),  # 128 prompts x 8 on 32 GPUs; RollPacker's own 128-GPU point
 }
-SCHEDULES = {  # label: run fields, each with the reward scheduler and streamed training
+SCHEDULES = {  # label: run fields, each with the reward scheduler, and tail's with streamed training
     "sync": {"name": "sync"},
     "tail": {"name": "tail"},  # with the stream trainer: RollPacker's full stack but the planner
     "tail+planner": {"name": "tail", "control": {"elastic_tp": {"enabled": True, "max_tp": 8}}},
@@ -304,8 +304,9 @@ def search_runs(regime: str, schedules=SCHEDULES, sizers=SIZERS) -> list[dict]:
             elif run["name"] == "async":
                 control["sagc"] = {"prompt_rule": "constant_prompts"}
             merged = {**run.get("control", {}), **control}
+            streamed = {"streamed": run["name"] == "tail"}  # the one scheduler that streams its groups
             runs.append({**run, "label": f"{label}/{sizer}", "control": merged,
-                         "reward": reward, "trainer": {**run.get("trainer", {}), "streamed": True}})
+                         "reward": reward, "trainer": {**run.get("trainer", {}), **streamed}})
     return runs
 
 

@@ -22,8 +22,8 @@ MECHANISMS = {
     "overlap-reward": {"name": "tail", "reward": {"overlap": True}},
     "stream": {"name": "tail", "trainer": {"streamed": True}},
     "planner": {"name": "tail", "control": {"elastic_tp": {"enabled": True, "max_tp": 2}}},
-    "async-own-gpus": {"name": "async", "cluster": {"trainer_gpus": 2}, "trainer": {"streamed": True}},
-    "sorted-stream": {"name": "sorted", "trainer": {"streamed": True}, "reward": {"overlap": False}},
+    "async-own-gpus": {"name": "async", "cluster": {"trainer_gpus": 2}},
+    "sorted-batch-reward": {"name": "sorted", "reward": {"overlap": False}},
 }
 
 
@@ -78,8 +78,10 @@ def test_streamed_training_fills_idle_gpus_and_never_exceeds_the_work():
     plain, streamed = one({"name": "tail"}), one({"name": "tail", "trainer": {"streamed": True}})
     assert streamed["train_time_s"] < plain["train_time_s"]
     assert streamed["train_time_s"] >= load_sim_config(small({"x": {"name": "tail"}})).trainer.overhead_s  # at most all the work
-    # sync streams nothing (no Accumulate): the flag changes nothing there
-    assert one({"name": "sync", "trainer": {"streamed": True}})["step_time_s"] == one({"name": "sync"})["step_time_s"]
+    # only tail announces its groups (Accumulate): elsewhere the flag would change nothing, so it is refused
+    for name in ("sync", "sorted", "async"):
+        with pytest.raises(ConfigError, match=f"trainer.streamed needs the tail scheduler.*under {name}"):
+            load_sim_config(small({"x": {"name": name, "trainer": {"streamed": True}}}))
 
 
 def test_trainer_mfu_falls_beyond_the_gpus_it_was_fitted_on():

@@ -198,6 +198,10 @@ class SimConfig(Section):
                              "raise cluster.tp or lower workload.max_tokens")
         for run in self.runs():
             trainer = self.trainer_for(run)
+            if trainer.streamed and run.name != "tail":
+                raise ValueError(f"{run.label}: trainer.streamed needs the tail scheduler, the one that announces "
+                                 f"its complete groups to the trainer (Accumulate); under {run.name} it would change "
+                                 "nothing")
             if trainer.scale_down_at is not None and not (trainer.streamed and self.cluster_for(run).trainer_gpus is None):
                 raise ValueError(f"{run.label}: trainer.scale_down_at lends rollout engines to a streamed trainer "
                                  "on the same GPUs: set trainer.streamed and leave cluster.trainer_gpus unset")
