@@ -348,7 +348,7 @@ def _ranked(regime: str, runs: list[dict], steps: int, prompts: int) -> list[dic
     most one step's prompts; more means it starved its long prompts, a speedup not at equal utility.
     `equal_samples`: within 5% of veRL's samples a step (async with sagc holds its prompts, so its sample count
     moves with G). `long_round_vs_verl_step`: tail's slowest long round (its rollout and training) over veRL's
-    mean step."""
+    mean step; `its_rollout_vs_verl_rollout`: that round's rollout alone over veRL's mean rollout."""
     results = simulate(regime_config(regime, steps, runs), quiet=True)["results"]
     reference = results["veRL-sync"]["step_time_s"]
     samples = {label: round(r["tokens_per_s"] * r["sim_time_s"] / r["response_tokens"]["mean"] / r["steps"])
@@ -363,8 +363,10 @@ def _ranked(regime: str, runs: list[dict], steps: int, prompts: int) -> list[dic
                  "preemptions_per_step": round(r["preemptions_per_step"], 1)}
         ends = [0.0] + r["step_ends_s"]
         if r["long_round_steps"]:
-            longest = max(ends[i + 1] - ends[i] for i in r["long_round_steps"])
-            entry["long_round_vs_verl_step"] = round(longest / reference, 3)
+            slowest = max(r["long_round_steps"], key=lambda i: ends[i + 1] - ends[i])
+            entry["long_round_vs_verl_step"] = round((ends[slowest + 1] - ends[slowest]) / reference, 3)
+            entry["its_rollout_vs_verl_rollout"] = round(
+                r["rollout_by_step_s"][slowest] / results["veRL-sync"]["rollout_time_s"], 3)
         ranked.append(entry)
     return sorted(ranked, key=lambda e: -e["speedup_vs_sync"])
 
@@ -435,7 +437,8 @@ def _print_ranking(found: dict, ranked: list[dict], steps: int) -> None:
         starved = "" if e["complete"] else f"  {e['deferred_prompts']} long prompts never trained"
         starved += "" if e["equal_samples"] else "  fewer samples than veRL"
         if "long_round_vs_verl_step" in e:
-            starved += f"  long round {e['long_round_vs_verl_step']:.2f}x a veRL step"
+            starved += (f"  long round {e['long_round_vs_verl_step']:.2f}x a veRL step (its rollout "
+                        f"{e['its_rollout_vs_verl_rollout']:.2f}x veRL's)")
         print(f"{e['schedule']:<28} {e['speedup_vs_sync']:>5.2f}x  step {e['step_time_s']:>7.1f} s  "
               f"bubble {e['bubble_ratio']:.2f}  straggler {e['straggler_rate']:.2f}  "
               f"samples {e['samples_per_step']}{starved}")
