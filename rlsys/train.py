@@ -276,20 +276,25 @@ class Controller:
     # --- eval, checkpoints, end -------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Eval's requests go through the pump beside training's: training's requests in flight wait, suspended
-        with their tokens, while rewards already asked for are scored; once the run is done, training's results
-        are left unread. control.eval_every=0: none at all, not even before and after training."""
+        with their tokens, while rewards already asked for are scored; once the run is done, training's requests
+        are dropped and their results left unread. control.eval_every=0: none at all, not even before and after
+        training."""
         if not self.cfg.control.eval_every:
             return {}
         with self.paused():
             t = time.time()
             self.evaluation = Evaluation(self.tokenizer, self.eval_prompts, self.cfg.rollout)
-            self.rollout.suspend()  # training's requests wait with the clock, as if eval took no time
+            if self.done:  # sorted's and async's requests for steps that will not come
+                self.rollout.drop_training()
+            else:
+                self.rollout.suspend()  # training's requests wait with the clock, as if eval took no time
             self.rollout.submit(self.evaluation.requests)
             while not self.evaluation.done:
                 events = self.next_events()
                 if not self.done:
                     self.handle(events)
-            self.rollout.resume()
+            if not self.done:
+                self.rollout.resume()
             metrics, self.evaluation = self.evaluation.metrics(), None
             ended = time.time()
             pace = engine_pace(self.rollout.stats((t, ended)), ended - t)

@@ -222,6 +222,20 @@ def test_stats_count_the_decode_steps_of_a_window(manager):
     assert [w["decode_steps_in_window"] for w in manager.stats((later, later + 1))] == [0, 0]
 
 
+def test_training_dropped_at_the_runs_end_comes_back_cut_and_nothing_waits_to_resume(manager):
+    """The final eval drops training's requests (their steps will not come) instead of suspending them: each
+    comes back as an abort, eval's are untouched, and nothing is held for a resume that will not come."""
+    before = sum(s["generated_tokens"] for s in manager.stats())
+    manager.submit([req("d0", 120), req("d1", 120, (4, 5))])
+    wait_for_tokens(lambda: {"generated_tokens": sum(s["generated_tokens"] for s in manager.stats())}, before + 10)
+    manager.drop_training()
+    manager.submit([Request("e", "p", [6, 7], SamplingParams(max_new_tokens=8, temperature=0.0), on_clock=False)])
+    got = {c.request_id: c for c in collect(manager, 3)}
+    assert sorted(got) == ["d0", "d1", "e"] and got["e"].finish_reason == "length"
+    assert all(got[rid].finish_reason == "abort" and got[rid].num_tokens < 120 for rid in ("d0", "d1"))
+    assert manager.suspended == [] and manager.suspending == {} and manager.outstanding == [0, 0]
+
+
 def test_suspended_requests_make_no_progress_and_resume_where_they_stopped(manager):
     """Eval runs with the run's clock paused: training's requests are suspended meanwhile (no token of theirs is
     generated), then go on from their tokens to the same greedy answer as an uninterrupted run."""

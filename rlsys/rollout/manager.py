@@ -152,8 +152,14 @@ class RolloutManager:
         there at resume(). Eval runs while the clock is paused; training's requests generating meanwhile would
         make progress off the clock (schedulers that generate across a step: sorted, async)."""
         self.on_hold = True
-        ids = [rid for rid, r in self.requests.items() if r.on_clock and rid not in self.aborted]
-        self.suspending.update({rid: self.requests[rid] for rid in self.abort(ids)})
+        self.suspending.update({rid: self.requests[rid] for rid in self.abort(self._training_in_flight())})
+
+    def drop_training(self) -> None:
+        """Stop training's requests for good (the run is over): their partials come back as aborts."""
+        self.abort(self._training_in_flight())
+
+    def _training_in_flight(self) -> list[str]:
+        return [rid for rid, r in self.requests.items() if r.on_clock and rid not in self.aborted]
 
     def resume(self) -> None:
         """Give the suspended requests back to the engines (each prefills its prompt and its tokens again)."""
