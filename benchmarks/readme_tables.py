@@ -596,6 +596,7 @@ def prose_figures() -> dict[str, list[str]]:
     bf16 = load("mismatch_bf16_cpu")["results"]["bf16-tis"]
     run = load("default_run_cpu")
     best = load("sim_calibration")["best_128"]
+    tail, scaled, partial = map(confirmed, ("tail/", "tail+scale-down/", "sorted-partial-K4/"))
     cal, hits = load("sim_calibration")["rows"], load("sim_calibration")["hit_rate"]
     overlap = load("bench_async_cpu")["speedup_vs_sync"]
     plain, fast = overlap["async"], overlap["async-loglinear"]
@@ -617,7 +618,7 @@ def prose_figures() -> dict[str, list[str]]:
                       f"is {best['speedup_vs_sync']:.2f}x sync, {'above' if best['speedup_vs_sync'] >= 2.5 else 'below'} "
                       "the papers' 2.5x",
                       "tail as the live system runs it, {speedup_vs_sync:.2f}x, its slowest long round at "
-                      "{long_round_vs_verl_step:.2f}x a veRL step".format(**confirmed("tail/")),
+                      "{long_round_vs_verl_step:.2f}x a veRL step".format(**tail),
                       f"lifts the default task by {100 * (run['evals'][-1]['eval/accuracy'] - run['evals'][0]['eval/accuracy']):.0f} points",
                       f"load average {run['machine']['load_average_at_start']:.1f} at its start",
                       f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
@@ -637,12 +638,12 @@ def prose_figures() -> dict[str, list[str]]:
             f"{plain['time_to_target']:.2f}x sooner; eta 2 adds nothing to eta 1 ({eta2:.2f}x)",
             f"stays near {bf16['mismatch_kl_mean']:.0e}",
             f"the best, `{best['schedule']}`, is {best['speedup_vs_sync']:.2f}x sync over",
-            "`{schedule}` is {speedup_vs_sync:.2f}x, and".format(**confirmed("tail/")),
-            "`{schedule}`'s slowest is {long_round_vs_verl_step:.2f}x a veRL step".format(**confirmed("tail/")),
-            "rollout alone is {its_rollout_vs_verl_rollout:.2f}x veRL's".format(**confirmed("tail/")),
-            "longer still ({long_round_vs_verl_step:.2f}x)".format(**confirmed("tail+scale-down/")),
-            "its rollout alone takes {its_rollout_vs_verl_rollout:.2f}x veRL's".format(**confirmed("tail+scale-down/")),
-            "`{schedule}` {speedup_vs_sync:.2f}x (".format(**confirmed("sorted-partial-K4/")),
+            "`{schedule}` is {speedup_vs_sync:.2f}x, and".format(**tail),
+            "`{schedule}`'s slowest is {long_round_vs_verl_step:.2f}x a veRL step".format(**tail),
+            "rollout alone is {its_rollout_vs_verl_rollout:.2f}x veRL's".format(**tail),
+            "longer still ({long_round_vs_verl_step:.2f}x)".format(**scaled),
+            "its rollout alone takes {its_rollout_vs_verl_rollout:.2f}x veRL's".format(**scaled),
+            "`{schedule}` {speedup_vs_sync:.2f}x (".format(**partial),
             f"the three stream rows are {stream_rows()}",
             f"rows that are predictions, {hits['within']} of {hits['predicted']} land within 15%",
             f"cuts the bubble to {s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's",

@@ -90,7 +90,7 @@ def changing_nothing(workload: Config, config: str | None, overrides: list[str],
     """The presets that leave `workload` (`config` with `overrides`, loaded) as it is (no-tools on a task without
     tools): each would only run the baseline again."""
     return [p for p in presets
-            if preset_overrides(p) and load_config(config, overrides + preset_overrides(p)) == workload]
+            if (changes := preset_overrides(p)) and load_config(config, overrides + changes) == workload]
 
 
 def machine() -> dict:

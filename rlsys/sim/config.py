@@ -197,16 +197,14 @@ class SimConfig(Section):
             raise ValueError(f"engine KV cache holds fewer tokens than one request needs ({need}); "
                              "raise cluster.tp or lower workload.max_tokens")
         for run in self.runs():
-            trainer = self.trainer_for(run)
+            trainer, cluster, elastic = self.trainer_for(run), self.cluster_for(run), self.control_for(run).elastic_tp
             if trainer.streamed and run.name != "tail":
                 raise ValueError(f"{run.label}: trainer.streamed needs the tail scheduler, the one that announces "
                                  f"its complete groups to the trainer (Accumulate); under {run.name} it would change "
                                  "nothing")
-            if trainer.scale_down_at is not None and not (trainer.streamed and self.cluster_for(run).trainer_gpus is None):
+            if trainer.scale_down_at is not None and not (trainer.streamed and cluster.trainer_gpus is None):
                 raise ValueError(f"{run.label}: trainer.scale_down_at lends rollout engines to a streamed trainer "
                                  "on the same GPUs: set trainer.streamed and leave cluster.trainer_gpus unset")
-        for run in self.runs():
-            cluster, elastic = self.cluster_for(run), self.control_for(run).elastic_tp
             if elastic.enabled and cluster.tp not in self.tp_sizes(cluster, elastic):
                 raise ValueError(f"{run.label}: cluster.tp={cluster.tp} is not a size control.elastic_tp may use: "
                                  f"{self.tp_sizes(cluster, elastic)}")

@@ -62,6 +62,20 @@ def long_round_bound(cfg: SimConfig, run: SchedulerRun):
     return control.model_copy(update={"tail": tail})
 
 
+def load_heap(engines) -> list[tuple[int, int]]:
+    """(requests held, index) of each engine, least loaded first: for `least_loaded`."""
+    loads = [(e.load, e.index) for e in engines]
+    heapq.heapify(loads)
+    return loads
+
+
+def least_loaded(loads: list[tuple[int, int]], requests: int = 1) -> int:
+    """The index of the least-loaded engine in `loads`, counted as holding `requests` more."""
+    load, index = loads[0]
+    heapq.heapreplace(loads, (load + requests, index))
+    return index
+
+
 def mean(xs: list) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -221,8 +235,7 @@ class Simulation:
         for action in actions:
             if isinstance(action, Submit):
                 if loads is None:
-                    loads = [(e.load, e.index) for e in self.engines if e.index not in self.lent]
-                    heapq.heapify(loads)
+                    loads = load_heap(e for e in self.engines if e.index not in self.lent)
                 self._submit(action, loads, touched)
             elif isinstance(action, Abort):
                 loads = None  # aborts free slots: recount before the next dispatch
@@ -261,8 +274,7 @@ class Simulation:
             if resume:
                 req.versions = run_lengths(resume.resume_versions)
             if j == 0 or not self.per_prompt:  # least-loaded dispatch, as OpenRLHF does
-                load, index = loads[0]
-                heapq.heapreplace(loads, (load + (len(action.request_ids) if self.per_prompt else 1), index))
+                index = least_loaded(loads, len(action.request_ids) if self.per_prompt else 1)
             engine = self.engines[index]
             self._touch(engine, touched)
             engine.enqueue(req)
@@ -278,13 +290,11 @@ class Simulation:
             self._touch(engine, touched)
             moving += engine.evict_all()
             self.lent.add(engine.index)
-        loads = [(e.load, e.index) for e in self.engines[:keep]]
-        heapq.heapify(loads)
+        loads = load_heap(self.engines[:keep])
         for req in moving:
-            _, index = loads[0]
-            heapq.heapreplace(loads, (loads[0][0] + 1, index))
-            self._touch(self.engines[index], touched)
-            self.engines[index].enqueue(req)
+            engine = self.engines[least_loaded(loads)]
+            self._touch(engine, touched)
+            engine.enqueue(req)
         self.counts["migrated"] += len(moving)
 
     def _abort(self, action: Abort, touched: dict) -> None:
