@@ -261,3 +261,22 @@ def test_suspended_requests_make_no_progress_and_resume_where_they_stopped(manag
     expected = {"t" + c.request_id[1:]: c.token_ids for c in collect(manager, 2)}
     assert {rid: c.token_ids for rid, c in done.items()} == expected
     assert all(c.finish_reason == "length" for c in done.values()) and manager.outstanding == [0, 0]
+
+
+def test_profiling_a_workers_steps_writes_its_report_and_changes_no_completion(models, tmp_path, monkeypatch):
+    """RLSYS_PROFILE_ENGINE: steps 50 to 70 profiled, every thread's frames sampled, one report."""
+    path, _ = models
+    plain = RolloutWorker(path, slots=2)
+    plain.submit([req("a", 90), req("b", 75, prompt=(4, 5))])
+    expected = drain_until(plain, 2)
+    plain.stop()
+    monkeypatch.setenv("RLSYS_PROFILE_ENGINE", str(tmp_path))
+    worker = RolloutWorker(path, slots=2, index=3)
+    worker.submit([req("a", 90), req("b", 75, prompt=(4, 5))])
+    got = drain_until(worker, 2)
+    worker.stop()
+    assert {k: c.token_ids for k, c in got.items()} == {k: c.token_ids for k, c in expected.items()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine-3-50.txt"]  # the next window: at step 300
+    report = (tmp_path / "engine-3-50.txt").read_text()
+    assert report.startswith("steps 20 after 50: wall ")
+    assert "generation thread: " in report and "aten::" in report

@@ -5,6 +5,8 @@
 #   engine     the built-in engine's decode and prefill cost at the 0.5B bench model's size, beside rlsys.costs
 #   live       the engine's decode step alone, behind its worker thread, in a Ray actor, beside a CUDA peer
 #   publish_cuda_ipc, publish_object_store   a short 0.5B run per transport one GPU can run: weight sync time
+#   cuda_tests tests/test_engine_cuda.py on the GPU
+#   diagnose   a short sync run at 0.5B publishing by object store, its engine steps profiled (RLSYS_PROFILE_ENGINE)
 #   schedulers sync, then tail, on the 0.5B model's untrained (long, geometric) answers, same seed and steps
 #              (sched_sync and sched_tail: each alone)
 #
@@ -57,6 +59,16 @@ phase_live_smi() {  # the same, while nvidia-smi samples memory as run.sh does
 }
 
 short_0_5b=(trainer.total_steps=3 rollout.max_new_tokens=128 control.prompts_per_step=8 control.group_size=8)
+phase_cuda_tests() {
+  PYTHONPATH=$SCRATCH/site:$repo "$python" -m pytest -q -p no:cacheprovider "$repo/tests/test_engine_cuda.py"
+}
+
+phase_diagnose() {  # the profiles land in the run's folder, so in records.tgz
+  RLSYS_PROFILE_ENGINE=$work/diagnose/profile GPU_MEMORY_MS=0 train diagnose "$bench" trainer.total_steps=2 \
+    rollout.max_new_tokens=256 control.prompts_per_step=8 control.group_size=8 data.eval_size=2 \
+    weights.transfer=object_store
+}
+
 phase_publish_cuda_ipc() { train publish_cuda_ipc "$bench" "${short_0_5b[@]}" weights.transfer=cuda_ipc; }
 phase_publish_object_store() { train publish_object_store "$bench" "${short_0_5b[@]}" weights.transfer=object_store; }
 

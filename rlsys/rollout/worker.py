@@ -22,6 +22,7 @@ import ray
 import torch
 
 from rlsys.rollout.engine import RolloutEngine
+from rlsys.rollout.profile import StepProfiler
 from rlsys.rollout.registry import make_engine
 from rlsys.types import Completion, Request
 from rlsys.weights import WeightUpdate
@@ -168,6 +169,7 @@ class RolloutWorker:
     def _loop(self) -> None:
         if self.torch_threads:  # thread counts can be per thread (OpenMP): set it here too
             torch.set_num_threads(self.torch_threads)
+        profiler = StepProfiler.from_env(self.index)
         try:
             while True:
                 with self._cond:
@@ -178,7 +180,11 @@ class RolloutWorker:
                 for fn, future in ops:
                     self._run_op(fn, future)
                 if self._can_step():
+                    if profiler:
+                        profiler.before_step()
                     self._publish(self.engine.step())
+                    if profiler:
+                        profiler.after_step()
                 for call in self.engine.take_calls():
                     self._tool_pool.submit(self._run_tool, *call)
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
