@@ -500,3 +500,21 @@ def test_recomputing_running_requests_builds_no_quadratic_mask(tmp_path):
     state = {name: t.clone() for name, t in engine.model.params.items()}
     peak = peak_new_bytes(lambda: engine.load_weights(state, 1))  # recompute: a re-prefill of all four
     assert peak < n * G * T * T * 4 / 4, peak
+
+
+def test_attention_never_runs_on_cudnns_backend(qwen, monkeypatch):
+    """cuDNN's attention builds a graph on the host for each new shape: 2.8 ms a call on an H100, and a decode
+    step's key length is new every step (a 0.5B run's step took 90 ms instead of 15). Every attention call of a
+    prefill and of the decode steps runs with that backend off; CUDA's flags are read the same on the CPU."""
+    _, path = qwen
+    sdpa, enabled = torch.nn.functional.scaled_dot_product_attention, []
+
+    def checked(*args, **kwargs):
+        enabled.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", checked)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # on by default: the engine turns it off for its own calls
+    engine = CPUEngine(path, slots=4)
+    out = run(engine, [Request(f"r{i}", "p", p, greedy(6)) for i, p in enumerate(PROMPTS[:4])])
+    assert len(out) == 4 and len(enabled) >= 2 * 6 and not any(enabled)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # and restores it

@@ -13,6 +13,7 @@ from test_cpu_engine import build
 
 # imported before a test installs the stand-in: torch imports some modules differently where CUDA is built
 from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.profile import StepProfiler
 from rlsys.rollout.vllm_extension import WeightUpdateExtension
 from rlsys.trainer.backend import local_device, rng_state, set_rng_state
 from rlsys.trainer.worker import TrainerWorker
@@ -161,3 +162,17 @@ def test_broadcast_between_gpus_runs_over_nccl_from_a_gpu_buffer():
     assert (on_gpus.group_backend, on_cpus.group_backend) == ("nccl", "gloo")
     assert on_gpus.sender("trainer rank 0", group=object()).device == "cuda"
     assert on_cpus.sender("trainer rank 0", group=object()).device == "cpu"
+
+
+def test_a_profiled_engine_on_cuda_profiles_its_kernels_and_waits_for_them(tmp_path, cuda_driver):
+    """RLSYS_PROFILE_ENGINE beside an engine on the GPU: each window ends by waiting for the GPU's queue."""
+    profiler = StepProfiler(tmp_path, 0, torch.device("cuda"), skip=1, steps=2, windows=1)
+    assert profiler.on_gpu
+    x = torch.ones(64, 64)
+    for _ in range(4):
+        profiler.before_step()
+        x = x @ x / 64
+        profiler.after_step()
+    assert cuda_driver.calls and set(cuda_driver.calls) == {("synchronize", 0)}  # torch's profiler waits too
+    report = (tmp_path / "engine-0-1.txt").read_text()
+    assert report.startswith("steps 2 after 1: wall ") and "aten::mm" in report

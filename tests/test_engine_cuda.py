@@ -7,7 +7,8 @@ import torch
 
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
-from test_cpu_engine import LONG, PROMPTS, assert_near_float32_greedy, build, greedy, hf_greedy, hf_logprobs, run
+from test_cpu_engine import (LONG, PROMPTS, SIZES, assert_near_float32_greedy, build, greedy, hf_greedy, hf_logprobs,
+                             run)
 
 DEVICE = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -71,8 +72,9 @@ def test_one_host_sync_per_step(qwen):
     assert [out[f"r{i}"].num_tokens for i in range(4)] == [12, 16, 8, 5]
 
 
-def test_memory_is_weights_cache_and_sampling_state_and_does_not_grow(qwen):
-    _, path = qwen
+def test_memory_is_weights_cache_and_sampling_state_and_does_not_grow(tmp_path):
+    # room for 4096 positions: a cache (64 MiB) large beside a 64-request prefill's activations (5 MB on an H100)
+    _, path = build(tmp_path, sizes=dict(SIZES, max_position_embeddings=4096))
     gc.collect()  # engines of earlier tests
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -87,6 +89,7 @@ def test_memory_is_weights_cache_and_sampling_state_and_does_not_grow(qwen):
     held = torch.cuda.memory_allocated() - before
     assert expected <= held <= expected + 2**20  # nothing else kept; the allocator rounds blocks up
     cache = m.k_cache.numel() * m.k_cache.element_size() * 2
+    assert m.max_len == 4096
     torch.cuda.reset_peak_memory_stats()
     for wave in range(2):
         run(engine, [Request(f"{wave}-{i}", "p", PROMPTS[i % 5] * (1 + i % 3), greedy(40)) for i in range(64)])

@@ -22,25 +22,26 @@ ENV = "RLSYS_PROFILE_ENGINE"
 
 
 class StepProfiler:
-    def __init__(self, folder: str | Path, worker: int, skip: int = 50, steps: int = 20, every: int = 250,
-                 windows: int = 4, sample_s: float = 0.001):
+    def __init__(self, folder: str | Path, worker: int, device: torch.device, skip: int = 50, steps: int = 20,
+                 every: int = 250, windows: int = 4, sample_s: float = 0.001):
         self.folder, self.worker = Path(folder), worker
+        self.on_gpu = device.type == "cuda"  # its kernels profiled too, and waited for at a window's end
         self.starts = [skip + i * every for i in range(windows)]
         self.steps, self.sample_s = steps, sample_s
         self.seen = 0
         self._profile = self._sampler = self._start = None
 
     @classmethod
-    def from_env(cls, worker: int) -> StepProfiler | None:
+    def from_env(cls, worker: int, device: torch.device) -> StepProfiler | None:
         folder = os.environ.get(ENV)
-        return cls(folder, worker) if folder else None
+        return cls(folder, worker, device) if folder else None
 
     def before_step(self) -> None:
         if self.seen in self.starts:
             self._samples: collections.Counter = collections.Counter()
             self._stop = threading.Event()
             activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
+            if self.on_gpu:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self._profile = torch.profiler.profile(activities=activities)
             self._profile.__enter__()
@@ -51,7 +52,7 @@ class StepProfiler:
     def after_step(self) -> None:
         self.seen += 1
         if self._start is not None and self.seen - self.steps in self.starts:
-            if torch.cuda.is_available():
+            if self.on_gpu:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self._start
             self._stop.set()
@@ -83,7 +84,7 @@ class StepProfiler:
                  "", "python frames sampled (thread, frame): count"]
         lines += [f"{n:6d}  {who}: {where}" for (who, where), n in self._samples.most_common(40)]
         lines += ["", events.table(sort_by="self_cpu_time_total", row_limit=25)]
-        if torch.cuda.is_available():
+        if self.on_gpu:
             lines += ["", events.table(sort_by="self_cuda_time_total", row_limit=25)]
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"engine-{self.worker}-{first}.txt").write_text("\n".join(lines) + "\n")

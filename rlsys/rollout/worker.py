@@ -169,7 +169,7 @@ class RolloutWorker:
     def _loop(self) -> None:
         if self.torch_threads:  # thread counts can be per thread (OpenMP): set it here too
             torch.set_num_threads(self.torch_threads)
-        profiler = StepProfiler.from_env(self.index)
+        profiler = StepProfiler.from_env(self.index, getattr(self.engine, "device", torch.device("cpu")))
         try:
             while True:
                 with self._cond:
