@@ -319,9 +319,11 @@ def gpu_runs() -> str:
     j = load("gpu_runs_h100")
     body = []
     for name, r in j["runs"].items():
-        body.append([f"`{name}`", r["steps"], " / ".join(f"{s:.1f}" for s in r["step_s"]),
-                     " / ".join(f"{s:.3f}" for s in r["weight_sync_s"]), num(r["peak_gpu_memory_mib"], 0)])
-    return rows(["run", "steps", "step s", "weight publish s (cuda_ipc)", "peak GPU MiB"], body)
+        body.append([f"`{name}`", r["date"], r["attention"], r["steps"], " / ".join(f"{s:.1f}" for s in r["step_s"]),
+                     f"`{r['transport']}`", " / ".join(f"{s:.3f}" for s in r["weight_sync_s"]),
+                     num(r["peak_gpu_memory_mib"], 0)])
+    return rows(["run", "date", "engine's attention", "steps", "step s", "transport", "weight publish s",
+                 "peak GPU MiB"], body)
 
 
 @table("running_requests")

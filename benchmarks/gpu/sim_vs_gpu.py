@@ -22,7 +22,8 @@ def main() -> None:
     args = ap.parse_args()
     out = {}
     for run in args.run_dirs:
-        out[run.name] = r = live_vs_sim(run, gpu=args.gpu)
+        name = run.parent.name if run.name == "run" else run.name  # run.sh's folders: NAME/run
+        out[name] = r = live_vs_sim(run, gpu=args.gpu)
         print(f"{run}: " + ", ".join(f"{f} live {r[f]['live']:.2f} sim {r[f]['sim']:.2f}" for f in FIGURES),
               file=sys.stderr)
     print(json.dumps(out, indent=1))
