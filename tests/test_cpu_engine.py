@@ -1,4 +1,5 @@
 """The CPU engine against transformers' own forward and generate, on tiny random-init models."""
+import collections
 import json
 import math
 
@@ -482,6 +483,32 @@ def test_fragmented_slots_attend_through_views_of_the_cache_and_its_mask(qwen):
     assert seen and all(seen)
     for i, p in enumerate(prompts):
         assert out[f"r{i}"].token_ids == hf_greedy(model, p, 10), i
+
+
+def test_a_fragmented_span_is_planned_once_a_step_not_once_a_layer(qwen):
+    """Its rows' places and its query buffer are made once a step; each layer only copies its queries in and its
+    outputs out (on a GPU every op is a launch the host pays for, and a run's slots are fragmented)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    model, path = qwen
+    layers = model.config.num_hidden_layers
+    engine = CPUEngine(path, slots=6)
+    for i in range(6):  # slots 0, 2, 4 long, 1, 3, 5 short: two spans, neither consecutive
+        engine.add(Request(f"r{i}", "p", LONG if i % 2 == 0 else PROMPTS[i % 5], greedy(10)))
+    engine.step()  # the prefill
+    with Count() as count:
+        engine.step()
+    assert count.ops["index_copy_"] == count.ops["index_select"] == 2 * layers
+    assert count.ops["sub"] == 2  # each span's places, once
 
 
 def test_recomputing_running_requests_builds_no_quadratic_mask(tmp_path):

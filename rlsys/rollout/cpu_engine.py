@@ -213,12 +213,14 @@ class DecoderModel:
         NT = N * T
         flat_pos, flat_slots = pos.reshape(NT), slots[:, None].expand(N, T).reshape(NT)
         cos, sin = self.cos[flat_pos, None], self.signed_sin[flat_pos, None]  # [NT, 1, D]
+        scatter = None
         if spans is None:  # a slot's earlier occupant may have written further: its row starts anew
             written = torch.arange(self.max_len, device=ids.device) <= (pos[:, 0] + last)[:, None]
             self.kv_mask[slots] = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device).masked_fill(
                 ~written, float("-inf"))
         else:  # a device zero: a Python 0.0 would be copied from the host, a sync on CUDA
             self.kv_mask[flat_slots, flat_pos] = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device)
+            scatter = self._scatter_plan(slots, spans)
         x = F.embedding(ids.reshape(NT), self.embed)  # 2-D activations: faster matmuls on CPU than [N, T, d]
         with sdpa_kernel(ATTENTION_BACKENDS):
             for layer, b in enumerate(self.blocks):
@@ -235,7 +237,7 @@ class DecoderModel:
                 elif spans is None:
                     o = self._attend_prefill(qk[:, :H], k, v, N, T)
                 else:
-                    o = self._attend_decode(qk[:, :H].view(N, KV, H // KV, D), layer, slots, spans)
+                    o = self._attend_decode(qk[:, :H].view(N, KV, H // KV, D), layer, spans, scatter)
                 x = torch.addmm(x, o, b["wo"].t())  # the residual add rides along with the matmul
                 if b["bo"] is not None:
                     x += b["bo"]
@@ -265,18 +267,28 @@ class DecoderModel:
                                            attn_mask=causal, enable_gqa=True)
         return o.transpose(1, 2).reshape(T, -1)
 
-    def _attend_decode(self, q: Tensor, layer: int, slots: Tensor, spans: list[Span]) -> Tensor:
+    def _scatter_plan(self, slots: Tensor, spans: list[Span]) -> list[tuple[Tensor, Tensor] | None]:
+        """For each span whose slots are not exactly lo..hi-1: its rows' places in lo..hi and a zeroed query buffer
+        of that height, made once a step (not once a layer: on a GPU each op is a launch the host pays for); every
+        layer writes its queries into the same places, the other rows stay zero."""
+        shape = (self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+        dtype = self.embed.dtype
+        return [None if s.consecutive else (slots[s.start:s.stop] - s.lo,
+                                            torch.zeros((s.hi - s.lo, *shape), dtype=dtype, device=slots.device))
+                for s in spans]
+
+    def _attend_decode(self, q: Tensor, layer: int, spans: list[Span], scatter: list) -> Tensor:
         """One new token per row, q [N, KV, G, D] (a kv group's query heads share its keys, as the query
         length): each span over its cache rows lo..hi as a view and its kv_len positions. Returns [N, H*D]."""
         parts = []
-        for s in spans:
+        for s, placed in zip(spans, scatter):
             rows, q_span = slice(s.lo, s.hi), q[s.start:s.stop]
-            if not s.consecutive:  # place the queries at their slots' rows; the others' outputs are dropped
-                local = slots[s.start:s.stop] - s.lo
-                q_span = q.new_zeros((s.hi - s.lo, *q.shape[1:])).index_copy_(0, local, q_span)
+            if placed is not None:  # the queries at their slots' rows (_scatter_plan); the others' outputs dropped
+                local, buffer = placed
+                q_span = buffer.index_copy_(0, local, q_span)
             o = self.attend(q_span, self.k_cache[layer, rows, :, :s.kv_len], self.v_cache[layer, rows, :, :s.kv_len],
                             self.kv_mask[rows, None, None, :s.kv_len])
-            parts.append(o if s.consecutive else o.index_select(0, local))
+            parts.append(o if placed is None else o.index_select(0, local))
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return o.reshape(o.shape[0], -1)
 
