@@ -13,6 +13,7 @@ from test_cpu_engine import build
 
 # imported before a test installs the stand-in: torch imports some modules differently where CUDA is built
 from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.models.warm_start import release, training_device
 from rlsys.rollout.profile import StepProfiler
 from rlsys.rollout.vllm_extension import WeightUpdateExtension
 from rlsys.trainer.backend import local_device, rng_state, set_rng_state
@@ -176,3 +177,11 @@ def test_a_profiled_engine_on_cuda_profiles_its_kernels_and_waits_for_them(tmp_p
     assert cuda_driver.calls and set(cuda_driver.calls) == {("synchronize", 0)}  # torch's profiler waits too
     report = (tmp_path / "engine-0-1.txt").read_text()
     assert report.startswith("steps 2 after 1: wall ") and "aten::mm" in report
+
+
+def test_a_warm_start_on_the_gpu_takes_it_and_gives_its_blocks_back(cuda_driver):
+    """model.warm_start.device=cuda where a GPU is seen: the device is the GPU, and its cached blocks go back."""
+    assert training_device("cuda") == torch.device("cuda")
+    release(torch.device("cuda"))
+    release(torch.device("cpu"))
+    assert cuda_driver.calls == [("empty_cache", 0)]

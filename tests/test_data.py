@@ -197,3 +197,16 @@ def test_empty_missing_unreadable_and_unsupported_files_are_named(tmp_path):
     (tmp_path / "d.csv").write_text("prompt,answer\n")
     with pytest.raises(DataError, match=r"d.csv: unsupported dataset file type '.csv'"):
         read_prompts(tmp_path / "d.csv")
+
+
+def test_rep_long_answers_reach_hundreds_of_tokens_with_a_heavy_tail():
+    """The GPU workload's family: median tens of tokens, p99 over 10x it, a few percent past a 512-token cap."""
+    from rlsys.data.long_tasks import LONG_ANSWER_CHARS
+
+    train = make_split("rep_long", "train", 4000, seed=0)
+    stats = length_stats(train, build_char_tokenizer())
+    assert 40 <= stats["median"] <= 100 and stats["ratio"] >= 10 and stats["max"] <= LONG_ANSWER_CHARS, stats
+    assert 0.01 <= sum(len(p.answer) > 512 for p in train) / len(train) <= 0.1
+    for p in train[:50]:  # the prompt says the answer: k copies of the unit
+        k, unit = p.text[len("rep "):-1].split(" ")
+        assert p.answer == unit * int(k)

@@ -189,3 +189,26 @@ def test_no_warm_start_builds_the_model_without_fine_tune_or_greedy_eval(tmp_pat
     assert json.loads((path / models.BUILD_INFO).read_text())["warm_start"] == {"steps": 0}
     assert AutoModelForCausalLM.from_pretrained(path).config.vocab_size == 259
     assert "warm start: off" in capsys.readouterr().out
+
+
+def test_a_warm_start_on_cuda_without_a_gpu_is_refused_naming_the_field(tmp_path):
+    from rlsys.errors import UserError
+
+    cfg = small_config(tmp_path)
+    cfg.model.warm_start.device = "cuda"
+    with pytest.raises(UserError, match=r"model.warm_start.device=cuda: .*sees no CUDA device.*device=cpu"):
+        prepare_model(cfg)
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing half built is kept
+
+
+def test_micro_batches_hold_16_examples_or_4096_padded_tokens_in_order():
+    from rlsys.models.warm_start import MICRO_TOKENS, micro_batches
+
+    def examples(*lengths):
+        return [([0] * n, [0] * n) for n in lengths]
+    short = examples(*[50] * 40)  # the default tasks: in sixteens, as before
+    assert [len(m) for m in micro_batches(short)] == [16, 16, 8]
+    long = examples(100, 300, 1500, 2000, 2100, 5000)  # rep_long's tail: cut by padded tokens
+    cut = micro_batches(long)
+    assert [[len(e[0]) for e in m] for m in cut] == [[100, 300], [1500, 2000], [2100], [5000]]
+    assert all(len(m) * max(len(e[0]) for e in m) <= MICRO_TOKENS or len(m) == 1 for m in cut)

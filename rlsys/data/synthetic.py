@@ -24,14 +24,14 @@ MAX_ANSWER_CHARS = 90  # under the default 96-token response limit, eos included
 MIX = {"rep": 0.45, "rev": 0.2, "srt": 0.2, "add": 0.15}
 
 
-def _word(rng: random.Random, lo: int, hi: int) -> str:
+def random_word(rng: random.Random, lo: int, hi: int) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
 
 
 @TASKS.register("rep")
 def repeat_unit(rng: random.Random) -> tuple[str, str]:
     """`rep 7 ab=` -> `ababababababab`; k is Pareto-distributed, so long answers are rare but real."""
-    unit = _word(rng, 1, 3)
+    unit = random_word(rng, 1, 3)
     k = 1 + int(rng.paretovariate(1.0))
     while len(unit) * k > MAX_ANSWER_CHARS:  # redraw rather than clip, so no spike at the limit
         k = 1 + int(rng.paretovariate(1.0))
@@ -41,7 +41,7 @@ def repeat_unit(rng: random.Random) -> tuple[str, str]:
 @TASKS.register("rev")
 def reverse_word(rng: random.Random) -> tuple[str, str]:
     """`rev abc=` -> `cba`."""
-    word = _word(rng, 2, 7)
+    word = random_word(rng, 2, 7)
     return f"rev {word}=", word[::-1]
 
 
@@ -55,7 +55,7 @@ def add_numbers(rng: random.Random) -> tuple[str, str]:
 @TASKS.register("srt")
 def sort_letters(rng: random.Random) -> tuple[str, str]:
     """`srt dbca=` -> `abcd`."""
-    word = _word(rng, 2, 7)
+    word = random_word(rng, 2, 7)
     return f"srt {word}=", "".join(sorted(word))
 
 

@@ -88,7 +88,8 @@ def _build(cfg: Config, out: Path) -> None:
         return
     metrics = warm_start(out, train, ws, demonstrations(cfg.data.task) if ws.tool_share else None)
     t = time.time()
-    metrics["eval_greedy_accuracy"] = exact_match_accuracy(out, evals, max_new_tokens=cfg.rollout.max_new_tokens)
+    metrics["eval_greedy_accuracy"] = exact_match_accuracy(out, evals, max_new_tokens=cfg.rollout.max_new_tokens,
+                                                           device=ws.device)
     metrics["eval_seconds"] = time.time() - t
     # For the record only (not part of the cache key): measured on the eval split of the building run.
     info = {"model": cfg.model.model_dump(), "data": cfg.data.model_dump(), "warm_start": metrics}

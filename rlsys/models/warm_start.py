@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlsys.config import WarmStartConfig
+from rlsys.errors import UserError
 from rlsys.types import Prompt
 
 Example = tuple[list[int], int]  # token ids of prompt + answer + eos, and the prompt's length
@@ -23,6 +24,7 @@ Labelled = tuple[list[int], list[int]]  # token ids, and their labels (IGNORE wh
 
 IGNORE = -100  # label value the HF loss skips
 MICRO_BATCH = 16
+MICRO_TOKENS = 4096  # padded tokens a micro-batch holds at most: 16 of rep_long's longest would need ~80 GB at 0.47B
 
 
 def near_miss(answer: str, rng: random.Random) -> str:
@@ -103,6 +105,19 @@ def collate(examples: list[Labelled], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
+def micro_batches(batch: list[Labelled]) -> list[list[Labelled]]:
+    """A length-sorted batch cut in order into micro-batches of at most MICRO_BATCH examples and MICRO_TOKENS
+    padded tokens (an example longer than that alone): the rare long answer pads neither the batch nor memory."""
+    out: list[list[Labelled]] = []
+    for example in batch:
+        last = out[-1] if out else None
+        if last and len(last) < MICRO_BATCH and (len(last) + 1) * len(example[0]) <= MICRO_TOKENS:
+            last.append(example)
+        else:
+            out.append([example])
+    return out
+
+
 def trained_tokens(example: Labelled) -> int:
     return sum(label != IGNORE for label in example[1])
 
@@ -128,21 +143,41 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
+def training_device(name: str) -> torch.device:
+    """model.warm_start.device, refused by name where this process sees no GPU."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("model.warm_start.device=cuda: the process that builds the model sees no CUDA device "
+                        "(torch.cuda.is_available() is false); set model.warm_start.device=cpu, or build it on a "
+                        "GPU host")
+    return torch.device(name)
+
+
+def release(device: torch.device) -> None:
+    """Give the warm start's cached GPU blocks back: the engine and trainer ranks need that memory."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def warm_start(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig,
                demonstrate: Callable[[Prompt], list[tuple[str, bool]]] | None = None) -> dict:
-    """Fine-tune the model in `model_dir` for `cfg.steps` steps and save it back; returns loss figures.
-    `demonstrate` gives a prompt's tool-use conversation (rlsys.data.demonstrations), for `cfg.tool_share`."""
+    """Fine-tune the model in `model_dir` for `cfg.steps` steps on `cfg.device` and save it back; returns loss
+    figures. `demonstrate` gives a prompt's tool-use conversation (rlsys.data.demonstrations), for `cfg.tool_share`."""
     if not train_prompts:
         raise ValueError("warm start: the training split is empty")
-    with one_thread():
-        return _train(model_dir, train_prompts, cfg, demonstrate)
+    device = training_device(cfg.device)
+    try:
+        with one_thread():
+            return _train(model_dir, train_prompts, cfg, demonstrate, device)
+    finally:
+        release(device)
 
 
-def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig, demonstrate) -> dict:
+def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig, demonstrate,
+           device: torch.device) -> dict:
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     examples, kept, dropped = encode_examples(tokenizer, train_prompts, model.config.max_position_embeddings)
     if not examples:
         raise ValueError("warm start: every training example is longer than max_position_embeddings")
@@ -160,11 +195,10 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
         n_answer = sum(map(trained_tokens, batch))
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
-        # Length-sorted micro-batches: the rare long answer does not pad the whole batch to its length.
-        for start in range(0, len(batch), MICRO_BATCH):
-            micro = batch[start:start + MICRO_BATCH]
+        for micro in micro_batches(batch):
             share = sum(map(trained_tokens, micro)) / n_answer
-            loss = model(**collate(micro, tokenizer.pad_token_id)).loss * share  # token-mean overall
+            batch_tensors = {k: v.to(device) for k, v in collate(micro, tokenizer.pad_token_id).items()}
+            loss = model(**batch_tensors).loss * share  # token-mean overall
             loss.backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -172,7 +206,7 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
         schedule.step()
         losses.append(loss_sum)
     model.eval()
-    model.save_pretrained(model_dir)
+    model.to("cpu").save_pretrained(model_dir)
     head = losses[: max(1, len(losses) // 10)]
     tail = losses[-max(1, len(losses) // 10):]
     return {"steps": cfg.steps, "dropped": dropped, "seconds": time.time() - t0,
@@ -183,7 +217,8 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
 @one_thread()
 @torch.no_grad()
 def exact_match_accuracy(model_dir: str | Path, prompts: list[Prompt], temperature: float = 0.0,
-                         max_new_tokens: int = 96, batch_size: int = 100, seed: int = 0) -> float:
+                         max_new_tokens: int = 96, batch_size: int = 100, seed: int = 0,
+                         device: str = "cpu") -> float:
     """Share of prompts whose generated text equals the answer (HF generate; for measurement only). A sample
     longer than the longest answer and its EOS cannot equal an answer, so generation stops there: a model
     built for long responses (thousands of tokens) is measured in seconds, not hours, on the CPU."""
@@ -191,15 +226,17 @@ def exact_match_accuracy(model_dir: str | Path, prompts: list[Prompt], temperatu
     if prompts:
         longest = max(len(ids) for ids in tokenizer([p.answer for p in prompts], add_special_tokens=False)["input_ids"])
         max_new_tokens = min(max_new_tokens, longest + 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(training_device(device))
     torch.manual_seed(seed)
     right = 0
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        batch = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True)
+        batch = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True).to(model.device)
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {
             "do_sample": False}
         out = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)
         texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         right += sum(text == p.answer for text, p in zip(texts, chunk))
+    del model
+    release(training_device(device))
     return right / max(len(prompts), 1)
