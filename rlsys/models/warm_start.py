@@ -198,7 +198,8 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
         for micro in micro_batches(batch):
             share = sum(map(trained_tokens, micro)) / n_answer
             batch_tensors = {k: v.to(device) for k, v in collate(micro, tokenizer.pad_token_id).items()}
-            loss = model(**batch_tensors).loss * share  # token-mean overall
+            with torch.autocast(device.type, torch.bfloat16, enabled=device.type != "cpu"):  # fp32 weights kept
+                loss = model(**batch_tensors).loss * share  # token-mean overall
             loss.backward()
             loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
