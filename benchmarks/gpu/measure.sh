@@ -7,7 +7,7 @@
 #   publish_cuda_ipc, publish_object_store   a short 0.5B run per transport one GPU can run: weight sync time
 #   cuda_tests tests/test_engine_cuda.py on the GPU
 #   diagnose   a short sync run at 0.5B publishing by object store, its engine steps profiled (RLSYS_PROFILE_ENGINE)
-#   bench      sync, tail, sorted and async by `rlsys bench` in one process, same workload and seed as the sched
+#   bench      sync, tail, async and sorted by `rlsys bench` in one process, same workload and seed as the sched
 #              phases; its report (bench.json) rewritten after each run
 #   schedulers sync, then tail, on the 0.5B model's untrained (long, geometric) answers, same seed and steps
 #              (sched_sync and sched_tail: each alone)
@@ -82,7 +82,7 @@ phase_schedulers() { phase_sched_sync; phase_sched_tail; }
 
 phase_bench() {  # from $work, with the bundle's rlsys (as run.sh runs it), not the checkout's
   cd "$work" && PYTHONPATH=$SCRATCH/site PATH=$SCRATCH/site/bin:$PATH "$python" -m rlsys.cli bench "$bench" \
-    "${sched[@]}" --presets sync,tail,sorted,async --repeats 1 --out-dir "$work/bench" --output "$out/bench.json"
+    "${sched[@]}" --presets sync,tail,async,sorted --repeats 1 --out-dir "$work/bench" --output "$out/bench.json"
 }
 
 ray_processes() { pgrep -f 'raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray/autoscaler' | sort; }
