@@ -2,6 +2,7 @@
 import collections
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -545,3 +546,45 @@ def test_attention_never_runs_on_cudnns_backend(qwen, monkeypatch):
     out = run(engine, [Request(f"r{i}", "p", p, greedy(6)) for i, p in enumerate(PROMPTS[:4])])
     assert len(out) == 4 and len(enabled) >= 2 * 6 and not any(enabled)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # and restores it
+
+
+def test_engines_stepping_at_once_keep_cudnn_off_until_the_last_is_out(qwen, monkeypatch):
+    """The backend flags are the process's, not a thread's. Engine a leaves its forward while b is inside its
+    own: b's later attention calls still run without cuDNN, and the flag is back on once both are out (a
+    per-forward sdpa_kernel turned it on under b, and b's exit then restored a's off for good)."""
+    model, path = qwen
+    a, b = CPUEngine(path, slots=1), CPUEngine(path, slots=1)
+    sdpa, enabled = torch.nn.functional.scaled_dot_product_attention, {"a": [], "b": []}
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def checked(*args, **kwargs):
+        who = threading.current_thread().name
+        enabled[who].append(torch.backends.cuda.cudnn_sdp_enabled())
+        if len(enabled[who]) == 1:  # a's first call waits for b inside; b's first, for a out
+            (a_in if who == "a" else b_in).set()
+            assert (b_in if who == "a" else a_out).wait(10), who
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", checked)
+    errors = []
+
+    def step(engine, after: threading.Event | None, done: threading.Event | None):
+        try:
+            if after is not None:
+                assert after.wait(10)
+            engine.add(Request(threading.current_thread().name, "p", PROMPTS[0], greedy(2)))
+            engine.step()
+        except BaseException as e:  # noqa: BLE001 - raised below, on the test's thread
+            errors.append(e)
+        finally:
+            if done is not None:
+                done.set()
+    threads = [threading.Thread(target=step, args=(a, None, a_out), name="a"),
+               threading.Thread(target=step, args=(b, a_in, None), name="b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    layers = model.config.num_hidden_layers  # a step's forwards call attention once a layer each
+    assert len(enabled["a"]) == len(enabled["b"]) >= layers >= 2 and not any(enabled["a"] + enabled["b"])
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -11,6 +11,7 @@ a new version.
 """
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -20,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlsys.emulate import EnginePacer
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
@@ -65,9 +65,33 @@ CPU = torch.device("cpu")
 # Padded tokens per prefill forward, as vLLM's max_num_batched_tokens: admitting 256 prompts of 4096 tokens in
 # one forward would need 22 GiB for one MLP activation of a 0.5B model (seen on an H100).
 PREFILL_TOKENS = 16384
-# Not cuDNN's attention: it builds an execution graph on the host for each new shape (2.8 ms a call on an H100,
-# 90 ms a decode step at 0.5B against 9 ms), and a decode step's key length is new every step.
-ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class _CudnnAttentionOff:
+    """cuDNN's attention off while any engine of this process runs a forward: it builds an execution graph on the
+    host for each new shape (2.8 ms a call on an H100, 90 ms a decode step at 0.5B against 9 ms), and a decode
+    step's key length is new every step. The flag is the process's, not a thread's: engines stepping at once
+    (a process's local workers) share one switch, set by the first in and restored by the last out (torch's
+    sdpa_kernel, per forward, let the first out turn cuDNN back on under the others, and the last leave it off)."""
+
+    def __init__(self):
+        self.lock, self.inside, self.was_on = threading.Lock(), 0, True
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if not self.inside:
+                self.was_on = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self.inside += 1
+
+    def __exit__(self, *exc) -> None:
+        with self.lock:
+            self.inside -= 1
+            if not self.inside:
+                torch.backends.cuda.enable_cudnn_sdp(self.was_on)
+
+
+CUDNN_ATTENTION_OFF = _CudnnAttentionOff()
 
 
 @dataclass(frozen=True)
@@ -222,7 +246,7 @@ class DecoderModel:
             self.kv_mask[flat_slots, flat_pos] = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device)
             scatter = self._scatter_plan(slots, spans)
         x = F.embedding(ids.reshape(NT), self.embed)  # 2-D activations: faster matmuls on CPU than [N, T, d]
-        with sdpa_kernel(ATTENTION_BACKENDS):
+        with CUDNN_ATTENTION_OFF:
             for layer, b in enumerate(self.blocks):
                 h = F.rms_norm(x, (self.hidden,), b["ln_in"], self.eps)
                 qkv = F.linear(h, b["wqkv"], b["bqkv"])
