@@ -171,9 +171,8 @@ def test_a_profiled_engine_on_cuda_profiles_its_kernels_and_waits_for_them(tmp_p
     assert profiler.on_gpu
     x = torch.ones(64, 64)
     for _ in range(4):
-        profiler.before_step()
-        x = x @ x / 64
-        profiler.after_step()
+        with profiler.step():
+            x = x @ x / 64
     assert cuda_driver.calls and set(cuda_driver.calls) == {("synchronize", 0)}  # torch's profiler waits too
     report = (tmp_path / "engine-0-1.txt").read_text()
     assert report.startswith("steps 2 after 1: wall ") and "aten::mm" in report

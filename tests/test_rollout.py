@@ -280,3 +280,30 @@ def test_profiling_a_workers_steps_writes_its_report_and_changes_no_completion(m
     report = (tmp_path / "engine-3-50.txt").read_text()
     assert report.startswith("steps 20 after 50: wall ")
     assert "generation thread: " in report and "aten::" in report
+
+
+def test_a_worker_stopped_inside_a_profiled_window_reports_its_steps_and_stops_profiling(models, tmp_path,
+                                                                                         monkeypatch):
+    """A run that ends inside a window (steps 50 to 70 here, of about 60): the worker's stop ends it, so neither
+    torch's profiler nor the sampler thread outlives the worker (another profiler of the process would clash)."""
+    import threading
+
+    path, _ = models
+    monkeypatch.setenv("RLSYS_PROFILE_ENGINE", str(tmp_path))
+    worker = RolloutWorker(path, slots=1, index=2)
+    worker.submit([req("a", 60)])
+    assert drain_until(worker, 1)["a"].num_tokens == 60
+    worker.stop()
+    report = (tmp_path / "engine-2-50.txt").read_text()
+    steps = int(report.split()[1])
+    assert report.startswith(f"steps {steps} after 50: wall ") and 0 < steps < 20
+    assert f"the worker stopped inside this window, after {steps} of its steps" in report
+    assert "engine-step-profiler" not in [t.name for t in threading.enumerate()]
+    assert not torch.autograd.profiler._is_profiler_enabled
+
+
+def test_profile_windows_that_would_overlap_are_refused():
+    from rlsys.rollout.profile import StepProfiler
+
+    with pytest.raises(ValueError, match="RLSYS_PROFILE_ENGINE: a window of steps=30 must fit between two starts"):
+        StepProfiler("unused", 0, torch.device("cpu"), steps=30, every=20)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import ray
@@ -180,13 +181,12 @@ class RolloutWorker:
                 for fn, future in ops:
                     self._run_op(fn, future)
                 if self._can_step():
-                    if profiler:
-                        profiler.before_step()
-                    self._publish(self.engine.step())
-                    if profiler:
-                        profiler.after_step()
+                    with profiler.step() if profiler else nullcontext():
+                        self._publish(self.engine.step())
                 for call in self.engine.take_calls():
                     self._tool_pool.submit(self._run_tool, *call)
+            if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
+                profiler.close()
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
             with self._cond:
                 self._error = e
