@@ -510,6 +510,7 @@ def test_a_fragmented_span_is_planned_once_a_step_not_once_a_layer(qwen):
         engine.step()
     assert count.ops["index_copy_"] == count.ops["index_select"] == 2 * layers
     assert count.ops["sub"] == 2  # each span's places, once
+    assert count.ops["zeros"] == 2 + 1 and "new_zeros" not in count.ops  # its query buffers, and the mask's zero
 
 
 def test_recomputing_running_requests_builds_no_quadratic_mask(tmp_path):
