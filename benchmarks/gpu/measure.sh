@@ -76,7 +76,8 @@ phase_publish_object_store() { train publish_object_store "$bench" "${short_0_5b
 
 # sync, then tail (sched_sync, sched_tail: one lent command each if need be), same seed and steps
 sched=(trainer.total_steps=3 rollout.max_new_tokens=512 control.prompts_per_step=8 control.group_size=8 data.eval_size=4)
-phase_sched_sync() { RLSYS_PROFILE_ENGINE=$work/sched_sync/profile GPU_MEMORY_MS=0 train sched_sync "$bench" "${sched[@]}" control.scheduler=sync; }
+# sync unprofiled, as tail (the diagnose phase profiles): the profiled 2026-11-26 sync run was not comparable
+phase_sched_sync() { GPU_MEMORY_MS=0 train sched_sync "$bench" "${sched[@]}" control.scheduler=sync; }
 phase_sched_tail() { GPU_MEMORY_MS=0 train sched_tail "$bench" "${sched[@]}" control.scheduler=tail; }
 phase_schedulers() { phase_sched_sync; phase_sched_tail; }
 
