@@ -26,6 +26,9 @@ ENV = "RLSYS_PROFILE_ENGINE"
 
 
 class StepProfiler:
+    """A rollout worker's windows of profiled engine steps (the module's docstring), driven by its generation
+    thread alone: `step()` around each engine step, `close()` when the worker stops."""
+
     def __init__(self, folder: str | Path, worker: int, device: torch.device, skip: int = 50, steps: int = 20,
                  every: int = 250, windows: int = 4, sample_s: float = 0.001):
         if not 0 < steps <= every:  # torch's profiler runs one window at a time
