@@ -290,3 +290,33 @@ def test_a_replay_of_a_run_on_a_real_gpu_models_its_built_in_engine_and_compares
     # the longest answer, 470 tokens, decodes one step at a time at about the profile's 7 ms a step at least
     assert out["rollout_time_s"]["live"] == 6.0 and 470 * 7e-3 < out["rollout_time_s"]["sim"] < 470 * 20e-3
     assert 0 < out["bubble_ratio"]["sim"] < 1
+
+
+def test_a_replay_with_the_runs_own_step_cost_charges_its_measured_decode_step(tmp_path):
+    """benchmarks/gpu/sim_vs_gpu.py --step-cost-from-run: the profile's fixed cost moved so that a full batch at the
+    run's mean length costs the run's median rollout/decode_step_ms; the replay's rollout follows it."""
+    import importlib.util
+    from pathlib import Path
+
+    from rlsys.config import save_config
+    from rlsys.sim.replay import built_model_shape, live_vs_sim
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("sim_vs_gpu", repo / "benchmarks" / "gpu" / "sim_vs_gpu.py")
+    sim_vs_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim_vs_gpu)
+    cfg = load_config(repo / "configs" / "gpu" / "bench_0.5b.yaml", ["rollout.max_new_tokens=512"])
+    save_config(cfg, tmp_path / "config.yaml")
+    timeline = [{"step": 1, "request_id": f"train-{p}#{p * 8 + i}", "tokens": 50 + 60 * i, "prompt_tokens": 20,
+                 "finish_reason": "stop"} for p in range(8) for i in range(8)]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
+    metrics = [{"step": s, "timing/step_s": 9.0, "timing/rollout_s": 6.0, "timing/reward_s": 0.1,
+                "timing/train_s": 2.0, "timing/weight_sync_s": 0.03, "rollout/bubble_ratio": 0.5,
+                "rollout/decode_step_ms": ms, "response_length/mean": 260.0} for s, ms in ((1, 14.0), (2, 15.0), (3, 30.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    engine = sim_vs_gpu.run_step_cost(tmp_path, "h100")
+    full = costs.EngineCost.build(built_model_shape(cfg), costs.GPUS["h100"], tp=1, **engine)
+    assert full.step_s(64, 64 * (260 / 2 + 128 / 2)) == pytest.approx(15e-3)  # the median, not the mean
+    builtin = live_vs_sim(tmp_path, gpu="h100")["rollout_time_s"]["sim"]
+    measured = live_vs_sim(tmp_path, gpu="h100", engine=engine)["rollout_time_s"]["sim"]
+    assert measured > 1.5 * builtin and 470 * 10e-3 < measured < 470 * 20e-3

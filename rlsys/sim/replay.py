@@ -74,6 +74,13 @@ def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[tuple[int, boo
             statistics.mean(prompt_tokens))
 
 
+def built_model_shape(cfg: Config) -> costs.ModelShape:
+    """The shape of the model a run built from its model.* fields (the character tokenizer's vocabulary)."""
+    m = cfg.model
+    return costs.ModelShape.qwen2(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
+                                  CHAR_VOCAB)
+
+
 def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None = None,
                   engine: dict | None = None) -> tuple[SimConfig, Replay]:
     """The simulator's config and workload for the live emulated run in `run_dir`; or, given the `gpu` it ran on,
@@ -83,10 +90,7 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
     live: Config = read_config(run_dir / "config.yaml")[0]  # its values only: nothing of it runs
     e = live.emulate
     if gpu:
-        m = live.model
-        shape = costs.ModelShape.qwen2(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
-                                       CHAR_VOCAB)
-        model = dataclasses.asdict(shape)
+        model = dataclasses.asdict(built_model_shape(live))
         profile = engine or costs.BUILTIN_ENGINE
         engine_spec = {"step_overhead_ms": profile["overhead_s"] * 1e3, "decode_mfu": profile["decode_mfu"],
                        "prefill_mfu": profile["prefill_mfu"]}
