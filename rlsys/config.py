@@ -621,13 +621,17 @@ def colocated_sleep_problem(cfg: "Config") -> str | None:
                 f"room with at most {COLOCATED_MAX_GPU_SHARE}")
     if not r.enable_sleep_mode:
         return None
+    # vLLM awake holds most of the GPU (refused above); the built-in engine can stay beside the trainer
+    awake = ("cluster.layout=separate" if r.engine == "vllm" else
+             "rollout.enable_sleep_mode=false (the built-in engine then stays on the GPU beside the trainer), or "
+             "cluster.layout=separate")
     if sched.scheduler == "async" and sched.staleness.eta > 0:
         return (f"rollout.enable_sleep_mode: control.scheduler=async with control.staleness.eta={sched.staleness.eta} "
-                "keeps requests generating while the trainer trains, and a sleeping engine cannot generate; use "
-                "cluster.layout=separate (rollout.enable_sleep_mode=false) for it")
+                f"keeps requests generating while the trainer trains, and a sleeping engine cannot generate; use "
+                f"{awake}")
     if cfg.trainer.streamed:
         return ("rollout.enable_sleep_mode: trainer.streamed computes gradients while the engines generate, so "
-                "both need the GPU at once; use cluster.layout=separate (rollout.enable_sleep_mode=false) for it")
+                f"both need the GPU at once; use {awake}")
     return None
 
 

@@ -187,3 +187,17 @@ def test_engines_sleep_before_each_train_step_and_wake_in_vllms_order(tmp_path, 
         calls = [name for i, (_, name) in enumerate(timeline) if name != "add" or timeline[i - 1][1] != "add"]
         assert calls == expected, log.name
     assert len(list(tmp_path.glob("rollout worker *.jsonl"))) == 2
+
+
+def test_async_beside_a_colocated_built_in_engine_is_told_to_keep_it_awake_and_then_runs():
+    """The built-in engine can stay on its GPU beside the trainer (vLLM awake would hold the GPU): the refusal says
+    so, and that config is valid (one GPU, CUDA IPC: configs/gpu/bench_0.5b.yaml)."""
+    bench = str(CONFIG_DIR / "gpu" / "bench_0.5b.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(bench, ["control.scheduler=async", "trainer.loss=decoupled_ppo"])
+    assert "use rollout.enable_sleep_mode=false (the built-in engine then stays on the GPU" in str(err.value)
+    awake = load_config(bench, ["control.scheduler=async", "trainer.loss=decoupled_ppo",
+                               "rollout.enable_sleep_mode=false"])
+    assert awake.cluster.layout == "colocated" and not awake.rollout.enable_sleep_mode
+    with pytest.raises(ConfigError, match="use cluster.layout=separate$|use cluster.layout=separate "):
+        load_config(ONE_NODE, ["control.scheduler=async"])  # vLLM: a separate layout only

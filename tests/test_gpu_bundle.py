@@ -6,6 +6,7 @@ import base64
 import hashlib
 import importlib.util
 import json
+import re
 import stat
 import subprocess
 import sys
@@ -230,3 +231,17 @@ def test_measure_sh_runs_each_phase_under_its_limit_and_keeps_going(tmp_path):
     assert len(phases) == 2 and phases[0].startswith("engine: exit 124")  # cut at its 1 s
     assert phases[1].startswith("live: exit 1 ")  # ran to its end
     assert (out / "records.tgz").is_file() and (out / "engine.log").is_file() and (out / "live.log").is_file()
+
+
+def test_every_schedule_of_the_bench_phase_is_a_valid_config():
+    """measure.sh's bench phase runs each preset on configs/gpu/bench_0.5b.yaml with the sched phases' overrides and
+    its own; a preset its config refuses would end the phase, and a lent GPU's window, at its start."""
+    from rlsys.bench import preset_overrides
+
+    script = (GPU / "measure.sh").read_text()
+    sched = re.search(r"^sched=\((.*)\)$", script, re.M).group(1).split()
+    own, presets = re.search(r'"\$\{sched\[@\]\}" (.*?) ?--presets (\S+)', script).groups()
+    assert presets.split(",") == ["sync", "tail", "async", "sorted"]
+    for preset in presets.split(","):
+        cfg = load_config(str(CONFIGS / "bench_0.5b.yaml"), sched + own.split() + preset_overrides(preset))
+        assert cfg.cluster.layout == "colocated" and cfg.trainer.total_steps == 3, preset

@@ -81,9 +81,12 @@ phase_sched_sync() { GPU_MEMORY_MS=0 train sched_sync "$bench" "${sched[@]}" con
 phase_sched_tail() { GPU_MEMORY_MS=0 train sched_tail "$bench" "${sched[@]}" control.scheduler=tail; }
 phase_schedulers() { phase_sched_sync; phase_sched_tail; }
 
-phase_bench() {  # from $work, with the bundle's rlsys (as run.sh runs it), not the checkout's
+# from $work, with the bundle's rlsys (as run.sh runs it), not the checkout's; every schedule with its engine awake
+# beside the trainer (async generates while it trains, so cannot sleep it), one layout for all four
+phase_bench() {
   cd "$work" && PYTHONPATH=$SCRATCH/site PATH=$SCRATCH/site/bin:$PATH "$python" -m rlsys.cli bench "$bench" \
-    "${sched[@]}" --presets sync,tail,async,sorted --repeats 1 --out-dir "$work/bench" --output "$out/bench.json"
+    "${sched[@]}" rollout.enable_sleep_mode=false --presets sync,tail,async,sorted --repeats 1 \
+    --out-dir "$work/bench" --output "$out/bench.json"
 }
 
 ray_processes() { pgrep -f 'raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray/autoscaler' | sort; }
