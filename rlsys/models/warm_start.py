@@ -227,17 +227,18 @@ def exact_match_accuracy(model_dir: str | Path, prompts: list[Prompt], temperatu
     if prompts:
         longest = max(len(ids) for ids in tokenizer([p.answer for p in prompts], add_special_tokens=False)["input_ids"])
         max_new_tokens = min(max_new_tokens, longest + 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(training_device(device))
+    on = training_device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(on)
     torch.manual_seed(seed)
     right = 0
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        batch = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True).to(model.device)
+        batch = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True).to(on)
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {
             "do_sample": False}
         out = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)
         texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         right += sum(text == p.answer for text, p in zip(texts, chunk))
     del model
-    release(training_device(device))
+    release(on)
     return right / max(len(prompts), 1)

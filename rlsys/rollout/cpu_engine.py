@@ -238,12 +238,12 @@ class DecoderModel:
         flat_pos, flat_slots = pos.reshape(NT), slots[:, None].expand(N, T).reshape(NT)
         cos, sin = self.cos[flat_pos, None], self.signed_sin[flat_pos, None]  # [NT, 1, D]
         scatter = None
+        zero = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device)  # a Python 0.0 would be a host copy: a sync
         if spans is None:  # a slot's earlier occupant may have written further: its row starts anew
             written = torch.arange(self.max_len, device=ids.device) <= (pos[:, 0] + last)[:, None]
-            self.kv_mask[slots] = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device).masked_fill(
-                ~written, float("-inf"))
-        else:  # a device zero: a Python 0.0 would be copied from the host, a sync on CUDA
-            self.kv_mask[flat_slots, flat_pos] = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device)
+            self.kv_mask[slots] = zero.masked_fill(~written, float("-inf"))
+        else:
+            self.kv_mask[flat_slots, flat_pos] = zero
             scatter = self._scatter_plan(slots, spans)
         x = F.embedding(ids.reshape(NT), self.embed)  # 2-D activations: faster matmuls on CPU than [N, T, d]
         with CUDNN_ATTENTION_OFF:
