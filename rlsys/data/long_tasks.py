@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from rlsys.data.synthetic import TASKS, random_word
+from rlsys.data.synthetic import TASKS, repetitions
 
 LONG_ANSWER_CHARS = 2000
 SCALE, SHAPE = 16, 1.1  # k = SCALE x Pareto(SHAPE)
@@ -18,8 +18,4 @@ SCALE, SHAPE = 16, 1.1  # k = SCALE x Pareto(SHAPE)
 
 @TASKS.register("rep_long")
 def repeat_unit_long(rng: random.Random) -> tuple[str, str]:
-    unit = random_word(rng, 1, 3)
-    while True:  # redraw rather than clip, so no spike at the length limit
-        k = max(1, int(SCALE * rng.paretovariate(SHAPE)))
-        if len(unit) * k <= LONG_ANSWER_CHARS:
-            return f"rep {k} {unit}=", unit * k
+    return repetitions(rng, lambda: max(1, int(SCALE * rng.paretovariate(SHAPE))), LONG_ANSWER_CHARS)

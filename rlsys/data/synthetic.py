@@ -28,14 +28,20 @@ def random_word(rng: random.Random, lo: int, hi: int) -> str:
     return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(lo, hi)))
 
 
+def repetitions(rng: random.Random, draw_k: Callable[[], int], max_chars: int) -> tuple[str, str]:
+    """`rep k unit=` -> the unit k times, k from `draw_k`, drawn again while the answer passes `max_chars` (no
+    spike at the limit, as clipping would make)."""
+    unit = random_word(rng, 1, 3)
+    k = draw_k()
+    while len(unit) * k > max_chars:
+        k = draw_k()
+    return f"rep {k} {unit}=", unit * k
+
+
 @TASKS.register("rep")
 def repeat_unit(rng: random.Random) -> tuple[str, str]:
     """`rep 7 ab=` -> `ababababababab`; k is Pareto-distributed, so long answers are rare but real."""
-    unit = random_word(rng, 1, 3)
-    k = 1 + int(rng.paretovariate(1.0))
-    while len(unit) * k > MAX_ANSWER_CHARS:  # redraw rather than clip, so no spike at the limit
-        k = 1 + int(rng.paretovariate(1.0))
-    return f"rep {k} {unit}=", unit * k
+    return repetitions(rng, lambda: 1 + int(rng.paretovariate(1.0)), MAX_ANSWER_CHARS)
 
 
 @TASKS.register("rev")
