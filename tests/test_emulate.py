@@ -264,18 +264,26 @@ def test_a_replay_of_async_gives_the_trainer_its_own_gpus_and_its_proximal_forwa
     assert cfg.trainer.flops_per_param_token == costs.TRAIN_FLOPS + costs.FORWARD_FLOPS * 3 / 4
 
 
-def test_a_replay_of_a_run_on_a_real_gpu_models_its_built_in_engine_and_compares(tmp_path):
+def gpu_run_folder(path):
+    """A run folder of configs/gpu/bench_0.5b.yaml's (answers up to 512) with one step of 8 prompts x 8, answers of
+    50 to 470 tokens; its config back."""
     from pathlib import Path
 
     from rlsys.config import save_config
-    from rlsys.sim.replay import live_vs_sim, replay_config
 
-    repo = Path(__file__).resolve().parent.parent
-    save_config(load_config(repo / "configs" / "gpu" / "bench_0.5b.yaml", ["rollout.max_new_tokens=512"]),
-                tmp_path / "config.yaml")
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "gpu" / "bench_0.5b.yaml",
+                      ["rollout.max_new_tokens=512"])
+    save_config(cfg, path / "config.yaml")
     timeline = [{"step": 1, "request_id": f"train-{p}#{p * 8 + i}", "tokens": 50 + 60 * i, "prompt_tokens": 20,
                  "finish_reason": "stop"} for p in range(8) for i in range(8)]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
+    (path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
+    return cfg
+
+
+def test_a_replay_of_a_run_on_a_real_gpu_models_its_built_in_engine_and_compares(tmp_path):
+    from rlsys.sim.replay import live_vs_sim, replay_config
+
+    gpu_run_folder(tmp_path)
     with pytest.raises(ValueError, match="not an emulated run"):
         replay_config(tmp_path)
     cfg, workload = replay_config(tmp_path, gpu="h100")
@@ -298,21 +306,17 @@ def test_a_replay_with_the_runs_own_step_cost_charges_its_measured_decode_step(t
     import importlib.util
     from pathlib import Path
 
-    from rlsys.config import save_config
     from rlsys.sim.replay import built_model_shape, live_vs_sim
 
-    repo = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("sim_vs_gpu", repo / "benchmarks" / "gpu" / "sim_vs_gpu.py")
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "sim_vs_gpu.py"
+    spec = importlib.util.spec_from_file_location("sim_vs_gpu", script)
     sim_vs_gpu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sim_vs_gpu)
-    cfg = load_config(repo / "configs" / "gpu" / "bench_0.5b.yaml", ["rollout.max_new_tokens=512"])
-    save_config(cfg, tmp_path / "config.yaml")
-    timeline = [{"step": 1, "request_id": f"train-{p}#{p * 8 + i}", "tokens": 50 + 60 * i, "prompt_tokens": 20,
-                 "finish_reason": "stop"} for p in range(8) for i in range(8)]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timeline))
+    cfg = gpu_run_folder(tmp_path)
     metrics = [{"step": s, "timing/step_s": 9.0, "timing/rollout_s": 6.0, "timing/reward_s": 0.1,
                 "timing/train_s": 2.0, "timing/weight_sync_s": 0.03, "rollout/bubble_ratio": 0.5,
-                "rollout/decode_step_ms": ms, "response_length/mean": 260.0} for s, ms in ((1, 14.0), (2, 15.0), (3, 30.0))]
+                "rollout/decode_step_ms": ms, "response_length/mean": 260.0}
+               for s, ms in ((1, 14.0), (2, 15.0), (3, 30.0))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     engine = sim_vs_gpu.run_step_cost(tmp_path, "h100")
     full = costs.EngineCost.build(built_model_shape(cfg), costs.GPUS["h100"], tp=1, **engine)
