@@ -122,3 +122,101 @@ class FakeDriver:
 @pytest.fixture
 def cuda_driver(monkeypatch) -> FakeDriver:
     return FakeDriver().install(monkeypatch)
+
+
+# --- CUDA graphs -----------------------------------------------------------------------------------------
+# Ops that read a device value back to the host: a capture refuses them ("operation not permitted when stream
+# is capturing"), as no kernel runs while a graph is recorded.
+SYNCING = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default",
+           "aten.is_nonzero.default", "aten.masked_select.default"}
+
+
+class _Recording(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op of a capture with the tensors it read and made, as a CUDA graph keeps its kernels with their
+    arguments: fixed memory and any Python number baked in."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) in SYNCING:
+            raise RuntimeError(f"CUDA error: operation not permitted when stream is capturing ({func})")
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+class StandInGraph:
+    """torch.cuda.CUDAGraph: `replay` runs the captured ops again on the very tensors of the capture (the
+    inputs it read, its intermediates, its outputs), Python arguments as they were then. A graph replayed
+    after the memory it read was reallocated reads the old memory, as a real one would (a real one's is freed)."""
+
+    def __init__(self, *args, **kwargs):
+        if args or kwargs:
+            _refuse("CUDAGraph", "(bool keep_graph=False)", args)
+        self.recording: _Recording | None = None
+        self.replays = 0
+
+    def replay(self, *args) -> None:
+        if args:
+            _refuse("replay", "()", args)
+        assert self.recording is not None, "replay of a graph never captured"
+        from torch.utils._pytree import tree_leaves
+
+        for func, op_args, op_kwargs, out in self.recording.ops:
+            again = func(*op_args, **op_kwargs)
+            for kept, new in zip(tree_leaves(out), tree_leaves(again)):
+                if isinstance(kept, torch.Tensor) and kept.data_ptr() != new.data_ptr():
+                    kept.copy_(new)  # the kernel writes where it wrote at capture
+        self.replays += 1
+
+
+class FakeGraphs:
+    """Installs torch.cuda.CUDAGraph, torch.cuda.graph and torch.cuda.graph_pool_handle stand-ins; records
+    the captures (`captured`: the pool each used) for a test to read."""
+
+    def __init__(self):
+        self.captured: list[tuple] = []
+        self.pools = 0
+
+    def graph_pool_handle(self, *args) -> tuple[int, int]:
+        if args:
+            _refuse("graph_pool_handle", "()", args)
+        self.pools += 1
+        return (0, self.pools)  # a MempoolId_t, as torch's _graph_pool_handle returns
+
+    def graph(self, cuda_graph, pool=None, stream=None, capture_error_mode: str = "global"):
+        """torch.cuda.graph's context manager: the body runs once, recorded (a real capture only records)."""
+        import contextlib
+
+        if not isinstance(cuda_graph, StandInGraph):
+            _refuse("graph", "(CUDAGraph cuda_graph, tuple pool, Stream stream, str capture_error_mode)",
+                    (cuda_graph,))
+        if pool is not None and not (isinstance(pool, tuple) and len(pool) == 2 and all(map(_is_int, pool))):
+            _refuse("capture_begin", "(tuple[int, int] pool)", (pool,))
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise RuntimeError(f"Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, "
+                               f"but got {capture_error_mode}")
+
+        @contextlib.contextmanager
+        def capture():
+            recording = _Recording()
+            with recording:
+                yield
+            cuda_graph.recording = recording
+            self.captured.append(pool)
+        return capture()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> "FakeGraphs":
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+        monkeypatch.setattr(torch.cuda, "graph", self.graph)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", self.graph_pool_handle)
+        return self
+
+
+@pytest.fixture
+def cuda_graphs(monkeypatch) -> FakeGraphs:
+    """The CUDA graph stand-ins on a CPU build, with a driver that reports one GPU (decode=graph asks for it)."""
+    FakeDriver().install(monkeypatch)
+    return FakeGraphs().install(monkeypatch)

@@ -8,8 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from cuda_standin import FakeDriver, FakeGraphs, cuda_graphs  # noqa: F401 (a fixture)
 from rlsys.rollout import cpu_engine
 from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.graph_step import bucket, buckets
+from test_multiturn import ANSWER, model_dir, run as run_tools, sampled, tags  # noqa: F401 (fixtures)
 from rlsys.rollout.registry import register_engine
 from rlsys.types import Request, SamplingParams
 
@@ -33,6 +36,15 @@ def build(tmp_path, arch="qwen2", seed=0, name="model", sizes=SIZES):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     return build(tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.fixture(params=["eager", "static", "graph"])
+def decode(request, monkeypatch) -> str:
+    """Each way a decode step runs (cpu_engine.DECODE_MODES); "graph" replays CUDA graphs on their stand-ins."""
+    if request.param == "graph":
+        FakeDriver().install(monkeypatch)
+        FakeGraphs().install(monkeypatch)
+    return request.param
 
 
 def greedy(n=20):
@@ -65,9 +77,9 @@ def run(engine, requests, add_after: dict | None = None):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_greedy_matches_hf_generate_and_logprobs(tmp_path, arch):
+def test_greedy_matches_hf_generate_and_logprobs(tmp_path, arch, decode):
     model, path = build(tmp_path, arch)
-    engine = CPUEngine(path, slots=8)
+    engine = CPUEngine(path, slots=8, decode=decode)
     out = run(engine, [Request(f"r{i}", "p", p, greedy()) for i, p in enumerate(PROMPTS)])
     for i, prompt in enumerate(PROMPTS):
         c = out[f"r{i}"]
@@ -103,9 +115,9 @@ def test_a_prefill_over_the_token_budget_runs_in_chunks_with_the_same_results(qw
         torch.testing.assert_close(torch.tensor(out[f"r{i}"].logprobs), reference, atol=1e-4, rtol=0)
 
 
-def test_request_joining_mid_flight_matches_running_alone(qwen):
+def test_request_joining_mid_flight_matches_running_alone(qwen, decode):
     model, path = qwen
-    engine = CPUEngine(path, slots=4)
+    engine = CPUEngine(path, slots=4, decode=decode)
     early = [Request(f"early{i}", "p", p, greedy(30)) for i, p in enumerate(PROMPTS[:2])]
     late = Request("late", "p", PROMPTS[4], greedy(20))
     out = run(engine, early, add_after={5: [late]})
@@ -114,9 +126,9 @@ def test_request_joining_mid_flight_matches_running_alone(qwen):
     assert out["early0"].token_ids == hf_greedy(model, PROMPTS[0], 30)
 
 
-def test_waiting_request_takes_the_first_freed_slot(qwen):
+def test_waiting_request_takes_the_first_freed_slot(qwen, decode):
     model, path = qwen
-    engine = CPUEngine(path, slots=2)
+    engine = CPUEngine(path, slots=2, decode=decode)
     reqs = [Request("short", "p", PROMPTS[0], greedy(3)), Request("long", "p", PROMPTS[1], greedy(25)),
             Request("queued", "p", PROMPTS[2], greedy(10))]
     for r in reqs:
@@ -130,9 +142,9 @@ def test_waiting_request_takes_the_first_freed_slot(qwen):
     assert out["queued"].token_ids == hf_greedy(model, PROMPTS[2], 10)
 
 
-def test_abort_frees_the_slot_at_once_and_returns_partial_tokens(qwen):
+def test_abort_frees_the_slot_at_once_and_returns_partial_tokens(qwen, decode):
     model, path = qwen
-    engine = CPUEngine(path, slots=1)
+    engine = CPUEngine(path, slots=1, decode=decode)
     engine.add(Request("a", "p", PROMPTS[1], greedy(40)))
     engine.add(Request("b", "p", PROMPTS[0], greedy(5)))
     for _ in range(3):
@@ -149,9 +161,9 @@ def test_abort_frees_the_slot_at_once_and_returns_partial_tokens(qwen):
     assert set(out) == {"b"} and out["b"].slot == cut.slot
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(qwen):
+def test_resume_continues_exactly_like_an_uninterrupted_run(qwen, decode):
     model, path = qwen
-    engine = CPUEngine(path, slots=2)
+    engine = CPUEngine(path, slots=2, decode=decode)
     full = run(engine, [Request("full", "p", PROMPTS[3], greedy(24))])["full"]
     engine.add(Request("part", "p", PROMPTS[3], greedy(24)))
     for _ in range(4):
@@ -168,10 +180,10 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(qwen):
     assert run(engine, [spent])["spent"].token_ids == [1, 2, 3]
 
 
-def test_load_weights_changes_outputs_and_version_tags(tmp_path, qwen):
+def test_load_weights_changes_outputs_and_version_tags(tmp_path, qwen, decode):
     model, path = qwen
     other, _ = build(tmp_path, seed=1, name="other")
-    engine = CPUEngine(path, slots=2)
+    engine = CPUEngine(path, slots=2, decode=decode)
     engine.add(Request("inflight", "p", PROMPTS[0], greedy(30)))
     for _ in range(3):
         engine.step()  # 1 prefill token + 3 decode tokens under version 0
@@ -205,14 +217,14 @@ def test_eos_is_kept_in_tokens_but_not_in_text(tmp_path, qwen):
     assert out["len"].finish_reason == "length" and out["len"].num_tokens == min(2, stop_at + 1)
 
 
-def test_eos_from_model_config_and_full_cache(tmp_path):
+def test_eos_from_model_config_and_full_cache(tmp_path, decode):
     model, path = build(tmp_path, name="eos_in_config")
     expected = hf_greedy(model, PROMPTS[0], 10)
     config = json.loads((tmp_path / "eos_in_config" / "config.json").read_text())
     (tmp_path / "eos_in_config" / "config.json").write_text(json.dumps(dict(config, eos_token_id=[expected[6]])))
-    out = run(CPUEngine(path, slots=1), [Request("r", "p", PROMPTS[0], greedy(50))])["r"]
+    out = run(CPUEngine(path, slots=1, decode=decode), [Request("r", "p", PROMPTS[0], greedy(50))])["r"]
     assert out.finish_reason == "stop" and out.token_ids == expected[: expected.index(expected[6]) + 1]
-    engine = CPUEngine(path, slots=1, eos_token_id=63, max_len=8)  # a 3-token prompt leaves room for 5
+    engine = CPUEngine(path, slots=1, eos_token_id=63, max_len=8, decode=decode)  # a 3-token prompt: room for 5
     out = run(engine, [Request("r", "p", PROMPTS[0], greedy(50))])["r"]
     assert out.finish_reason == "length" and out.token_ids == [t for t in expected if t != 63][:5]
     with pytest.raises(ValueError, match="request long: prompt of 11 tokens leaves no room in max_len=8"):
@@ -237,9 +249,9 @@ def hf_nucleus_logprobs(model, prompt, tokens, temperature, top_p):
     return torch.tensor(out, dtype=torch.float32)
 
 
-def test_seeded_sampling_is_reproducible_and_logprobs_are_the_sampled_distributions(qwen):
+def test_seeded_sampling_is_reproducible_and_logprobs_are_the_sampled_distributions(qwen, decode):
     model, path = qwen
-    engine = CPUEngine(path, slots=4)
+    engine = CPUEngine(path, slots=4, decode=decode)
 
     def sample(seed, top_p=1.0, companions=()):
         params = SamplingParams(max_new_tokens=25, temperature=0.7, top_p=top_p, seed=seed)
@@ -445,11 +457,11 @@ def test_cuda_without_a_gpu_is_refused_naming_the_field(qwen, ray_cluster):
         RolloutManager(path, 1, 2, engine_kwargs={"device": "cuda"})
 
 
-def test_a_lying_sampler_draws_at_its_temperature_and_records_the_claimed_one(qwen):
+def test_a_lying_sampler_draws_at_its_temperature_and_records_the_claimed_one(qwen, decode):
     """SamplingParams.logprob_temperature (the friction testbed): the tokens are those of temperature 2, the
     log-probs are those of temperature 0.7 for the same tokens."""
     model, path = qwen
-    engine = CPUEngine(path, slots=4)
+    engine = CPUEngine(path, slots=4, decode=decode)
     honest = SamplingParams(max_new_tokens=25, temperature=2.0, seed=9)
     lying = SamplingParams(max_new_tokens=25, temperature=2.0, seed=9, logprob_temperature=0.7)
     beside = Request("g", "p", PROMPTS[0], greedy(10))  # a greedy row in the same batch keeps its own log-probs
@@ -589,3 +601,117 @@ def test_engines_stepping_at_once_keep_cudnn_off_until_the_last_is_out(qwen, mon
     layers = model.config.num_hidden_layers  # a step's forwards call attention once a layer each
     assert len(enabled["a"]) == len(enabled["b"]) >= layers >= 2 and not any(enabled["a"] + enabled["b"])
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+# --- the static decode step and its CUDA graphs (graph_step.py) ---------------------------------------------
+def test_shape_buckets_are_powers_of_two_then_steps_up_to_the_limit():
+    assert buckets(64, 8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert buckets(20, 8) == [1, 2, 4, 8, 16, 20] and buckets(3, 8) == [1, 2, 3] and buckets(1, 8) == [1]
+    assert buckets(640, 128) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640]
+    assert [bucket(n, buckets(20, 8)) for n in (1, 3, 8, 9, 17, 20)] == [1, 4, 8, 16, 20, 20]
+
+
+def test_a_static_step_takes_the_buckets_of_its_highest_slot_and_longest_keys(qwen):
+    """Slots decode in slot order: one request left in slot 5 still runs a batch of 8 (the bucket of 6 slots);
+    the key length is the smallest bucket holding its keys."""
+    _, path = qwen
+    engine = CPUEngine(path, slots=8, decode="static")
+    shapes, step = [], engine._static_step
+    engine._static_step = lambda B, K, mode: shapes.append((B, K)) or step(B, K, mode)
+    short = [Request(f"s{i}", "p", PROMPTS[0], greedy(2)) for i in range(5)]
+    out = run(engine, [*short, Request("long", "p", PROMPTS[4], greedy(70))])
+    assert out["long"].slot == 5 and out["long"].token_ids == run(CPUEngine(path, slots=1), [
+        Request("alone", "p", PROMPTS[4], greedy(70))])["alone"].token_ids
+    keys = [len(PROMPTS[4]) + i for i in range(1, 70)]  # the long request's keys at each of its decode steps
+    assert shapes == [(8, next(k for k in (16, 32, 64, 128) if k >= n)) for n in keys]
+
+
+def mixed_workload() -> tuple[list[Request], dict]:
+    """Greedy, sampled, nucleus and claimed-temperature requests of several lengths and length buckets, more
+    than the slots: some join while others decode, and leave at different steps."""
+    params = [greedy(30), SamplingParams(25, 1.0, 0.9, seed=1), SamplingParams(40, 0.7, seed=2), greedy(5),
+              SamplingParams(12, 2.0, seed=3, logprob_temperature=0.7), SamplingParams(60, 1.0, 0.8, seed=4)]
+    first = [Request(f"r{i}", "p", PROMPTS[i % 5] * (1 + i % 3), p) for i, p in enumerate(params)]
+    late = [Request(f"late{i}", "p", PROMPTS[i], SamplingParams(20, 1.0, 0.95, seed=10 + i)) for i in range(3)]
+    return first, {4: late[:2], 9: late[2:]}
+
+
+def assert_same_completions(a: dict, b: dict) -> None:
+    """Same tokens, slots and ends; log-probs within float32 rounding (the static step sums over masked padding
+    keys and a padded batch, in other blocks than the eager step)."""
+    assert sorted(a) == sorted(b)
+    for rid in a:
+        assert (b[rid].token_ids, b[rid].slot, b[rid].finish_reason) == (a[rid].token_ids, a[rid].slot,
+                                                                          a[rid].finish_reason), rid
+        torch.testing.assert_close(torch.tensor(b[rid].logprobs), torch.tensor(a[rid].logprobs), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["static", "graph"])
+def test_the_static_step_samples_what_the_eager_step_samples(qwen, monkeypatch, mode):
+    _, path = qwen
+    eager = run(CPUEngine(path, slots=4), *mixed_workload())
+    if mode == "graph":
+        graphs = FakeGraphs().install(monkeypatch)
+        FakeDriver().install(monkeypatch)
+    engine = CPUEngine(path, slots=4, decode=mode)
+    assert_same_completions(eager, run(engine, *mixed_workload()))
+    if mode == "graph":  # one capture per shape, in one pool; every other step a replay
+        assert len(graphs.captured) == len(engine.graphs.graphs) == len(set(engine.graphs.graphs)) > 1
+        assert set(graphs.captured) == {engine.graphs.pool}
+        assert sum(g.replays for g in engine.graphs.graphs.values()) > 3 * len(graphs.captured)
+
+
+def test_graphs_are_captured_again_after_the_kv_cache_is_reallocated(qwen, cuda_graphs):
+    """A wake after sleep allocates a new KV cache: graphs over the old one would read and write it."""
+    _, path = qwen
+    eager = run(CPUEngine(path, slots=4), *mixed_workload())
+    engine = CPUEngine(path, slots=4, decode="graph")
+    assert_same_completions(eager, run(engine, *mixed_workload()))
+    captures = len(cuda_graphs.captured)
+    engine.sleep(1)
+    assert engine.graphs.graphs == {} and engine.graphs.pool is None  # their memory goes with the cache
+    engine.wake_up()
+    assert_same_completions(eager, run(engine, *mixed_workload()))
+    assert len(cuda_graphs.captured) == 2 * captures
+    engine.model.allocate_kv_cache()  # any reallocation, not only a wake's
+    assert_same_completions(eager, run(engine, *mixed_workload()))
+    assert len(cuda_graphs.captured) == 3 * captures
+
+
+def test_a_capture_refuses_a_read_from_the_device(cuda_graphs):
+    """The stand-in refuses what a real capture refuses: no kernel runs while a graph is recorded."""
+    with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=torch.cuda.graph_pool_handle()):
+            torch.ones(2).sum().item()
+    with pytest.raises(TypeError, match="capture_begin"):
+        torch.cuda.graph(torch.cuda.CUDAGraph(), pool=7)
+
+
+@pytest.mark.parametrize("mode", ["static", "graph"])
+def test_a_conversation_continues_over_its_kept_cache_through_the_static_step(model_dir, tags, monkeypatch, mode):
+    """Multi-turn: a turn ends at a tool call and holds its slot while the others decode (a static step writes
+    its scratch column, not its cache), then continues after the answer exactly as through the eager step."""
+    prompt, _, call_open, call_close, first_turn = tags
+    if mode == "graph":
+        FakeDriver().install(monkeypatch)
+        FakeGraphs().install(monkeypatch)
+    out = {}
+    for decode in ("eager", mode):
+        engine = CPUEngine(model_dir, 3, max_len=256, decode=decode)
+        engine.use_tools(call_open, call_close, max_turns=1)
+        others = [Request(f"o{i}", "p", prompt[i:], SamplingParams(70, 1.0, seed=20 + i)) for i in range(1, 3)]
+        out[decode] = run_tools(engine, [Request("c", "p", prompt, sampled()), *others], tool=lambda text: ANSWER)
+    assert len(out["eager"]["c"].turns) == 1 and len(out["eager"]["c"].token_ids) > first_turn + 5
+    assert_same_completions(out["eager"], out[mode])
+    for rid, c in out["eager"].items():
+        assert out[mode][rid].mask == c.mask
+
+
+def test_decode_is_eager_on_the_cpu_by_default_and_graphs_need_cuda(qwen):
+    _, path = qwen
+    engine = CPUEngine(path, slots=2)
+    assert engine.decode == "eager" and not engine.step_inputs_host.is_pinned()
+    with pytest.raises(ValueError, match="decode=graph: cpu engine captures CUDA graphs and sees no CUDA device"):
+        CPUEngine(path, slots=1, decode="graph")
+    with pytest.raises(ValueError, match="decode='fast': one of eager, static, graph"):
+        CPUEngine(path, slots=1, decode="fast")

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from rlsys.emulate import EnginePacer
+from rlsys.rollout.graph_step import DecodeGraphs, bucket, buckets
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
                                   resume_finish_reason, token_budget)
 from rlsys.types import Completion, Request
@@ -65,6 +66,11 @@ CPU = torch.device("cpu")
 # Padded tokens per prefill forward, as vLLM's max_num_batched_tokens: admitting 256 prompts of 4096 tokens in
 # one forward would need 22 GiB for one MLP activation of a 0.5B model (seen on an H100).
 PREFILL_TOKENS = 16384
+# How a decode step runs (CPUEngine's `decode`): "eager" batches only the decoding slots, in length spans;
+# "static" runs the static-shape step of graph_step.py as plain torch (the CPU's way to test it); "graph"
+# replays it as CUDA graphs (the default on CUDA).
+DECODE_MODES = ("eager", "static", "graph")
+BATCH_FINE, KEYS_FINE = 8, 128  # bucket steps: batches of 1, 2, 4, 8, 16, ...; keys of ..., 64, 128, 256, ...
 
 
 class _CudnnAttentionOff:
@@ -190,11 +196,13 @@ class DecoderModel:
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
-        freqs = torch.outer(torch.arange(self.max_len, dtype=torch.float32), inv_freq)
+        # one position more than max_len: the scratch column a static decode step's idle rows write to
+        self.scratch = self.max_len
+        freqs = torch.outer(torch.arange(self.max_len + 1, dtype=torch.float32), inv_freq)
         self.cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(device, dtype)
         # rotate_half(x) * sin == roll(x, D/2) * sin with the first half negated: one op fewer per step
         self.signed_sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(device, dtype)
-        self.kv_shape = (self.layers, slots, KV, self.max_len, D)
+        self.kv_shape = (self.layers, slots, KV, self.max_len + 1, D)
         self.allocate_kv_cache()
 
     def allocate_kv_cache(self) -> None:
@@ -240,7 +248,7 @@ class DecoderModel:
         scatter = None
         zero = torch.zeros((), dtype=self.kv_mask.dtype, device=ids.device)  # a Python 0.0 would be a host copy: a sync
         if spans is None:  # a slot's earlier occupant may have written further: its row starts anew
-            written = torch.arange(self.max_len, device=ids.device) <= (pos[:, 0] + last)[:, None]
+            written = torch.arange(self.max_len + 1, device=ids.device) <= (pos[:, 0] + last)[:, None]
             self.kv_mask[slots] = zero.masked_fill(~written, float("-inf"))
         else:
             self.kv_mask[flat_slots, flat_pos] = zero
@@ -342,18 +350,24 @@ class _Running:
 class CPUEngine(RolloutEngine):
     """The built-in engine, on the CPU or a CUDA device. What the host decides on (slots, lengths, budgets,
     sampling parameters) it keeps itself, so a step reads back from the device only its new tokens, in
-    one transfer (`_fetch`): one sync per step on a GPU."""
+    one transfer (`_fetch`): one sync per step on a GPU. `decode`: DECODE_MODES, by default "graph" on
+    CUDA and "eager" on the CPU (where launches cost nothing and the static step's padding would)."""
 
     def __init__(self, model_dir: str, slots: int, eos_token_id: int | None = None,
                  max_len: int | None = None, dtype: torch.dtype | str = torch.float32,
                  device: torch.device | str = "cpu", name: str = "cpu engine", seed: int = 0,
-                 running_requests: str = "recompute", pacer: EnginePacer | None = None):
+                 running_requests: str = "recompute", pacer: EnginePacer | None = None, decode: str | None = None):
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"rollout.device=cuda: {name} sees no CUDA device (torch.cuda.is_available() is "
                              "false); use rollout.device=cpu, or run where the worker gets a GPU")
+        self.decode = decode or ("graph" if self.device.type == "cuda" else "eager")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode={decode!r}: one of {', '.join(DECODE_MODES)}")
+        if self.decode == "graph" and not torch.cuda.is_available():
+            raise ValueError(f"decode=graph: {name} captures CUDA graphs and sees no CUDA device")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         path = Path(model_dir)
         with torch.inference_mode():
@@ -374,7 +388,17 @@ class CPUEngine(RolloutEngine):
         self.temperature = torch.zeros(S, device=dev)
         self.top_p = torch.ones(S, device=dev)
         self.claimed_temperature = torch.zeros(S, device=dev)  # SamplingParams.logprob_temperature
+        self.claims = torch.zeros(S, dtype=torch.bool, device=dev)  # a sampled slot that records a claimed one
         self.uniforms = torch.zeros(S, L, device=dev)  # pre-drawn per request from its own seeded generator
+        # The static decode step's inputs (positions, uniform indices, the slot of each output row) and outputs,
+        # at fixed addresses for the graphs; the inputs come from pinned memory in one copy a step.
+        self.step_inputs = torch.zeros(3, S, dtype=torch.long, device=dev)
+        self.step_inputs_host = torch.zeros(3, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.step_tokens = torch.zeros(S, dtype=torch.long, device=dev)
+        self.step_logprobs = torch.zeros(S, device=dev)
+        self.rows = torch.arange(S, device=dev)
+        self.batch_sizes, self.key_lengths = buckets(S, BATCH_FINE), buckets(L, KEYS_FINE)
+        self.graphs = DecodeGraphs()
         self.counters = EngineCounters()
         self.pacer = pacer  # emulate: each step held until its modelled time on the emulated GPU
         self._prefilled_on_clock = 0  # this step's prefilled tokens of requests on the run's clock, for the pacer
@@ -516,6 +540,7 @@ class CPUEngine(RolloutEngine):
         """Sleep frees the KV cache; the weights stay, as host memory is where a level-1 sleep would keep them
         and level 2's caller loads new ones anyway."""
         self.model.free_kv_cache()
+        self.graphs.clear()  # they read the freed cache; each shape is captured again after the wake
         if self.device.type == "cuda":  # give the freed blocks back to the trainer on this GPU
             torch.cuda.empty_cache()
 
@@ -578,6 +603,8 @@ class CPUEngine(RolloutEngine):
         """One token for each entry in one batched forward; entries of a length bucket attend together."""
         if not entries:
             return None
+        if self.decode != "eager":
+            return self._decode_static(entries)
         key_count = {id(e): len(e.request.prompt_ids) + e.sampled for e in entries}  # its new token's included
         entries = sorted(entries, key=lambda e: (length_bucket(key_count[id(e)]), e.slot))
         lengths, slots = [key_count[id(e)] for e in entries], [e.slot for e in entries]
@@ -585,6 +612,42 @@ class CPUEngine(RolloutEngine):
         spans = [_span(slots, a, z, max(lengths[a:z])) for a, z in length_spans(lengths)]
         logits = self.model.forward(self.last_token[plan[0], None], plan[1, :, None], plan[0], spans)
         return self._sample_into(entries, plan, logits)
+
+    def _decode_static(self, entries: list[_Running]) -> tuple:
+        """_decode_batch at static shapes (graph_step.py): slots 0..B-1 over K keys, B and K the buckets of
+        the highest decoding slot and the longest key count; one copy of the inputs, one graph or step."""
+        entries = sorted(entries, key=lambda e: e.slot)
+        B = bucket(entries[-1].slot + 1, self.batch_sizes)
+        K = bucket(max(len(e.request.prompt_ids) + e.sampled for e in entries), self.key_lengths)
+        positions, index, order = [self.model.scratch] * B, [0] * B, [0] * B
+        for row, e in enumerate(entries):
+            positions[e.slot], index[e.slot], order[row] = len(e.request.prompt_ids) + e.sampled - 1, e.sampled, e.slot
+        self.step_inputs_host[:, :B] = torch.tensor([positions, index, order])
+        self.step_inputs[:, :B].copy_(self.step_inputs_host[:, :B], non_blocking=True)
+        shape = (B, K, self._sampling_mode([e.request.params for e in entries]))
+        step = lambda: self._static_step(*shape)  # noqa: E731
+        if self.decode == "graph":
+            self.graphs.run(shape, step, self.model.k_cache)
+        else:
+            step()
+        n = len(entries)
+        tokens, logprobs = self.step_tokens[:n], self.step_logprobs[:n]
+        self.last_token.index_copy_(0, self.step_inputs[2, :n], tokens)
+        for e in entries:
+            e.sampled += 1
+        return entries, tokens, logprobs
+
+    def _static_step(self, B: int, K: int, mode: tuple[bool, bool, bool]) -> None:
+        """The decode step of slots 0..B-1 over K cache positions, every shape fixed by (B, K, mode) and every
+        input read from the persistent buffers: each slot's token from last_token, its position (the scratch
+        column for a slot not decoding) and uniform index from step_inputs. Writes the tokens and log-probs of
+        the decoding slots, in slot order, to step_tokens and step_logprobs; changes nothing it reads."""
+        positions, index, order = self.step_inputs[:, :B]
+        rows = self.rows[:B]
+        logits = self.model.forward(self.last_token[:B, None], positions[:, None], rows, [Span(0, B, K, 0, B, True)])
+        tokens, logprobs = self._sample(rows, index, logits, mode)
+        self.step_tokens[:B] = tokens.index_select(0, order)
+        self.step_logprobs[:B] = logprobs.index_select(0, order)
 
     def _plan(self, entries: list[_Running], positions: list[int]) -> Tensor:
         """Slots, input positions and the index of the token to sample, in one host-to-device copy."""
@@ -594,7 +657,8 @@ class CPUEngine(RolloutEngine):
         return t.to(self.device, non_blocking=True)  # from the host: no wait on the device
 
     def _sample_into(self, entries: list[_Running], plan: Tensor, logits: Tensor) -> tuple:
-        tokens, logprobs = self._sample(plan[0], plan[2], logits, [e.request.params for e in entries])
+        mode = self._sampling_mode([e.request.params for e in entries])
+        tokens, logprobs = self._sample(plan[0], plan[2], logits, mode)
         self.last_token[plan[0]] = tokens
         for e in entries:
             e.sampled += 1
@@ -631,17 +695,27 @@ class CPUEngine(RolloutEngine):
         self.temperature[slot].fill_(p.temperature)  # fill_: `t[i] = x` copies x from the host, a sync on CUDA
         self.top_p[slot].fill_(p.top_p)
         self.claimed_temperature[slot].fill_(p.logprob_temperature or p.temperature)
+        self.claims[slot].fill_(p.temperature > 0 and p.logprob_temperature is not None)
         if p.temperature > 0:  # token i always uses uniform i: a resumed seeded sample stays reproducible
             seed = p.seed if p.seed is not None else zlib.crc32(f"{self.seed}:{req.request_id}".encode())
             n = min(p.max_new_tokens, self.max_len)
             gen = torch.Generator().manual_seed(seed)
             self.uniforms[slot, :n] = self._to_device(torch.rand(n, generator=gen))
 
-    def _sample(self, rows: Tensor, index: Tensor, logits: Tensor, params: list) -> tuple[Tensor, Tensor]:
+    @staticmethod
+    def _sampling_mode(params: list) -> tuple[bool, bool, bool]:
+        """What a batch's sampling computes, decided on the host from its requests' parameters (no read from the
+        device): whether any row samples, any samples from a nucleus, any records a claimed temperature."""
+        return (any(p.temperature > 0 for p in params), any(p.temperature > 0 and p.top_p < 1 for p in params),
+                any(p.logprob_temperature is not None for p in params))
+
+    def _sample(self, rows: Tensor, index: Tensor, logits: Tensor, mode: tuple) -> tuple[Tensor, Tensor]:
         """Greedy at temperature 0, else temperature + top-p by inverse CDF on the slot's uniform `index`.
         The behaviour log-prob is the token's under the distribution it was drawn from: at temperature T,
-        renormalised over the nucleus when top_p < 1 (the trainer scores it the same way)."""
-        if all(p.temperature == 0 for p in params):  # decided on the host: no read from the device
+        renormalised over the nucleus when top_p < 1 (the trainer scores it the same way). Each row's result
+        is its own, whatever the batch and its `mode` (_sampling_mode: which parts are computed at all)."""
+        sampled, nucleus_any, claims_any = mode
+        if not sampled:
             tokens = logits.argmax(dim=-1)
             return tokens, logits.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
         temp = self.temperature[rows]
@@ -650,14 +724,14 @@ class CPUEngine(RolloutEngine):
         u = self.uniforms[rows, index, None]
         tokens = torch.where(greedy, logits.argmax(dim=-1), self._inverse_cdf(logp.exp(), u))
         logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
-        if any(p.temperature > 0 and p.top_p < 1 for p in params):  # rows decide alone, whatever the batch
+        if nucleus_any:
             top_p = self.top_p[rows]
             nucleus = ~greedy & (top_p < 1)
             in_tokens, in_logprobs = self._nucleus(logp, top_p, u)
             tokens, logprobs = torch.where(nucleus, in_tokens, tokens), torch.where(nucleus, in_logprobs, logprobs)
-        if any(p.logprob_temperature is not None for p in params):  # the friction testbed: record a false claim
+        if claims_any:  # the friction testbed: record a false claim
             claimed = (logits / torch.where(greedy, 1.0, self.claimed_temperature[rows])[:, None]).log_softmax(-1)
-            logprobs = torch.where(greedy, logprobs, claimed.gather(1, tokens[:, None]).squeeze(1))
+            logprobs = torch.where(self.claims[rows], claimed.gather(1, tokens[:, None]).squeeze(1), logprobs)
         return tokens, logprobs
 
     @classmethod
