@@ -22,6 +22,12 @@ can do (about 300 bf16 FLOPs per HBM byte on an H100) is memory-bound, and its t
     python benchmarks/engine_throughput.py [--batch 32] [--new-tokens 96] [--threads 1] [--sweep 1,8,32,128,256]
     python benchmarks/engine_throughput.py --device cuda [--model DIR] [--sweep 1,8,32,128,256]
                                            [--lengths 128,1024,4096]
+
+With --against REV (a git revision) the engine of that revision and this checkout's run the same waves,
+each in a process of its own (two versions of rlsys cannot share one), alternately, wave by wave: "nothing
+got slower" measured on one machine in one run (results/engine_before_after_cpu.json).
+
+    python benchmarks/engine_throughput.py --against REV [--batch 32] [--new-tokens 96] [--repeats 9]
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +52,7 @@ from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_throughput.json"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_model(folder: Path, vocab: int, m: ModelConfig | None = None) -> Qwen2ForCausalLM:
@@ -186,7 +195,7 @@ def prefill_grid(model_dir: str, args) -> list[dict]:
 def compare_with_generate(tmp: str, model, args) -> dict:
     """The engine against transformers' generate on the CPU, and the decode step time by batch."""
     B, N, P = args.batch, args.new_tokens, args.prompt_len
-    prompts = torch.randint(0, args.vocab, (B, P), generator=torch.Generator().manual_seed(0))
+    prompts = bench_prompts(args)
     engine = CPUEngine(tmp, slots=B)
     sweep = {b: decode_step_ms(tmp, prompts, b, N, args.temperature, args.repeats)
              for b in map(int, args.sweep.split(","))}
@@ -229,6 +238,60 @@ def compare_with_generate(tmp: str, model, args) -> dict:
     return {"results": results, "engine_speedup_over_hf_generate": speedup, "decode_step_ms_by_batch": sweep}
 
 
+def bench_prompts(args) -> torch.Tensor:
+    return torch.randint(0, args.vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
+
+
+def serve(model_dir: str, args) -> None:
+    """--serve: one contender of --against. Each line on stdin runs one wave of `batch` requests through one
+    engine (built once) and answers its wall and CPU seconds."""
+    engine, prompts = CPUEngine(model_dir, slots=args.batch), bench_prompts(args)
+    for wave, _ in enumerate(sys.stdin):
+        for i in range(args.batch):
+            params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=i)
+            engine.add(Request(f"{wave}-{i}", "bench", prompts[i].tolist(), params))
+        wall, cpu = timed(lambda: [engine.step() for _ in iter(engine.has_work, False)])
+        print(wall, cpu, flush=True)
+
+
+def before_after(model_dir: str, args) -> dict:
+    """This checkout's engine against revision `args.against`'s, wave by wave in turn (after a warm-up wave
+    each): each one's best tokens per second, and the median of the paired ratios (checkout over revision)."""
+    with tempfile.TemporaryDirectory() as old:
+        subprocess.run(f"git archive {args.against} rlsys | tar -x -C {old}", shell=True, check=True, cwd=ROOT)
+        command = [sys.executable, __file__, "--serve", model_dir, "--batch", str(args.batch), "--new-tokens",
+                   str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--vocab", str(args.vocab),
+                   "--threads", str(args.threads), "--temperature", str(args.temperature)]
+        names = {args.against: old, "checkout": str(ROOT)}
+        procs = {name: subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=root), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True) for name, root in names.items()}
+
+        def wave(name: str) -> tuple[float, float]:
+            procs[name].stdin.write("wave\n")
+            procs[name].stdin.flush()
+            wall, cpu = map(float, procs[name].stdout.readline().split())
+            return wall, cpu
+
+        runs = {name: [] for name in procs}
+        for repeat in range(args.repeats + 1):
+            for name in procs:
+                timing = wave(name)
+                if repeat:  # the first wave warms up
+                    runs[name].append(timing)
+        for p in procs.values():
+            p.stdin.close()
+            p.wait()
+    tokens = args.batch * args.new_tokens
+    before, after = runs[args.against], runs["checkout"]
+    return {"against": args.against,
+            "results": {name: {"tokens_per_s": round(tokens / min(w for w, _ in r), 1),
+                               "tokens_per_cpu_s": round(tokens / min(c for _, c in r), 1),
+                               "wall_s": [round(w, 4) for w, _ in r]} for name, r in runs.items()},
+            "checkout_speed_over_revision": {
+                "wall": round(statistics.median(b[0] / a[0] for b, a in zip(before, after)), 3),
+                "cpu": round(statistics.median(b[1] / a[1] for b, a in zip(before, after)), 3)}}
+
+
 def machine(args) -> dict:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     return {"device": device, "cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -255,16 +318,23 @@ def main() -> None:
     ap.add_argument("--prefill", help="prefill points BATCHxLENGTH,... (cuda default: 1x128,1x1024,1x4096,8x1024,32x512)")
     ap.add_argument("--gpu", help="compare with rlsys.costs for this GPU (h100, h200, ...)")
     ap.add_argument("--out", type=Path, help="default: results/engine_throughput.json, or engine_decode_cuda.json")
+    ap.add_argument("--against", help="a git revision: its engine against this checkout's, interleaved (CPU)")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)  # a model directory: run as one contender of --against
     args = ap.parse_args()
+    if args.serve:
+        torch.set_num_threads(args.threads)
+        return serve(args.serve, args)
     args.dtype = RolloutConfig(device=args.device, dtype=args.dtype).engine_dtype
     args.lengths = args.lengths or ("128,1024,4096" if args.device == "cuda" else None)
     args.prefill = args.prefill or ("1x128,1x1024,1x4096,8x1024,32x512" if args.device == "cuda" else None)
     model_cfg = ModelConfig(**{k: v for k, v in yaml.safe_load(args.config.read_text())["model"].items()
                                if k != "warm_start"}) if args.config else ModelConfig()
-    out = args.out or (RESULTS if args.device == "cpu" else RESULTS.with_name(f"engine_decode_{args.device}.json"))
+    out = args.out or (RESULTS.with_name("engine_before_after_cpu.json") if args.against else
+                       RESULTS if args.device == "cpu" else RESULTS.with_name(f"engine_decode_{args.device}.json"))
     load_before = os.getloadavg()[0]  # other processes' load skews wall times: recorded with the results
     torch.set_num_threads(args.threads)
-    report = {"machine": machine(args),
+    report = {"command": "python benchmarks/engine_throughput.py " + " ".join(sys.argv[1:]),
+              "machine": machine(args),
               "settings": {"batch": args.batch, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
                            "vocab": args.vocab, "torch_threads": args.threads, "temperature": args.temperature,
                            "repeats": args.repeats, "device": args.device, "dtype": args.dtype,
@@ -274,7 +344,10 @@ def main() -> None:
                                                          "num_kv_heads", "intermediate_size"})}}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), args.vocab, model_cfg)
-        if args.device == "cpu":
+        if args.against:
+            report.update(before_after(tmp, args))
+            args.lengths = args.prefill = None
+        elif args.device == "cpu":
             report.update(compare_with_generate(tmp, model, args))
         del model  # the engines load their own copy
         if args.lengths:

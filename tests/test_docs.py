@@ -53,3 +53,55 @@ def test_every_simulator_config_field_is_documented():
     documented = documented_sim_fields()
     assert expected - documented == set(), "undocumented"
     assert documented - expected == set(), "documented but not a field"
+
+
+# --- GPU figures: each read from benchmarks/results/gpu_*.json ----------------------------------------------
+def spread(values, fmt: str = "{:.1f}") -> str:
+    """"lo-hi" of the values, each in fmt."""
+    return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
+
+
+def gpu_figures() -> list[tuple[str, str]]:
+    """(document, phrase) for each GPU figure the docs quote, the phrase rebuilt from the results files."""
+    import json
+
+    results = ROOT / "benchmarks" / "results"
+    grid = json.loads((results / "gpu_engine_h100.json").read_text())["decode_step_grid"]
+    runs = json.loads((results / "gpu_runs_h100.json").read_text())
+    live = json.loads((results / "gpu_live_engine_h100.json").read_text())
+    in_run = runs["per_step_2026-11-26"]
+    decode_ms = [s["rollout/decode_step_ms"] for run in ("tail_0.5b", "publish_object_store") for s in in_run[run]]
+    ipc = [ms * 1000 for name, run in runs["runs"].items() if run["transport"] == "cuda_ipc" and name != "smoke"
+           for ms in run["weight_sync_s"]]
+    store = [s for run in runs["runs"].values() if run["transport"] == "object_store" for s in run["weight_sync_s"]]
+    before_fix = [ms for name, series in live["in_a_run"].items() if not name.startswith(("after", "before"))
+                  for ms in series.values()]
+    sync = runs["per_step_sync_0.5b_2026-11-25"]
+    ratio = [p["step_ms"] / p["cost_model_ms"] for p in grid]
+    perf, readme, design = "docs/performance.md", "README.md", "docs/design.md"
+    return [
+        (perf, f"step costs {spread([p['step_ms'] for p in grid if p['batch'] <= 128])} ms for 1 to 128 running"),
+        (perf, f"and {spread([p['step_ms'] for p in grid if p['batch'] == 256])} ms at 256"),
+        (perf, f"launch-bound: {spread(ratio)}x slower than the vLLM figures"),
+        (perf, f"**{spread(decode_ms)} ms a decode step**"),
+        (readme, f"{spread(decode_ms)} ms after)"),
+        (perf, f"against {spread([s['rollout/decode_step_ms'] for s in in_run['diagnose_0.5b']], '{:.0f}')} ms in "
+               "the same window before it"),
+        (perf, f"(0.47B) in {spread(ipc, '{:.0f}')} ms, "
+               f"{spread([s * 1000 for s in runs['runs']['smoke']['weight_sync_s']], '{:.0f}')} ms for the tiny"),
+        (perf, f"at 0.47B: {spread(store, '{:.2f}')} s a version"),
+        (perf, f"{spread(runs['runs']['sync_0.5b']['step_s'], '{:.0f}')} s a step, bubble ratio "
+               f"{spread([s['rollout/bubble_ratio'] for s in sync], '{:.2f}')}"),
+        (perf, "CUDA IPC run of the same model peaked at "
+               f"{runs['runs']['publish_cuda_ipc']['peak_gpu_memory_mib'] / 1024:.0f} GiB"),
+        (perf, f"decoded at {spread(before_fix, '{:.0f}')} ms a token**"),
+        (design, f"but {spread(before_fix, '{:.0f}')} ms a token inside a run"),
+    ]
+
+
+def test_every_gpu_figure_in_the_docs_is_the_results_files():
+    """The figures of docs/performance.md's "Measured on an H100", the README and docs/design.md, each rebuilt
+    from benchmarks/results/gpu_*.json: a figure edited by hand, or a results file changed, fails here."""
+    for document, phrase in gpu_figures():
+        text = " ".join((ROOT / document).read_text().split())  # a phrase may wrap
+        assert phrase in text, f"{document} does not say {phrase!r} (what benchmarks/results/gpu_*.json give)"

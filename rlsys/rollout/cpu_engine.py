@@ -64,7 +64,7 @@ def _load_safetensors(model_dir: Path) -> dict[str, Tensor]:
 
 CPU = torch.device("cpu")
 # Padded tokens per prefill forward, as vLLM's max_num_batched_tokens: admitting 256 prompts of 4096 tokens in
-# one forward would need 22 GiB for one MLP activation of a 0.5B model (seen on an H100).
+# one forward ran out of memory on an H100 (one gate/up activation of a 0.5B model: 22 GiB in bf16).
 PREFILL_TOKENS = 16384
 # How a decode step runs (CPUEngine's `decode`): "eager" batches only the decoding slots, in length spans;
 # "static" runs the static-shape step of graph_step.py as plain torch (the CPU's way to test it); "graph"
