@@ -403,7 +403,12 @@ def run_from_args(args) -> int:
     report = bench(config, overrides, args.presets.split(","), args.repeats, args.target, out_dir, args.output,
                    args.vary_seed, args.top_up)
     print_table(report)
-    for path in plot_bench(report, out_dir):
+    try:  # matplotlib is optional: offline GPU hosts go without it (benchmarks/gpu/build_bundle.py)
+        paths = plot_bench(report, out_dir)
+    except ModuleNotFoundError as e:
+        print(f"no plots: {e.name} is not installed")
+        paths = []
+    for path in paths:
         print(f"wrote {path}")
     if args.output:
         print(f"wrote {args.output}")

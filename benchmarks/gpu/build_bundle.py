@@ -3,7 +3,9 @@ transformers but no internet and no Ray, DeepSpeed, pydantic or math-verify.
 
 Run it where the package index is reachable, with a Python that has torch (DeepSpeed's build imports it):
     python benchmarks/gpu/build_bundle.py [--out build/gpu_bundle] [--python-version 3.12]
-then copy the folder and a checkout of rlsys to the host and run benchmarks/gpu/run.sh there.
+then copy the folder and a checkout of rlsys to the host and run benchmarks/gpu/run.sh there. RLSYS_SHA256
+in the folder is the digest of the rlsys sources the bundle's wheel was built from: measure.sh refuses a
+checkout whose own differs (the phases import the bundle's rlsys, and their figures are the checkout's).
 
 The bundle fits one 64 MiB transfer: Ray without the parts rlsys never loads, DeepSpeed without compiled
 ops, and only the dependencies that torch and transformers do not bring already.
@@ -100,6 +102,15 @@ def build_rlsys(dest: Path) -> None:
         pip("wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(dest), tmp)
 
 
+def rlsys_digest(root: Path) -> str:
+    """sha256 of the `sha256sum` listing of rlsys/'s files (no __pycache__) in byte order of their paths: what
+    measure.sh's `find rlsys -type f ... | LC_ALL=C sort | xargs sha256sum | sha256sum` gives in a checkout."""
+    files = sorted(p.relative_to(root).as_posix() for p in (root / "rlsys").rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts)
+    listing = "".join(f"{hashlib.sha256((root / f).read_bytes()).hexdigest()}  {f}\n" for f in files)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def record_line(name: str, data: bytes) -> str:
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
     return f"{name},sha256={digest},{len(data)}"
@@ -149,7 +160,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="a wheel platform tag the host takes, repeatable (default: manylinux 2.28 and "
                              "2014 on x86_64, as pip does not read the older tags into the newer)")
     parser.add_argument("--max-mib", type=float, default=60.0, help="fail if the wheels add up to more")
+    parser.add_argument("--rlsys-only", action="store_true",
+                        help="only rlsys's wheel and its digest (a rehearsal of measure.sh with a venv's packages)")
     args = parser.parse_args(argv)
+    if args.rlsys_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        build_rlsys(args.out)
+        (args.out / "RLSYS_SHA256").write_text(rlsys_digest(ROOT) + "\n")
+        describe(args.out, args.max_mib)
+        return
     try:
         import torch  # noqa: F401  DeepSpeed's setup.py imports it
     except ImportError:
@@ -163,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ray: removed {strip_wheel(ray_wheel, RAY_UNUSED)} files under " + ", ".join(RAY_UNUSED))
     build_deepspeed(deepspeed_version, args.out)
     build_rlsys(args.out)
+    (args.out / "RLSYS_SHA256").write_text(rlsys_digest(ROOT) + "\n")
     describe(args.out, args.max_mib)
 
 

@@ -13,7 +13,14 @@
 #              (sched_sync and sched_tail: each alone)
 #
 #   benchmarks/gpu/measure.sh BUNDLE_DIR OUT_DIR PHASE[:SECONDS] ...
-#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" smoke:240 engine:200
+#
+# One lent GPU window is 15 minutes of device time, the machine's start included, in commands of at most 10
+# minutes; results come back when a command ends. The plan for a window, two commands:
+#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" cuda_tests:100 engine:160
+#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" sched_sync:170 sched_tail:170
+# A command's limits may add up to MEASURE_BUDGET_S (default 540: a 10-minute command less the set-up and the
+# records); more is refused before anything runs. The bundle's rlsys must be this checkout's (RLSYS_SHA256).
+# MEASURE_OVERRIDES: overrides added to every run's (a CPU rehearsal's: benchmarks/gpu/rehearse_measure.sh).
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -21,22 +28,10 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 bundle=$(cd "$1" && pwd)
 out=$(realpath -m "$2")
 shift 2
-mkdir -p "$out"
-python=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 SCRATCH=${SCRATCH:-/tmp/rlsys-gpu-scratch}
-work=$(mktemp -d -t rlsys-measure-XXXXXX)
-bench=$repo/configs/gpu/bench_0.5b.yaml
-gpu=$("$python" -c 'import torch; n = torch.cuda.get_device_name(0).lower(); print(next((g for g in ("h200", "h100", "h800", "h20") if g in n), "h100"))')
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/machine.txt" 2>&1
-"$python" -c 'import torch, platform; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())' >> "$out/machine.txt"
-
-# the bundle once, for the phases that import rlsys from the checkout (run.sh installs it again, the same)
-[ -d "$SCRATCH/site" ] || "$python" -m pip install --quiet --no-index --no-deps --target "$SCRATCH/site" "$bundle"/*.whl
-
 # run.sh into $work/NAME with these overrides (it prints its summary.json into the phase's log)
 train() {
   local name=$1 config=$2; shift 2
-  CONFIG=$config bash "$repo/benchmarks/gpu/run.sh" "$bundle" "$work/$name" "$@"
+  CONFIG=$config bash "$repo/benchmarks/gpu/run.sh" "$bundle" "$work/$name" "$@" ${extra[@]+"${extra[@]}"}
 }
 
 phase_smoke() { train smoke "$repo/configs/gpu/smoke.yaml"; }
@@ -89,21 +84,51 @@ phase_bench() {
     --out-dir "$work/bench" --output "$out/bench.json"
 }
 
-ray_processes() { pgrep -f 'raylet|gcs_server|ray::|ray/dashboard|ray/_private|ray/autoscaler' | sort; }
+# The processes a phase started carry its token in their environment, Ray's daemons too (they inherit it, and
+# keep it when their parent is gone): those, and only those, end with the phase; never another Ray here.
+phase_processes() {
+  local pid
+  for pid in $(pgrep -u "$(id -u)" .); do
+    tr '\0' '\n' < "/proc/$pid/environ" 2> /dev/null | grep -qxF "RLSYS_MEASURE_PHASE=$1" && echo "$pid"
+  done
+}
 
+# checked before anything runs: every phase known, the limits within one command, the bundle this checkout's
+budget=${MEASURE_BUDGET_S:-540}
+total=0
 for item in "$@"; do
   name=${item%%:*}; limit=${item#*:}; [ "$limit" = "$item" ] && limit=300
   declare -F "phase_$name" > /dev/null || { echo "measure.sh: unknown phase $name" >&2; exit 2; }
+  total=$((total + limit))
+done
+[ "$total" -le "$budget" ] || { echo "measure.sh: the phases' limits add up to $total s, over MEASURE_BUDGET_S=$budget s (one lent command is at most 600 s): split them into two commands" >&2; exit 2; }
+digest=$(cd "$repo" && find rlsys -type f ! -path '*/__pycache__/*' | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
+[ "$(cat "$bundle/RLSYS_SHA256" 2>/dev/null)" = "$digest" ] || { echo "measure.sh: the bundle's rlsys ($bundle/RLSYS_SHA256: $(cat "$bundle/RLSYS_SHA256" 2>/dev/null || echo missing)) is not this checkout's ($digest): rebuild it with build_bundle.py" >&2; exit 2; }
+
+mkdir -p "$out"
+python=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 SCRATCH=${SCRATCH:-/tmp/rlsys-gpu-scratch}
+work=$(mktemp -d -t rlsys-measure-XXXXXX)
+bench=$repo/configs/gpu/bench_0.5b.yaml
+gpu=$("$python" -c 'import torch; n = torch.cuda.get_device_name(0).lower(); print(next((g for g in ("h200", "h100", "h800", "h20") if g in n), "h100"))' 2> /dev/null || echo none)
+read -r -a extra <<< "${MEASURE_OVERRIDES:-}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/machine.txt" 2>&1
+"$python" -c 'import torch, platform; print("torch", torch.__version__, "cuda", torch.version.cuda, "python", platform.python_version())' >> "$out/machine.txt"
+
+# the bundle once, for the phases that import rlsys from the checkout (run.sh installs it again, the same)
+[ -d "$SCRATCH/site" ] || "$python" -m pip install --quiet --no-index --no-deps --target "$SCRATCH/site" "$bundle"/*.whl
+
+for item in "$@"; do
+  name=${item%%:*}; limit=${item#*:}; [ "$limit" = "$item" ] && limit=300
   echo "== $name (at most $limit s)"
   start=$SECONDS
-  before=$(ray_processes)
-  # a subshell under timeout: the phase's processes (Ray's too) end with it
-  timeout --kill-after=10 "$limit" bash -c "$(declare -f train phase_sched_sync phase_sched_tail "phase_$name"); $(declare -p repo bundle out python work bench gpu short_0_5b sched); phase_$name" \
+  token=$$-$name-$RANDOM
+  # a subshell under timeout, marked with the phase's token
+  RLSYS_MEASURE_PHASE=$token timeout --kill-after=10 "$limit" bash -c "$(declare -f train phase_sched_sync phase_sched_tail "phase_$name"); $(declare -p repo bundle out python work bench gpu short_0_5b sched extra); phase_$name" \
     > "$out/$name.log" 2>&1
   status=$?
   echo "$name: exit $status after $((SECONDS - start)) s" | tee -a "$out/phases.txt"
-  # the Ray a phase started and left behind (one cut at its limit): its own processes only, not another Ray here
-  comm -13 <(echo "$before") <(ray_processes) | xargs -r kill -9 2> /dev/null
+  phase_processes "$token" | xargs -r kill -9 2> /dev/null  # what the phase left behind (one cut at its limit)
   tail -5 "$out/$name.log"
   # every run's summary and records so far, weights left out: one file (few files come back from a lent GPU)
   tar -czf "$out/records.tgz" -C "$work" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' . 2>/dev/null
