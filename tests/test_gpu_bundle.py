@@ -10,6 +10,7 @@ import re
 import stat
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -201,36 +202,74 @@ def test_summary_has_steps_step_times_and_peak_gpu_memory(tmp_path):
     assert load_module("summarize").summarize(tmp_path)["peak_gpu_memory_mib"] is None  # no GPU, no log
 
 
-def test_measure_sh_runs_each_phase_under_its_limit_and_keeps_going(tmp_path):
-    """A phase that passes its limit or fails is recorded, and the next phase still runs; the Ray processes a
-    phase leaves behind are ended, and no other Ray on the machine (a test suite's own once was). The phases'
-    Python is a stand-in that leaves a "raylet" behind, takes 3 s over a benchmark and fails: the harness is
-    what is tested, not the benchmarks."""
+def measure_sh(tmp_path: Path, *phases: str, digest: str | None = None, **popen) -> subprocess.Popen:
+    """measure.sh over a bundle of no wheels (counted as installed) whose RLSYS_SHA256 is `digest` (default:
+    this checkout's), its phases' Python a stand-in that leaves a "raylet" behind, takes 3 s over a benchmark
+    and fails: the harness is what is tested, not the benchmarks."""
     bundle, out, scratch = tmp_path / "bundle", tmp_path / "out", tmp_path / "scratch"
-    bundle.mkdir()
-    (scratch / "site").mkdir(parents=True)  # the bundle counts as installed: no pip here
+    bundle.mkdir(exist_ok=True)
+    (bundle / "RLSYS_SHA256").write_text((digest or load_module("build_bundle").rlsys_digest(ROOT)) + "\n")
+    (scratch / "site").mkdir(parents=True, exist_ok=True)  # the bundle counts as installed: no pip here
     python = tmp_path / "python"
     python.write_text('#!/bin/bash\ncase "$*" in *benchmarks/*) (exec -a raylet-of-a-phase sleep 120) &\n'
                       '  sleep 3 ;; esac\nexit 1\n')
     python.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(python), "SCRATCH": str(scratch)}
-    bad = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "bogus"], env=env,
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown phase bogus" in bad.stderr
-    other_ray = subprocess.Popen(["bash", "-c", "exec -a raylet-of-another-ray sleep 120"])
+    return subprocess.Popen(["bash", str(GPU / "measure.sh"), str(bundle), str(out), *phases], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def test_measure_sh_runs_each_phase_under_its_limit_and_keeps_going(tmp_path):
+    """A phase that passes its limit or fails is recorded, and the next phase still runs; the processes a phase
+    leaves behind are ended, and no other Ray on the machine, one started while the phase runs included."""
+    out = tmp_path / "out"
+    others = [subprocess.Popen(["bash", "-c", "exec -a raylet-of-another-ray sleep 120"])]
     try:
-        done = subprocess.run(["bash", str(GPU / "measure.sh"), str(bundle), str(out), "engine:1", "live:60"],
-                              env=env, capture_output=True, text=True, timeout=120)
-        assert other_ray.poll() is None  # still running
+        done = measure_sh(tmp_path, "engine:1", "live:60")
+        deadline = time.monotonic() + 60
+        while not (out / "live.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        others.append(subprocess.Popen(["bash", "-c", "exec -a raylet-started-meanwhile sleep 120"]))
+        stdout, stderr = done.communicate(timeout=120)
+        assert [p.poll() for p in others] == [None, None]  # still running
     finally:
-        other_ray.kill()
+        for p in others:
+            p.kill()
     left = subprocess.run(["pgrep", "-f", "raylet-of-a-phase"], capture_output=True, text=True).stdout
     assert left == ""
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, stderr
     phases = (out / "phases.txt").read_text().splitlines()
     assert len(phases) == 2 and phases[0].startswith("engine: exit 124")  # cut at its 1 s
     assert phases[1].startswith("live: exit 1 ")  # ran to its end
     assert (out / "records.tgz").is_file() and (out / "engine.log").is_file() and (out / "live.log").is_file()
+
+
+@pytest.mark.parametrize("phases, digest, message", [
+    (["bogus"], None, "unknown phase bogus"),
+    (["engine:300", "live:241"], None, "the phases' limits add up to 541 s, over MEASURE_BUDGET_S=540 s"),
+    (["engine:10"], "0" * 64, "the bundle's rlsys"),
+])
+def test_measure_sh_refuses_before_anything_runs(tmp_path, phases, digest, message):
+    """An unknown phase, limits past one lent command, a bundle built from other rlsys sources: refused at once."""
+    done = measure_sh(tmp_path, *phases, digest=digest)
+    _, stderr = done.communicate(timeout=60)
+    assert done.returncode == 2 and message in stderr and not (tmp_path / "out").exists()
+
+
+def test_the_plan_in_measure_sh_fits_its_commands():
+    """The header's plan: each command within the budget, cuda_tests and the engine grid first."""
+    script = (GPU / "measure.sh").read_text()
+    plan = re.findall(r'^#   benchmarks/gpu/measure\.sh build/gpu_bundle "\$OUT" (.*)$', script, re.M)
+    budget = int(re.search(r"MEASURE_BUDGET_S:-(\d+)", script).group(1))
+    assert budget <= 600 - 60 and [p.split()[0].split(":")[0] for p in plan] == ["cuda_tests", "sched_sync"]
+    assert all(sum(int(item.split(":")[1]) for item in command.split()) <= budget for command in plan)
+
+
+def test_the_bundles_rlsys_digest_is_the_one_measure_sh_computes():
+    """build_bundle.py's digest of the sources against measure.sh's own pipeline, run in this checkout."""
+    pipeline = re.search(r'^digest=\$\(cd "\$repo" && (.*)\)$', (GPU / "measure.sh").read_text(), re.M).group(1)
+    shell = subprocess.run(pipeline, shell=True, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert load_module("build_bundle").rlsys_digest(ROOT) == shell.strip() != ""
 
 
 def test_every_schedule_of_the_bench_phase_is_a_valid_config():
