@@ -89,7 +89,7 @@ phase_bench() {
 phase_processes() {
   local pid
   for pid in $(pgrep -u "$(id -u)" .); do
-    tr '\0' '\n' < "/proc/$pid/environ" 2> /dev/null | grep -qxF "RLSYS_MEASURE_PHASE=$1" && echo "$pid"
+    { tr '\0' '\n' < "/proc/$pid/environ"; } 2> /dev/null | grep -qxF "RLSYS_MEASURE_PHASE=$1" && echo "$pid"
   done
 }
 

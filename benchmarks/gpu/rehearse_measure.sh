@@ -17,8 +17,8 @@ trap 'rm -rf "$work"' EXIT
 
 "$python" "$repo/benchmarks/gpu/build_bundle.py" --rlsys-only --out "$work/bundle" > "$work/build.log" 2>&1
 cpu=$(sed -n 's/^# On a machine without a GPU: //p' "$repo/configs/gpu/smoke.yaml")
-tiny="model.hidden_size=64 model.num_layers=2 model.num_heads=4 model.num_kv_heads=2 model.intermediate_size=128
-      model.warm_start.steps=0 model.warm_start.device=cpu"
+tiny="model.hidden_size=64 model.num_layers=2 model.num_heads=4 model.num_kv_heads=2 model.intermediate_size=128"
+tiny+=" model.warm_start.steps=0 model.warm_start.device=cpu"  # one line: measure.sh reads one
 # the two commands of measure.sh's header, as written there
 mapfile -t plan < <(sed -n 's|^#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" ||p' "$repo/benchmarks/gpu/measure.sh")
 [ ${#plan[@]} -gt 0 ] || { echo "rehearse_measure.sh: no plan in measure.sh's header" >&2; exit 2; }

@@ -70,7 +70,9 @@ PREFILL_TOKENS = 16384
 # "static" runs the static-shape step of graph_step.py as plain torch (the CPU's way to test it); "graph"
 # replays it as CUDA graphs (the default on CUDA).
 DECODE_MODES = ("eager", "static", "graph")
-BATCH_FINE, KEYS_FINE = 8, 128  # bucket steps: batches of 1, 2, 4, 8, 16, ...; keys of ..., 64, 128, 256, ...
+# Bucket steps: batches of 1, 2, 4, 8, 16, 24, ...; keys of 1, 2, 4, ..., 128, 256, 512, 768, ... Each shape a run
+# meets is captured once per wake; coarse key buckets keep that to a few dozen at 4k positions.
+BATCH_FINE, KEYS_FINE = 8, 256
 
 
 class _CudnnAttentionOff:
