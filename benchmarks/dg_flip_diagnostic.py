@@ -23,7 +23,7 @@ from rlsys.bench import machine, write_report
 from rlsys.data import load_datasets
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.registry import reward_fn
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.startup import load_config
 from rlsys.trainer.advantages import group_advantages
 from rlsys.trainer.losses import delight_gate

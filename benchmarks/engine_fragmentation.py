@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlsys.rollout.cpu_engine import CPUEngine  # noqa: E402
+from rlsys.rollout.builtin_engine import CPUEngine  # noqa: E402
 from rlsys.types import Request, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_fragmentation_cpu.json"

@@ -48,7 +48,7 @@ import yaml
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys.config import ModelConfig, RolloutConfig
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_throughput.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from engine_throughput import build_model, timed
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "running_requests_cpu.json"

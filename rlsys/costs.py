@@ -28,7 +28,7 @@ TRAIN_FLOPS = 6  # forward and backward
 LINK_GBPS = 25.0  # GB/s of full weights, trainer to engines
 SYNC_LATENCY_S = 0.2
 
-# The built-in engine (rlsys/rollout/cpu_engine.py) on CUDA instead of vLLM: eager PyTorch pays its kernel launches,
+# The built-in engine (rlsys/rollout/builtin_engine.py) on CUDA instead of vLLM: eager PyTorch pays its kernel launches,
 # ~7 ms a step for 24 layers whatever the batch, and its per-sequence work runs far below the tensor cores' rate.
 # Fitted to its H100 grid at 0.47B (docs/performance.md "Measured on an H100"), where vLLM's defaults are 3-6x faster.
 BUILTIN_ENGINE = {"overhead_s": 7e-3, "decode_mfu": 0.05, "prefill_mfu": 0.35}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlsys.config import DEFAULT_CONFIG, CONFIG_DIR, ConfigError
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.registry import register_engine
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.startup import load_config

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from cuda_standin import FakeDriver, FakeGraphs, cuda_graphs  # noqa: F401 (a fixture)
-from rlsys.rollout import cpu_engine
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout import builtin_engine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.graph_step import bucket, buckets
 from test_multiturn import ANSWER, model_dir, run as run_tools, sampled, tags  # noqa: F401 (fixtures)
 from rlsys.rollout.registry import register_engine
@@ -40,7 +40,7 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(params=["eager", "static", "graph"])
 def decode(request, monkeypatch) -> str:
-    """Each way a decode step runs (cpu_engine.DECODE_MODES); "graph" replays CUDA graphs on their stand-ins."""
+    """Each way a decode step runs (builtin_engine.DECODE_MODES); "graph" replays CUDA graphs on their stand-ins."""
     if request.param == "graph":
         FakeDriver().install(monkeypatch)
         FakeGraphs().install(monkeypatch)
@@ -91,24 +91,24 @@ def test_greedy_matches_hf_generate_and_logprobs(tmp_path, arch, decode):
 
 
 def test_prefill_chunks_keep_order_and_the_padded_budget():
-    assert cpu_engine.prefill_chunks([3, 5, 2, 8], 10) == [(0, 2), (2, 3), (3, 4)]  # 2 x 5 = 10 fits, 3 x 5 not
-    assert cpu_engine.prefill_chunks([20, 1], 10) == [(0, 1), (1, 2)]  # longer than the budget: alone
-    assert cpu_engine.prefill_chunks([4] * 6, 100) == [(0, 6)]
-    assert cpu_engine.prefill_chunks([], 10) == []
+    assert builtin_engine.prefill_chunks([3, 5, 2, 8], 10) == [(0, 2), (2, 3), (3, 4)]  # 2 x 5 = 10 fits, 3 x 5 not
+    assert builtin_engine.prefill_chunks([20, 1], 10) == [(0, 1), (1, 2)]  # longer than the budget: alone
+    assert builtin_engine.prefill_chunks([4] * 6, 100) == [(0, 6)]
+    assert builtin_engine.prefill_chunks([], 10) == []
 
 
 def test_a_prefill_over_the_token_budget_runs_in_chunks_with_the_same_results(qwen, monkeypatch):
     model, path = qwen
     forwards = []
-    original = cpu_engine.DecoderModel.forward
-    monkeypatch.setattr(cpu_engine.DecoderModel, "forward",
+    original = builtin_engine.DecoderModel.forward
+    monkeypatch.setattr(builtin_engine.DecoderModel, "forward",
                         lambda self, ids, *a, **k: forwards.append(tuple(ids.shape)) or original(self, ids, *a, **k))
-    monkeypatch.setattr(cpu_engine, "PREFILL_TOKENS", 2 * max(map(len, PROMPTS)))
+    monkeypatch.setattr(builtin_engine, "PREFILL_TOKENS", 2 * max(map(len, PROMPTS)))
     engine = CPUEngine(path, slots=8)
     out = run(engine, [Request(f"r{i}", "p", p, greedy(6)) for i, p in enumerate(PROMPTS)])
     prefills = [shape for shape in forwards if shape[1] > 1]
     assert len(prefills) >= 2 and sum(n for n, _ in prefills) == len(PROMPTS)
-    assert all(n * t <= cpu_engine.PREFILL_TOKENS for n, t in prefills)
+    assert all(n * t <= builtin_engine.PREFILL_TOKENS for n, t in prefills)
     for i, prompt in enumerate(PROMPTS):
         assert out[f"r{i}"].token_ids == hf_greedy(model, prompt, 6), f"prompt {i}"
         reference = hf_logprobs(model, prompt, out[f"r{i}"].token_ids)
@@ -341,7 +341,7 @@ def test_attention_work_follows_each_slots_own_length(qwen, monkeypatch):
 
     work, out = generate()
     assert all(attended < 2 * own for attended, own in work)  # a power-of-two bucket: under twice one's own
-    monkeypatch.setattr(cpu_engine, "length_spans", lambda lengths: [(0, len(lengths))])
+    monkeypatch.setattr(builtin_engine, "length_spans", lambda lengths: [(0, len(lengths))])
     flat_work, flat = generate()
     assert [attended for attended, _ in flat_work] == [8 * (len(LONG) + s) for s in range(2, 12)]
     for rid, c in out.items():

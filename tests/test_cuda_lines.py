@@ -12,7 +12,7 @@ from cuda_standin import FakeDriver, cuda_driver  # noqa: F401 (a fixture)
 from test_cpu_engine import build
 
 # imported before a test installs the stand-in: torch imports some modules differently where CUDA is built
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.models.warm_start import release, training_device
 from rlsys.rollout.profile import StepProfiler
 from rlsys.rollout.vllm_extension import WeightUpdateExtension

@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlsys import costs
 from rlsys.config import ConfigError, EmulateConfig
 from rlsys.emulate import Emulation, EnginePacer, Overruns, Pacer
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.simulator import Simulation
 from rlsys.startup import load_config

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.registry import register_engine
 
 from helpers import SMALL

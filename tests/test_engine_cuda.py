@@ -5,7 +5,7 @@ import gc
 import pytest
 import torch
 
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 from test_cpu_engine import (LONG, PROMPTS, SIZES, assert_near_float32_greedy, build, greedy, hf_greedy, hf_logprobs,
                              mixed_workload, run)

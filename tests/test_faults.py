@@ -10,7 +10,7 @@ import ray
 
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.manager import RolloutManager
 from rlsys.train import Controller
 from rlsys.trainer.worker import done_or_failed

@@ -17,7 +17,7 @@ from rlsys.control.actions import Abort, Submit, Train
 from rlsys.data.cursor import PromptCursor
 from rlsys.emulate import Emulation
 from rlsys.models.tiny import build_tiny_model
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.engine import read_tokenizer
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.step_stats import tool_metrics

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.types import Request, SamplingParams
 from test_cpu_engine import SIZES, build

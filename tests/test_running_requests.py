@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlsys.config import DEFAULT_CONFIG, ConfigError
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.startup import load_config
 from rlsys.types import Request
 from test_cpu_engine import PROMPTS, build, greedy, hf_greedy, run

@@ -55,7 +55,7 @@ def test_converted_directory_is_a_plain_llama_with_a_chat_template(smollm2, hf):
 
 
 def test_cpu_engine_greedy_equals_transformers_generate(smollm2, hf):
-    from rlsys.rollout.cpu_engine import CPUEngine
+    from rlsys.rollout.builtin_engine import CPUEngine
     from rlsys.types import Request, SamplingParams
 
     model, tok = hf

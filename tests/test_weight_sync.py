@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlsys.config import DEFAULT_CONFIG, ConfigError
-from rlsys.rollout.cpu_engine import CPUEngine
+from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.startup import load_config
 from rlsys.train import Controller
 from rlsys.weights import WeightTransferTimeout, WeightUpdate, plan_buckets

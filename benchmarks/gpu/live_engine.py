@@ -24,7 +24,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine_throughput import build_model  # noqa: E402
 from rlsys.config import ModelConfig  # noqa: E402
-from rlsys.rollout.cpu_engine import CPUEngine  # noqa: E402
+from rlsys.rollout.builtin_engine import CPUEngine  # noqa: E402
 from rlsys.rollout.worker import RemoteRolloutWorker, RolloutWorker  # noqa: E402
 from rlsys.types import Request, SamplingParams  # noqa: E402
 

@@ -46,7 +46,7 @@ def register_engine(name: str, options: Callable[[Any], dict] = device_options,
 
 @register_engine("cpu")
 def _cpu_engine(model_dir: str, slots: int, **kwargs) -> RolloutEngine:
-    from rlsys.rollout.cpu_engine import CPUEngine
+    from rlsys.rollout.builtin_engine import CPUEngine
     return CPUEngine(model_dir, slots, **kwargs)
 
 

@@ -1,13 +1,13 @@
 """The built-in engine: a Qwen2/Llama decoder with a static slot KV cache and continuous batching, on the CPU
-or a CUDA GPU (`rollout.device`; the module and class keep their first names).
+or a CUDA GPU (`rollout.device`; the class keeps its first name, CPUEngine, and the registry its `cpu`).
 
 Written from scratch: transformers' generate runs a fixed batch to its longest member and costs about
 3x more CPU per token on the tiny model (benchmarks/engine_throughput.py). Here one decode step runs
 every active slot in one batched forward, slots of one power-of-two length bucket attending together to
-their own keys only, and a waiting request takes a slot the moment one frees up. A step reads back from the
-device once (see CPUEngine). Weights come from the model directory's Hugging Face safetensors and can be
-swapped between steps (`load_weights`, or `receive_weights` bucket by bucket), tagging later tokens with
-a new version.
+their own keys only, and a waiting request takes a slot the moment one frees up; on CUDA the decode step
+runs at static shapes as CUDA graphs instead (graph_step.py). A step reads back from the device once (see
+CPUEngine). Weights come from the model directory's Hugging Face safetensors and can be swapped between
+steps (`load_weights`, or `receive_weights` bucket by bucket), tagging later tokens with a new version.
 """
 from __future__ import annotations
 
