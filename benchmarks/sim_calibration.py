@@ -371,8 +371,9 @@ SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as
 QUICK = {"points": [(0.0, "law"), (0.01, "law")], "schedules": ["tail/G4", "async-eta2-T48/G4"]}
 
 
-def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str]) -> dict:
-    """One point of the sweep: every schedule's figures against veRL-style sync (G 8), fastest first."""
+def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str], median: int) -> dict:
+    """One point of the sweep at the setting's fitted median: every schedule against veRL-style sync (G 8),
+    fastest first."""
     base = load(SWEEP_CONFIG)
     scale = SWEEP_GPUS / base["cluster"]["gpus"]
     pool = {"overlap": True, "workers": round(base["reward"]["workers"] * scale)}
@@ -383,7 +384,7 @@ def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str]
         control = {**run.get("control", {}), "group_size": 4, "prompts_per_step": 2 * SWEEP_PROMPTS}  # equal samples
         runs.append({**run, "label": label, "control": control, "reward": pool})
     cfg = load(SWEEP_CONFIG, steps=steps, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
-               control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway},
+               control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway, "median_tokens": median},
                reward={"workers": pool["workers"]}, trainer=trainer)
     results = simulate(cfg, quiet=True)["results"]
     reference = results["veRL-sync"]
@@ -403,7 +404,7 @@ def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str]
     mfu = load_sim_config(cfg).trainer.mfu_on(SWEEP_GPUS)
     best = next(e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"])
     asyncs = [e for e in ranked if e["schedule"].startswith("async") and e["equal_utility"]]
-    return {"runaway_share": runaway, "mfu": mfu_label, "trainer_mfu_128": round(mfu, 3),
+    return {"runaway_share": runaway, "mfu": mfu_label, "trainer_mfu_128": round(mfu, 3), "median_tokens": median,
             "best": {k: best[k] for k in ("schedule", "speedup_vs_sync")},
             "best_async": {k: asyncs[0][k] for k in ("schedule", "speedup_vs_sync")} if asyncs else None,
             "ranked": ranked}
@@ -431,22 +432,22 @@ def summarise(points: list[dict]) -> dict:
 def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = False) -> tuple[dict, dict | None]:
     """`steps` overrides every config's step count; `quick` runs one step each and a small sweep. The parts run
     side by side, a process a core: each simulation is seeded, so the figures do not depend on the order."""
-    start = time.perf_counter()
+    start, host = time.perf_counter(), machine()
     steps = 1 if quick else steps
     grid = QUICK if quick else {"points": POINTS, "schedules": list(SWEEP_SCHEDULES)}
-    with ProcessPoolExecutor(os.cpu_count()) as pool:  # the longest parts first
-        sweep = [pool.submit(sweep_point, x, m, steps or SWEEP_STEPS, grid["schedules"])
-                 for x, m in grid["points"]] if with_sweep else []
-        fit = pool.submit(tp_fit, 5, TP_GRID[::5]) if quick else pool.submit(tp_fit, steps)  # a long round every 5th
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
         medians = {c: pool.submit(fit_median, c, steps, 2 if quick else 8) for c in ROLLPACKER}
+        fit = pool.submit(tp_fit, 5, TP_GRID[::5]) if quick else pool.submit(tp_fit, steps)  # a long round every 5th
         held = {c: HELD_OUT["median_tokens"] for c in ROLLPACKER}
         out_parts = [pool.submit(rollpacker_rows, steps, held, True), pool.submit(scaling_rows, steps, held, True),
                      pool.submit(tp_rows_held_out, 5 if quick else steps)]
         verl = pool.submit(async_rows, steps)
         fitted = {c: job.result() for c, job in medians.items()}
         chosen = {c: f["median_tokens"] for c, f in fitted.items()}
+        sweep = [pool.submit(sweep_point, x, m, steps or SWEEP_STEPS, grid["schedules"], chosen[SWEEP_CONFIG])
+                 for x, m in grid["points"]] if with_sweep else []
         in_parts = [pool.submit(rollpacker_rows, steps, chosen), pool.submit(scaling_rows, steps, chosen)]
-        report = {"machine": machine(), "constants": CONSTANTS, "held_out": HELD_OUT, "medians": fitted,
+        report = {"machine": host, "constants": CONSTANTS, "held_out": HELD_OUT, "medians": fitted,
                   "tp_fit": fit.result()}
         others = verl.result()
         report["rows"] = tp_rows(report["tp_fit"]) + [r for part in in_parts for r in part.result()] + others
