@@ -57,9 +57,8 @@ PLANNER = (  # the planner rows' shared reason, with this run's figures
     "{planned[long]:.0f} s against {kept[long]:.0f} s")
 NOTES = {  # what each missing row's paper leaves unstated, and what we assumed for it
     "trainer": (
-        "the trainer runs at the shared MFU law ({mfu:.2f} on {gpus} GPUs); RollPacker's Table 1 puts training at "
-        "about 22% of a 14B veRL step, about 0.08 MFU on its 32 GPUs, so the law's trainer is faster than "
-        "RollPacker's and every gain from a shorter rollout counts for more"),
+        "the trainer runs at the shared MFU law ({mfu:.2f} on {gpus} GPUs), not fitted to these rows; RollPacker's "
+        "Table 1 puts training at 21-23% of a 14B veRL step"),
     "held out": (
         "RollPacker held out: median {median} tokens (TailSieve's), unbounded reward pools, ideal TP split; its "
         "veRL rollout here is {rollout:.0f} s against the published {published} s"),
