@@ -1,12 +1,19 @@
-"""The simulator against the published figures (docs/performance.md "Calibration sources"), then the best schedule at 128 GPUs.
+"""The simulator against the published figures (docs/performance.md "Calibration sources"), in sample and each
+paper predicted from the others; then the best schedule at 128 GPUs as a range over what it depends on.
 
-    python benchmarks/sim_calibration.py --output benchmarks/results/sim_calibration.json
+    python benchmarks/sim_calibration.py --output benchmarks/results/sim_calibration.json \
+        --sweep-output benchmarks/results/sim_128_sweep.json
 
-Each row: published, simulated, their ratio, and whether the config was fitted to it (`fitted`) or the row is
-a prediction. Rows outside +-15% carry a note: what the paper leaves unstated and what we assumed.
-Then every scheduler x group sizer x staleness bound x async split at 128 H800 in the calibrated regimes
-(RollPacker's 32B/32k and 14B/16k configs, the batch grown with the GPUs), each with the reward scheduler and
-streamed training, against veRL-style sync.
+Every calibrated config shares one set of physical constants (CONSTANTS: the engine's step overhead and the
+trainer's MFU law, each from a published measurement that is none of the rows). What remains per setting is the
+median response length, fitted here to the setting's veRL rollout, the reward pools and the TP efficiency
+(fitted to RollPacker's TP rows); docs/performance.md "Per-setting values" lists each and the rows it touched.
+In sample, every row is simulated with those values. Out of sample, each paper's rows are simulated with
+nothing set from that paper: for RollPacker, whose rows set all three, the median comes from another paper
+(HELD_OUT), the reward pools are unbounded and TP splits ideally. A row is within when it lands within +-15%.
+Then the 128-GPU sweep: RollPacker's 32B/32k setting on 128 H800 (the batch and both reward pools grown with the
+GPUs) over the runaway share and the trainer's MFU band, each schedule against veRL-style sync, async at every
+trainer split.
 """
 from __future__ import annotations
 
@@ -22,63 +29,86 @@ import yaml
 
 from rlsys import costs
 from rlsys.bench import machine
+from rlsys.sim.config import load_sim_config
 from rlsys.sim.run import simulate
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "sim"
 TOLERANCE = 0.15
+# The one set of physical constants of every calibrated config (docs/performance.md "Calibration sources"):
+# the step overhead is GPUStack's Qwen3-8B on one H100 SXM under vLLM (7.4 ms a token at concurrency 4) less the
+# 6.6 ms the cost model gives its weight and KV reads, rounded up; the MFU law is Megatron's published MFU
+# falling with data-parallel GPUs (0.40 / 0.37 / 0.31 on 8 / 16 / 32, veRL's docs/perf/dpsk.md).
+CONSTANTS = {"engine.step_overhead_ms": 1.0, "trainer.mfu": 0.40, "trainer.mfu_gpus": 8, "trainer.comm_per_gpu": 0.0134}
+CALIBRATED = ("qwen7b_8k", "qwen14b_16k", "qwen32b_32k", "qwen3_8b_32k_tp", "verl_async_7b_28k")
+# RollPacker held out: its lengths from TailSieve (arXiv 2608.22788 §4.1: median 1,160 tokens on DeepScaleR and
+# KodCode prompts at a 16k cap), reward pools unbounded, TP split ideally: nothing from RollPacker's rows.
+HELD_OUT = {"median_tokens": 1160, "reward_workers": None, "tp_efficiency": 1.0}
 STACK = ["tail", "tail+reward", "tail+reward+planner", "tail+reward+planner+stream"]
 ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
     "qwen7b_8k": ((82, 47), (1.30, 2.01, 2.01, 2.03)),
     "qwen14b_16k": ((277, 88), (1.48, 1.99, 2.02, 2.22)),
     "qwen32b_32k": ((673, 170), (2.21, 2.48, 2.52, 2.56)),
 }
-FITTED = {"rollout veRL", "rollout tail", "tail", "tail+reward"}  # see each config's header
+FITTED = {"rollout veRL", "tail", "tail+reward"}  # in sample: the median, and the reward pools set by hand
 PLANNER = (  # the planner rows' shared reason, with this run's figures
     "the planner picks each round's TP before it starts: short rounds by the cost model, long rounds at most TP{base} "
     "(RollPacker measured its long rounds slower at the larger TP; see the TP2:TP1 rows); it ran the short rounds "
     "after the first mostly at TP{tp}: {planned[short]:.0f} s against {kept[short]:.0f} s at TP{base}, long rounds "
     "{planned[long]:.0f} s against {kept[long]:.0f} s")
 NOTES = {  # what each missing row's paper leaves unstated, and what we assumed for it
+    "trainer": (
+        "the trainer runs at the shared MFU law ({mfu:.2f} on {gpus} GPUs), not fitted to these rows; RollPacker's "
+        "Table 1 puts training at 21-23% of a 14B veRL step"),
+    "held out": (
+        "RollPacker held out: median {median} tokens (TailSieve's), unbounded reward pools, ideal TP split; its "
+        "veRL rollout here is {rollout:.0f} s against the published {published} s"),
     "scaling": (
         "RollPacker states batch and GPUs per point (weak scaling), not what it held fixed besides. We hold both "
-        "reward pools at their 32-GPU fit (veRL's 18 workers, the reward scheduler's 45), lose trainer MFU as "
-        "Megatron's published MFU falls with data-parallel GPUs (trainer.comm_per_gpu) and keep rollout work per "
-        "GPU; a longer batch "
-        "maximum adds nothing here, as 1% runaway samples reach the 16k cap at every size. Then {who}'s step "
+        "reward pools at their 32-GPU size and lose trainer MFU with the GPUs by the shared law. Then {who}'s step "
         "grows {sim:.2f}x from 32 GPUs against the {published:.2f}x the paper's throughput implies; over the "
-        "doublings {steps}. The paper's veRL step grows by about 0.4 of its 32-GPU step on each doubling and "
-        "hardly in proportion to the batch (1.41x, then 1.30x); ours grows mostly in proportion (the reward wait "
-        "on the fixed pool, about 15% of the 32-GPU step) and by the trainer's MFU loss. {missing}"),
+        "doublings {steps}. {missing}"),
     "verl fully-async": (
-        "the page states 128 H20, 28k responses, 512 x 16 samples, 64:64 GPUs and its phase times, not "
-        "the response lengths or the staleness as an age bound; we fit each mode's trainer MFU to its published "
-        "trainer time (168 s colocated on 128, 113 s on 64 alone), take RollPacker's 32k lengths, and "
-        "eta 2 for staleness_threshold 0.5 with partial rollouts (eta 1: 1.88x)"),
+        "the page states 128 H20, 28k responses, 512 x 16 samples, 64:64 GPUs and its phase times, not the "
+        "response lengths or the staleness as an age bound; we take RollPacker's 32k lengths, the shared MFU law "
+        "(0.16 colocated on 128 GPUs, 0.24 on 64) and eta 2 for staleness_threshold 0.5 with partial rollouts"),
     "verl rollout sync": (
-        "the longest sample bounds it: 1% runaway samples reach the 28k cap every step here (~6.5 ms a token "
-        "at the end of the rollout); the page's 178 s is a 400-step average over lengths that grow in training, "
-        "and differ between its runs: its 64-GPU colocated run generates the same 512 x 16 batch under the same "
-        "cap in 151 s, 15% faster on half the GPUs, below the 174 s our cost model needs to decode 28,672 tokens "
-        "on an H20 (5.1 ms of weight reads and 1 ms of overhead a step), so there its longest samples did not reach "
-        "the cap in an average step"),
+        "the longest sample bounds it: 1% runaway samples reach the 28k cap every step here; the page's 178 s is a "
+        "400-step average over lengths that grow in training, and its 64-GPU colocated run generates the same "
+        "512 x 16 batch under the same cap in 151 s, below what our cost model needs to decode 28,672 tokens on an "
+        "H20, so there its longest samples did not reach the cap in an average step"),
 }
 
 
 def load(name: str, **changes) -> dict:
+    """A config as a dict, `changes` merged into its sections; a calibrated config must hold the shared constants."""
     raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    if name in CALIBRATED:
+        check_constants(name, raw)
     for key, value in changes.items():
         raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
     return raw
 
 
-def row(name: str, published: float, simulated: float, fitted: bool = False, note: str | None = None,
+def check_constants(name: str, raw: dict) -> None:
+    """Every run of a calibrated config holds CONSTANTS: the configs cannot drift apart."""
+    cfg = load_sim_config(raw)
+    for run in cfg.runs():
+        trainer = cfg.trainer_for(run)
+        held = {"engine.step_overhead_ms": cfg.engine.step_overhead_ms,
+                **{f"trainer.{k}": getattr(trainer, k) for k in ("mfu", "mfu_gpus", "comm_per_gpu")}}
+        if held != CONSTANTS:
+            raise ValueError(f"configs/sim/{name}.yaml run {run.label}: {held} departs from the shared constants "
+                             f"{CONSTANTS} (benchmarks/sim_calibration.py CONSTANTS)")
+
+
+def row(name: str, paper: str, published: float, simulated: float, fitted: bool = False, note: str | None = None,
         at_least: bool = False, same_as: str | None = None) -> dict:
     """`at_least`: the paper gives a lower bound ("more than"), met or not. `same_as`: why the row equals
     another by construction; such a row, like a fitted one, is no prediction."""
     ratio = simulated / published
     within = ratio >= 1 if at_least else abs(ratio - 1) <= TOLERANCE
-    out = {"name": name, "published": published, "simulated": round(simulated, 3), "ratio": round(ratio, 3),
-           "fitted": fitted, "within": within}
+    out = {"name": name, "paper": paper, "published": published, "simulated": round(simulated, 3),
+           "ratio": round(ratio, 3), "fitted": fitted, "within": within}
     if same_as:
         out["same_as"] = same_as
     if not within:
@@ -86,36 +116,71 @@ def row(name: str, published: float, simulated: float, fitted: bool = False, not
     return out
 
 
-def predicted(rows: list[dict]) -> list[dict]:
+def counted(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not r["fitted"] and "same_as" not in r]
 
 
 def hit_rate(rows: list[dict]) -> dict:
-    """The predictions within 15% of their published figure: the calibration's headline."""
-    ahead = predicted(rows)
-    return {"predicted": len(ahead), "within": sum(r["within"] for r in ahead)}
+    """The counted rows (neither fitted nor equal to another by construction) within 15%, in all and per paper."""
+    ahead = counted(rows)
+    papers = dict.fromkeys(r["paper"] for r in ahead)
+    return {"rows": len(ahead), "within": sum(r["within"] for r in ahead),
+            "by_paper": {p: {"rows": sum(r["paper"] == p for r in ahead),
+                             "within": sum(r["within"] for r in ahead if r["paper"] == p)} for p in papers}}
 
 
-def rollpacker_rows(steps: int | None) -> list[dict]:
+def fit_median(config: str, steps: int | None, iterations: int = 8) -> dict:
+    """workload.median_tokens that gives the config's sync run its published veRL rollout: bisection in log
+    between 50 tokens and half the cap (the rollout grows with the median; the runaway samples set its floor)."""
+    target = ROLLPACKER[config][0][0]
+    lo, hi = math.log(50), math.log(load(config)["workload"]["max_tokens"] / 2)
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        cfg = load(config, **_steps(steps), schedulers=["sync"], workload={"median_tokens": round(math.exp(mid))})
+        rollout = simulate(cfg, quiet=True)["results"]["sync"]["rollout_time_s"]
+        lo, hi = (mid, hi) if rollout < target else (lo, mid)
+    return {"median_tokens": round(math.exp((lo + hi) / 2)), "target_rollout_s": target,
+            "in_config": load(config)["workload"]["median_tokens"]}
+
+
+def setting(config: str, steps: int | None, median: int, held_out: bool = False, **changes) -> dict:
+    """A RollPacker config at this median; held out: its reward pools unbounded and TP split ideally."""
+    cfg = load(config, **_steps(steps), workload={"median_tokens": median}, **changes)
+    if held_out:
+        cfg["reward"] = {**cfg["reward"], "workers": HELD_OUT["reward_workers"]}
+        cfg["engine"] = {**cfg["engine"], "tp_efficiency": HELD_OUT["tp_efficiency"]}
+        cfg["schedulers"] = [r if isinstance(r, str) or "reward" not in r else
+                             {**r, "reward": {**r["reward"], "workers": HELD_OUT["reward_workers"]}}
+                             for r in cfg["schedulers"]]
+    return cfg
+
+
+def rollpacker_rows(steps: int | None, medians: dict, held_out: bool = False) -> list[dict]:
+    """RollPacker's stack rows (and SortedRL's, in sample: nothing is set from SortedRL's row)."""
     rows = []
     for config, ((verl_s, tail_s), speedups) in ROLLPACKER.items():
-        needed = {"sync", *STACK} | ({"sorted"} if config == "qwen7b_8k" else set())
-        cfg = load(config, **_steps(steps))
+        needed = {"sync", *STACK} | ({"sorted"} if config == "qwen7b_8k" and not held_out else set())
+        cfg = setting(config, steps, medians[config], held_out)
         cfg["schedulers"] = [r for r in cfg["schedulers"] if _label(r) in needed]  # not the configs' others
         r = simulate(cfg, quiet=True)["results"]
-        rows.append(row(f"{config} rollout veRL s", verl_s, r["sync"]["rollout_time_s"], True))
-        rows.append(row(f"{config} rollout tail s", tail_s, r["tail"]["rollout_time_s"], True))
+        fitted = lambda label: not held_out and label in FITTED  # noqa: E731
+        mfu = load_sim_config(cfg).trainer.mfu_on(cfg["cluster"]["gpus"])
+        default = (NOTES["held out"].format(median=medians[config], rollout=r["sync"]["rollout_time_s"],
+                                            published=verl_s) if held_out else
+                   NOTES["trainer"].format(mfu=mfu, gpus=cfg["cluster"]["gpus"]))
+        rows.append(row(f"{config} rollout veRL s", "RollPacker", verl_s, r["sync"]["rollout_time_s"],
+                        fitted("rollout veRL"), default))
+        rows.append(row(f"{config} rollout tail s", "RollPacker", tail_s, r["tail"]["rollout_time_s"], note=default))
         for label, published in zip(STACK, speedups):
-            name = f"{config} {label}"
             idle_planner = "planner" in label and len(set(r[label]["tp_per_step"])) == 1
             same = f"{config} {label.replace('+planner', '')}: the planner kept TP" if idle_planner else None
             if same and "stream" in label:
                 same = None  # no row without the planner but with the stream trainer to equal
-            rows.append(row(f"{name} speedup", published, r[label]["speedup_vs_sync"], label in FITTED,
-                            NOTES.get(name) or _planner_note(r, label, cfg["cluster"]["tp"]), same_as=same))
-        if config == "qwen7b_8k":  # SortedRL's setting is unstated: RollPacker's smallest stands in
+            rows.append(row(f"{config} {label} speedup", "RollPacker", published, r[label]["speedup_vs_sync"],
+                            fitted(label), _planner_note(r, label, cfg["cluster"]["tp"]) or default, same_as=same))
+        if "sorted" in needed:  # SortedRL's setting is unstated: RollPacker's smallest stands in
             cut = 1 - r["sorted"]["bubble_ratio"] / r["sync"]["bubble_ratio"]
-            rows.append(row("sortedrl bubble ratio cut (>0.5)", 0.5, cut, at_least=True,
+            rows.append(row("sortedrl bubble ratio cut (>0.5)", "SortedRL", 0.5, cut, at_least=True,
                             note="SortedRL's lengths and batch are unpublished; RollPacker's 7B/8k stands in"))
     return rows
 
@@ -132,13 +197,19 @@ def round_seconds(result: dict) -> dict:
     return {kind: sum(v) / len(v) for kind, v in pick.items() if v}
 
 
+def tp_run(steps: int | None, label: str, efficiency: float, median: int | None = None) -> dict:
+    """One run of the TP comparison's config at this TP efficiency (and median, where given)."""
+    workload = {"workload": {"median_tokens": median}} if median else {}
+    cfg = load("qwen3_8b_32k_tp", **_steps(steps), **workload, engine={"tp_efficiency": efficiency})
+    cfg["schedulers"] = [r for r in cfg["schedulers"] if r["label"] == label]
+    return simulate(cfg, quiet=True)["results"][label]
+
+
 def tp_fit(steps: int | None, grid: list[float] = TP_GRID) -> dict:
     """engine.tp_efficiency fitted to the TP2:TP1 speed of RollPacker's short and long rounds (least squares in
     log: the published pair disagrees, TP2 gains on short rounds and loses on long ones, and no one
     efficiency gives both). rlsys/costs.py TP_EFFICIENCY holds the value found here."""
-    run = lambda label, e: simulate(load("qwen3_8b_32k_tp", **_steps(steps), engine={"tp_efficiency": e},
-                                         schedulers=[r for r in load("qwen3_8b_32k_tp")["schedulers"]
-                                                     if r["label"] == label]), quiet=True)["results"][label]
+    run = lambda label, e: tp_run(steps, label, e)  # noqa: E731
     tp1 = round_seconds(run("tp1", 1.0))  # tp=1 pays no efficiency
     error, best, ratios = math.inf, None, None
     for e in grid:
@@ -177,24 +248,39 @@ def tp_rows(fit: dict) -> list[dict]:
             "0.4-1.2, prompt_share 0-0.65, runaway_share 0-0.06, max_seqs 64-1,024, efficiency 0.8-1 and "
             "all-reduces of 10-80 us. Both rows landed within 15% once, at 80 us an all-reduce and memory 0.42 "
             "(1.14 and 1.04), with TP1 rounds of 1,959 and 2,817 s; and 80 us is 10.2 ms a step for the 32B "
-            "setting's 128 all-reduces, more than the whole fixed step cost its veRL rollout is fitted with (5.4 ms). "
+            "setting's 128 all-reduces, ten times the shared step overhead. "
             "The simulated long round stays bound by throughput under pre-emption (its late samples wait for KV "
             "room), not by its longest samples' latency, where RollPacker places TP2's communication cost")
-    return [row(f"qwen3-8b/32k {kind} round TP2:TP1 speed", v["published"], v["simulated"], True,
+    return [row(f"qwen3-8b/32k {kind} round TP2:TP1 speed", "RollPacker", v["published"], v["simulated"], True,
                 note.format(**fit["tp1_round_s"]))
             for kind, v in fit["tp2_over_tp1_speed"].items()]
+
+
+def tp_rows_held_out(steps: int | None) -> list[dict]:
+    """The TP rows with RollPacker held out: its median from HELD_OUT and TP split ideally."""
+    rounds = {label: round_seconds(tp_run(steps, label, HELD_OUT["tp_efficiency"], HELD_OUT["median_tokens"]))
+              for label in ("tp1", "tp2")}
+    return [row(f"qwen3-8b/32k {kind} round TP2:TP1 speed", "RollPacker", round(t1 / t2, 3),
+                rounds["tp1"][kind] / rounds["tp2"][kind],
+                note="RollPacker held out: TP splits ideally, so TP2 gains on every round") if kind in rounds["tp2"]
+            and kind in rounds["tp1"] else
+            row(f"qwen3-8b/32k {kind} round TP2:TP1 speed", "RollPacker", round(t1 / t2, 3), math.nan,
+                note=f"no {kind} round ran at the held-out median")
+            for kind, (t1, t2) in TP_ROUNDS.items()]
 
 
 SCALING = {32: (1.0, 2.22), 64: (1.42, 3.37), 128: (2.18, 4.81)}  # GPUs: veRL / RollPacker throughput, vs veRL at 32
 
 
-def scaling_rows(steps: int | None) -> list[dict]:
-    """14B/16k, batch 128 -> 512 on 32 -> 128 GPUs; throughput in trained prompts/s relative to veRL at 32."""
+def scaling_rows(steps: int | None, medians: dict, held_out: bool = False) -> list[dict]:
+    """14B/16k, batch 128 -> 512 on 32 -> 128 GPUs; throughput in trained prompts/s relative to veRL at 32. The
+    32-GPU RollPacker point is the 14B stream row on the same config, so it is no row of its own here."""
     points, base, verl = [], None, {}
     for gpus, prompts in ((32, 128), (64, 256), (128, 512)):
-        stack = {**_stack_run("qwen14b_16k"), "label": "rollpacker"}
-        cfg = load("qwen14b_16k", steps=steps or 10, schedulers=["sync", stack],
-                   cluster={"gpus": gpus}, control={"prompts_per_step": prompts})
+        cfg = setting("qwen14b_16k", steps or 10, medians["qwen14b_16k"], held_out,
+                      cluster={"gpus": gpus}, control={"prompts_per_step": prompts})
+        stack = next(r for r in cfg["schedulers"] if isinstance(r, dict) and r.get("label") == STACK[-1])
+        cfg["schedulers"] = ["sync", {**stack, "label": "rollpacker"}]
         r = simulate(cfg, quiet=True)["results"]
         rate = {k: v["trained_prompts"] / v["sim_time_s"] for k, v in r.items()}
         base = base or rate["sync"]
@@ -204,14 +290,16 @@ def scaling_rows(steps: int | None) -> list[dict]:
     rows = []
     for gpus, verl, packer in points:
         # a point's step over the 32-GPU one: batch growth over throughput growth
-        grown = lambda rate, base_rate: gpus / 32 * base_rate / rate
-        for who, sim, col, same in (("veRL", verl, 0, gpus == 32), ("rollpacker", packer, 1, False)):
+        grown = lambda rate, base_rate: gpus / 32 * base_rate / rate  # noqa: E731
+        for who, sim, col in (("veRL", verl, 0), ("rollpacker", packer, 1)):
+            if who == "rollpacker" and gpus == 32:
+                continue  # the duplicate of "qwen14b_16k tail+reward+planner+stream speedup"
             pub = SCALING[gpus][col]
             note = NOTES["scaling"].format(who=who, sim=grown(sim, points[0][1 + col]),
                                            published=grown(pub, SCALING[32][col]), steps=_doublings(points, col),
                                            missing=missing)
-            rows.append(row(f"scaling 14b_16k {gpus} gpus {who}", pub, sim, note=note,
-                            same_as="the normalisation: veRL at 32 GPUs is 1" if same else None))
+            rows.append(row(f"scaling 14b_16k {gpus} gpus {who}", "RollPacker", pub, sim, note=note,
+                            same_as="the normalisation: veRL at 32 GPUs is 1" if gpus == 32 else None))
     return rows
 
 
@@ -236,13 +324,6 @@ def _doublings(points: list, col: int) -> str:
                      for (g0, *r0), (g1, *r1) in zip(points, points[1:]))
 
 
-def _stack_run(config: str) -> dict:
-    """The config's RollPacker full stack (its reward pool held as fitted at the config's GPUs)."""
-    runs = load(config)["schedulers"]
-    stack = next(r for r in runs if isinstance(r, dict) and r.get("label") == STACK[-1])
-    return {k: v for k, v in stack.items() if k != "label"}
-
-
 def _label(run) -> str:
     return run if isinstance(run, str) else run.get("label", run["name"])
 
@@ -252,219 +333,178 @@ def _steps(steps: int | None) -> dict:
 
 
 def async_rows(steps: int | None) -> list[dict]:
+    """veRL's fully-async page: nothing in its config is set from the page, so these rows are predicted in and out
+    of sample alike."""
     r = simulate(load("verl_async_7b_28k", **_steps(steps)), quiet=True)["results"]
     a = r["async"]  # the trainer's wait for a batch: its step less its training and the weight sync after it
     wait = a["step_time_s"] - a["train_time_s"] - a["weight_sync_s"]
-    note = NOTES["verl fully-async"]
-    return [row("verl fully-async speedup (2.35-2.67)", 2.51, r["async"]["speedup_vs_sync"], note=note),
-            row("verl rollout wait sync s", 178, r["sync"]["rollout_time_s"], note=NOTES["verl rollout sync"]),
-            row("verl rollout wait async s", 33, max(wait, 0.0), note=note)]
+    note, paper = NOTES["verl fully-async"], "veRL fully-async"
+    return [row("verl fully-async speedup (2.35-2.67)", paper, 2.51, a["speedup_vs_sync"], note=note),
+            row("verl rollout wait sync s", paper, 178, r["sync"]["rollout_time_s"], note=NOTES["verl rollout sync"]),
+            row("verl rollout wait async s", paper, 33, max(wait, 0.0), note=note)]
 
 
-# Screen every run over one of tail batching's periods (4 short rounds + 1 long), then run each schedule's best
-# for four periods: sorted's early steps flatter it (its pool starts fresh: 2.89x in the screen, 2.42x over 20
-# steps at 32k), and tail's later long rounds run longer than its first.
-SCREEN_STEPS, CONFIRM_STEPS = 5, 20
-REGIMES = {  # the calibrated configs at 128 H800, the batch grown with the GPUs (weak scaling, as RollPacker's)
-    "32k": ("qwen32b_32k", 256),  # 128 prompts x 8 on 64 GPUs
-    "16k": ("qwen14b_16k", 512),  # 128 prompts x 8 on 32 GPUs; RollPacker's own 128-GPU point
+# --- the 128-GPU sweep ------------------------------------------------------------------------------------
+# RollPacker's 32B/32k setting on 128 H800: its batch grown with the GPUs to 256 prompts x 8 (weak scaling, as
+# RollPacker's), both reward pools grown with them from the 64-GPU config's 51 workers.
+SWEEP_CONFIG, SWEEP_GPUS, SWEEP_PROMPTS, SWEEP_STEPS = "qwen32b_32k", 128, 256, 5  # 5 steps: one tail period
+# Samples that loop to the cap: none, the configs' 1%, and TailSieve's ~3% truncated at a 16k cap on math prompts
+# (arXiv 2608.22788 §4.1; 0.1% on code), the one published figure near it.
+RUNAWAY = [0.0, 0.005, 0.01, 0.02, 0.03]
+# The trainer's MFU on 128 GPUs: the shared law's (Megatron under RL, 0.40 on 8 GPUs falling with data
+# parallelism to 0.16 on 128) up to Megatron-LM's own pretraining figure at 128 GPUs (Narayanan et al. 2021,
+# arXiv 2104.04473 Table 1: 7.5B on 128 A100 at 46% of peak counting activation recomputation's extra forward,
+# 0.35 of model FLOPs). Smaller async trainers scale from it by the law.
+MFU_128 = {"law": None, "megatron-lm pretraining": 0.35}
+# One at a time: every runaway share at the law's MFU, and the band's top at no runaway and the configs' 1%.
+POINTS = [(x, "law") for x in RUNAWAY] + [(0.0, "megatron-lm pretraining"), (0.01, "megatron-lm pretraining")]
+SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as they come (the reward scheduler)
+    "tail/G4": {"name": "tail", "trainer": {"streamed": True}},  # the stream trainer on idle engines
+    # RollPacker's artifact's fixed gate: at 40% of a step's groups complete, half the engines hand their requests
+    # to the other half and train (its stream-trainer example); modelled only, live engines do not move requests
+    "tail+scale-down-40%/G4": {"name": "tail", "trainer": {"streamed": True, "scale_down_at": 0.4}},
+    "sorted-partial-K4/G4": {"name": "sorted", "control": {"sorted": {"mode": "partial", "max_versions": 4}}},
+    **{f"async-eta2-T{gpus}/G4": {"name": "async", "cluster": {"trainer_gpus": gpus},
+                                  "control": {"staleness": {"eta": 2}}} for gpus in (32, 48, 64)},
 }
-SCHEDULES = {  # label: run fields, each with the reward scheduler, and tail's with streamed training
-    "sync": {"name": "sync"},
-    "tail": {"name": "tail"},  # with the stream trainer: RollPacker's full stack but the planner
-    "tail+planner": {"name": "tail", "control": {"elastic_tp": {"enabled": True, "max_tp": 8}}},
-    # RollPacker's stream trainer whole: the rollout scaled down to half its engines at 40% of the groups (its
-    # artifact's setting). The live engines do not move requests between them: a modelled schedule only.
-    "tail+scale-down": {"name": "tail", "trainer": {"scale_down_at": 0.4}},
-    "sorted": {"name": "sorted"},  # on-policy: a sample spans one version (partial mode with K=1 is the same)
-    **{f"sorted-partial-K{k}": {"name": "sorted", "control": {"sorted": {"mode": "partial", "max_versions": k}}}
-       for k in (2, 4)},
-    # async: generation goes on across weight updates (partial rollouts); the rollout:trainer split searched
-    **{f"async-eta{eta}-T{gpus}": {"name": "async", "cluster": {"trainer_gpus": gpus},
-                                   "control": {"staleness": {"eta": eta}}}
-       for eta in (1, 2) for gpus in (16, 32, 48)},
-}
-SIZERS = {"G4": {"group_size": 4, "scale": 2.0}, "G8": {"group_size": 8, "scale": 1.0},
-          "G16": {"group_size": 16, "scale": 0.5}, "sagc": {"group_sizer": "sagc"}}
-QUICK = {"schedules": ["sync", "tail", "async-eta1-T32"], "sizers": ["G8", "sagc"]}  # --quick: the JSON's shape only
+QUICK = {"points": [(0.0, "law"), (0.01, "law")], "schedules": ["tail/G4", "async-eta2-T48/G4"]}
 
 
-def search_runs(regime: str, schedules=SCHEDULES, sizers=SIZERS) -> list[dict]:
-    """Every schedule x group sizer at equal samples a step (static G with prompts scaled by 8/G, sagc with
-    constant_samples), except async, which holds its prompts: its staleness bound is counted in them. Each
-    scores rewards as they come on the config's reward-scheduler pool, held at its size as fitted."""
-    config, prompts = REGIMES[regime]
-    reward = _stack_run(config)["reward"]
+def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str], median: int) -> dict:
+    """One point of the sweep at the setting's fitted median: every schedule against veRL-style sync (G 8),
+    fastest first."""
+    base = load(SWEEP_CONFIG)
+    scale = SWEEP_GPUS / base["cluster"]["gpus"]
+    pool = {"overlap": True, "workers": round(base["reward"]["workers"] * scale)}
+    trainer = {} if MFU_128[mfu_label] is None else {"mfu": MFU_128[mfu_label], "mfu_gpus": SWEEP_GPUS}
     runs = [{"name": "sync", "label": "veRL-sync"}]
     for label in schedules:
-        run = SCHEDULES[label]
-        for sizer in sizers:
-            fields = SIZERS[sizer]
-            control = {k: v for k, v in fields.items() if k != "scale"}
-            if "scale" in fields:
-                control["prompts_per_step"] = round(prompts * fields["scale"])
-            elif run["name"] == "async":
-                control["sagc"] = {"prompt_rule": "constant_prompts"}
-            merged = {**run.get("control", {}), **control}
-            streamed = {"streamed": run["name"] == "tail"}  # the one scheduler that streams its groups
-            runs.append({**run, "label": f"{label}/{sizer}", "control": merged,
-                         "reward": reward, "trainer": {**run.get("trainer", {}), **streamed}})
-    return runs
-
-
-def headline(found: dict) -> dict:
-    """Each regime's search; the 32k one's best run at equal utility (the papers' largest gains) is `best_128`."""
-    best = next(e for e in found["32k"]["ranked"] if e["schedule"] != "veRL-sync" and at_equal_utility(e))
-    return {"best_128": {"schedule": best["schedule"], "speedup_vs_sync": best["speedup_vs_sync"]},
-            "search_128": found["32k"], "search_128_16k": found["16k"]}
-
-
-def regime_config(regime: str, steps: int, runs: list[dict]) -> dict:
-    config, prompts = REGIMES[regime]
-    return load(config, steps=steps, schedulers=runs, cluster={"gpus": 128},
-                control={"prompts_per_step": prompts})
-
-
-def search_regime(regime: str, screen: int, confirm: int, schedules, sizers) -> dict:
-    prompts = REGIMES[regime][1]
-    runs = search_runs(regime, schedules, sizers)
-    screened = _ranked(regime, runs, screen, prompts)
-    complete = [e for e in screened if at_equal_utility(e) and e["schedule"] != "veRL-sync"]
-    best_of = {}  # schedule -> its fastest complete run
-    for e in complete:
-        best_of.setdefault(e["schedule"].split("/")[0], e)
-    confirmed = {e["schedule"] for e in best_of.values()} | {"veRL-sync"}
-    final = _ranked(regime, [r for r in runs if r["label"] in confirmed], confirm, prompts)
-    return {"config": REGIMES[regime][0], "gpus": 128, "prompts_per_step": prompts, "screen_steps": screen,
-            "confirm_steps": confirm, "ranked": final, "screened": screened, "sagc": sagc_verdicts(screened)}
-
-
-def at_equal_utility(entry: dict) -> bool:
-    """A run that may head the search: it starved no long prompts and trains as many samples a step as veRL."""
-    return entry["complete"] and entry["equal_samples"]
-
-
-def _ranked(regime: str, runs: list[dict], steps: int, prompts: int) -> list[dict]:
-    """The runs' figures against veRL-style sync, fastest first. `complete`: tail's long-prompt queue holds at
-    most one step's prompts; more means it starved its long prompts, a speedup not at equal utility.
-    `equal_samples`: within 5% of veRL's samples a step (async with sagc holds its prompts, so its sample count
-    moves with G). `long_round_vs_verl_step`: tail's slowest long round (its rollout and training) over veRL's
-    mean step; `its_rollout_vs_verl_rollout`: that round's rollout alone over veRL's mean rollout."""
-    results = simulate(regime_config(regime, steps, runs), quiet=True)["results"]
-    reference = results["veRL-sync"]["step_time_s"]
-    samples = {label: round(r["tokens_per_s"] * r["sim_time_s"] / r["response_tokens"]["mean"] / r["steps"])
-               for label, r in results.items()}
+        run = SWEEP_SCHEDULES[label]
+        control = {**run.get("control", {}), "group_size": 4, "prompts_per_step": 2 * SWEEP_PROMPTS}  # equal samples
+        runs.append({**run, "label": label, "control": control, "reward": pool})
+    cfg = load(SWEEP_CONFIG, steps=steps, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
+               control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway, "median_tokens": median},
+               reward={"workers": pool["workers"]}, trainer=trainer)
+    results = simulate(cfg, quiet=True)["results"]
+    reference = results["veRL-sync"]
     ranked = []
     for label, r in results.items():
-        entry = {"schedule": label, "speedup_vs_sync": round(reference / r["step_time_s"], 3),
-                 "step_time_s": round(r["step_time_s"], 1), "bubble_ratio": round(r["bubble_ratio"], 3),
-                 "straggler_rate": round(r["straggler_rate"], 3), "samples_per_step": samples[label],
-                 "equal_samples": abs(samples[label] - samples["veRL-sync"]) <= 0.05 * samples["veRL-sync"],
-                 "deferred_prompts": _deferred(r), "complete": _deferred(r) <= prompts,
-                 "preemptions_per_step": round(r["preemptions_per_step"], 1)}
-        ends = [0.0] + r["step_ends_s"]
-        if r["long_round_steps"]:
-            slowest = max(r["long_round_steps"], key=lambda i: ends[i + 1] - ends[i])
-            entry["long_round_vs_verl_step"] = round((ends[slowest + 1] - ends[slowest]) / reference, 3)
-            entry["its_rollout_vs_verl_rollout"] = round(
-                r["rollout_by_step_s"][slowest] / results["veRL-sync"]["rollout_time_s"], 3)
-        ranked.append(entry)
-    return sorted(ranked, key=lambda e: -e["speedup_vs_sync"])
+        samples = round(r["tokens_per_s"] * r["sim_time_s"] / r["response_tokens"]["mean"] / r["steps"])
+        ranked.append({"schedule": label, "speedup_vs_sync": round(reference["step_time_s"] / r["step_time_s"], 3),
+                       "step_time_s": round(r["step_time_s"], 1), "rollout_time_s": round(r["rollout_time_s"], 1),
+                       "train_time_s": round(r["train_time_s"], 1), "reward_wait_s": round(r["reward_wait_s"], 1),
+                       "straggler_rate": round(r["straggler_rate"], 3), "samples_per_step": samples,
+                       "deferred_prompts": r["prompts"].get("prompts/deferred", 0)})
+    verl_samples = next(e["samples_per_step"] for e in ranked if e["schedule"] == "veRL-sync")
+    for e in ranked:  # at equal utility: veRL's samples a step within 5%, no more long prompts waiting than a step
+        e["equal_utility"] = (abs(e["samples_per_step"] - verl_samples) <= 0.05 * verl_samples
+                              and e["deferred_prompts"] <= 2 * SWEEP_PROMPTS)
+    ranked.sort(key=lambda e: -e["speedup_vs_sync"])
+    mfu = load_sim_config(cfg).trainer.mfu_on(SWEEP_GPUS)
+    best = next(e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"])
+    asyncs = [e for e in ranked if e["schedule"].startswith("async") and e["equal_utility"]]
+    return {"runaway_share": runaway, "mfu": mfu_label, "trainer_mfu_128": round(mfu, 3), "median_tokens": median,
+            "best": {k: best[k] for k in ("schedule", "speedup_vs_sync")},
+            "best_async": {k: asyncs[0][k] for k in ("schedule", "speedup_vs_sync")} if asyncs else None,
+            "ranked": ranked}
 
 
-def _deferred(result: dict) -> int:
-    """Long prompts tail batching queued for a long round that has not run (sorted's open groups are not
-    counted: its pool is bounded by design and drains as it trains)."""
-    return result["prompts"].get("prompts/deferred", 0)
+def summarise(points: list[dict]) -> dict:
+    """The headline as a range: the best schedule's speed-up over every point, and what moves it."""
+    best = [p["best"]["speedup_vs_sync"] for p in points]
+    by_schedule = {}
+    for p in points:
+        for e in p["ranked"]:
+            if e["schedule"] != "veRL-sync" and e["equal_utility"]:
+                by_schedule.setdefault(e["schedule"], []).append(e["speedup_vs_sync"])
+    return {"best_speedup_range": [min(best), max(best)],
+            "best_schedules": sorted({p["best"]["schedule"] for p in points}),
+            "by_schedule": {s: {"min": min(v), "max": max(v), "points": len(v)}
+                            for s, v in sorted(by_schedule.items(), key=lambda kv: -max(kv[1]))},
+            "by_runaway": {str(x): [p["best"]["speedup_vs_sync"] for p in points if p["runaway_share"] == x]
+                           for x in dict.fromkeys(p["runaway_share"] for p in points)},
+            "by_mfu": {m: [p["best"]["speedup_vs_sync"] for p in points if p["mfu"] == m]
+                       for m in dict.fromkeys(p["mfu"] for p in points)}}
 
 
-def sagc_verdicts(ranked: list[dict]) -> list[dict]:
-    """Per schedule: dynamic group sizing against the best static size. Equal utility: as many samples a step
-    and no starved prompts (async holds its prompts, so there sagc's sample count moves with G)."""
-    by_label = {e["schedule"]: e for e in ranked}
-    out = []
-    for schedule in dict.fromkeys(label.split("/")[0] for label in by_label if "/" in label):
-        sagc = by_label.get(f"{schedule}/sagc")
-        static = [by_label[f"{schedule}/{s}"] for s in SIZERS if s != "sagc" and f"{schedule}/{s}" in by_label]
-        if not sagc or not static:
-            continue
-        best = max(static, key=lambda e: e["speedup_vs_sync"])
-        samples = [e["samples_per_step"] for e in static + [sagc]]
-        equal = max(samples) <= 1.05 * min(samples) and sagc["complete"]
-        out.append({"schedule": schedule, "sagc": sagc["speedup_vs_sync"], "best_static": best["schedule"],
-                    "best_static_speedup": best["speedup_vs_sync"], "equal_utility": equal,
-                    "sagc_wins": equal and sagc["speedup_vs_sync"] > best["speedup_vs_sync"]})
-    return out
-
-
-def calibrate(steps: int | None = None, with_search: bool = True, quick: bool = False) -> dict:
-    """`steps` overrides every config's step count; `quick` runs one step each and a small search. The parts
-    run side by side, a process a core: each simulation is seeded, so the figures do not depend on the order."""
-    start = time.perf_counter()
-    report = {"machine": machine()}
+# --- the whole calibration ----------------------------------------------------------------------------------
+def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = False) -> tuple[dict, dict | None]:
+    """`steps` overrides every config's step count; `quick` runs one step each and a small sweep. The parts run
+    side by side, a process a core: each simulation is seeded, so the figures do not depend on the order."""
+    start, host = time.perf_counter(), machine()
     steps = 1 if quick else steps
-    screen, confirm = (steps, steps) if steps else (SCREEN_STEPS, CONFIRM_STEPS)
-    chosen = QUICK if quick else {"schedules": SCHEDULES, "sizers": SIZERS}
-    with ProcessPoolExecutor(os.cpu_count()) as pool:  # the longest parts first
-        found = {regime: pool.submit(search_regime, regime, screen, confirm, chosen["schedules"], chosen["sizers"])
-                 for regime in (REGIMES if with_search else ())}
+    grid = QUICK if quick else {"points": POINTS, "schedules": list(SWEEP_SCHEDULES)}
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        medians = {c: pool.submit(fit_median, c, steps, 2 if quick else 8) for c in ROLLPACKER}
         fit = pool.submit(tp_fit, 5, TP_GRID[::5]) if quick else pool.submit(tp_fit, steps)  # a long round every 5th
-        parts = [pool.submit(part, steps) for part in (rollpacker_rows, scaling_rows, async_rows)]
-        report["tp_fit"] = fit.result()
-        report["rows"] = tp_rows(report["tp_fit"]) + [r for part in parts for r in part.result()]
-        report["hit_rate"] = hit_rate(report["rows"])
-        if found:
-            report.update(headline({regime: job.result() for regime, job in found.items()}))
+        held = {c: HELD_OUT["median_tokens"] for c in ROLLPACKER}
+        out_parts = [pool.submit(rollpacker_rows, steps, held, True), pool.submit(scaling_rows, steps, held, True),
+                     pool.submit(tp_rows_held_out, 5 if quick else steps)]
+        verl = pool.submit(async_rows, steps)
+        fitted = {c: job.result() for c, job in medians.items()}
+        chosen = {c: f["median_tokens"] for c, f in fitted.items()}
+        sweep = [pool.submit(sweep_point, x, m, steps or SWEEP_STEPS, grid["schedules"], chosen[SWEEP_CONFIG])
+                 for x, m in grid["points"]] if with_sweep else []
+        in_parts = [pool.submit(rollpacker_rows, steps, chosen), pool.submit(scaling_rows, steps, chosen)]
+        report = {"machine": host, "constants": CONSTANTS, "held_out": HELD_OUT, "medians": fitted,
+                  "tp_fit": fit.result()}
+        others = verl.result()
+        report["rows"] = tp_rows(report["tp_fit"]) + [r for part in in_parts for r in part.result()] + others
+        # out of sample: RollPacker's rows from the held-out runs; SortedRL's and veRL's set nothing, as in sample
+        report["rows_out_of_sample"] = ([r for part in out_parts for r in part.result()]
+                                        + [r for r in report["rows"] if r["paper"] != "RollPacker"])
+        report["hit_rate"] = {"in_sample": hit_rate(report["rows"]),
+                              "out_of_sample": hit_rate(report["rows_out_of_sample"])}
+        points = [job.result() for job in sweep]
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    return report
+    found = None
+    if points:
+        found = {"machine": report["machine"], "config": SWEEP_CONFIG, "gpus": SWEEP_GPUS,
+                 "prompts_per_step": SWEEP_PROMPTS, "steps": steps or SWEEP_STEPS, "mfu_128": MFU_128,
+                 "summary": summarise(points), "points": points,
+                 "wall_s": report["wall_s"]}
+    return report, found
 
 
-def print_report(report: dict) -> None:
-    hits, fit = report["hit_rate"], report["tp_fit"]
-    print(f"tp_efficiency fitted {fit['tp_efficiency']} (rlsys/costs.py: {fit['in_costs']}); TP2:TP1 speed "
-          + ", ".join(f"{k} {v['simulated']:.2f} (published {v['published']:.2f})"
-                      for k, v in fit["tp2_over_tp1_speed"].items()))
-    print(f"{hits['within']} of {hits['predicted']} predicted rows within 15%")
-    print(f"{'row':<52} {'published':>9} {'simulated':>9} {'ratio':>6}")
-    for r in report["rows"]:
-        mark = "fit" if r["fitted"] else "same" if "same_as" in r else ("" if r["within"] else "MISS")
-        print(f"{r['name']:<52} {r['published']:>9.2f} {r['simulated']:>9.2f} {r['ratio']:>6.2f} {mark}")
-    for found in (report[k] for k in ("search_128_16k", "search_128") if k in report):
-        for key, steps in (("screened", "screen_steps"), ("ranked", "confirm_steps")):
-            _print_ranking(found, found[key], found[steps])
-        for v in found["sagc"]:
-            print(f"sagc under {v['schedule']:<20} {v['sagc']:.2f}x against {v['best_static']} "
-                  f"{v['best_static_speedup']:.2f}x{'' if v['equal_utility'] else ' (not at equal utility)'}")
+def print_report(report: dict, found: dict | None) -> None:
+    fit = report["tp_fit"]
+    print(f"tp_efficiency fitted {fit['tp_efficiency']} (rlsys/costs.py: {fit['in_costs']}); medians fitted "
+          + ", ".join(f"{c} {m['median_tokens']}" for c, m in report["medians"].items()))
+    for key, rows in (("in_sample", report["rows"]), ("out_of_sample", report["rows_out_of_sample"])):
+        hits = report["hit_rate"][key]
+        print(f"\n{key}: {hits['within']} of {hits['rows']} counted rows within 15% "
+              + ", ".join(f"{p} {h['within']}/{h['rows']}" for p, h in hits["by_paper"].items()))
+        print(f"{'row':<52} {'published':>9} {'simulated':>9} {'ratio':>6}")
+        for r in rows:
+            mark = "fit" if r["fitted"] else "same" if "same_as" in r else ("" if r["within"] else "MISS")
+            print(f"{r['name']:<52} {r['published']:>9.2f} {r['simulated']:>9.2f} {r['ratio']:>6.2f} {mark}")
+    if found:
+        s = found["summary"]
+        print(f"\n128 H800, {found['config']}: best {s['best_speedup_range'][0]:.2f}x to "
+              f"{s['best_speedup_range'][1]:.2f}x sync ({', '.join(s['best_schedules'])})")
+        for p in found["points"]:
+            asy = p["best_async"]
+            print(f"runaway {p['runaway_share']:.3f} mfu {p['trainer_mfu_128']:.2f}: best {p['best']['schedule']} "
+                  f"{p['best']['speedup_vs_sync']:.2f}x"
+                  + (f", async {asy['schedule']} {asy['speedup_vs_sync']:.2f}x" if asy else ""))
     print(f"\n{report['wall_s']} s")
-
-
-def _print_ranking(found: dict, ranked: list[dict], steps: int) -> None:
-    print(f"\n128 H800, {found['config']} at {found['prompts_per_step']} prompts: {len(ranked)} schedules, "
-          f"{steps} steps each")
-    for e in ranked:
-        starved = "" if e["complete"] else f"  {e['deferred_prompts']} long prompts never trained"
-        starved += "" if e["equal_samples"] else "  fewer samples than veRL"
-        if "long_round_vs_verl_step" in e:
-            starved += (f"  long round {e['long_round_vs_verl_step']:.2f}x a veRL step (its rollout "
-                        f"{e['its_rollout_vs_verl_rollout']:.2f}x veRL's)")
-        print(f"{e['schedule']:<28} {e['speedup_vs_sync']:>5.2f}x  step {e['step_time_s']:>7.1f} s  "
-              f"bubble {e['bubble_ratio']:.2f}  straggler {e['straggler_rate']:.2f}  "
-              f"samples {e['samples_per_step']}{starved}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--output", help="write the rows and the search as JSON")
-    parser.add_argument("--no-search", action="store_true", help="the calibration rows only")
+    parser.add_argument("--output", help="write the rows as JSON")
+    parser.add_argument("--sweep-output", help="write the 128-GPU sweep as JSON")
+    parser.add_argument("--no-sweep", action="store_true", help="the calibration rows only")
     parser.add_argument("--steps", type=int, help="steps per run everywhere, instead of each config's")
     parser.add_argument("--quick", action="store_true",
-                        help="one step per run and a 7-run search: checks the JSON's shape, not the figures")
+                        help="one step per run and a small sweep: checks the JSON's shape, not the figures")
     args = parser.parse_args(argv)
-    report = calibrate(args.steps, not args.no_search, args.quick)
-    print_report(report)
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    report, found = calibrate(args.steps, not args.no_sweep, args.quick)
+    print_report(report, found)
+    for path, data in ((args.output, report), (args.sweep_output, found)):
+        if path and data:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(data, indent=2) + "\n")
     return 0
 
 

@@ -1,36 +1,75 @@
-"""benchmarks/sim_calibration.py on a reduced run: the JSON has the issue's schema (figures are not checked)."""
+"""benchmarks/sim_calibration.py on a reduced run: the JSON has the issue's schema (figures are not checked), and
+every calibrated config holds the one set of constants."""
+import copy
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
+import pytest
+import yaml
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sim_calibration.py"
 
 
-def test_quick_calibration_writes_the_issue_schema(tmp_path, monkeypatch):
+@pytest.fixture
+def calibration(monkeypatch):
     spec = importlib.util.spec_from_file_location("sim_calibration", SCRIPT)
-    calibration = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "sim_calibration", calibration)  # its parts go to worker processes by name
-    spec.loader.exec_module(calibration)
-    out = tmp_path / "sub" / "calibration.json"
-    assert calibration.main(["--quick", "--output", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["rows"] and all({"name", "published", "simulated", "ratio"} <= set(r) for r in report["rows"])
-    assert all("note" in r for r in report["rows"] if not r["within"])  # every miss says why
-    best = report["best_128"]
-    assert set(best) == {"schedule", "speedup_vs_sync"} and best["schedule"] != "veRL-sync"
-    found = report["search_128"]
-    screened, ranked = found["screened"], found["ranked"]
-    assert len(screened) == 1 + 3 * 2 and {e["schedule"] for e in ranked} <= {e["schedule"] for e in screened}
-    for table in (screened, ranked):
-        assert [e["speedup_vs_sync"] for e in table] == sorted((e["speedup_vs_sync"] for e in table), reverse=True)
-    assert best == next({"schedule": e["schedule"], "speedup_vs_sync": e["speedup_vs_sync"]} for e in ranked
-                        if e["schedule"] != "veRL-sync" and e["complete"] and e["equal_samples"])
-    reference = next(e["samples_per_step"] for e in screened if e["schedule"] == "veRL-sync")
-    assert all(e["equal_samples"] == (abs(e["samples_per_step"] - reference) <= 0.05 * reference) for e in screened)
-    assert {v["schedule"] for v in found["sagc"]} == {"sync", "tail", "async-eta1-T32"}
-    assert found["config"] == "qwen32b_32k" and report["search_128_16k"]["config"] == "qwen14b_16k"
-    hits = report["hit_rate"]  # predictions only: neither fitted rows nor rows equal to another by construction
-    assert hits["predicted"] == sum(not r["fitted"] and "same_as" not in r for r in report["rows"])
-    assert any(r.get("same_as", "").startswith("the normalisation") for r in report["rows"])
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "sim_calibration", module)  # its parts go to worker processes by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_calibration_writes_the_issue_schema(calibration, tmp_path):
+    out, sweep_out = tmp_path / "sub" / "calibration.json", tmp_path / "sweep.json"
+    assert calibration.main(["--quick", "--output", str(out), "--sweep-output", str(sweep_out)]) == 0
+    report, sweep = json.loads(out.read_text()), json.loads(sweep_out.read_text())
+    for rows in (report["rows"], report["rows_out_of_sample"]):
+        assert rows and all({"name", "paper", "published", "simulated", "ratio"} <= set(r) for r in rows)
+        assert all("note" in r for r in rows if not r["within"])  # every miss says why
+        names = [r["name"] for r in rows]
+        assert len(names) == len(set(names)) and "scaling 14b_16k 32 gpus rollpacker" not in names  # no row twice
+    # out of sample nothing is fitted, and every paper's rows are there
+    assert not any(r["fitted"] for r in report["rows_out_of_sample"])
+    assert {r["name"] for r in report["rows"]} == {r["name"] for r in report["rows_out_of_sample"]}
+    assert {r["paper"] for r in report["rows"]} == {"RollPacker", "SortedRL", "veRL fully-async"}
+    for key, rows in (("in_sample", report["rows"]), ("out_of_sample", report["rows_out_of_sample"])):
+        hits, counted = report["hit_rate"][key], [r for r in rows if not r["fitted"] and "same_as" not in r]
+        assert hits["rows"] == len(counted) and hits["within"] == sum(r["within"] for r in counted)
+        assert sum(h["rows"] for h in hits["by_paper"].values()) == hits["rows"]
+    assert report["constants"] == calibration.CONSTANTS
+    assert set(report["medians"]) == set(calibration.ROLLPACKER)
+    # the sweep: every point ranks veRL and the schedules, its best at equal utility
+    assert [(p["runaway_share"], p["mfu"]) for p in sweep["points"]] == [(0.0, "law"), (0.01, "law")]
+    for p in sweep["points"]:
+        ranked = p["ranked"]
+        assert [e["speedup_vs_sync"] for e in ranked] == sorted((e["speedup_vs_sync"] for e in ranked), reverse=True)
+        assert {e["schedule"] for e in ranked} == {"veRL-sync", *calibration.QUICK["schedules"]}
+        best = next(e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"])
+        assert p["best"] == {"schedule": best["schedule"], "speedup_vs_sync": best["speedup_vs_sync"]}
+    low, high = sweep["summary"]["best_speedup_range"]
+    assert low == min(p["best"]["speedup_vs_sync"] for p in sweep["points"]) and high >= low
     assert {"cpus", "python", "load_average_at_start"} <= set(report["machine"]) and report["wall_s"] > 0
+
+
+def test_calibrated_configs_share_the_constants(calibration):
+    for name in calibration.CALIBRATED:
+        calibration.load(name)  # raises where a config departs
+    raw = yaml.safe_load((calibration.CONFIGS / "qwen14b_16k.yaml").read_text())
+    drifted = copy.deepcopy(raw)
+    drifted["schedulers"][1] = {"name": "tail", "trainer": {"mfu": 0.026}}
+    with pytest.raises(ValueError, match="run tail: .*departs from the shared constants"):
+        calibration.check_constants("qwen14b_16k", drifted)
+    drifted = copy.deepcopy(raw)
+    drifted["engine"]["step_overhead_ms"] = 8.81
+    with pytest.raises(ValueError, match="departs from the shared constants"):
+        calibration.check_constants("qwen14b_16k", drifted)
+
+
+def test_held_out_settings_take_nothing_from_rollpacker(calibration):
+    """RollPacker held out: the median from HELD_OUT, every reward pool unbounded, TP split ideally."""
+    cfg = calibration.setting("qwen32b_32k", 1, calibration.HELD_OUT["median_tokens"], held_out=True)
+    assert cfg["workload"]["median_tokens"] == 1160 and cfg["reward"]["workers"] is None
+    assert cfg["engine"]["tp_efficiency"] == 1.0
+    assert all(r["reward"]["workers"] is None for r in cfg["schedulers"] if isinstance(r, dict) and "reward" in r)

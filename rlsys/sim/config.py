@@ -130,10 +130,11 @@ class TrainerSpec(Section):
     # Gradients of the groups a scheduler streams (Accumulate) are computed on GPUs idle during the rollout
     # (RollPacker's stream trainer); only the rest is left for after the round.
     streamed: bool = False
-    # RollPacker's stream trainer scales the rollout down: once this share of a streamed step's groups is
-    # complete, half the engines move their requests (resumed with the tokens they have, prefilled again) to
-    # the other half, and the streamed gradients run on the freed GPUs alone until the step ends (its
-    # artifact: infer_scaling_down_progress_ratio 0.4). None: on whatever engines are idle. Colocated only.
+    # The scale-down of RollPacker's artifact, a fixed gate (not the paper's description of it): once this share
+    # of a streamed step's groups is complete, half the engines move their requests (resumed with the tokens
+    # they have, prefilled again) to the other half, and the streamed gradients run on the freed GPUs alone until
+    # the step ends (its stream-trainer example: infer_scaling_down_progress_ratio 0.4). None: on whatever engines
+    # are idle. Colocated only.
     scale_down_at: Optional[float] = Field(None, gt=0, le=1)
     # GPUs of one trainer replica (TP x PP x CP): a streamed trainer borrows idle rollout GPUs in such blocks
     replica_gpus: int = Field(1, ge=1)
