@@ -195,7 +195,7 @@ def test_a_hung_tool_is_abandoned_at_the_time_limit_and_its_process_killed(user_
     finally:
         user_box.cfg.timeout_s = 1.0
     assert longer.error == "the tool timed out after 3s (its process was killed)"
-    assert 2.0 <= longer.elapsed_s - result.elapsed_s < 1.75 * 2.0, (result.elapsed_s, longer.elapsed_s)
+    assert longer.elapsed_s >= 3.0 and longer.elapsed_s - result.elapsed_s < 1.75 * 2.0, (result, longer)
 
 
 def test_a_tool_that_crashes_its_process_is_a_failed_call_not_a_dead_worker(user_box):
