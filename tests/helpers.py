@@ -1,8 +1,25 @@
 """What several test files do the way a driver does it."""
+import math
 
 # A run's overrides small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
 SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=16", "rollout.slots=16",
          "rollout.max_new_tokens=48", "model.warm_start.steps=30", "logging.progress=false"]
+
+
+# --- float32 sums in another order ------------------------------------------------------------------
+FLOAT32_EPS = 2.0 ** -23  # float32's spacing at 1.0: one ulp of a value near 1
+REORDER_ULPS = 4  # the margin over the typical error, ample for any x86 CPU's kernels
+
+
+def float32_reorder_rel(terms: int) -> float:
+    """How far apart, relatively, two float32 results may be that sum the same `terms` terms in other orders.
+
+    Each CPU's kernels (their SIMD width, their BLAS blocking) choose their own order, so two summation
+    orders that agree to 1e-7 on one CPU model differ by 1e-6 on another. Rounding errors add as a random
+    walk, ~sqrt(terms) ulps (Higham, Accuracy and Stability of Numerical Algorithms, 2.8); REORDER_ULPS
+    times that holds on any CPU. A real bug (a dropped micro-batch, a wrong normaliser) moves the result
+    by a share of its terms, a thousand times more."""
+    return REORDER_ULPS * math.sqrt(terms) * FLOAT32_EPS
 
 
 def next_step(sched, version, groups, now):

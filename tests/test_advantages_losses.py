@@ -126,13 +126,13 @@ def test_kl_term_is_added_with_its_coefficient():
 
 @pytest.mark.parametrize("loss_name", ["grpo", "dapo", "decoupled_ppo", "ppo_naive", "dg", "dg_clipped"])
 def test_micro_batch_shares_sum_to_the_whole_batch_loss(loss_name):
-    torch.manual_seed(0)
-    mask = (torch.rand(6, 5) > 0.3).float()
+    torch.manual_seed(0)  # float64: the parts' sum in another order agrees to ~1e-15 on any CPU
+    mask = (torch.rand(6, 5, dtype=torch.float64) > 0.3).double()
     mask[:, 0] = 1.0
-    logprobs, old = torch.randn(6, 5) - 2, torch.randn(6, 5) - 2
-    adv = torch.randn(6, 1).expand(6, 5).contiguous()
+    logprobs, old = torch.randn(6, 5, dtype=torch.float64) - 2, torch.randn(6, 5, dtype=torch.float64) - 2
+    adv = torch.randn(6, 1, dtype=torch.float64).expand(6, 5).contiguous()
     cfg = TrainerConfig(loss=loss_name, kl={"estimator": "k2", "coef": 0.05})
-    ref = torch.randn(6, 5) - 2
+    ref = torch.randn(6, 5, dtype=torch.float64) - 2
 
     def share(rows):
         inp = LossInputs(logprobs[rows], old[rows], old[rows], adv[rows], mask[rows], float(mask.sum()), 6.0,
@@ -141,9 +141,9 @@ def test_micro_batch_shares_sum_to_the_whole_batch_loss(loss_name):
 
     whole, whole_stats = share(slice(0, 6))
     parts = [share(slice(0, 2)), share(slice(2, 3)), share(slice(3, 6))]
-    assert sum(p[0].item() for p in parts) == pytest.approx(whole.item(), rel=1e-6)
+    assert sum(p[0].item() for p in parts) == pytest.approx(whole.item(), rel=1e-9)
     for key in whole_stats:
-        assert sum(p[1][key] for p in parts) == pytest.approx(whole_stats[key], rel=1e-6, abs=1e-9)
+        assert sum(p[1][key] for p in parts) == pytest.approx(whole_stats[key], rel=1e-9, abs=1e-12), key
 
 
 def test_token_logprobs_divide_logits_by_the_temperature():

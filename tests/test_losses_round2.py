@@ -316,6 +316,10 @@ def test_the_backend_sums_each_samples_kl_to_the_reference(model_dir):  # noqa: 
     cfg = trainer_config(backend="torch", kl={"estimator": "k2", "coef": 0.1, "in_reward": True})
     backend = TorchBackend(cfg, model_dir, SCORING)
     samples = build_samples(make_groups(1, prompts=2, group_size=2), "grpo")
+    for sample in samples[::2]:  # multi-turn: a tool's output inside the response (mask 0), the model's around it
+        n = len(sample.logprobs)
+        sample.mask = [0 if n // 3 <= i < n - 1 else 1 for i in range(n)]
+    assert any(s.mask and 0 in s.mask for s in samples)
     got = backend.sequence_kl(samples, 0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     for sample, kl in zip(samples, got):
@@ -323,7 +327,8 @@ def test_the_backend_sums_each_samples_kl_to_the_reference(model_dir):  # noqa: 
         with torch.no_grad():
             ref = token_logprobs(model(input_ids=ids).logits, ids, SCORING)[0, sample.prompt_len - 1:]
         behaviour = torch.tensor(sample.logprobs)
-        assert kl == pytest.approx((0.5 * (ref - behaviour) ** 2).sum().item(), rel=1e-4)
+        model_tokens = torch.tensor(sample.mask or [1] * len(sample.logprobs))  # a tool's tokens: no KL
+        assert kl == pytest.approx((0.5 * (ref - behaviour) ** 2 * model_tokens).sum().item(), rel=1e-4)
 
 
 def test_a_step_with_kl_in_the_reward_reports_and_adapts_the_coefficient(model_dir, ray_cluster):  # noqa: F811

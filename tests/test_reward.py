@@ -201,9 +201,12 @@ def test_a_killed_worker_is_replaced_and_its_items_resubmitted(faulty_pool, ray_
     faulty_pool.submit([("a", "nap", "", 1), ("b", "nap", "", 1)])  # two workers, two items: one each
     for worker in faulty_pool.workers:
         ray_cluster.kill(worker)
-    results = []
+    results, deadline = [], time.monotonic() + 90  # new workers start in seconds, even on a loaded machine
     while faulty_pool.unscored():
-        ready, _ = ray_cluster.wait(faulty_pool.refs(), num_returns=1, timeout=30)
+        replaced = faulty_pool.restarts - restarts
+        assert time.monotonic() < deadline, (f"{faulty_pool.unscored()} items unscored 90 s after their workers were "
+                                             f"killed: the workers were not replaced ({replaced} restarts)")
+        ready, _ = ray_cluster.wait(faulty_pool.refs(), num_returns=1, timeout=5)
         results += faulty_pool.collect(ready) + faulty_pool.reap()
     assert sorted((r.key, r.reward, r.error) for r in results) == [("a", 1.0, None), ("b", 1.0, None)]
     assert faulty_pool.restarts - restarts == 2

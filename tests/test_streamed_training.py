@@ -15,7 +15,7 @@ from rlsys.trainer.batching import build_samples, mini_batch_ends, plan_step, sa
 from rlsys.trainer.streamed import StreamedGradients
 from rlsys.trainer.worker import TrainerGroup
 
-from helpers import stream_finish, trainer_weights
+from helpers import float32_reorder_rel, stream_finish, trainer_weights
 
 ARRIVALS = [[4, 1, 5], [0], [3, 2]]  # uneven chunks, in an order unlike the groups'
 STATS = ("loss", "pg_loss", "entropy", "clip_fraction", "behaviour_logprob_diff", "grad_norm")
@@ -88,8 +88,9 @@ def relative_error(a: dict, b: dict) -> float:
     return float(diff.sqrt() / sum((a[k] ** 2).sum() for k in a).sqrt())
 
 
-def assert_equivalent(sync, streamed, initial, rel=1e-6):
-    """Same statistics and grad norm within `rel`; the same weights up to what AdamW makes of float rounding.
+def assert_equivalent(sync, streamed, initial, rel=None):
+    """The same statistics and grad norm up to float32's reordering of the step's sums (`rel`, by default
+    helpers.float32_reorder_rel of its tokens); the same weights up to what AdamW makes of float rounding.
 
     AdamW divides by sqrt(v) + 1e-8: on entries whose gradient is near 1e-8, a rounding difference of ~1e-7
     of the largest gradient moves the update by a sizeable share of lr (the synchronous step differs from
@@ -98,9 +99,10 @@ def assert_equivalent(sync, streamed, initial, rel=1e-6):
     for (m_sync, w_sync), (m_streamed, w_streamed) in zip(zip(*sync), zip(*streamed)):
         assert m_streamed["tokens"] == m_sync["tokens"] and m_streamed["sequences"] == m_sync["sequences"]
         assert m_streamed["skipped_steps"] == m_sync["skipped_steps"] == 0
-        assert m_streamed["grad_norm"] == pytest.approx(m_sync["grad_norm"], rel=rel)
-        for key in STATS + tuple(k for k in ("kl",) if k in m_sync):
-            assert m_streamed[key] == pytest.approx(m_sync[key], rel=10 * rel, abs=1e-7), key
+        bound = rel or float32_reorder_rel(m_sync["tokens"])
+        assert m_streamed["grad_norm"] == pytest.approx(m_sync["grad_norm"], rel=bound)
+        for key in STATS + tuple(k for k in ("kl",) if k in m_sync):  # token means of terms of order 1
+            assert m_streamed[key] == pytest.approx(m_sync[key], rel=bound, abs=bound), key
     moved = max_diff(initial, sync[1][0])
     assert moved > 1e-3  # lr 1e-2: the steps moved the weights, so the check is not vacuous
     for w_sync, w_streamed in zip(sync[1], streamed[1]):
@@ -126,7 +128,7 @@ def test_two_streamed_steps_equal_two_synchronous_steps(model_dir, overrides):  
     assert len(streamed_grads) == 2  # one optimizer update per step
     # The gradient each update was given: from the same weights in the first step; in the second, from
     # weights that the first step's AdamW rounding (above) already set slightly apart.
-    assert relative_error(sync_grads[0], streamed_grads[0]) < 1e-6
+    assert relative_error(sync_grads[0], streamed_grads[0]) < float32_reorder_rel(sync[0][0]["tokens"])
     assert relative_error(sync_grads[1], streamed_grads[1]) < 1e-4
     if "grad_clip" in overrides:
         assert sync[0][0]["grad_norm"] > 4 * cfg.grad_clip
@@ -172,10 +174,14 @@ def test_streamed_mini_batches_equal_the_synchronous_mini_batches(model_dir, ove
     streamed = streamed_steps(streamed_backend, steps, version)
     assert_equivalent(sync, streamed, initial)
     assert len(streamed_grads) == len(sync_grads) == 4  # two updates a step
-    assert all(relative_error(s, g) < 1e-5 for s, g in zip(sync_grads, streamed_grads))
+    # The first update's gradient from the same weights; the later ones' from weights AdamW's rounding set apart.
+    assert relative_error(sync_grads[0], streamed_grads[0]) < float32_reorder_rel(sync[0][0]["tokens"])
+    assert all(relative_error(s, g) < 1e-4 for s, g in zip(sync_grads[1:], streamed_grads[1:]))
     moved = max_diff(initial, sync[1][0])
     assert all(max_diff(s, w) < 1e-3 * moved for s, w in zip(sync[1], streamed[1]))
-    assert "mismatch_kl" in sync[0][0] and sync[0][0]["mismatch_kl"] == pytest.approx(streamed[0][0]["mismatch_kl"])
+    bound = float32_reorder_rel(sync[0][0]["tokens"])
+    assert "mismatch_kl" in sync[0][0]
+    assert streamed[0][0]["mismatch_kl"] == pytest.approx(sync[0][0]["mismatch_kl"], rel=bound, abs=bound)
 
 
 def test_a_stale_later_streamed_mini_batch_needs_loglinear(model_dir):  # noqa: F811

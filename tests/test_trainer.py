@@ -19,7 +19,7 @@ from rlsys.trainer.losses import loglinear_proximal
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
-from helpers import compute_logprobs, train_step, trainer_weights
+from helpers import compute_logprobs, float32_reorder_rel, train_step, trainer_weights
 
 VOCAB = 64
 TEMPERATURE = 0.8
@@ -81,10 +81,11 @@ def test_micro_batching_gives_the_gradients_of_one_big_batch(model_dir, loss, kl
     _, totals = plan_step(samples, 1, 40)
     assert totals.micro_batches >= 4
     split = backend.accumulate_gradients(samples, totals)
-    assert max_diff(grads, {n: p.grad for n, p in backend.model.named_parameters()}) < 1e-6
-    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6)
-    assert split["entropy"] == pytest.approx(whole["entropy"], rel=1e-5)
-    assert max(g.abs().max().item() for g in grads.values()) > 1e-3  # the comparison is not vacuous
+    largest, rel = max(g.abs().max().item() for g in grads.values()), float32_reorder_rel(totals.tokens)
+    assert largest > 1e-3  # the comparison is not vacuous
+    assert max_diff(grads, {n: p.grad for n, p in backend.model.named_parameters()}) < rel * largest
+    assert split["loss"] == pytest.approx(whole["loss"], rel=rel, abs=rel)  # a mean of terms of order 1
+    assert split["entropy"] == pytest.approx(whole["entropy"], rel=rel)
 
 
 def test_logprobs_match_a_plain_forward_at_the_temperature(model_dir):

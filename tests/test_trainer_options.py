@@ -16,7 +16,7 @@ from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.universal import PerParameterState, save_per_parameter
 from rlsys.trainer.worker import TrainerGroup
 
-from helpers import train_step, trainer_weights
+from helpers import float32_reorder_rel, train_step, trainer_weights
 
 
 # --- config and the DeepSpeed dict (no DeepSpeed, no CUDA) ---------------------------------------
@@ -101,7 +101,8 @@ def test_gradient_checkpointing_recomputes_layers_and_keeps_the_gradients(model_
         counts.append(calls[0])
         assert not backend.model.model.layers[0].mlp.training  # no dropout for all that
     assert counts == [2, 4]  # two layers, each run again in backward
-    assert max_diff(*grads) < 1e-6
+    largest = max(g.abs().max().item() for g in grads[0].values())
+    assert max_diff(*grads) < float32_reorder_rel(totals.tokens) * largest
 
 
 # --- per-parameter optimizer state files ----------------------------------------------------------

@@ -2,6 +2,7 @@
 and the engine choice, which runs anywhere."""
 import importlib.util
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,6 +139,10 @@ class RecordingLLM:
 
     def __init__(self):
         self.calls = []
+        self.model_config = SimpleNamespace(dtype=torch.float32)
+
+    def collective_rpc(self, method, args=()):  # a weight load reaching the workers
+        self.calls.append((method,))
 
     def reset_prefix_cache(self, reset_running_requests=False):
         self.calls.append(("reset_prefix_cache", reset_running_requests))
@@ -180,14 +185,21 @@ def test_a_version_preempts_running_requests_only_when_there_are_some_to_recompu
 
 
 def test_a_weight_version_older_than_the_one_held_is_refused_before_it_loads():
-    from types import SimpleNamespace
-
     engine, _ = bare_vllm_engine("recompute")
     engine._weights_changed(3)
     engine.llm.calls.clear()
+    weights = {"model.norm.weight": torch.ones(4)}
+
+    def update(version):  # each engine worker receives the buckets itself
+        return SimpleNamespace(version=version, receiver=SimpleNamespace(per_worker=True))
     message = "vllm engine: refused weights version 2, older than the version 3 it holds"
     with pytest.raises(RuntimeError, match=message):
-        engine.load_weights({"model.norm.weight": torch.ones(4)}, version=2)
+        engine.load_weights(weights, version=2)
     with pytest.raises(RuntimeError, match=message):
-        engine.receive_weights(SimpleNamespace(version=2))  # refused before its buckets are read
+        engine.receive_weights(update(2))  # refused before its buckets are read
     assert engine.version == 3 and engine.llm.calls == []  # nothing reached the engine
+    # The same version again loads through the stand-in (a replaced worker): the refusal alone stopped the above.
+    engine.load_weights(weights, version=3)
+    engine.receive_weights(update(3))
+    assert [c[0] for c in engine.llm.calls] == ["rlsys_load_bucket", "reset_prefix_cache", "rlsys_receive",
+                                                "reset_prefix_cache"]

@@ -18,7 +18,7 @@ from rlsys.weights import (WeightGroup, WeightTransferTimeout, WeightUpdate, fil
 from rlsys.weights.buckets import ALIGN
 from rlsys.weights.transfer import (BroadcastReceiver, BroadcastSender, BroadcastTransport, ObjectStoreReceiver,
                                     ObjectStoreSender, wait_for_engines)
-from cuda_standin import FakeDriver, cuda_driver  # noqa: F401 (a fixture)
+from cuda_standin import FakeDriver
 from test_cpu_engine import SIZES, build
 
 
@@ -308,29 +308,35 @@ def test_cuda_ipc_reuses_two_buffers_and_waits_for_the_engine_before_overwriting
 
 
 # --- cuda_ipc's receiving side on "cuda", the device the built-in engine names ----------------------------
-def test_cuda_ipc_receiver_opens_handles_on_a_device_without_an_index(cuda_driver):
-    """torch.device("cuda") has no index; torch's _new_shared_cuda takes an int device (the stand-in checks
-    its arguments as torch's C parser does), so the receiver resolves the current device."""
+@pytest.mark.parametrize("device,current", [("cuda", 1), ("cuda:1", 0)])
+def test_cuda_ipc_receiver_opens_handles_on_its_own_numbering_of_the_gpu(monkeypatch, device, current):
+    """The trainer's handles carry its numbering of the GPU (0 here); the engine sees the same GPU as its
+    device 1, named "cuda" (no index: the current device) or "cuda:1". torch's _new_shared_cuda takes an
+    int device (the stand-in checks its arguments as torch's C parser does), and it must be the engine's."""
     import pickle
 
     from rlsys.weights.transfer import CudaIpcReceiver, open_store
 
+    cuda_driver = FakeDriver(count=2).install(monkeypatch)
+    cuda_driver.current = current
     weights = state_dict()
     plans = plan_buckets(weights, 512)
     size = max(p.nbytes for p in plans)
     storages = [torch.UntypedStorage(size) for _ in range(2)]
     store = open_store("127.0.0.1", 0, True, 30)
-    store.set("handles", pickle.dumps([cuda_driver.ipc_handle(s, torch.uint8, (size,)) for s in storages]))
+    handles = [cuda_driver.ipc_handle(s, torch.uint8, (size,), device=0) for s in storages]  # the trainer's
+    store.set("handles", pickle.dumps(handles))
     store.set("1/ready/0", "1")
-    receiver = CudaIpcReceiver({"GPU-0": ("127.0.0.1", store.port)}, timeout_s=30)
+    receiver = CudaIpcReceiver({"GPU-1": ("127.0.0.1", store.port)}, timeout_s=30)
     got = []
-    for i, (plan, flat) in enumerate(receiver.packed(plans, 1, "engine 0", torch.device("cuda"))):
+    for i, (plan, flat) in enumerate(receiver.packed(plans, 1, "engine 0", torch.device(device))):
         got += [fingerprint(name, t) for name, t in unpack(plan, flat)]  # zeros: no trainer wrote them
         assert flat.untyped_storage().data_ptr() == storages[i % 2].data_ptr()
         if i + 1 < len(plans):
             store.set(f"1/ready/{i + 1}", "1")
         if i == 0:
             assert not store.check(["1/done/0"])  # "done" only once the bucket is loaded and synchronised
-    assert [c[0] for c in cuda_driver.calls].count("open_shared") == 2
-    assert ("synchronize", 0) in cuda_driver.calls and store.check([f"1/done/{len(plans) - 1}"])
+    opened = [c for c in cuda_driver.calls if c[0] == "open_shared"]
+    assert opened == [("open_shared", 1, h[1][7]) for h in handles]  # each handle once, on device 1
+    assert ("synchronize", 1) in cuda_driver.calls and store.check([f"1/done/{len(plans) - 1}"])
     assert len(got) == len(weights)
