@@ -528,3 +528,24 @@ def test_two_deepspeed_ranks_match_the_torch_backend(model_dir, ray_cluster, zer
             assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
     ours = backend.state_dict_for_rollout()
     assert max((weights[k] - ours[k]).abs().max().item() for k in ours) < 3e-4
+
+
+@pytest.mark.parametrize("loss, mismatch", [
+    ("dapo", {"reject": "k3", "reject_threshold": 0.5}),  # the kept token count
+    ("grpo", {"reject": "k3", "reject_threshold": 0.5, "level": "sequence"}),  # the kept sequence count
+])
+def test_a_streamed_step_with_rejection_equals_the_synchronous_step(model_dir, loss, mismatch):  # noqa: F811
+    from test_streamed_training import assert_equivalent, step_groups, streamed_steps, sync_steps
+
+    steps = step_groups([0, 1])
+    for groups in steps:
+        for i, scored in enumerate(s for g in groups for s in g.samples):
+            scored.completion.logprobs = [lp - 3.0 * (i % 2) for lp in scored.completion.logprobs]
+    cfg = trainer_config(loss=loss, mismatch=mismatch)
+    sync_backend, streamed_backend = TorchBackend(cfg, model_dir, SCORING), TorchBackend(cfg, model_dir, SCORING)
+    initial = sync_backend.state_dict_for_rollout()
+    sync, streamed = sync_steps(sync_backend, steps), streamed_steps(streamed_backend, steps)
+    assert_equivalent(sync, streamed, initial)
+    name = "mismatch_rejected_fraction" if loss == "dapo" else "mismatch_rejected_sequence_fraction"
+    assert 0.05 < sync[0][0][name] < 0.95
+    assert streamed[0][0][name] == pytest.approx(sync[0][0][name], rel=1e-6)  # float32 sums of shares
