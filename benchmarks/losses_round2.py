@@ -3,6 +3,11 @@ configs/tiny.yaml (sync, 16 prompts x 8 samples per step), several seeds, the fi
 
     python benchmarks/losses_round2.py --steps 60 --repeats 3 --output benchmarks/results/losses_round2_cpu.json
 
+Issue 51's methods run the same way, named by their recipes:
+
+    python benchmarks/losses_round2.py --steps 60 --repeats 1 --output benchmarks/results/losses_round3_cpu.json \
+        --losses dapo,sapo,reinforce_pp,reinforce_pp_baseline,grpo_ref_sync
+
 Run r uses `seed=r`: the same warm-started model, a different draw of samples. An existing --output is topped
 up: a loss runs only the seeds it lacks.
 """
@@ -55,12 +60,12 @@ def main(argv=None) -> int:
     path = Path(args.output)
     report = json.loads(path.read_text()) if path.exists() else {
         "workload": {"config": "configs/tiny.yaml", "steps": args.steps,
-                     "overrides": {loss: recipe_overrides(loss) for loss in LOSSES}},
+                     "overrides": {loss: recipe_overrides(loss) for loss in args.losses.split(",")}},
         "machines": [], "results": {}}
     if report["workload"]["steps"] != args.steps:
         raise SystemExit(f"{path}: its runs are {report['workload']['steps']} steps, not --steps {args.steps}")
     report["command"] = (f"python benchmarks/losses_round2.py --steps {args.steps} --repeats {args.repeats} "
-                         f"--output {args.output}")
+                         f"--output {args.output} --losses {args.losses}")
     report["machines"].append(machine())
     for seed in range(args.repeats):  # seed outer: machine drift hits every loss alike
         for loss in args.losses.split(","):

@@ -214,7 +214,8 @@ class ToolsConfig(Section):
 
 
 class KLConfig(Section):
-    estimator: Optional[Literal["k1", "k2", "k3"]] = None
+    # k1, k2, k3 (Schulman's), abs (|k1|), k1+ and k3+ (their value with k2's gradient; veRL's straight-through)
+    estimator: Optional[Literal["k1", "k2", "k3", "abs", "k1+", "k3+"]] = None
     coef: float = Field(0.0, ge=0)
     bias_correction: bool = False  # the KL term times pi / pi_old (TRL's use_bias_correction_kl)
     # In the reward instead of the loss (veRL's use_kl_in_reward): each sample's reward loses coef x its KL
@@ -222,6 +223,10 @@ class KLConfig(Section):
     in_reward: bool = False
     target: Optional[float] = Field(None, gt=0)  # per-token KL the adaptive controller steers to (veRL: target_kl)
     horizon: int = Field(10000, ge=1)  # sequences over which the controller moves coef by up to 20%
+    # Refresh the reference every this many optimizer steps (TRL's sync_ref_model, ref_model_sync_steps):
+    # ref <- alpha x policy + (1 - alpha) x ref, alpha = ref_mixup_alpha; None: the reference stays the initial policy.
+    ref_sync_steps: Optional[int] = Field(None, ge=1)
+    ref_mixup_alpha: float = Field(0.6, gt=0, le=1)  # TRL's default
 
     @property
     def enabled(self) -> bool:
@@ -239,6 +244,9 @@ class KLConfig(Section):
                              "trainer.kl.coef > 0 (the initial coefficient)")
         if self.target is not None and not self.in_reward:
             raise ValueError("trainer.kl.target adapts the KL coefficient in the reward: set trainer.kl.in_reward")
+        if self.ref_sync_steps is not None and not self.enabled:
+            raise ValueError("trainer.kl.ref_sync_steps refreshes the reference of a KL term: set trainer.kl.estimator "
+                             "and trainer.kl.coef > 0, or leave trainer.kl.ref_sync_steps out")
         if self.bias_correction and self.in_reward:
             raise ValueError("trainer.kl.bias_correction weights the KL term of the loss; with trainer.kl.in_reward "
                              "there is none")
@@ -252,10 +260,16 @@ class MismatchConfig(Section):
     threshold: float = Field(2.0, ge=1)
     threshold_low: float = Field(0.0, ge=0)  # mis: tokens (sequences) with rho below this are masked too
     warn_kl: Optional[float] = Field(0.01, gt=0)  # warn when a step's k3 KL(pi_behav || pi_old) is above; None: never
-    # Rejection sampling (veRL's rollout_rs): drop tokens (level=token) or whole sequences (level=sequence, the
-    # sequence's mean) whose estimate of KL(pi_behav || pi_old) is above reject_threshold; k1 by its size.
+    # Rejection sampling (veRL's rollout_rs): drop tokens, or whole sequences, whose statistic of log(pi_old /
+    # pi_behav) is out of bounds: k2 and k3 above reject_threshold; k1 = log(pi_behav / pi_old) outside the logs of
+    # the ratio bounds [reject_threshold_low, reject_threshold] (veRL's "low_high"). Rejected tokens leave the loss
+    # and the step's counts.
     reject: Optional[Literal["k1", "k2", "k3"]] = None
     reject_threshold: float = Field(0.01, gt=0)
+    reject_threshold_low: Optional[float] = Field(None, gt=0)  # k1 only; None: 1 / reject_threshold (veRL's)
+    # token: each token on its own; seq_mean, seq_sum, seq_max: every token of a sequence on its tokens' mean, sum or
+    # max (veRL's seq_*_k*). None: token with level=token, seq_mean with level=sequence.
+    reject_level: Optional[Literal["token", "seq_mean", "seq_sum", "seq_max"]] = None
 
     @property
     def active(self) -> bool:
@@ -265,6 +279,16 @@ class MismatchConfig(Section):
     def describe(self) -> str:
         return f"trainer.mismatch.mode={self.mode}" + (f", reject={self.reject}" if self.reject else "")
 
+    @property
+    def rejection_level(self) -> str:
+        return self.reject_level or ("token" if self.level == "token" else "seq_mean")
+
+    @property
+    def reject_bounds(self) -> tuple[float, float]:
+        """k1's ratio bounds on pi_behav / pi_old."""
+        low = self.reject_threshold_low if self.reject_threshold_low is not None else 1 / self.reject_threshold
+        return low, self.reject_threshold
+
     @model_validator(mode="after")
     def _bounds(self):
         if self.threshold_low >= self.threshold:
@@ -273,6 +297,19 @@ class MismatchConfig(Section):
         if self.threshold_low > 0 and self.mode != "mis":
             raise ValueError("trainer.mismatch.threshold_low needs trainer.mismatch.mode=mis: "
                              "tis truncates from above only")
+        if (self.reject_threshold_low is not None or self.reject_level is not None) and self.reject is None:
+            raise ValueError("trainer.mismatch.reject_threshold_low and reject_level need trainer.mismatch.reject")
+        if self.reject_threshold_low is not None and self.reject != "k1":
+            raise ValueError(f"trainer.mismatch.reject_threshold_low is k1's lower ratio bound; reject={self.reject} "
+                             "has an upper bound only")
+        if self.reject == "k1" and self.reject_level == "seq_max":
+            raise ValueError("trainer.mismatch.reject=k1 with reject_level=seq_max: k1 is signed, so its maximum "
+                             "bounds nothing below (veRL has no seq_max_k1); use k2 or k3")
+        low, high = self.reject_bounds
+        if self.reject == "k1" and low >= high:
+            raise ValueError(f"trainer.mismatch.reject=k1 keeps pi_behav / pi_old within [reject_threshold_low, "
+                             f"reject_threshold] = [{low:g}, {high:g}]: the lower bound must be below the upper "
+                             "(veRL's ratio bounds, e.g. reject_threshold=2.0)")
         return self
 
 
@@ -300,7 +337,7 @@ class TrainerConfig(Section):
     advantage: str = "grpo"
     loss: str = "dapo"
     eps_low: float = Field(0.2, ge=0)
-    # None: the loss's own (trainer/losses.py clip_range): DAPO's clip-higher 0.28, or eps_low for grpo and drgrpo
+    # None: the loss's own (trainer/losses.py clip_range): DAPO's clip-higher 0.28, or eps_low (symmetric, veRL's)
     eps_high: Optional[float] = Field(None, ge=0)
     # gspo with a token-level mismatch weight: "mean" puts the mean of the sequence's token weights on each
     # token's gradient (TRL), "own" each token's own weight (veRL)
@@ -318,10 +355,15 @@ class TrainerConfig(Section):
     off_policy_mask: Optional[float] = Field(None, ge=0)
     cov_ratio: float = Field(2e-4, gt=0, le=1)  # clip_cov, kl_cov: share of tokens picked by covariance
     clip_cov_bounds: tuple[float, float] = (1.0, 5.0)  # clip_cov: covariance range a token is picked from
-    kl_cov_coef: float = Field(1.0, ge=0)  # kl_cov: coefficient of |log pi / pi_old| on the picked tokens
-    # None: the loss's own. token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    kl_cov_coef: float = Field(0.1, ge=0)  # kl_cov: coefficient of |log pi / pi_old| on the picked tokens (veRL's)
+    sapo_tau_pos: float = Field(1.0, gt=0)  # sapo: the gate's temperature where A > 0 (veRL's and TRL's default)
+    sapo_tau_neg: float = Field(1.05, gt=0)  # sapo: ... where A <= 0
+    # Train no token of a completion cut by rollout.max_new_tokens (TRL's); it still counts in its group's advantages
+    mask_truncated_completions: bool = False
+    # None: the loss's own. token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm |
+    # token_sum_norm (trainer/losses.py)
     loss_aggregation: Optional[Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                                       "seq_mean_token_sum_norm"]] = None
+                                       "seq_mean_token_sum_norm", "token_sum_norm"]] = None
     loss_scale_tokens: Optional[int] = Field(None, ge=1)  # seq_mean_token_sum_norm's divisor; None: max_new_tokens
     mismatch: MismatchConfig = MismatchConfig()
     kl: KLConfig = KLConfig()

@@ -22,7 +22,7 @@ from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.registry import engine_entry
 from rlsys.tools.box import user_tools
-from rlsys.trainer.advantages import ADVANTAGES
+from rlsys.trainer.advantages import ADVANTAGES, check_advantage_options
 from rlsys.trainer.losses import POLICY_LOSSES, check_loss_options
 
 # (the field's location, or () for the whole config; its check, which raises a ValueError naming the field).
@@ -41,6 +41,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     (("control", "group_sizer"), lambda cfg: GROUP_SIZERS.get(cfg.control.group_sizer)),
     (("trainer", "loss"), lambda cfg: POLICY_LOSSES.get(cfg.trainer.loss)),
     (("trainer", "advantage"), lambda cfg: ADVANTAGES.get(cfg.trainer.advantage)),
+    ((), lambda cfg: cfg.trainer.advantage not in ADVANTAGES or check_advantage_options(cfg.trainer)),
     ((), lambda cfg: cfg.trainer.loss not in POLICY_LOSSES or check_loss_options(cfg.trainer)),  # the loss's options
     ((), plan_from_config),
 )

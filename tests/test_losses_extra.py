@@ -313,7 +313,8 @@ def test_overlong_cache_must_fit_in_max_len():
 
 def test_every_registered_loss_takes_every_aggregation_name():
     assert {"gspo", "drgrpo"} <= set(POLICY_LOSSES.names())
-    assert set(AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"}
+    assert set(AGGREGATIONS) == {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+                                 "token_sum_norm"}
 
 
 # --- recipes ---------------------------------------------------------------------------------------
@@ -328,7 +329,14 @@ RECIPE_EXPECTED = [
     ("gmpo", {"loss": "gmpo", "eps_low": 0.4, "eps_high": 0.4}),
     ("clip_cov", {"loss": "clip_cov", "cov_ratio": 2e-4, "clip_cov_bounds": (1.0, 5.0)}),
     ("kl_cov", {"loss": "kl_cov", "cov_ratio": 2e-3, "kl_cov_coef": 1.0}),
+    ("sapo", {"loss": "sapo", "sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}),
+    ("reinforce_pp", {"loss": "grpo", "advantage": "reinforce_pp", "loss_aggregation": "token_mean"}),
+    ("reinforce_pp_baseline", {"loss": "grpo", "advantage": "reinforce_pp_baseline"}),
+    ("grpo_ref_sync", {"loss": "grpo", "advantage": "grpo"}),
 ]
+# Their KL term (the others have none): estimator, coef, in_reward, ref_sync_steps
+RECIPE_KL = {"reinforce_pp": ("k1", 0.001, True, None), "reinforce_pp_baseline": ("k1", 0.001, True, None),
+             "grpo_ref_sync": ("k3", 0.04, False, 8)}
 
 
 def test_every_recipe_is_checked():
@@ -339,7 +347,9 @@ def test_every_recipe_is_checked():
 def test_recipes_load_and_validate(name, expected):
     cfg = load_config(RECIPES / f"{name}.yaml")
     assert {k: getattr(cfg.trainer, k) for k in expected} == expected
-    assert cfg.trainer.kl.coef == 0.0
+    kl = cfg.trainer.kl
+    assert (kl.estimator, kl.coef, kl.in_reward, kl.ref_sync_steps) == RECIPE_KL[name] if name in RECIPE_KL else \
+        kl.coef == 0.0
     if name == "dapo":
         assert cfg.control.dynamic_sampling.enabled and cfg.reward.overlong.enabled
         assert cfg.trainer.mismatch.mode == "tis"

@@ -22,10 +22,10 @@ def two_ranks_zero0(ray_cluster, model_dir):  # noqa: F811
         trainer.shutdown()
 
 
-def one_nan_advantage(groups, advantage):
+def one_nan_advantage(groups, advantage, *options, **named):
     """The step's samples with a NaN advantage on the first only: a sample goes to one rank, so only that
     rank's loss and local gradients are NaN (a NaN reward would spoil its whole group, on both ranks)."""
-    samples = build_samples(groups, advantage)
+    samples = build_samples(groups, advantage, *options, **named)
     samples[0].advantage = math.nan
     return samples
 

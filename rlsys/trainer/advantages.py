@@ -1,8 +1,10 @@
-"""Group-relative advantage estimators, one function each, selected by `trainer.advantage`.
+"""Advantage estimators, one function each, selected by `trainer.advantage`.
 
-Each takes the rewards of one group (one prompt's samples) and returns one advantage per sample.
-The realised group size is used, so groups of different sizes (SAGC, dropped samples) are fine.
-A group of one sample, or one whose rewards are all equal, gets zero advantages: nothing to compare.
+Most are group-relative: they take the rewards of one group (one prompt's samples) and return one advantage
+per sample. The realised group size is used, so groups of different sizes (SAGC, dropped samples) are fine. A
+group of one sample, or one whose rewards are all equal, gets zero advantages: nothing to compare. Those marked
+`batch_level` see the whole step instead (`BatchAdvantageFn`): they normalise by the step's statistics, so they
+need every group of the step at once.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from typing import Callable
 from rlsys.registry import Registry
 
 AdvantageFn = Callable[[list[float]], list[float]]
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+# (each group's rewards, each group's samples' trained token counts) -> each group's advantages
+BatchAdvantageFn = Callable[[list[list[float]], list[list[int]]], list[list[float]]]
+ADVANTAGES: Registry[AdvantageFn | BatchAdvantageFn] = Registry("advantage estimator")
 
 EPS = 1e-6
 
@@ -48,8 +52,87 @@ def rloo(rewards: list[float]) -> list[float]:
     return [r - (total - r) / (n - 1) for r in rewards]
 
 
+def batch_level(fn: BatchAdvantageFn) -> BatchAdvantageFn:
+    fn.batch_level = True
+    return fn
+
+
+def is_batch_level(name: str) -> bool:
+    return getattr(ADVANTAGES.get(name), "batch_level", False)
+
+
+def step_advantages(rewards: list[list[float]], tokens: list[list[int]], name: str) -> list[list[float]]:
+    """Each group's advantages, from every group's rewards and its samples' trained token counts (0: a sample that
+    trains nothing, an empty response)."""
+    fn = ADVANTAGES.get(name)
+    if getattr(fn, "batch_level", False):
+        return fn(rewards, tokens)
+    return [fn(group) if group else [] for group in rewards]
+
+
 def group_advantages(rewards: list[float], name: str) -> list[float]:
-    return ADVANTAGES.get(name)(rewards) if rewards else []
+    """One group's advantages, the group taken as the whole step (one token per sample) by a batch-level one."""
+    return step_advantages([rewards], [[1] * len(rewards)], name)[0]
+
+
+def check_advantage_options(cfg) -> None:
+    """Refuse a batch-level estimator where the step's groups are not all seen at once (trainer.streamed)."""
+    if cfg.streamed and is_batch_level(cfg.advantage):
+        raise ValueError(f"trainer.advantage={cfg.advantage} normalises by the whole step's rewards, and "
+                         "trainer.streamed trains each group as it completes: use a group-relative estimator "
+                         "(grpo, drgrpo, rloo) or trainer.streamed=false")
+
+
+# --- batch-level: normalised by the step's statistics ----------------------------------------------
+def token_whiten(values: list[float], tokens: list[int], eps: float = 1e-8) -> list[float]:
+    """veRL's masked_whiten of one value per sequence repeated over its tokens: (v - mean) / sqrt(var + eps), mean
+    and the Bessel-corrected variance over every token, so a long sequence weighs more. Fewer than two tokens: 0."""
+    count = sum(tokens)
+    if count < 2:
+        return [0.0] * len(values)
+    mean = sum(v * n for v, n in zip(values, tokens)) / count
+    var = sum(n * (v - mean) ** 2 for v, n in zip(values, tokens)) / (count - 1)
+    return [(v - mean) / math.sqrt(var + eps) for v in values]
+
+
+def regroup(flat: list[float], like: list[list[float]]) -> list[list[float]]:
+    out, start = [], 0
+    for group in like:
+        out.append(flat[start:start + len(group)])
+        start += len(group)
+    return out
+
+
+@ADVANTAGES.register("reinforce_pp")
+@batch_level
+def reinforce_pp(rewards: list[list[float]], tokens: list[list[int]]) -> list[list[float]]:
+    """REINFORCE++ (Hu, 2025) as veRL computes it for an outcome reward with gamma 1: each token's return is its
+    sequence's reward, whitened over the step's tokens (no group baseline)."""
+    flat = [r for group in rewards for r in group]
+    return regroup(token_whiten(flat, [n for group in tokens for n in group]), rewards)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+@batch_level
+def reinforce_pp_baseline(rewards: list[list[float]], tokens: list[list[int]]) -> list[list[float]]:
+    """REINFORCE++-baseline (veRL's): the reward less its group's mean (0 for a group of one), then whitened over
+    the step's tokens."""
+    centred = [[r - (_mean(group) if len(group) > 1 else 0.0) for r in group] for group in rewards]
+    flat = [r for group in centred for r in group]
+    return regroup(token_whiten(flat, [n for group in tokens for n in group]), rewards)
+
+
+@ADVANTAGES.register("grpo_batch_std")
+@batch_level
+def grpo_batch_std(rewards: list[list[float]], tokens: list[list[int]]) -> list[list[float]]:
+    """TRL's scale_rewards="batch": the reward less its group's mean, divided by the std of every reward of the
+    step (Bessel-corrected, as TRL's nanstd) + 1e-4 (TRL's epsilon)."""
+    flat = [r for group in rewards for r in group]
+    if len(flat) < 2:
+        return [[0.0] * len(group) for group in rewards]
+    mean = _mean(flat)
+    std = math.sqrt(sum((r - mean) ** 2 for r in flat) / (len(flat) - 1))
+    return [[(r - _mean(group)) / (std + 1e-4) for r in group] for group in rewards]
 
 
 class KLController:

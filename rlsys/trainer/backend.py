@@ -9,6 +9,7 @@ Checkpoint folder written by `save` (safetensors + JSON only, nothing pickled):
                                          so a run resumes on another world size or ZeRO stage
   state_rank{r}.safetensors/.json        RNG states and step counters of each rank
   trainer.json                           the layout it was written with, checked on load
+  reference.safetensors                  with trainer.kl.ref_sync_steps: the refreshed reference (rank 0)
 """
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ from rlsys.config import TrainerConfig
 from rlsys.emulate import TrainerPacer
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import Scoring, head_logprobs
-from rlsys.trainer.losses import LossInputs, compute_loss, kl_penalty, loglinear_proximal
+from rlsys.trainer.losses import (LOSS_STATS, REJECTED_SHARE, LossInputs, compute_loss, kept_share, kl_penalty,
+                                 loglinear_proximal)
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
 LAYOUT_FILE = "trainer.json"
+REFERENCE_FILE = "reference.safetensors"  # trainer.kl.ref_sync_steps: the refreshed reference, HF names (rank 0)
 
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}  # trainer.dtype -> the weights' dtype
@@ -144,6 +147,7 @@ class TrainerBackend(ABC):
         self.cfg, self.model_dir, self.scoring = cfg, model_dir, scoring
         self.rank, self.world_size, self.device = rank, world_size, device
         self.skipped_steps = 0
+        self.updates = 0  # optimizer steps taken (or skipped): trainer.kl.ref_sync_steps counts them
         seed_everything(cfg.seed)
         self.reference: torch.nn.Module | None = None  # set by the subclass: `_make_reference`
 
@@ -179,8 +183,19 @@ class TrainerBackend(ABC):
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
-        stats = self.accumulate_gradients(samples, totals, interpolate_at=interpolate_at, at_start=at_start)
-        return self.close_step(stats, sum(s.trained_tokens for s in samples), len(samples))
+        rejecting = self.cfg.mismatch.reject is not None
+        stats = self.accumulate_gradients(samples, totals, closes_step=not rejecting, interpolate_at=interpolate_at,
+                                          at_start=at_start)
+        divisor = None
+        if rejecting:  # the step's rejections are known now: divide by the kept counts, as veRL's rejection does
+            divisor = kept_share(self.sum_over_ranks({k: stats.get(k, 0.0) for k in REJECTED_SHARE.values()}),
+                                 self.cfg)
+            stats = {k: v / divisor if k in LOSS_STATS else v for k, v in stats.items()}
+        return self.close_step(stats, sum(s.trained_tokens for s in samples), len(samples), divisor=divisor)
+
+    def sum_over_ranks(self, stats: dict) -> dict:
+        """These statistics summed over every rank (one rank here; DeepSpeed all-reduces)."""
+        return stats
 
     def skip_step(self) -> dict:
         """A step with no response tokens on any rank: no update, counted as skipped."""
@@ -192,6 +207,10 @@ class TrainerBackend(ABC):
         and `train_step`'s metrics: `stats` plus this rank's `tokens` and `sequences`."""
         grad_norm, applied = self._optimizer_step() if divisor is None else self._rescaled_optimizer_step(divisor)
         self.skipped_steps += not applied
+        self.updates += 1
+        sync = self.cfg.kl.ref_sync_steps
+        if sync is not None and self.updates % sync == 0:
+            self._mix_into_reference(self.cfg.kl.ref_mixup_alpha)
         out = dict(stats, grad_norm=grad_norm, skipped_steps=self.skipped_steps, tokens=tokens, sequences=sequences)
         return out | self.pacer_counts()
 
@@ -295,6 +314,24 @@ class TrainerBackend(ABC):
     def _frozen_initial_model(self) -> torch.nn.Module:
         return load_model(self.model_dir, DTYPES[self.cfg.dtype]).requires_grad_(False).to(self.device)
 
+    # --- the reference refreshed every trainer.kl.ref_sync_steps updates (TRL's sync_ref_model) ------------------
+    def _reference_module(self) -> torch.nn.Module:
+        return getattr(self.reference, "module", self.reference)  # the HF model inside a DeepSpeed engine
+
+    @torch.no_grad()
+    def _mix_into_reference(self, alpha: float) -> None:
+        """ref <- alpha x policy + (1 - alpha) x ref, parameter by parameter (TRL's TR-DPO mixup)."""
+        for ref, param in zip(self._reference_module().parameters(), self._hf_model().parameters(), strict=True):
+            ref.mul_(1.0 - alpha).add_(param.detach().to(ref.dtype), alpha=alpha)
+
+    def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The reference's weights, HF names, one at a time (as `rollout_weights`)."""
+        for name, t in named_tensors(self._reference_module()):
+            yield name, t.detach()
+
+    def _load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        self._reference_module().load_state_dict(weights)
+
     # --- what a backend provides -----------------------------------------------------------------
     def _start_micro_batch(self, last: bool) -> None:
         """Called before each forward; DeepSpeed needs to know which one ends the step."""
@@ -360,7 +397,13 @@ class TrainerBackend(ABC):
             save_tensors(weights, folder / "model.safetensors")
             (folder / LAYOUT_FILE).write_text(json.dumps(self._layout()))
         self._save_optimizer(folder)
-        save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps}, folder, f"state_rank{self.rank}")
+        if self.cfg.kl.ref_sync_steps is not None:  # the reference has moved from the initial weights
+            reference = {name: t.to("cpu", torch.float32, copy=True) for name, t in self.reference_weights()
+                         if self.rank == 0}
+            if self.rank == 0:
+                save_tensors(reference, folder / REFERENCE_FILE)
+        save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps, "updates": self.updates}, folder,
+                   f"state_rank{self.rank}")
 
     def load(self, folder: str) -> None:
         folder = Path(folder)
@@ -373,6 +416,9 @@ class TrainerBackend(ABC):
         state = load_state(folder, own.stem if own.exists() else "state_rank0")
         set_rng_state(state["rng"])
         self.skipped_steps = state["skipped_steps"]
+        self.updates = state.get("updates", 0)
+        if self.cfg.kl.ref_sync_steps is not None and (folder / REFERENCE_FILE).exists():
+            self._load_reference(load_file(str(folder / REFERENCE_FILE)))
 
     def export_hf(self, folder: str) -> None:
         """A standard HF model folder with the current weights (no tokenizer: the caller adds it)."""

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.trainer.advantages import group_advantages
-from rlsys.types import Group
+from rlsys.trainer.advantages import step_advantages
+from rlsys.types import Completion, Group
 
 PAD_ID = 0  # padding positions are masked out of attention and loss, so the id never matters
 
@@ -46,20 +46,35 @@ class StepTotals:
     micro_batches: int  # run by every rank
 
 
-def build_samples(groups: list[Group], advantage: str, penalties: list[float] | None = None) -> list[TrainSample]:
-    """One sample per completion with a token to train; empty responses, and conversations dropped from training
-    (every token masked), still count in their group's advantages.
+def trained_tokens(c: Completion, mask_truncated: bool = False) -> int:
+    """The tokens of a completion the model sampled and the step trains (none of one cut by the length limit, under
+    trainer.mask_truncated_completions: finish_reason "length", as TRL's mask takes a completion without EOS)."""
+    if mask_truncated and c.finish_reason == "length":
+        return 0
+    return sum(c.mask) if c.mask else len(c.token_ids)
+
+
+def build_samples(groups: list[Group], advantage: str, penalties: list[float] | None = None,
+                  mask_truncated: bool = False) -> list[TrainSample]:
+    """One sample per completion with a token to train; empty responses, conversations dropped from training
+    (every token masked) and, with `mask_truncated` (trainer.mask_truncated_completions), completions cut by the
+    length limit still count in their group's advantages.
     `penalties`: one per sample returned, in order (trainer.kl.in_reward's coef x KL), taken off its reward
     before its group's advantages."""
-    samples = []
     penalty = iter(penalties or [])
+    rewards, tokens = [], []
     for group in groups:
-        rewards = group.rewards
+        trained = [trained_tokens(s.completion, mask_truncated) for s in group.samples]
+        group_rewards = group.rewards
         if penalties is not None:
-            rewards = [r - (next(penalty) if s.completion.token_ids else 0.0) for r, s in zip(rewards, group.samples)]
-        for scored, adv in zip(group.samples, group_advantages(rewards, advantage)):
+            group_rewards = [r - (next(penalty) if n else 0.0) for r, n in zip(group_rewards, trained)]
+        rewards.append(group_rewards)
+        tokens.append(trained)
+    samples = []
+    for group, advantages, trained in zip(groups, step_advantages(rewards, tokens, advantage), tokens):
+        for scored, adv, n in zip(group.samples, advantages, trained):
             c = scored.completion
-            if not c.token_ids or (c.mask and not any(c.mask)):
+            if not n:
                 continue
             if not c.prompt_ids:
                 raise ValueError(f"completion {c.request_id}: empty prompt, so no position predicts its first token")

@@ -96,6 +96,12 @@ class DeepSpeedBackend(TrainerBackend):
         self.engine.step()
         return float(self.engine.get_global_grad_norm()), self.engine.was_step_applied()
 
+    def sum_over_ranks(self, stats: dict) -> dict:
+        names = sorted(stats)  # every rank reports the same statistics
+        summed = torch.tensor([float(stats[k]) for k in names], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(summed)
+        return dict(zip(names, summed.tolist()))
+
     def _rescaled_optimizer_step(self, divisor: float) -> tuple[float, bool]:
         # Streamed parts never close the accumulation: an empty micro-batch does, so the engine reduces at
         # the boundary. Then ZeRO's step divides the gradients and their norm by its loss scale before
@@ -128,6 +134,30 @@ class DeepSpeedBackend(TrainerBackend):
 
     def _hf_model(self) -> torch.nn.Module:
         return self.engine.module
+
+    @torch.no_grad()
+    def _mix_into_reference(self, alpha: float) -> None:
+        if self.stage != 3:
+            return super()._mix_into_reference(alpha)
+        # Partitioned: gather one pair at a time; rank 0 mixes and its result is partitioned back (as TRL's).
+        pairs = zip(self._reference_module().parameters(), self.engine.module.parameters(), strict=True)
+        for ref, param in pairs:
+            with deepspeed.zero.GatheredParameters([param]), \
+                    deepspeed.zero.GatheredParameters([ref], modifier_rank=0):
+                if self.rank == 0:
+                    ref.mul_(1.0 - alpha).add_(param.detach().to(ref.dtype), alpha=alpha)
+
+    def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors(self._reference_module()):
+            gather = self.stage == 3 and isinstance(t, torch.nn.Parameter)
+            with deepspeed.zero.GatheredParameters([t], enabled=gather):
+                yield name, t.detach()
+
+    def _load_reference(self, weights: dict[str, torch.Tensor]) -> None:
+        reference = self._reference_module()
+        params = list(reference.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.stage == 3):
+            reference.load_state_dict(weights)
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         with self._parameters_gathered(modifier_rank=0):

@@ -22,7 +22,8 @@ Conventions (where they differ from, or are not written down by, veRL):
   the sequence. tis weights by min(rho, threshold); mis by rho, or 0 outside [threshold_low,
   threshold]. The weight is detached. A masked token keeps its place in the step's token and
   sequence counts (as AReaL's cap does), so masking never inflates the other tokens' weight and
-  aggregation stays exact across micro-batches. The behaviour log-probs hold both the engine's
+  aggregation stays exact across micro-batches. A token that trainer.mismatch.reject rejects leaves them
+  instead, as veRL's rejection does (`kept_share`). The behaviour log-probs hold both the engine's
   numerics and staleness (the version that sampled), so one weight corrects both: decoupled_ppo's
   staleness weight *is* this weight (bounded by its `is_cap` when trainer.mismatch.mode is none),
   never a second factor. ppo_naive compares to the behaviour policy itself, so it refuses a
@@ -38,15 +39,17 @@ Conventions (where they differ from, or are not written down by, veRL):
   above at 10 before exp, with no gradient beyond, as veRL's GSPO. With a token-level mismatch weight its
   gradient on each token carries the sequence's mean weight by default (`trainer.gspo_token_weights=mean`,
   TRL's); `own` gives each token its own weight (veRL's). The loss value is the same either way.
-- trainer.eps_high unset means the loss's own upper clip: 0.28 (DAPO's clip-higher) for the DAPO family,
-  eps_low (symmetric) for grpo and drgrpo; set, every clipped loss honours it (as veRL's vanilla loss and
-  TRL's grpo do), and a loss with no ratio clip (dg) refuses it at config load.
-- Dual-clip (trainer.clip_ratio_c) bounds the loss of a token with A < 0 at -A * c, for every
-  clipped loss; off by default (veRL's default is on, c = 3).
+- trainer.eps_high unset means the loss's own upper clip: 0.28 (DAPO's clip-higher) for dapo, decoupled_ppo,
+  ppo_naive and dg_clipped, eps_low (symmetric, veRL's 0.2 / 0.2) for the others; set, every clipped loss
+  honours it (as veRL's vanilla loss and TRL's grpo do), and a loss with no ratio clip refuses it at load.
+- Dual-clip (trainer.clip_ratio_c) bounds the loss of a token with A < 0 at -A * c, for every loss built on
+  PPO's clipped surrogate (`clipped_objective`); off by default (veRL's default is on, c = 3). The others
+  refuse it and trainer.delta at load.
 - The round-two options (entropy bonus, cispo, gmpo, clip_cov, kl_cov, delta, bias-corrected and in-reward
   KL, mismatch rejection, off-policy masking, top-entropy share): docs/design.md "Loss options".
 - seq_mean_token_sum_norm divides the step's token sum by (sequences x trainer.loss_scale_tokens),
-  a constant (rollout.max_new_tokens unless set), as Dr.GRPO and TRL's dr_grpo do.
+  a constant (rollout.max_new_tokens unless set), as TRL's dr_grpo and veRL's default worker do;
+  token_sum_norm by the constant alone, as veRL's agg_loss under its global-batch engine.
 """
 from __future__ import annotations
 
@@ -105,6 +108,10 @@ class PolicyLoss:
     # Its upper clip when trainer.eps_high is not set: a number, or None for eps_low (a symmetric clip).
     eps_high: Optional[float] = DAPO_EPS_HIGH
     clipped: bool = True  # False: no ratio clip, so trainer.eps_high has no meaning and is refused
+    # False: not PPO's clipped surrogate, so trainer.delta and trainer.clip_ratio_c have no meaning and are refused
+    ppo_surrogate: bool = True
+    # One loss per sequence: a token-level mismatch weight enters as the sequence's geometric mean (veRL's GMPO)
+    geometric_weight: bool = False
 
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
@@ -137,19 +144,32 @@ def seq_mean_token_sum(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = N
     return (x * inp.mask).sum() / max(inp.step_sequences, 1.0)
 
 
-def seq_mean_token_sum_norm(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
-    """Dr.GRPO: each sequence's token sum / a constant length, then mean over the step's sequences."""
+def constant_length(cfg: TrainerConfig | None, aggregation: str) -> int:
+    """Dr.GRPO's constant that each sequence's token sum is divided by (trainer.loss_scale_tokens)."""
     if cfg is None or cfg.loss_scale_tokens is None:
-        raise ValueError("trainer.loss_aggregation=seq_mean_token_sum_norm needs trainer.loss_scale_tokens "
+        raise ValueError(f"trainer.loss_aggregation={aggregation} needs trainer.loss_scale_tokens "
                          "(Dr.GRPO's constant, e.g. rollout.max_new_tokens)")
-    return seq_mean_token_sum(x, inp) / cfg.loss_scale_tokens
+    return cfg.loss_scale_tokens
+
+
+def seq_mean_token_sum_norm(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
+    """Dr.GRPO as TRL's dr_grpo and veRL's default (legacy) worker take it: each sequence's token sum / a constant
+    length, then mean over the step's sequences."""
+    return seq_mean_token_sum(x, inp) / constant_length(cfg, "seq_mean_token_sum_norm")
+
+
+def token_sum_norm(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
+    """Dr.GRPO as veRL's agg_loss takes it under its global-batch engine: the step's token sum / a constant length,
+    not divided by the sequence count."""
+    return (x * inp.mask).sum() / constant_length(cfg, "token_sum_norm")
 
 
 AGGREGATIONS = {"token_mean": token_mean, "seq_mean_token_mean": seq_mean_token_mean,
-                "seq_mean_token_sum": seq_mean_token_sum, "seq_mean_token_sum_norm": seq_mean_token_sum_norm}
+                "seq_mean_token_sum": seq_mean_token_sum, "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+                "token_sum_norm": token_sum_norm}
 # What each divides by, of the step's totals (a streamed step divides by it once the round has ended).
 STEP_NORMALISER = {"token_mean": "tokens", "seq_mean_token_mean": "sequences", "seq_mean_token_sum": "sequences",
-                   "seq_mean_token_sum_norm": "sequences"}
+                   "seq_mean_token_sum_norm": "sequences", "token_sum_norm": "constant"}
 
 
 def aggregation_of(cfg: TrainerConfig) -> str:
@@ -168,9 +188,15 @@ def check_loss_options(cfg: TrainerConfig) -> None:
     """Refuse an option the chosen loss gives no meaning (a loss not registered yet is checked when it runs)."""
     if cfg.loss not in POLICY_LOSSES:
         return
-    if cfg.eps_high is not None and not POLICY_LOSSES.get(cfg.loss).clipped:
+    policy = POLICY_LOSSES.get(cfg.loss)
+    if cfg.eps_high is not None and not policy.clipped:
         raise ValueError(f"trainer.eps_high={cfg.eps_high}: trainer.loss={cfg.loss} clips no ratio, so it has "
                          "no upper clip to set; leave trainer.eps_high out")
+    caps = {name: value for name in ("delta", "clip_ratio_c") if (value := getattr(cfg, name)) is not None}
+    if caps and not policy.ppo_surrogate:
+        fields = ", ".join(f"trainer.{name}={value}" for name, value in caps.items())
+        raise ValueError(f"{fields}: trainer.loss={cfg.loss} is not PPO's clipped surrogate, so it has no unclipped "
+                         f"ratio to cap; leave {' and '.join(f'trainer.{name}' for name in caps)} out")
 
 
 # --- losses -------------------------------------------------------------------------------------
@@ -228,7 +254,7 @@ def sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
 
 
-@register_policy_loss("gspo", aggregation="seq_mean_token_mean")
+@register_policy_loss("gspo", aggregation="seq_mean_token_mean", eps_high=None)
 def gspo_loss(inp: LossInputs, cfg: TrainerConfig):
     """GSPO: one ratio per sequence, s = (prod_t pi / pi_old)^(1 / |y|), clipped as a whole.
 
@@ -246,7 +272,8 @@ def gspo_loss(inp: LossInputs, cfg: TrainerConfig):
     return clipped_objective(ratio, inp.advantages, cfg)
 
 
-@register_policy_loss("gmpo", aggregation="seq_mean_token_mean", eps_high=None)
+@register_policy_loss("gmpo", aggregation="seq_mean_token_mean", eps_high=None, ppo_surrogate=False,
+                      geometric_weight=True)
 def gmpo_loss(inp: LossInputs, cfg: TrainerConfig):
     """GMPO (Zhao et al., 2025): -A exp(mean_t clip'(log rho_t)) per sequence, the geometric mean of the token
     ratios, each log-ratio clipped to [-eps_low, eps_high] on the side its advantage pushes it (PPO's min, taken
@@ -262,7 +289,7 @@ def gmpo_loss(inp: LossInputs, cfg: TrainerConfig):
         "clip_fraction_high": (clipped & (sign > 0)).float()}
 
 
-@register_policy_loss("cispo", aggregation="token_mean")
+@register_policy_loss("cispo", aggregation="token_mean", eps_high=None, ppo_surrogate=False)
 def cispo_loss(inp: LossInputs, cfg: TrainerConfig):
     """CISPO (MiniMax-M1): -sg[clip(rho, 1 - eps_low, 1 + eps_high)] A log pi. The clip bounds a token's weight
     and never removes its gradient (the paper clips above only: eps_low 1 leaves the weight unbounded below)."""
@@ -271,6 +298,18 @@ def cispo_loss(inp: LossInputs, cfg: TrainerConfig):
     weight = ratio.clamp(1 - eps_low, 1 + eps_high)
     return -weight * inp.advantages * inp.logprobs, {
         "clip_fraction": (weight != ratio).float(), "clip_fraction_high": (ratio > 1 + eps_high).float()}
+
+
+@register_policy_loss("sapo", aggregation="seq_mean_token_mean", clipped=False, ppo_surrogate=False)
+def sapo_loss(inp: LossInputs, cfg: TrainerConfig):
+    """SAPO (Gao et al., 2025, "Soft Adaptive Policy Optimization"): -f(rho) A with a soft gate in place of the clip,
+    f(rho) = sigmoid(tau (rho - 1)) 4 / tau, tau = trainer.sapo_tau_pos where A > 0 and sapo_tau_neg elsewhere (as
+    veRL and TRL). At rho = 1 its gradient is PPO's; it fades smoothly as rho leaves 1, faster for a larger tau."""
+    import torch
+    ratio = bounded_exp(inp.logprobs - inp.old_logprobs)
+    tau = torch.where(inp.advantages > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    return -gate * inp.advantages, {"sapo_gate": gate.detach()}
 
 
 # --- entropy-collapse control by covariance (Cui et al., 2025, "The Entropy Mechanism of RL for LLMs") ----
@@ -296,7 +335,7 @@ def picked_count(inp: LossInputs, cfg: TrainerConfig) -> int:
     return max(int(cfg.cov_ratio * inp.mask.sum().item()), 1)
 
 
-@register_policy_loss("clip_cov", aggregation="token_mean")
+@register_policy_loss("clip_cov", aggregation="token_mean", eps_high=None)
 def clip_cov_loss(inp: LossInputs, cfg: TrainerConfig):
     """Clip-Cov: the clipped surrogate, with the gradient of a share `cov_ratio` of tokens removed, those of
     highest covariance among the unclipped ones with covariance inside `clip_cov_bounds` (veRL draws them at
@@ -310,7 +349,7 @@ def clip_cov_loss(inp: LossInputs, cfg: TrainerConfig):
     return torch.where(picked, torch.zeros_like(loss), loss), stats
 
 
-@register_policy_loss("kl_cov", aggregation="token_mean", clipped=False)
+@register_policy_loss("kl_cov", aggregation="token_mean", clipped=False, ppo_surrogate=False)
 def kl_cov_loss(inp: LossInputs, cfg: TrainerConfig):
     """KL-Cov: the unclipped surrogate -rho A, plus kl_cov_coef |log rho| on a share `cov_ratio` of tokens, those
     of highest covariance."""
@@ -326,8 +365,10 @@ def kl_cov_loss(inp: LossInputs, cfg: TrainerConfig):
 def areal_cap(cfg: TrainerConfig) -> MismatchConfig:
     """AReaL's weight: rho per token, tokens with rho > `is_cap` dropped (token-level mis); trainer.mismatch's
     rejection on top, if set."""
-    return MismatchConfig(mode="mis", level="token", threshold=cfg.is_cap, warn_kl=None,
-                          reject=cfg.mismatch.reject, reject_threshold=cfg.mismatch.reject_threshold)
+    m = cfg.mismatch
+    return MismatchConfig(mode="mis", level="token", threshold=cfg.is_cap, warn_kl=None, reject=m.reject,
+                          reject_threshold=m.reject_threshold, reject_threshold_low=m.reject_threshold_low,
+                          reject_level=m.rejection_level if m.reject else None)
 
 
 @register_policy_loss("decoupled_ppo", aggregation="token_mean", default_correction=areal_cap)
@@ -359,7 +400,7 @@ def gate_stats(gate: Tensor) -> dict[str, Tensor]:
     return {"dg_gate": gate, "dg_gate_low": (gate < 0.1).float(), "dg_gate_high": (gate > 0.9).float()}
 
 
-@register_policy_loss("dg", aggregation="token_mean", clipped=False)
+@register_policy_loss("dg", aggregation="token_mean", clipped=False, ppo_surrogate=False)
 def dg_loss(inp: LossInputs, cfg: TrainerConfig):
     """Delightful Policy Gradient: -gate * A * log pi per token; needs no behaviour log-probs."""
     gate = delight_gate(inp.advantages, inp.logprobs, cfg.dg_eta)
@@ -381,34 +422,59 @@ def dg_clipped_loss(inp: LossInputs, cfg: TrainerConfig):
 
 
 # --- rollout-trainer mismatch ---------------------------------------------------------------------
+def rejection_statistic(log_rho: Tensor, estimator: str) -> Tensor:
+    """veRL's rollout rejection statistic per token from log rho = log(pi_old / pi_behav), clamped to +-20 and the
+    value left unbounded: k1 = log(pi_behav / pi_old) (signed), k2 = (log rho)^2 / 2, k3 = rho - 1 - log rho."""
+    log_rho = log_rho.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    if estimator == "k1":
+        return -log_rho
+    if estimator == "k2":
+        return 0.5 * log_rho ** 2
+    return log_rho.exp() - 1.0 - log_rho
+
+
 def mismatch_rejected(inp: LossInputs, m: MismatchConfig) -> Tensor:
-    """Tokens rejected for their estimate of KL(pi_behav || pi_old) (k1 by its size): per token, or with
-    level=sequence every token of a sequence whose mean estimate is above the threshold."""
-    kl = kl_penalty(inp.behaviour_logprobs, inp.old_logprobs.detach(), m.reject).abs()
-    if m.level == "sequence":
-        kl = sequence_mean(kl, inp.mask).expand_as(kl)
-    return kl > m.reject_threshold
+    """Response tokens rejected (veRL's rollout_rs): by their own statistic, or every token of a sequence by the
+    mean, sum or max of its tokens' (trainer.mismatch.reject_level). k1 must lie within the logs of the ratio bounds
+    [reject_threshold_low, reject_threshold]; k2 and k3 at most reject_threshold."""
+    import math
+    stat = rejection_statistic((inp.old_logprobs - inp.behaviour_logprobs).detach(), m.reject)
+    level = m.rejection_level
+    if level == "seq_mean":
+        stat = sequence_mean(stat, inp.mask)
+    elif level == "seq_sum":
+        stat = (stat * inp.mask).sum(-1, keepdim=True)
+    elif level == "seq_max":
+        stat = stat.masked_fill(inp.mask <= 0, float("-inf")).amax(-1, keepdim=True)
+    if m.reject == "k1":
+        low, high = m.reject_bounds
+        rejected = (stat < math.log(low)) | (stat > math.log(high))
+    else:
+        rejected = stat > m.reject_threshold
+    return rejected.expand_as(inp.mask) & (inp.mask > 0)
 
 
 def mismatch_weight(inp: LossInputs, m: MismatchConfig) -> tuple[Tensor, Tensor]:
-    """The detached weight per token from rho = pi_old / pi_behav, and which tokens it truncated or masked
-    (rejected ones included)."""
+    """The detached weight per token from rho = pi_old / pi_behav, and which tokens it truncated or masked."""
     import torch
     log_rho = (inp.old_logprobs - inp.behaviour_logprobs).detach() * inp.mask
     if m.level == "sequence":  # the product of the sequence's token ratios, on each of its tokens
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
     rho = bounded_exp(log_rho)
     if m.mode == "tis":
-        weight, bounded = rho.clamp(max=m.threshold), rho > m.threshold
-    elif m.mode == "mis":
+        return rho.clamp(max=m.threshold), rho > m.threshold
+    if m.mode == "mis":
         bounded = (rho > m.threshold) | (rho < m.threshold_low)
-        weight = torch.where(bounded, torch.zeros_like(rho), rho)  # also zeroes an overflowed weight
-    else:  # rejection alone
-        weight, bounded = torch.ones_like(rho), torch.zeros_like(rho, dtype=torch.bool)
-    if m.reject is not None:
-        rejected = mismatch_rejected(inp, m)
-        weight, bounded = torch.where(rejected, torch.zeros_like(weight), weight), bounded | rejected
-    return weight, bounded
+        return torch.where(bounded, torch.zeros_like(rho), rho), bounded  # also zeroes an overflowed weight
+    return torch.ones_like(rho), torch.zeros_like(rho, dtype=torch.bool)  # rejection alone
+
+
+def geometric_sequence_mean(weight: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's geometric mean of its tokens' weights, on each of its tokens, as veRL's GMPO takes a token
+    weight (its 1e-10 and 1e-8 included: a zero weight makes the sequence's nearly zero)."""
+    import torch
+    log_mean = (torch.log(weight + 1e-10) * mask).sum(-1, keepdim=True) / (mask.sum(-1, keepdim=True) + 1e-8)
+    return log_mean.exp().expand_as(weight)
 
 
 def correction_for(policy: PolicyLoss, cfg: TrainerConfig) -> MismatchConfig | None:
@@ -436,16 +502,22 @@ def mismatch_warning(metrics: dict, cfg: TrainerConfig) -> str | None:
 
 # --- KL to the reference policy -------------------------------------------------------------------
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
-    """Per-token estimates of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
+    """Per-token estimates of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3; veRL's abs, and k1+, k3+:
+    the value of k1 or k3 with the gradient of k2, a straight-through estimator of the KL's gradient)."""
     log_ratio = ref_logprobs - logprobs  # log(pi_ref / pi)
+    if estimator.endswith("+"):
+        k2 = 0.5 * log_ratio ** 2
+        return k2 - k2.detach() + kl_penalty(logprobs, ref_logprobs, estimator[:-1]).detach()
     if estimator == "k1":
         return -log_ratio
+    if estimator == "abs":
+        return log_ratio.abs()
     if estimator == "k2":
         return 0.5 * log_ratio ** 2
     if estimator == "k3":  # exp needs the clamp; the value bound keeps one far token from dominating (veRL)
         log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         return (log_ratio.exp() - 1.0 - log_ratio).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2, k3, abs, k1+ or k3+")
 
 
 def dropped_tokens(inp: LossInputs, cfg: TrainerConfig) -> dict[str, Tensor]:
@@ -469,15 +541,30 @@ def dropped_tokens(inp: LossInputs, cfg: TrainerConfig) -> dict[str, Tensor]:
 
 
 def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str, float]]:
-    """This micro-batch's share of the step loss, and its share of each statistic."""
+    """This micro-batch's share of the step loss, and its share of each statistic (of every response token).
+
+    A token that mismatch rejection rejects leaves the loss and its aggregation, as veRL's rejection leaves its
+    response mask; the loss is still divided by the step's planned counts, so the backend divides the step's
+    gradient by the share kept (`kept_share`) once every rank has seen its rejections."""
     import torch
     policy = POLICY_LOSSES.get(cfg.loss)
-    per_token, token_stats = policy.per_token(inp, cfg)
     correction = correction_for(policy, cfg)
+    counted, token_stats, rejected = inp, {}, None
+    sequence_stats: dict[str, Tensor] = {}
+    if correction is not None and correction.reject is not None:
+        rejected = mismatch_rejected(inp, correction)
+        inp = replace(inp, mask=inp.mask * ~rejected)
+        token_stats["mismatch_rejected_fraction"] = rejected.float()
+        sequence_stats["mismatch_rejected_sequence_fraction"] = (inp.mask.sum(-1) == 0) & (counted.mask.sum(-1) > 0)
+    per_token, loss_stats = policy.per_token(inp, cfg)
+    token_stats.update(loss_stats)
     if correction is not None:
-        weight, bounded = mismatch_weight(inp, correction)
+        weight, bounded = mismatch_weight(counted, correction)
+        if policy.geometric_weight:
+            weight = geometric_sequence_mean(weight, inp.mask)
         per_token = weight * per_token
-        token_stats.update(mismatch_weight=weight, mismatch_corrected_fraction=bounded.float())
+        corrected = bounded if rejected is None else bounded | rejected
+        token_stats.update(mismatch_weight=weight, mismatch_corrected_fraction=corrected.float())
     for name, dropped in dropped_tokens(inp, cfg).items():
         per_token = torch.where(dropped, torch.zeros_like(per_token), per_token)
         token_stats[name] = dropped.float()
@@ -503,5 +590,20 @@ def compute_loss(inp: LossInputs, cfg: TrainerConfig) -> tuple[Tensor, dict[str,
         token_stats["mismatch_kl"] = kl_penalty(inp.behaviour_logprobs, inp.start_logprobs.detach(), "k3")
     loss = aggregation(per_token, inp, cfg)
     stats["loss"] = loss.item()
-    stats.update({k: token_mean(v.detach(), inp).item() for k, v in token_stats.items()})
+    stats.update({k: token_mean(v.detach(), counted).item() for k, v in token_stats.items()})
+    stats.update({k: v.sum().item() / max(inp.step_sequences, 1.0) for k, v in sequence_stats.items()})
     return loss, stats
+
+
+LOSS_STATS = ("loss", "pg_loss")  # aggregated by the loss's own mode; every other statistic is a token mean
+# The statistics that hold the shares of the step's tokens and sequences that mismatch rejection removed.
+REJECTED_SHARE = {"tokens": "mismatch_rejected_fraction", "sequences": "mismatch_rejected_sequence_fraction"}
+
+
+def kept_share(stats: dict[str, float], cfg: TrainerConfig) -> float:
+    """The share of the step's normaliser (its tokens, or sequences) that mismatch rejection kept, from the step's
+    summed statistics: what the step's gradient, taken over the planned counts, is divided by. 1 where nothing
+    is kept at all (the gradient is zero then) or the normaliser is a constant (token_sum_norm)."""
+    name = REJECTED_SHARE.get(STEP_NORMALISER[aggregation_of(cfg)])
+    kept = 1.0 - (stats.get(name, 0.0) if name else 0.0)
+    return kept if kept > 1e-9 else 1.0

@@ -20,9 +20,7 @@ from collections import defaultdict
 
 from rlsys.trainer.backend import TrainerBackend, proximal_source
 from rlsys.trainer.batching import StepTotals, TrainSample, sampled_by
-from rlsys.trainer.losses import STEP_NORMALISER, aggregation_of
-
-LOSS_STATS = ("loss", "pg_loss")  # aggregated by the loss's own mode; every other statistic is a token mean
+from rlsys.trainer.losses import LOSS_STATS, REJECTED_SHARE, STEP_NORMALISER, aggregation_of
 
 
 class StreamedGradients:
@@ -73,8 +71,14 @@ class StreamedGradients:
         No update where it has no token on any rank (no rank ran a micro-batch), as the synchronous split has
         no mini-batch without samples."""
         if tokens:
-            divisor = {"tokens": tokens, "sequences": sequences}[self.normaliser]
-            stats = {k: v / (divisor if k in LOSS_STATS else tokens) for k, v in self.stats.items()}
+            counts = {"tokens": tokens, "sequences": sequences, "constant": 1}
+            divisor = counts[self.normaliser]
+            rejected = REJECTED_SHARE.get(self.normaliser)  # accumulated over totals of 1: a count
+            if self.backend.cfg.mismatch.reject is not None and rejected:  # the step's kept count
+                divisor -= round(self.backend.sum_over_ranks({rejected: self.stats.get(rejected, 0.0)})[rejected])
+            divisor = max(divisor, 1)
+            share_of = {k: divisor for k in LOSS_STATS} | {REJECTED_SHARE["sequences"]: sequences}
+            stats = {k: v / share_of.get(k, tokens) for k, v in self.stats.items()}
             self.closed.append(self.backend.close_step(stats, self.tokens, self.sequences, divisor=float(divisor)))
         self._open()
 
