@@ -16,7 +16,7 @@ from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.control.actions import Abort, Submit, Train
 from rlsys.data.cursor import PromptCursor
 from rlsys.emulate import Emulation
-from rlsys.models.tiny import build_tiny_model
+from rlsys.models.tiny import build_char_tokenizer, build_tiny_model
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.rollout.engine import read_tokenizer
 from rlsys.rollout.worker import RolloutWorker
@@ -24,7 +24,8 @@ from rlsys.step_stats import tool_metrics
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.logprobs import Scoring
-from rlsys.types import Group, Prompt, Request, SamplingParams, ScoredSample, ToolTurn
+from rlsys.tools import CALL_CLOSE, CALL_OPEN
+from rlsys.types import Group, Prompt, Request, SamplingParams, ScoredSample, ToolTurn, reward_item
 
 SIZES = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=256)
 PROMPT = "What is 123*456? "
@@ -122,6 +123,32 @@ def test_a_continuation_prefills_only_the_answer_over_the_kept_kv_cache(model_di
     assert again.counters.prefilled_tokens == len(prompt) + cut
     assert whole.token_ids == c.token_ids
     assert whole.logprobs[cut:] == pytest.approx(c.logprobs[cut:], abs=1e-4)
+
+
+def test_a_closing_tag_the_model_samples_in_more_tokens_than_the_tokenizer_s_own_ends_its_turn(model_dir):
+    """A tokenizer that has `</tool_call>` as one token; the model writes it character by character."""
+    eng = engine(model_dir)
+    eng.tokenizer.add_tokens(["</tool_call>"])
+    assert len(eng.tokenizer.encode(CALL_CLOSE, add_special_tokens=False)) == 1
+    eng.use_tools(CALL_OPEN, CALL_CLOSE, max_turns=1)
+    ids = [eng.tokenizer.convert_tokens_to_ids(eng.tokenizer.tokenize(ch))[0] for ch in CALL]  # one per character
+    assert eng.tokenizer.decode(ids) == CALL
+    prompt = eng.tokenizer.encode(PROMPT, add_special_tokens=False)
+    eng.add(Request("r", "p", prompt, sampled(200), resume_ids=ids, resume_logprobs=[-1.0] * len(ids),
+                    resume_versions=[0] * len(ids)))
+    assert eng.take_calls() == [("r", len(ids), CALL)]
+
+
+def test_rewards_read_the_model_s_own_text_and_token_count_not_the_tool_s(conversation):
+    c, answer, first_turn = conversation
+    tok = build_char_tokenizer()
+    own = [t for t, m in zip(c.token_ids, c.mask) if m]
+    assert c.model_tokens == len(own) == len(c.token_ids) - len(answer)
+    assert c.model_text == tok.decode(own, skip_special_tokens=True) and "56088" not in c.model_text
+    _, response, _, num_tokens, *_ = reward_item(c, Prompt("p", PROMPT, "x"))
+    assert (response, num_tokens) == (c.model_text, c.model_tokens)
+    plain = replace(c, model_text=None, model_tokens=None)  # a single-turn completion: its text, its tokens
+    assert reward_item(plain, Prompt("p", PROMPT, "x"))[1:4] == (c.text, "x", len(c.token_ids))
 
 
 # --- the trainer: tokens in, tokens out; a tool's tokens carry no gradient ---------------------------------
@@ -293,10 +320,57 @@ def test_abort_while_the_tool_runs_then_resume_goes_on_as_if_never_cut(model_dir
     assert [t.name for t in c.turns] == ["echo"]
 
 
+def test_a_tool_printing_special_tokens_gives_their_text_not_the_tokens(model_dir, tmp_path):
+    (tmp_path / "t.py").write_text("def specials():\n    return '<eos><pad>'\n")
+    worker = worker_with(model_dir, [f"{tmp_path / 't.py'}:specials"])
+    try:
+        tok = worker.engine.tokenizer
+        call = '<tool_call>{"name": "specials", "arguments": {}}</tool_call>'
+        r = cut_at_call(tok, tok.encode(PROMPT, add_special_tokens=False), call)
+        worker.submit([r])
+        c = drain_all(worker, 1)["r"]
+    finally:
+        worker.stop()
+    n = len(r.resume_ids)
+    answer = c.token_ids[n:n + c.mask[n:].index(1)] if 1 in c.mask[n:] else c.token_ids[n:]
+    assert tok.decode(answer) == "<tool_response><eos><pad></tool_response>"
+    assert not {tok.eos_token_id, tok.pad_token_id} & set(answer)  # as characters, one token each
+    assert len(answer) == len("<tool_response><eos><pad></tool_response>")
+
+
+def test_no_busy_spin_while_every_slot_waits_on_a_tool(model_dir, tags, tmp_path):
+    """Both slots hold conversations waiting on their calls (queued behind a slow call on the one tool thread) and
+    a third request waits for a slot: the generation thread sleeps until an answer comes, taking under 10% of a
+    core, measured as this process's CPU time over the wall time."""
+    prompt, _, call_open, call_close, first_turn = tags
+    (tmp_path / "slow.py").write_text(SLOW_TOOL)
+    worker = worker_with(model_dir, [f"{tmp_path / 'slow.py'}:slow"], max_workers=1, timeout_s=10.0)
+    worker.engine.use_tools(call_open, call_close, max_turns=1)  # before any request: the thread is idle
+    try:
+        slow = '<tool_call>{"name": "slow", "arguments": {"seconds": 3.0}}</tool_call>'
+        worker._tool_pool.submit(worker.tools.run, slow)  # another conversation's call holds the tool thread
+        worker.submit([Request(f"r{i}", "p", prompt, sampled()) for i in range(3)])
+        deadline = time.time() + 2
+        while len(worker.engine.waiting) + len(worker.engine.running) < 3 or not all(
+                e.held for e in worker.engine.running.values()) and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(worker.engine.running) == 2 and all(e.held for e in worker.engine.running.values())
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(1.5)
+        share = (time.process_time() - cpu) / (time.monotonic() - wall)
+        assert len(worker.engine.waiting) == 1  # still queued: the tools still hold both slots
+        assert share < 0.10, f"the process used {share:.0%} of a core while every slot waited on a tool"
+        done = drain_all(worker, 3)
+    finally:
+        worker.stop()
+    assert all(len(done[f"r{i}"].turns) == 1 for i in range(3))
+
+
 # --- the manager: workers as Ray actors, each building its tools from the config ------------------------------
 def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_cluster, model_dir, tmp_path):
-    """RolloutManager.suspend (eval's pause) cuts a conversation waiting on its tool: the cut keeps its tokens and
-    no answer; resume() gives it back, the call is made again and the conversation goes on to its end."""
+    """RolloutManager.suspend (eval's pause) cuts a conversation waiting on its tool once the tool has answered:
+    the cut keeps its tokens and the answer; resume() gives it back and the model goes on from the answer (the
+    call is never made again) to its end."""
     import ray
 
     from rlsys.rollout.manager import RolloutManager
@@ -316,7 +390,8 @@ def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_clu
             ready, _ = ray.wait(manager.refs(), num_returns=1, timeout=1.0)
             assert manager.collect(ready) == []  # the partial is held for resume, not delivered
         [held] = manager.suspended
-        assert held.resume_ids == r.resume_ids and held.resume_turns == []  # cut before the tool's answer
+        answer = tok.encode("<tool_response>done</tool_response>", add_special_tokens=False)
+        assert held.resume_ids == r.resume_ids + answer and [t.name for t in held.resume_turns] == ["slow"]
         manager.resume()
         deadline, got = time.time() + 60, []
         while not got and time.time() < deadline:
@@ -325,7 +400,7 @@ def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_clu
     finally:
         manager.shutdown()
     [c] = got
-    n, answer = len(r.resume_ids), tok.encode("<tool_response>done</tool_response>", add_special_tokens=False)
+    n = len(r.resume_ids)
     assert c.token_ids[:n + len(answer)] == r.resume_ids + answer and c.mask[n:n + len(answer)] == [0] * len(answer)
     assert [(t.name, t.ok) for t in c.turns] == [("slow", True)]
 

@@ -157,6 +157,20 @@ def junk():
 
 def fails():
     raise RuntimeError("the service is down")
+
+
+calls = 0
+
+
+def count():
+    """State the tool keeps between calls: its conversation's alone."""
+    global calls
+    calls += 1
+    return str(calls)
+
+
+def hog():
+    return str(len(bytearray(3 << 30)))  # 3 GiB, over tools.memory_mb
 '''
 
 
@@ -164,7 +178,7 @@ def fails():
 def user_box(tmp_path_factory):
     path = tmp_path_factory.mktemp("tools") / "my_tools.py"
     path.write_text(FAULTY_TOOLS)
-    names = ["lookup", "hang", "crash", "flood", "junk", "fails"]
+    names = ["lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog"]
     tools = box("calculator", *(f"{path}:{name}" for name in names), timeout_s=1.0, max_response_chars=100,
                 max_workers=1)
     yield tools
@@ -172,20 +186,50 @@ def user_box(tmp_path_factory):
 
 
 def test_a_user_tool_answers_by_its_function_name(user_box):
-    assert user_box.names == ["calculator", "lookup", "hang", "crash", "flood", "junk", "fails"]
+    assert user_box.names == ["calculator", "lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog"]
     result = user_box.run(call("lookup", word="apple"))
     assert (result.text, result.ok) == ("a fruit", True)
 
 
 def test_a_hung_tool_is_abandoned_at_the_time_limit_and_its_process_killed(user_box):
-    user_box.run(call("lookup", word="apple"))  # its process is up: the limit is the call's alone
-    pid = user_box._children.queue[0].proc.pid
-    result = user_box.run(call("hang"))
+    user_box.run(call("lookup", word="apple"), "c")  # its process is up: the limit is the call's alone
+    pid = user_box._processes["c"].proc.pid
+    result = user_box.run(call("hang"), "c")
     assert not result.ok and result.error == "the tool timed out after 1s (its process was killed)"
     assert 1.0 <= result.elapsed_s < 3.0
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert user_box.run(call("lookup", word="pear")).text == "not found"  # a fresh process
+    assert user_box.run(call("lookup", word="pear"), "c").text == "not found"  # a fresh process
+    user_box.release("c")
+
+
+def test_each_conversation_has_its_own_tool_state_which_goes_when_it_ends(user_box):
+    assert [user_box.run(call("count"), c).text for c in ("a", "a", "b", "a")] == ["1", "2", "1", "3"]
+    pid = user_box._processes["a"].proc.pid
+    user_box.release("a")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert user_box.run(call("count"), "a").text == "1"  # a new conversation of the same id starts afresh
+    assert user_box.run(call("count")).text == "1"  # no conversation: a process of its own, stopped after
+    user_box.release("a"), user_box.release("b")
+    assert user_box._processes == {}
+
+
+def test_a_user_tool_gets_no_more_memory_than_tools_memory_mb(user_box):
+    result = user_box.run(call("hog"), "m")
+    assert not result.ok and result.error.startswith("raised MemoryError")
+    assert user_box.run(call("lookup", word="apple"), "m").ok  # the process lived through it
+    user_box.release("m")
+
+
+def test_time_queued_for_a_tool_thread_counts_in_the_call_s_time_limit(user_box):
+    """A call made 0.8s ago (queued behind busy tool threads) has 0.2s of its 1s left; one made 2s ago, none."""
+    assert user_box.run(call("lookup", word="apple"), "q").ok  # its process is up
+    late = user_box.run(call("hang"), "q", made_at=time.monotonic() - 0.8)
+    assert not late.ok and late.error.startswith("the tool timed out after 1s, 0.8s of it queued for a tool thread")
+    expired = user_box.run(call("lookup", word="apple"), "q", made_at=time.monotonic() - 2.0)
+    assert not expired.ok and expired.error.startswith("timed out after 1s waiting for a free tool thread")
+    user_box.release("q")
 
 
 def test_a_tool_that_crashes_its_process_is_a_failed_call_not_a_dead_worker(user_box):

@@ -10,11 +10,13 @@ layout) no step runs: requests submitted meanwhile wait for it to wake.
 With tools (`tools.fns`), every request is a conversation: when the model's turn ends at a tool call the engine
 holds the sequence and the call goes to a pool of tool threads, so the generation thread keeps decoding the
 others while the tool runs; the tool's answer, tokenized once on that thread, is appended between two steps and
-the model goes on (RolloutEngine.use_tools).
+the model goes on (RolloutEngine.use_tools). A conversation cut (abort) while its tool runs is cut once the
+answer is in, so its partial carries the answer and resuming it never makes the call again.
 """
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -52,6 +54,8 @@ class RolloutWorker:
         self._submit_error: BaseException | None = None  # a submitted request was refused
         self._stopped = False
         self.tools = self._tool_pool = None
+        self._calling: dict[str, int] = {}  # conversation -> its token count at the call its tool is running
+        self._cut_on_answer: set[str] = set()  # conversations aborted while their tool runs
         if tools is not None and tools.fns:  # a ToolsConfig: this worker builds its own tools from it
             from rlsys.tools.box import ToolBox
             from rlsys.tools.format import ToolFormat
@@ -89,9 +93,12 @@ class RolloutWorker:
     def abort(self, request_ids: list[str]) -> list[str]:
         """Cut these requests now; their partial completions come out of drain(). Returns the ids cut."""
         def cut():
-            done = self.engine.abort(list(request_ids))
+            later = {rid for rid in request_ids if rid in self._calling
+                     and self.engine._waiting_on(rid, self._calling[rid]) is not None}
+            self._cut_on_answer |= later
+            done = self.engine.abort([rid for rid in request_ids if rid not in later])
             self._publish(done)
-            return [c.request_id for c in done]
+            return [c.request_id for c in done] + sorted(later)
         return self._call(cut)
 
     def update_weights(self, update: WeightUpdate) -> None:
@@ -183,8 +190,9 @@ class RolloutWorker:
                 if self._can_step():
                     with profiler.step() if profiler else nullcontext():
                         self._publish(self.engine.step())
-                for call in self.engine.take_calls():
-                    self._tool_pool.submit(self._run_tool, *call)
+                for rid, at, text in self.engine.take_calls():
+                    self._calling[rid] = at
+                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic())
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
                 profiler.close()
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
@@ -200,21 +208,30 @@ class RolloutWorker:
     def _can_step(self) -> bool:
         return self.engine.can_step() and not self.engine.asleep
 
-    def _run_tool(self, request_id: str, at: int, call_text: str) -> None:
-        """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit), tokenize its
-        answer once, and hand the ids to the generation thread to append between two steps."""
+    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float) -> None:
+        """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit counted from
+        `made_at`), tokenize its answer once, and hand the ids to the generation thread to append between two steps."""
         try:
-            result = self.tools.run(call_text)
-            ids = self.engine.tokenizer.encode(self.tools.fmt.render_response(result), add_special_tokens=False)
+            result = self.tools.run(call_text, request_id, made_at)
+            ids = self.tools.fmt.response_ids(self.engine.tokenizer, result)
             with self._cond:
                 if self._stopped or self._error is not None:
                     return
-                self._ops.append((lambda: self.engine.extend(request_id, at, ids, result.turn), None))
+                self._ops.append((lambda: self._answer(request_id, at, ids, result.turn), None))
                 self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - a bug here stops the worker, reported like the loop's own
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
+
+    def _answer(self, request_id: str, at: int, ids: list[int], turn) -> None:
+        """On the generation thread: append a tool's answer; a conversation aborted meanwhile is cut now."""
+        if self._calling.get(request_id) == at:
+            del self._calling[request_id]
+        self.engine.extend(request_id, at, ids, turn)
+        if request_id in self._cut_on_answer:
+            self._cut_on_answer.discard(request_id)
+            self._publish(self.engine.abort([request_id]))
 
     def _run_op(self, fn: Callable[[], Any], future: Future | None) -> None:
         try:
@@ -235,6 +252,8 @@ class RolloutWorker:
             return
         for c in completions:
             c.worker = self.index
+            if self.tools is not None:  # the conversation is over (or cut): its tools' state goes
+                self.tools.release(c.request_id)
         busy = self.engine.has_work()
         with self._cond:
             self._engine_busy = busy

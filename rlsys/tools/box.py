@@ -4,9 +4,11 @@ Where each tool runs, so that no call can stop the rollout worker that makes it:
 - `calculator` runs in the calling thread: its guards (rlsys/tools/calculator.py) bound every call.
 - `python` runs the model's code in the code reward's sandbox (rlsys/reward/sandbox.py: namespaces, rlimits,
   a user without rights), a fresh process per call killed at `tools.timeout_s`; what it printed is the answer.
-- the user's tools run in child processes (rlsys/tools/user_child.py), one per concurrent call: a call past
-  `tools.timeout_s` is abandoned by killing its process, which is started again for the next call; a tool
-  that crashes its process (a segfault, os._exit) is a failed call, not a dead worker.
+- the user's tools run in child processes (rlsys/tools/user_child.py) of at most `tools.memory_mb`, one per
+  conversation: what a tool keeps in its globals is that conversation's alone, and goes when the conversation
+  ends (`release`). A call past `tools.timeout_s` is abandoned by killing its process, which is started again
+  for the next call; a tool that crashes its process (a segfault, os._exit) is a failed call, not a dead worker.
+`tools.timeout_s` bounds a call from when it was made (`made_at`): time queued behind busy tool threads counts.
 `run` never raises: a malformed call, an unknown tool, an exception, a timeout, a crash, or an answer that is
 not a string is a failed ToolResult whose text (`error: ...`) is the tool's answer to the model; the caller
 keeps or drops the sample by `tools.on_failure`. Answers over `tools.max_response_chars` are cut with a
@@ -18,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import select
 import signal
 import subprocess
@@ -66,13 +67,13 @@ def truncated(text: str, chars: int, limit: int) -> str:
     return text[:max(0, limit - len(marker))] + marker
 
 
-# Built-in tools: a name, and how to call it with the model's arguments in the box, giving (the answer, or its
-# first characters, and its length).
-BUILTINS: Registry[Callable[["ToolBox", dict], tuple[str, int]]] = Registry("tool")
+# Built-in tools: a name, and how to call it with the model's arguments in the box within the seconds left,
+# giving (the answer, or its first characters, and its length).
+BUILTINS: Registry[Callable[["ToolBox", dict, float], tuple[str, int]]] = Registry("tool")
 
 
 @BUILTINS.register("calculator")
-def _calculator(box: "ToolBox", arguments: dict) -> tuple[str, int]:
+def _calculator(box: "ToolBox", arguments: dict, timeout_s: float) -> tuple[str, int]:
     try:
         answer = calculator(**arguments)
     except CalculatorError as e:
@@ -81,11 +82,11 @@ def _calculator(box: "ToolBox", arguments: dict) -> tuple[str, int]:
 
 
 @BUILTINS.register("python")
-def _python(box: "ToolBox", arguments: dict) -> tuple[str, int]:
+def _python(box: "ToolBox", arguments: dict, timeout_s: float) -> tuple[str, int]:
     code = arguments.get("code")
     if not isinstance(code, str) or set(arguments) != {"code"}:
         raise ToolFailure('python takes one argument, "code" (a string)')
-    result = box.sandbox.run_script(code, box.cfg.timeout_s, box.cfg.max_response_chars)
+    result = box.sandbox.run_script(code, timeout_s, box.cfg.max_response_chars)
     if result.output is None:
         raise ToolFailure(f"the code did not finish: {result.reason}")
     return result.output, result.chars
@@ -113,9 +114,7 @@ class ToolBox:
         self.cfg, self.fmt = cfg, fmt
         self.user_specs = user_tools(cfg)
         self.names = [n for n in cfg.fns if not is_spec(n)] + list(self.user_specs)
-        self._children: queue.Queue[_UserToolProcess] = queue.Queue()
-        for _ in range(cfg.max_workers if self.user_specs else 0):
-            self._children.put(_UserToolProcess(self.user_specs, cfg.max_response_chars))
+        self._processes: dict[str, _UserToolProcess] = {}  # conversation -> its process of the user's tools
         self._lock = threading.Lock()
         self.sandbox = self._build_sandbox() if "python" in self.names else None
         self.counts = {"calls": 0, "failed": 0, "timed_out": 0, "truncated": 0}
@@ -135,14 +134,20 @@ class ToolBox:
         from rlsys.reward.sandbox import Sandbox  # imports the reward pool and Ray: only when the tool is used
         return Sandbox(self.cfg.sandbox, field="tools.sandbox")
 
-    def run(self, call_text: str) -> ToolResult:
-        """Run the call the model wrote (from the opening tag to the closing one). Blocks up to about
-        tools.timeout_s; never raises."""
+    def run(self, call_text: str, conversation: str | None = None, made_at: float | None = None) -> ToolResult:
+        """Run the call the model wrote (from the opening tag to the closing one) in `conversation` (None: a
+        conversation of this one call). Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by
+        default now); never raises."""
         start, name = time.monotonic(), ""
+        made_at = start if made_at is None else made_at
         try:
             call = self.fmt.parse_call(call_text)
             name = call.name
-            text, chars = self._call(call.name, call.arguments)
+            left = self.cfg.timeout_s - (start - made_at)
+            if left <= 0:
+                raise ToolFailure(f"timed out after {self.cfg.timeout_s:g}s waiting for a free tool thread "
+                                  f"(tools.max_workers={self.cfg.max_workers})")
+            text, chars = self._call(call.name, call.arguments, conversation, left)
             if chars > self.cfg.max_response_chars:
                 text = truncated(text, chars, self.cfg.max_response_chars)
                 with self._lock:
@@ -158,16 +163,29 @@ class ToolBox:
             self.counts["calls"] += 1
         return result
 
-    def _call(self, name: str, arguments: dict) -> tuple[str, int]:
+    def _call(self, name: str, arguments: dict, conversation: str | None, timeout_s: float) -> tuple[str, int]:
         if name in self.user_specs:
-            child = self._children.get()
+            with self._lock:
+                child = self._processes.get(conversation) if conversation is not None else None
+                if child is None:
+                    child = _UserToolProcess(self.user_specs, self.cfg.max_response_chars, self.cfg.memory_mb)
+                    if conversation is not None:
+                        self._processes[conversation] = child
             try:
-                return child.call(name, arguments, self.cfg.timeout_s)
+                return child.call(name, arguments, timeout_s, self.cfg.timeout_s)
             finally:
-                self._children.put(child)
+                if conversation is None:
+                    child.stop()
         if name not in self.names:
             raise ToolFailure(f"no tool {name!r}; the tools are: {', '.join(self.names)}")
-        return BUILTINS.get(name)(self, arguments)
+        return BUILTINS.get(name)(self, arguments, timeout_s)
+
+    def release(self, conversation: str) -> None:
+        """The conversation ended: its process of the user's tools (and what they kept in it) goes."""
+        with self._lock:
+            child = self._processes.pop(conversation, None)
+        if child is not None:
+            child.stop()
 
     def _failed(self, name: str, error: str, start: float) -> ToolResult:
         with self._lock:
@@ -180,20 +198,23 @@ class ToolBox:
 
     def close(self) -> None:
         """End the user tools' processes (they also die with this process)."""
-        while not self._children.empty():
-            self._children.get_nowait().stop()
+        with self._lock:
+            children, self._processes = list(self._processes.values()), {}
+        for child in children:
+            child.stop()
 
 
 class _UserToolProcess:
     """One process running the user's tools, started on first use and again after a timeout or a crash."""
 
-    def __init__(self, specs: dict[str, str], max_chars: int):
-        self.specs, self.max_chars = specs, max_chars
+    def __init__(self, specs: dict[str, str], max_chars: int, memory_mb: int):
+        self.specs, self.max_chars, self.memory_mb = specs, max_chars, memory_mb
         self.proc: subprocess.Popen | None = None
         self.buffer = b""
 
-    def call(self, name: str, arguments: dict, timeout_s: float) -> tuple[str, int]:
-        """(the answer's first max_chars characters, its length)."""
+    def call(self, name: str, arguments: dict, timeout_s: float, limit_s: float) -> tuple[str, int]:
+        """(the answer's first max_chars characters, its length), within `timeout_s`: what is left of the call's
+        `limit_s` after it queued for a tool thread."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         try:
@@ -201,7 +222,7 @@ class _UserToolProcess:
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise ToolFailure(self._died()) from None
-        reply = self._reply(timeout_s)
+        reply = self._reply(timeout_s, limit_s=limit_s)
         if "error" in reply:
             raise ToolFailure(reply["error"])
         return reply["text"], reply["chars"]
@@ -210,14 +231,15 @@ class _UserToolProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
         self.buffer = b""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlsys.tools.user_child", json.dumps(self.specs), str(self.max_chars)],
+            [sys.executable, "-m", "rlsys.tools.user_child", json.dumps(self.specs), str(self.max_chars),
+             str(self.memory_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
         reply = self._reply(START_TIMEOUT_S, starting=True)
         if "error" in reply:
             self.stop()
             raise ToolFailure(reply["error"])
 
-    def _reply(self, timeout_s: float, starting: bool = False) -> dict:
+    def _reply(self, timeout_s: float, starting: bool = False, limit_s: float | None = None) -> dict:
         """The next line the process writes, parsed; ToolFailure if it takes over `timeout_s` or dies."""
         deadline = time.monotonic() + timeout_s
         fd = self.proc.stdout.fileno()
@@ -226,7 +248,10 @@ class _UserToolProcess:
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 self.stop()
                 what = "starting the user tools' process" if starting else "the tool"
-                raise ToolFailure(f"{what} timed out after {timeout_s:g}s (its process was killed)")
+                limit_s = timeout_s if limit_s is None else limit_s
+                queued = limit_s - timeout_s
+                queued = f", {queued:.1f}s of it queued for a tool thread" if queued > 0.05 else ""
+                raise ToolFailure(f"{what} timed out after {limit_s:g}s{queued} (its process was killed)")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 raise ToolFailure(self._died())

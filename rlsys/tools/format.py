@@ -74,9 +74,21 @@ class ToolFormat:
             raise ToolCallError(f"the call has keys besides name and arguments: {', '.join(sorted(extra))}")
         return ToolCall(call["name"], arguments)
 
+    def response_ids(self, tokenizer, result) -> list[int]:
+        """The answer's token ids: the tags as the tokenizer reads them, the tool's text as plain text, so a tool
+        printing `<eos>` or `<|im_end|>` cannot inject that special token into the conversation."""
+        return (tokenizer.encode(self.response_open, add_special_tokens=False) + plain_ids(tokenizer, result)
+                + tokenizer.encode(self.response_close, add_special_tokens=False))
+
     def render_response(self, result) -> str:
         """The text appended after the call: the tool's answer (a ToolResult's text, or a str) in its tags."""
         return f"{self.response_open}{getattr(result, 'text', result)}{self.response_close}"
+
+
+def plain_ids(tokenizer, result) -> list[int]:
+    """A tool's answer (a ToolResult's text, or a str) tokenized as text: special-token strings in it are split."""
+    text = getattr(result, "text", result)
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
 
 def _tag_pair(template: str, name: str) -> tuple[str, str] | None:

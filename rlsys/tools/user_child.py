@@ -1,5 +1,7 @@
 """The process that runs the user's tools, started by rlsys/tools/box.py as `python -m rlsys.tools.user_child`.
 
+Its address space is limited to `tools.memory_mb` before the tools are imported, so a tool that allocates
+without bound fails its call (MemoryError) instead of taking the machine's memory from the rollout worker.
 One request per line on stdin, {"name", "arguments"}; one reply per line on the stdout it was started with,
 {"text", "chars"} or {"error"}. The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's
 text is cut to the size limit here, so a flood never crosses the pipe. The first line is {"ready": true}
@@ -8,6 +10,7 @@ once every tool is imported (or {"error"} if one fails).
 import ctypes
 import json
 import os
+import resource
 import signal
 import sys
 
@@ -16,7 +19,8 @@ from rlsys.plugins import load_function
 PR_SET_PDEATHSIG = 1
 
 
-def serve(specs: dict[str, str], max_chars: int) -> None:
+def serve(specs: dict[str, str], max_chars: int, memory_mb: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     if sys.platform == "linux":  # die with the rollout worker, even when a tool never returns
@@ -43,4 +47,4 @@ def serve(specs: dict[str, str], max_chars: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(json.loads(sys.argv[1]), int(sys.argv[2]))
+    serve(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
