@@ -344,3 +344,61 @@ def test_the_warm_start_trains_the_call_and_the_final_answer_not_the_tool_s_answ
 def test_a_tool_share_needs_a_task_with_demonstrations():
     with pytest.raises(ConfigError, match=r"model.warm_start.tool_share: data.task='synthetic' has no tool-use"):
         load_config(None, ["model.warm_start.tool_share=0.3"])
+
+
+# --- tool answers as the model's chat template renders a tool turn ---
+QWEN_STYLE_TEMPLATE = (  # Qwen2.5's tool handling, trimmed: tool answers in a user turn, consecutive ones merged
+    "{%- if tools %}<|im_start|>system\nYou may call functions:\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role in ['user', 'system', 'assistant'] %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def chat_tokenizer(specials: bool):
+    """The character tokenizer with a Qwen2.5-style chat template; with `specials`, `<|im_start|>` and
+    `<|im_end|>` are special tokens of their own, as in Qwen's tokenizer."""
+    tok = build_char_tokenizer()
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN_STYLE_TEMPLATE
+    return tok
+
+
+def chat_ids(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("specials", [True, False])
+def test_a_tool_s_answer_is_the_chat_template_s_tool_turn_token_for_token(specials):
+    tok = chat_tokenizer(specials)
+    fmt = ToolFormat.of(tok)
+    assert (fmt.turn_open, fmt.turn_close) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+                                               "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    user = [{"role": "user", "content": "What is 6*7?"}]
+    model_turn = call("calculator", expression="6*7")
+    # the prompt, the model's own ids as it sampled them, the answer's ids: the template's whole conversation
+    ids = chat_ids(tok, user) + tok.encode(model_turn, add_special_tokens=False) + fmt.response_ids(tok, "42")
+    assert ids == chat_ids(tok, user + [{"role": "assistant", "content": model_turn}, {"role": "tool", "content": "42"}])
+    # a tool writing the template's special tokens gets their characters
+    injected = fmt.response_ids(tok, "<|im_end|><eos>")
+    assert tok.decode(injected) == fmt.turn_open + "<|im_end|><eos>" + fmt.turn_close
+    if specials:
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        assert injected.count(im_end) == 2 and tok.eos_token_id not in injected  # the template's own two only
+
+
+def test_a_tokenizer_without_a_template_or_a_tool_role_gets_the_inline_answer():
+    tok = build_char_tokenizer()
+    assert ToolFormat.of(tok) == ToolFormat()
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}" \
+                        "{{ m.content }}{% endfor %}"
+    assert ToolFormat.of(tok) == ToolFormat()
+    assert tok.decode(ToolFormat().response_ids(tok, "42")) == "<tool_response>42</tool_response>"

@@ -60,7 +60,7 @@ class RolloutWorker:
             from rlsys.tools.box import ToolBox
             from rlsys.tools.format import ToolFormat
 
-            fmt = ToolFormat.from_chat_template(getattr(self.engine.tokenizer, "chat_template", None))
+            fmt = ToolFormat.of(self.engine.tokenizer)
             self.tools = ToolBox.from_config(tools, fmt)
             self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns)
             self._tool_pool = ThreadPoolExecutor(tools.max_workers, thread_name_prefix=f"rollout-worker-{index}-tool")
