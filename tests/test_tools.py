@@ -169,6 +169,13 @@ def count():
     return str(calls)
 
 
+async def fetch(key):
+    """An async tool, as a client library's would be."""
+    import asyncio
+    await asyncio.sleep(0.01)
+    return f"value of {key}"
+
+
 def hog():
     return str(len(bytearray(3 << 30)))  # 3 GiB, over tools.memory_mb
 '''
@@ -178,7 +185,7 @@ def hog():
 def user_box(tmp_path_factory):
     path = tmp_path_factory.mktemp("tools") / "my_tools.py"
     path.write_text(FAULTY_TOOLS)
-    names = ["lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog"]
+    names = ["lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog", "fetch"]
     tools = box("calculator", *(f"{path}:{name}" for name in names), timeout_s=1.0, max_response_chars=100,
                 max_workers=1)
     yield tools
@@ -186,9 +193,15 @@ def user_box(tmp_path_factory):
 
 
 def test_a_user_tool_answers_by_its_function_name(user_box):
-    assert user_box.names == ["calculator", "lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog"]
+    assert user_box.names == ["calculator", "lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog",
+                              "fetch"]
     result = user_box.run(call("lookup", word="apple"))
     assert (result.text, result.ok) == ("a fruit", True)
+
+
+def test_an_async_tool_answers_with_what_it_awaited(user_box):
+    result = user_box.run(call("fetch", key="k"))
+    assert (result.text, result.ok) == ("value of k", True)
 
 
 def test_a_hung_tool_is_abandoned_at_the_time_limit_and_its_process_killed(user_box):

@@ -2,12 +2,14 @@
 
 Its address space is limited to `tools.memory_mb` before the tools are imported, so a tool that allocates
 without bound fails its call (MemoryError) instead of taking the machine's memory from the rollout worker.
-One request per line on stdin, {"name", "arguments"}; one reply per line on the stdout it was started with,
+A tool may be a function or an `async def` one. One request per line on stdin, {"name", "arguments"}; one reply per line on the stdout it was started with,
 {"text", "chars"} or {"error"}. The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's
 text is cut to the size limit here, so a flood never crosses the pipe. The first line is {"ready": true}
 once every tool is imported (or {"error"} if one fails).
 """
+import asyncio
 import ctypes
+import inspect
 import json
 import os
 import resource
@@ -36,6 +38,8 @@ def serve(specs: dict[str, str], max_chars: int, memory_mb: int) -> None:
         request = json.loads(line)
         try:
             value = fns[request["name"]](**request["arguments"])
+            if inspect.isawaitable(value):  # an `async def` tool: run to its answer in this process's own loop
+                value = asyncio.run(_awaited(value))
             if isinstance(value, str):
                 reply = {"text": value[:max_chars], "chars": len(value)}
             else:
@@ -44,6 +48,10 @@ def serve(specs: dict[str, str], max_chars: int, memory_mb: int) -> None:
             reply = {"error": f"raised {type(e).__name__}: {str(e)[:300]}"}
         out.write(json.dumps(reply) + "\n")
         out.flush()
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 if __name__ == "__main__":
