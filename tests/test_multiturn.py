@@ -24,7 +24,7 @@ from rlsys.step_stats import tool_metrics
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.logprobs import Scoring
-from rlsys.tools import CALL_CLOSE, CALL_OPEN
+from rlsys.tools import CALL_CLOSE, CALL_OPEN, ToolFormat
 from rlsys.types import Group, Prompt, Request, SamplingParams, ScoredSample, ToolTurn, reward_item
 
 SIZES = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=256)
@@ -45,8 +45,9 @@ def sampled(n=60):
     return SamplingParams(max_new_tokens=n, temperature=1.0, seed=7)
 
 
-def run(eng, requests, tool=None, limit=2000):
-    """Step until every request finished; `tool(call_text) -> answer text` answers each call at once."""
+def run(eng, requests, tool=None, limit=2000, encode=None):
+    """Step until every request finished; `tool(call_text) -> answer text` answers each call at once, its ids
+    `encode(tokenizer, text)` (by default the text's own)."""
     for r in requests:
         eng.add(r)
     done = {}
@@ -54,7 +55,7 @@ def run(eng, requests, tool=None, limit=2000):
         for c in eng.step():
             done[c.request_id] = c
         for rid, at, text in eng.take_calls():
-            ids = eng.tokenizer.encode(tool(text), add_special_tokens=False)
+            ids = (encode or (lambda tok, t: tok.encode(t, add_special_tokens=False)))(eng.tokenizer, tool(text))
             eng.extend(rid, at, ids, ToolTurn("echo", True, None, 0.0))
         if len(done) == len(requests) and not eng.has_work():
             return done
@@ -522,3 +523,30 @@ def test_async_a_conversation_spanning_a_weight_publish_records_each_tokens_vers
         assert c.versions == [0] * first_turn + [1] * (len(c.token_ids) - first_turn)
         assert c.mask[first_turn:first_turn + n] == [0] * n
     sched.ledger.check(sched.in_flight_prompts())
+
+
+# --- the vLLM engine: the same conversation code, a continuation served from the prefix cache ------------------
+def test_the_vllm_engine_continues_a_conversation_over_its_prefix_cache(model_dir, monkeypatch):
+    """On the vLLM stand-in (tests/vllm_standin.py): the turn ends at the call, the answer's ids join masked, and
+    the next turn is a new vLLM request on the ids so far whose only uncached tokens are the answer's."""
+    import vllm_standin
+    from rlsys.rollout.vllm_engine import VLLMEngine
+
+    vllm_standin.install(monkeypatch)
+    eng = VLLMEngine(model_dir, 2, max_len=256)
+    assert eng.llm.args.enable_prefix_caching
+    prompt = eng.tokenizer.encode(PROMPT, add_special_tokens=False)
+    single = run(eng, [Request("s", "p", prompt, sampled())])["s"].token_ids
+    chars = [eng.tokenizer.decode([t]) for t in single]
+    k = next(k for k in range(4, 40) if all(len(c) == 1 and c.isascii() and c.isprintable() for c in chars[k:k + 2])
+             and chars[k] + chars[k + 1] not in eng.tokenizer.decode(single[:k + 1]))
+    eng.use_tools(chars[0], chars[k] + chars[k + 1], max_turns=1)
+    eng.llm.reset_prefix_cache()
+    fmt = ToolFormat.of(eng.tokenizer)
+    c = run(eng, [Request("r", "p", prompt, sampled())], tool=lambda text: "42", encode=fmt.response_ids)["r"]
+    answer = fmt.response_ids(eng.tokenizer, "42")
+    first = k + 2
+    assert c.token_ids[:first] == single[:first] and c.token_ids[first:first + len(answer)] == answer
+    assert c.mask == [1] * first + [0] * len(answer) + [1] * (len(c.token_ids) - first - len(answer))
+    assert len(c.token_ids) <= 60 and [t.name for t in c.turns] == ["echo"]
+    assert [n for rid, n in eng.llm.computed if rid == "r"] == [len(prompt), len(answer)]
