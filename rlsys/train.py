@@ -25,6 +25,7 @@ from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.events import Aborted, Event, Generated, Scored
 from rlsys.data import load_prompts
+from rlsys.tools.schemas import tool_schemas
 from rlsys.data.cursor import PromptCursor
 from rlsys.emulate import Emulation, Overruns
 from rlsys.evaluate import Evaluation
@@ -78,7 +79,7 @@ class Controller:
             print(format_plan(plan, self.placement.node_addresses()), flush=True)
         self.model_dir = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
-        train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer)  # it logs the prompts it drops
+        train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, tool_schemas(cfg.tools))  # logs drops
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
         self.rollout = RolloutManager.from_config(cfg, self.model_dir, self.placement)
         self.sleeps = cfg.rollout.enable_sleep_mode

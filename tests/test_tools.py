@@ -19,6 +19,7 @@ from rlsys.startup import check_report, load_config
 from rlsys.tools import (CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN, ToolBox, ToolCall, ToolCallError,
                          ToolFormat, parse_call, render_response)
 from rlsys.tools.calculator import CalculatorError, calculator
+from rlsys.tools.schemas import tool_schemas
 from test_sandbox import needs_isolation
 
 
@@ -415,3 +416,23 @@ def test_a_tokenizer_without_a_template_or_a_tool_role_gets_the_inline_answer():
                         "{{ m.content }}{% endfor %}"
     assert ToolFormat.of(tok) == ToolFormat()
     assert tok.decode(ToolFormat().response_ids(tok, "42")) == "<tool_response>42</tool_response>"
+
+
+def test_the_tools_schemas_reach_the_prompt_through_the_chat_template(tmp_path):
+    (tmp_path / "units.py").write_text('def convert(value: float, unit: str, to: str = "m") -> str:\n'
+                                       '    """Convert a length between units.\n\n    More words."""\n    return ""\n')
+    schemas = tool_schemas(ToolsConfig(fns=["calculator", f"{tmp_path / 'units.py'}:convert"]))
+    assert [s["function"]["name"] for s in schemas] == ["calculator", "convert"]
+    assert schemas[1]["function"] == {"name": "convert", "description": "Convert a length between units.",
+                                      "parameters": {"type": "object", "required": ["value", "unit"],
+                                                     "properties": {"value": {"type": "number"},
+                                                                    "unit": {"type": "string"},
+                                                                    "to": {"type": "string"}}}}
+    assert tool_schemas(ToolsConfig()) is None
+    tok = chat_tokenizer(specials=True)
+    cfg = DataConfig(task="tool_arith", chat_template=True, train_size=4, eval_size=2)
+    train, _ = load_datasets(cfg, tok, schemas)
+    assert all(p.text.startswith("<|im_start|>system\nYou may call functions:\n<tools>" + json.dumps(schemas[0]))
+               and p.text.endswith("<|im_end|>\n<|im_start|>assistant\n") for p in train)
+    plain, _ = load_datasets(cfg, tok)
+    assert all(p.text.startswith("<|im_start|>user\n") for p in plain)
