@@ -207,7 +207,7 @@ def test_an_async_tool_answers_with_what_it_awaited(user_box):
 
 def test_a_hung_tool_is_abandoned_at_the_time_limit_and_its_process_killed(user_box):
     user_box.run(call("lookup", word="apple"), "c")  # its process is up: the limit is the call's alone
-    pid = user_box._processes["c"].proc.pid
+    pid = user_box._processes["c"].pid
     result = user_box.run(call("hang"), "c")
     assert not result.ok and result.error == "the tool timed out after 1s (its process was killed)"
     assert 1.0 <= result.elapsed_s < 3.0
@@ -219,7 +219,7 @@ def test_a_hung_tool_is_abandoned_at_the_time_limit_and_its_process_killed(user_
 
 def test_each_conversation_has_its_own_tool_state_which_goes_when_it_ends(user_box):
     assert [user_box.run(call("count"), c).text for c in ("a", "a", "b", "a")] == ["1", "2", "1", "3"]
-    pid = user_box._processes["a"].proc.pid
+    pid = user_box._processes["a"].pid
     user_box.release("a")
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -5,9 +5,10 @@ Where each tool runs, so that no call can stop the rollout worker that makes it:
 - `python` runs the model's code in the code reward's sandbox (rlsys/reward/sandbox.py: namespaces, rlimits,
   a user without rights), a fresh process per call killed at `tools.timeout_s`; what it printed is the answer.
 - the user's tools run in child processes (rlsys/tools/user_child.py) of at most `tools.memory_mb`, one per
-  conversation: what a tool keeps in its globals is that conversation's alone, and goes when the conversation
-  ends (`release`). A call past `tools.timeout_s` is abandoned by killing its process, which is started again
-  for the next call; a tool that crashes its process (a segfault, os._exit) is a failed call, not a dead worker.
+  conversation, forked from a server that imported them once: what a tool keeps in its globals is that
+  conversation's alone, and goes when the conversation ends (`release`). A call past `tools.timeout_s` is
+  abandoned by killing its process, which is forked again for the next call; a tool that crashes its process (a
+  segfault, os._exit) is a failed call, not a dead worker.
 `tools.timeout_s` bounds a call from when it was made (`made_at`): time queued behind busy tool threads counts.
 `run` never raises: a malformed call, an unknown tool, an exception, a timeout, a crash, or an answer that is
 not a string is a failed ToolResult whose text (`error: ...`) is the tool's answer to the model; the caller
@@ -22,6 +23,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -114,6 +116,7 @@ class ToolBox:
         self.cfg, self.fmt = cfg, fmt
         self.user_specs = user_tools(cfg)
         self.names = [n for n in cfg.fns if not is_spec(n)] + list(self.user_specs)
+        self._server = _ToolServer(self.user_specs, cfg.max_response_chars, cfg.memory_mb) if self.user_specs else None
         self._processes: dict[str, _UserToolProcess] = {}  # conversation -> its process of the user's tools
         self._lock = threading.Lock()
         self.sandbox = self._build_sandbox() if "python" in self.names else None
@@ -168,7 +171,7 @@ class ToolBox:
             with self._lock:
                 child = self._processes.get(conversation) if conversation is not None else None
                 if child is None:
-                    child = _UserToolProcess(self.user_specs, self.cfg.max_response_chars, self.cfg.memory_mb)
+                    child = _UserToolProcess(self._server)
                     if conversation is not None:
                         self._processes[conversation] = child
             try:
@@ -202,70 +205,62 @@ class ToolBox:
             children, self._processes = list(self._processes.values()), {}
         for child in children:
             child.stop()
+        if self._server is not None:
+            self._server.stop()
 
 
-class _UserToolProcess:
-    """One process running the user's tools, started on first use and again after a timeout or a crash."""
+class _ToolServer:
+    """The fork server of the user's tools (rlsys/tools/user_child.py), started on first use and again if it dies."""
 
     def __init__(self, specs: dict[str, str], max_chars: int, memory_mb: int):
-        self.specs, self.max_chars, self.memory_mb = specs, max_chars, memory_mb
+        self.args = [json.dumps(specs), str(max_chars), str(memory_mb)]
         self.proc: subprocess.Popen | None = None
-        self.buffer = b""
+        self.control: socket.socket | None = None
+        self.lock = threading.Lock()
 
-    def call(self, name: str, arguments: dict, timeout_s: float, limit_s: float) -> tuple[str, int]:
-        """(the answer's first max_chars characters, its length), within `timeout_s`: what is left of the call's
-        `limit_s` after it queued for a tool thread."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        try:
-            self.proc.stdin.write((json.dumps({"name": name, "arguments": arguments}) + "\n").encode())
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise ToolFailure(self._died()) from None
-        reply = self._reply(timeout_s, limit_s=limit_s)
-        if "error" in reply:
-            raise ToolFailure(reply["error"])
-        return reply["text"], reply["chars"]
+    def fork(self) -> tuple[socket.socket, int]:
+        """A new process of the tools: (the socket to talk to it, its pid)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            mine, theirs = socket.socketpair()
+            try:
+                socket.send_fds(self.control, [b'{"fork": true}'], [theirs.fileno()])
+                return mine, self._reply()["pid"]
+            finally:
+                theirs.close()
+
+    def reap(self, pid: int) -> int | None:
+        """The exit code of a process that died or was killed (None if the server is gone)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                return None
+            self.control.send(json.dumps({"reap": pid}).encode())
+            return self._reply()["status"]
 
     def _start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
-        self.buffer = b""
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlsys.tools.user_child", json.dumps(self.specs), str(self.max_chars),
-             str(self.memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
-        reply = self._reply(START_TIMEOUT_S, starting=True)
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlsys.tools.user_child", str(theirs.fileno()), *self.args],
+                                     pass_fds=[theirs.fileno()], env=env, start_new_session=True)
+        theirs.close()
+        reply = self._reply()
         if "error" in reply:
             self.stop()
             raise ToolFailure(reply["error"])
 
-    def _reply(self, timeout_s: float, starting: bool = False, limit_s: float | None = None) -> dict:
-        """The next line the process writes, parsed; ToolFailure if it takes over `timeout_s` or dies."""
-        deadline = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self.stop()
-                what = "starting the user tools' process" if starting else "the tool"
-                limit_s = timeout_s if limit_s is None else limit_s
-                queued = limit_s - timeout_s
-                queued = f", {queued:.1f}s of it queued for a tool thread" if queued > 0.05 else ""
-                raise ToolFailure(f"{what} timed out after {limit_s:g}s{queued} (its process was killed)")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise ToolFailure(self._died())
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return json.loads(line)
-
-    def _died(self) -> str:
-        rc = self.proc.wait()
-        self.proc = None
-        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
-        return f"the tool's process died ({how})"
+    def _reply(self) -> dict:
+        if not select.select([self.control], [], [], START_TIMEOUT_S)[0]:
+            self.stop()
+            raise ToolFailure(f"the user tools' server did not answer in {START_TIMEOUT_S:g}s (it was killed)")
+        data = self.control.recv(1 << 16)
+        if not data:
+            self.stop()
+            raise ToolFailure("the user tools' server died")
+        return json.loads(data)
 
     def stop(self) -> None:
+        """Kill the server and every process it forked (one process group)."""
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -273,3 +268,68 @@ class _UserToolProcess:
                 pass
             self.proc.wait()
             self.proc = None
+            self.control.close()
+
+
+class _UserToolProcess:
+    """One conversation's process of the user's tools, forked on first use and again after a timeout or a crash."""
+
+    def __init__(self, server: _ToolServer):
+        self.server = server
+        self.conn: socket.socket | None = None
+        self.pid = 0
+        self.buffer = b""
+
+    def call(self, name: str, arguments: dict, timeout_s: float, limit_s: float) -> tuple[str, int]:
+        """(the answer's first max_chars characters, its length), within `timeout_s`: what is left of the call's
+        `limit_s` after it queued for a tool thread."""
+        if self.conn is None:
+            self.conn, self.pid = self.server.fork()
+            self.buffer = b""
+        try:
+            self.conn.sendall((json.dumps({"name": name, "arguments": arguments}) + "\n").encode())
+        except OSError:  # it died between two calls
+            raise ToolFailure(self._died()) from None
+        reply = self._reply(timeout_s, limit_s)
+        if "error" in reply:
+            raise ToolFailure(reply["error"])
+        return reply["text"], reply["chars"]
+
+    def _reply(self, timeout_s: float, limit_s: float) -> dict:
+        """The next line the process writes, parsed; ToolFailure if it takes over `timeout_s` or dies."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.conn], [], [], left)[0]:
+                self.stop()
+                queued = limit_s - timeout_s
+                queued = f", {queued:.1f}s of it queued for a tool thread" if queued > 0.05 else ""
+                raise ToolFailure(f"the tool timed out after {limit_s:g}s{queued} (its process was killed)")
+            chunk = self.conn.recv(1 << 16)
+            if not chunk:
+                raise ToolFailure(self._died())
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    def _died(self) -> str:
+        rc = self.server.reap(self.pid)
+        self._close()
+        how = "" if rc is None else f" (signal {signal.Signals(-rc).name})" if rc < 0 else f" (exit status {rc})"
+        return f"the tool's process died{how}"
+
+    def stop(self) -> None:
+        if self.conn is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.server.reap(self.pid)
+            except ToolFailure:  # the server went with it: nothing left to reap
+                pass
+            self._close()
+
+    def _close(self) -> None:
+        self.conn.close()
+        self.conn = None

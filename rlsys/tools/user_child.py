@@ -1,11 +1,16 @@
-"""The process that runs the user's tools, started by rlsys/tools/box.py as `python -m rlsys.tools.user_child`.
+"""The fork server of the user's tools, started by rlsys/tools/box.py as `python -m rlsys.tools.user_child`.
 
-Its address space is limited to `tools.memory_mb` before the tools are imported, so a tool that allocates
-without bound fails its call (MemoryError) instead of taking the machine's memory from the rollout worker.
-A tool may be a function or an `async def` one. One request per line on stdin, {"name", "arguments"}; one reply per line on the stdout it was started with,
-{"text", "chars"} or {"error"}. The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's
-text is cut to the size limit here, so a flood never crosses the pipe. The first line is {"ready": true}
-once every tool is imported (or {"error"} if one fails).
+It limits its address space to `tools.memory_mb` (so a tool that allocates without bound fails its call with a
+MemoryError instead of taking the machine's memory from the rollout worker), imports the tools once, then forks
+a process per conversation: the fork starts in milliseconds with the tools imported, and whatever a tool keeps
+in its globals is that conversation's alone. Each process dies with the server, and the server with the worker.
+
+Control (a SOCK_SEQPACKET socket whose fd is argv[1]): first {"ready": true} (or {"error"} if a tool does not
+import); then {"fork": true} with a connected socket's fd attached -> {"pid"}: a process serving the tools on
+that socket; {"reap": pid} -> {"status"}: its exit code, once it has died or been killed.
+A conversation's process reads one request per line, {"name", "arguments"}, and writes one reply per line,
+{"text", "chars"} or {"error"}. The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's text
+is cut to the size limit here, so a flood never crosses the socket. A tool may be a function or an `async def`.
 """
 import asyncio
 import ctypes
@@ -14,6 +19,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import sys
 
 from rlsys.plugins import load_function
@@ -21,20 +27,38 @@ from rlsys.plugins import load_function
 PR_SET_PDEATHSIG = 1
 
 
-def serve(specs: dict[str, str], max_chars: int, memory_mb: int) -> None:
+def main(control_fd: int, specs: dict[str, str], max_chars: int, memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    if sys.platform == "linux":  # die with the rollout worker, even when a tool never returns
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.dup2(2, 1)  # the tools' prints
+    _die_with_parent()
+    control = socket.socket(fileno=control_fd)
     try:
         fns = {name: load_function(spec, "tools.fns") for name, spec in specs.items()}
-        reply = {"ready": True}
     except Exception as e:
-        fns, reply = {}, {"error": f"importing the tools raised {type(e).__name__}: {e}"}
-    out.write(json.dumps(reply) + "\n")
-    out.flush()
-    for line in sys.stdin:
+        control.send(json.dumps({"error": f"importing the tools raised {type(e).__name__}: {e}"}).encode())
+        return
+    control.send(b'{"ready": true}')
+    while True:
+        data, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+        if not data:  # the worker closed it
+            return
+        request = json.loads(data)
+        if "reap" in request:
+            _, status = os.waitpid(request["reap"], 0)
+            control.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+            continue
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            _die_with_parent()
+            serve(socket.socket(fileno=fds[0]), fns, max_chars)
+            os._exit(0)
+        os.close(fds[0])
+        control.send(json.dumps({"pid": pid}).encode())
+
+
+def serve(conn: socket.socket, fns: dict, max_chars: int) -> None:
+    for line in conn.makefile("rb"):
         request = json.loads(line)
         try:
             value = fns[request["name"]](**request["arguments"])
@@ -46,8 +70,12 @@ def serve(specs: dict[str, str], max_chars: int, memory_mb: int) -> None:
                 reply = {"error": f"returned {type(value).__name__}, not a string: {repr(value)[:100]}"}
         except Exception as e:
             reply = {"error": f"raised {type(e).__name__}: {str(e)[:300]}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+        conn.sendall((json.dumps(reply) + "\n").encode())
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":  # even when a tool never returns
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 async def _awaited(awaitable):
@@ -55,4 +83,4 @@ async def _awaited(awaitable):
 
 
 if __name__ == "__main__":
-    serve(json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    main(int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
