@@ -38,7 +38,8 @@ from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats, engine_pace
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
-from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample, reward_item
+from rlsys.types import (Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample, reward_item,
+                         trajectory_return)
 from rlsys.weights.sync import WeightSync
 
 # Level 2 drops the engines' weights instead of copying them to host memory (a pinned copy per engine, 15 GB
@@ -177,7 +178,8 @@ class Controller:
             self.stats.add_reward(result.error)
             self.prompts.pop(result.key, None)
             reward = self.friction.reward(result.key, result.reward)  # the testbed's flips (off by default)
-            events.append(Scored(ScoredSample(self.in_flight.pop(result.key), reward, result.error)))
+            completion = self.in_flight.pop(result.key)
+            events.append(Scored(ScoredSample(completion, trajectory_return(reward, completion.turns), result.error)))
         return events
 
     def score(self, completions: list[Completion]) -> None:

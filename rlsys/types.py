@@ -48,11 +48,19 @@ class Request:
 
 @dataclass(frozen=True)
 class ToolTurn:
-    """One tool call of a conversation, for metrics: the tool, whether it answered, and how long it took."""
+    """One tool call of a conversation: the tool, whether it answered, how long it took, and the reward an
+    environment (tools.env) gave the turn."""
     name: str
     ok: bool
     error: Optional[str] = None
     elapsed_s: float = 0.0
+    reward: float = 0.0
+
+
+def trajectory_return(reward: float, turns: list[ToolTurn]) -> float:
+    """A sample's return, what every advantage estimator reads: its reward plus its turns' rewards, summed
+    (undiscounted: a conversation is one episode of a few turns)."""
+    return reward + sum(t.reward for t in turns)
 
 
 @dataclass

@@ -339,6 +339,42 @@ def test_a_tool_printing_special_tokens_gives_their_text_not_the_tokens(model_di
     assert len(answer) == len("<tool_response><eos><pad></tool_response>")
 
 
+ENV = """
+class Guess:
+    def reset(self, sample):
+        self.secret = len(sample["prompt"])
+
+    def step(self, action):
+        n = int(action)
+        return ("correct", 1.0, True) if n == self.secret else ("higher" if n < self.secret else "lower", -0.25, False)
+"""
+
+
+def test_an_environment_s_feedback_joins_the_conversation_and_its_done_ends_it(model_dir, tmp_path):
+    """tools.env: reset with the conversation's prompt, stepped with the model's action; a wrong guess's feedback is
+    appended and the model goes on, a right one ends the conversation there ("stop") with the turn's reward."""
+    (tmp_path / "guess.py").write_text(ENV)
+    worker = RolloutWorker(model_dir, 2, engine_kwargs={"max_len": 256},
+                           tools=ToolsConfig(env=f"{tmp_path / 'guess.py'}:Guess"))
+    try:
+        tok = worker.engine.tokenizer
+        prompt = tok.encode(PROMPT, add_special_tokens=False)
+        right = cut_at_call(tok, prompt, f"<tool_call>{len(PROMPT)}</tool_call>", "right")
+        wrong = cut_at_call(tok, prompt, "<tool_call>3</tool_call>", "wrong")
+        worker.submit([right, wrong])
+        done = drain_all(worker, 2)
+    finally:
+        worker.stop()
+    c = done["right"]
+    answer = tok.encode("<tool_response>correct</tool_response>", add_special_tokens=False)
+    assert c.finish_reason == "stop" and c.token_ids == right.resume_ids + answer
+    assert [(t.name, t.ok, t.reward) for t in c.turns] == [("env", True, 1.0)]
+    w, n = done["wrong"], len(wrong.resume_ids)
+    feedback = tok.encode("<tool_response>higher</tool_response>", add_special_tokens=False)
+    assert w.token_ids[n:n + len(feedback)] == feedback and len(w.token_ids) > n + len(feedback)  # it went on
+    assert w.turns[0].reward == -0.25
+
+
 def test_no_busy_spin_while_every_slot_waits_on_a_tool(model_dir, tags, tmp_path):
     """Both slots hold conversations waiting on their calls (queued behind a slow call on the one tool thread) and
     a third request waits for a slot: the generation thread sleeps until an answer comes, taking under 10% of a

@@ -20,6 +20,7 @@ from rlsys.tools import (CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN, T
                          ToolFormat, parse_call, render_response)
 from rlsys.tools.calculator import CalculatorError, calculator
 from rlsys.tools.schemas import tool_schemas
+from rlsys.types import ToolTurn, trajectory_return
 from test_sandbox import needs_isolation
 
 
@@ -436,3 +437,75 @@ def test_the_tools_schemas_reach_the_prompt_through_the_chat_template(tmp_path):
                and p.text.endswith("<|im_end|>\n<|im_start|>assistant\n") for p in train)
     plain, _ = load_datasets(cfg, tok)
     assert all(p.text.startswith("<|im_start|>user\n") for p in plain)
+
+
+# --- environments (tools.env): reset with the sample, stepped with each call, per conversation ---
+GUESS_ENV = '''
+import asyncio
+
+
+class Guess:
+    """The hidden number is the prompt's length; each step answers higher or lower, 1 for the right guess."""
+
+    def reset(self, sample):
+        self.secret, self.steps = len(sample["prompt"]), 0
+
+    async def step(self, action):
+        await asyncio.sleep(0)
+        self.steps += 1
+        n = int(action)
+        if n == self.secret:
+            return f"correct after {self.steps}", 1.0, True
+        return ("higher" if n < self.secret else "lower"), -0.1, False
+
+
+class NoStep:
+    def reset(self, sample):
+        pass
+
+
+class Junk(Guess):
+    def step(self, action):
+        return "x", float("nan"), False
+'''
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "guess.py"
+    path.write_text(GUESS_ENV)
+    return path
+
+
+def test_an_environment_is_reset_per_conversation_and_stepped_with_each_call(env_file):
+    env = box(env=f"{env_file}:Guess", timeout_s=5.0)
+    try:
+        sample = {"prompt": "x" * 7}
+        steps = [env.run(f"{CALL_OPEN}{n}{CALL_CLOSE}", "a", sample=sample) for n in (3, 9, 7)]
+        assert [(r.text, r.reward, r.done, r.ok) for r in steps] == [
+            ("higher", -0.1, False, True), ("lower", -0.1, False, True), ("correct after 3", 1.0, True, True)]
+        assert steps[0].turn.reward == -0.1 and steps[0].turn.name == "env"
+        other = env.run(f"{CALL_OPEN}2{CALL_CLOSE}", "b", sample={"prompt": "xx"})  # its own instance
+        assert (other.text, other.done) == ("correct after 1", True)
+        bad = env.run(f"{CALL_OPEN}seven{CALL_CLOSE}", "c", sample=sample)
+        assert not bad.ok and bad.reward == 0.0 and "ValueError" in bad.error
+    finally:
+        env.close()
+    junk = box(env=f"{env_file}:Junk")
+    try:
+        result = junk.run(f"{CALL_OPEN}1{CALL_CLOSE}", "j", sample=sample)
+        assert not result.ok and result.error.startswith("step returned ('x', nan, False), not (observation")
+    finally:
+        junk.close()
+
+
+def test_an_environment_without_step_or_beside_tools_is_refused_at_load(env_file):
+    with pytest.raises(ConfigError, match=r"tools.env: .*has no method step"):
+        load_config(None, [f"tools.env={env_file}:NoStep"])
+    with pytest.raises(ConfigError, match=r"tools.env: an environment answers every call"):
+        load_config(None, [f"tools.env={env_file}:Guess", "tools.fns=[calculator]"])
+
+
+def test_a_trajectory_s_return_is_its_reward_plus_its_turns_rewards_summed():
+    turns = [ToolTurn("env", True, reward=-0.1), ToolTurn("env", True, reward=1.0)]
+    assert trajectory_return(0.5, turns) == pytest.approx(1.4) and trajectory_return(0.5, []) == 0.5

@@ -56,7 +56,7 @@ class RolloutWorker:
         self.tools = self._tool_pool = None
         self._calling: dict[str, int] = {}  # conversation -> its token count at the call its tool is running
         self._cut_on_answer: set[str] = set()  # conversations aborted while their tool runs
-        if tools is not None and tools.fns:  # a ToolsConfig: this worker builds its own tools from it
+        if tools is not None and (tools.fns or tools.env):  # a ToolsConfig: this worker builds its tools from it
             from rlsys.tools.box import ToolBox
             from rlsys.tools.format import ToolFormat
 
@@ -192,7 +192,8 @@ class RolloutWorker:
                         self._publish(self.engine.step())
                 for rid, at, text in self.engine.take_calls():
                     self._calling[rid] = at
-                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic())
+                    prompt = self.engine._record_of(rid).request.prompt_ids
+                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), prompt)
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
                 profiler.close()
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
@@ -208,30 +209,38 @@ class RolloutWorker:
     def _can_step(self) -> bool:
         return self.engine.can_step() and not self.engine.asleep
 
-    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float) -> None:
+    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float, prompt_ids: list[int]) -> None:
         """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit counted from
-        `made_at`), tokenize its answer once, and hand the ids to the generation thread to append between two steps."""
+        `made_at`), tokenize its answer once, and hand the ids to the generation thread to append between two
+        steps. An environment is reset with the conversation's prompt."""
         try:
-            result = self.tools.run(call_text, request_id, made_at)
+            sample = {"prompt": self.engine.tokenizer.decode(prompt_ids)} if self.tools.env_spec else None
+            result = self.tools.run(call_text, request_id, made_at, sample)
             ids = self.tools.fmt.response_ids(self.engine.tokenizer, result)
             with self._cond:
                 if self._stopped or self._error is not None:
                     return
-                self._ops.append((lambda: self._answer(request_id, at, ids, result.turn), None))
+                self._ops.append((lambda: self._answer(request_id, at, ids, result.turn, result.done), None))
                 self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - a bug here stops the worker, reported like the loop's own
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
 
-    def _answer(self, request_id: str, at: int, ids: list[int], turn) -> None:
-        """On the generation thread: append a tool's answer; a conversation aborted meanwhile is cut now."""
+    def _answer(self, request_id: str, at: int, ids: list[int], turn, done: bool) -> None:
+        """On the generation thread: append a tool's answer; a conversation aborted meanwhile is cut now, and
+        one its environment ended (`done`) ends with the answer ("stop")."""
         if self._calling.get(request_id) == at:
             del self._calling[request_id]
         self.engine.extend(request_id, at, ids, turn)
         if request_id in self._cut_on_answer:
             self._cut_on_answer.discard(request_id)
             self._publish(self.engine.abort([request_id]))
+        elif done:
+            ended = self.engine.abort([request_id])
+            for c in ended:
+                c.finish_reason = "stop"
+            self._publish(ended)
 
     def _run_op(self, fn: Callable[[], Any], future: Future | None) -> None:
         try:

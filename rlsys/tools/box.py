@@ -50,11 +50,13 @@ class ToolResult:
     ok: bool
     error: str | None
     elapsed_s: float
+    reward: float = 0.0  # an environment's, for this turn
+    done: bool = False  # the environment ended the conversation
 
     @property
     def turn(self) -> ToolTurn:
         """What the conversation's sample records of this call."""
-        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s)
+        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s, self.reward)
 
 
 class ToolFailure(Exception):
@@ -111,12 +113,30 @@ def user_tools(cfg: ToolsConfig) -> dict[str, str]:
     return specs
 
 
+def user_env(cfg: ToolsConfig) -> str | None:
+    """The spec of the user's environment class (`tools.env`), imported once here to check it has reset(sample)
+    and step(action); a PluginError naming the field otherwise."""
+    if cfg.env is None:
+        return None
+    if cfg.fns:
+        raise PluginError("tools.env: an environment answers every call the model makes; leave tools.fns empty")
+    cls = load_function(cfg.env, "tools.env")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise PluginError(f"tools.env: {cfg.env!r} has no method {' or '.join(missing)}; an environment has "
+                          "reset(sample) and step(action) -> (observation, reward, done)")
+    module, _, attr = cfg.env.rpartition(":")
+    return f"{Path(module).resolve()}:{attr}" if module.endswith(".py") else cfg.env
+
+
 class ToolBox:
     def __init__(self, cfg: ToolsConfig, fmt: ToolFormat = DEFAULT):
         self.cfg, self.fmt = cfg, fmt
         self.user_specs = user_tools(cfg)
+        self.env_spec = user_env(cfg)
         self.names = [n for n in cfg.fns if not is_spec(n)] + list(self.user_specs)
-        self._server = _ToolServer(self.user_specs, cfg.max_response_chars, cfg.memory_mb) if self.user_specs else None
+        self._server = (_ToolServer(self.user_specs, self.env_spec, cfg.max_response_chars, cfg.memory_mb)
+                        if self.user_specs or self.env_spec else None)
         self._processes: dict[str, _UserToolProcess] = {}  # conversation -> its process of the user's tools
         self._lock = threading.Lock()
         self.sandbox = self._build_sandbox() if "python" in self.names else None
@@ -137,12 +157,16 @@ class ToolBox:
         from rlsys.reward.sandbox import Sandbox  # imports the reward pool and Ray: only when the tool is used
         return Sandbox(self.cfg.sandbox, field="tools.sandbox")
 
-    def run(self, call_text: str, conversation: str | None = None, made_at: float | None = None) -> ToolResult:
+    def run(self, call_text: str, conversation: str | None = None, made_at: float | None = None,
+            sample: dict | None = None) -> ToolResult:
         """Run the call the model wrote (from the opening tag to the closing one) in `conversation` (None: a
-        conversation of this one call). Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by
+        conversation of this one call): a tool's, or with tools.env a step of the conversation's environment
+        (reset first with `sample`). Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by
         default now); never raises."""
         start, name = time.monotonic(), ""
         made_at = start if made_at is None else made_at
+        if self.env_spec:
+            return self._step(call_text, conversation, made_at, sample or {})
         try:
             call = self.fmt.parse_call(call_text)
             name = call.name
@@ -166,19 +190,42 @@ class ToolBox:
             self.counts["calls"] += 1
         return result
 
+    def _step(self, call_text: str, conversation: str | None, made_at: float, sample: dict) -> ToolResult:
+        """A step of the conversation's environment with the model's action (the call's text between the tags)."""
+        start = time.monotonic()
+        action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
+        try:
+            left = self.cfg.timeout_s - (start - made_at)
+            if left <= 0:
+                raise ToolFailure(f"timed out after {self.cfg.timeout_s:g}s waiting for a free tool thread")
+            reply = self._in_process(conversation, {"step": action, "sample": sample}, left)
+            text, chars = reply["text"], reply["chars"]
+            result = ToolResult("env", truncated(text, chars, self.cfg.max_response_chars), True, None,
+                                time.monotonic() - start, reply["reward"], reply["done"])
+        except ToolFailure as e:
+            result = self._failed("env", str(e), start)
+        with self._lock:
+            self.counts["calls"] += 1
+        return result
+
+    def _in_process(self, conversation: str | None, request: dict, timeout_s: float) -> dict:
+        """The reply of the conversation's process of the user's code to `request`."""
+        with self._lock:
+            child = self._processes.get(conversation) if conversation is not None else None
+            if child is None:
+                child = _UserToolProcess(self._server)
+                if conversation is not None:
+                    self._processes[conversation] = child
+        try:
+            return child.call(request, timeout_s, self.cfg.timeout_s)
+        finally:
+            if conversation is None:
+                child.stop()
+
     def _call(self, name: str, arguments: dict, conversation: str | None, timeout_s: float) -> tuple[str, int]:
         if name in self.user_specs:
-            with self._lock:
-                child = self._processes.get(conversation) if conversation is not None else None
-                if child is None:
-                    child = _UserToolProcess(self._server)
-                    if conversation is not None:
-                        self._processes[conversation] = child
-            try:
-                return child.call(name, arguments, timeout_s, self.cfg.timeout_s)
-            finally:
-                if conversation is None:
-                    child.stop()
+            reply = self._in_process(conversation, {"name": name, "arguments": arguments}, timeout_s)
+            return reply["text"], reply["chars"]
         if name not in self.names:
             raise ToolFailure(f"no tool {name!r}; the tools are: {', '.join(self.names)}")
         return BUILTINS.get(name)(self, arguments, timeout_s)
@@ -212,8 +259,8 @@ class ToolBox:
 class _ToolServer:
     """The fork server of the user's tools (rlsys/tools/user_child.py), started on first use and again if it dies."""
 
-    def __init__(self, specs: dict[str, str], max_chars: int, memory_mb: int):
-        self.args = [json.dumps(specs), str(max_chars), str(memory_mb)]
+    def __init__(self, specs: dict[str, str], env: str | None, max_chars: int, memory_mb: int):
+        self.args = [json.dumps(specs), json.dumps(env), str(max_chars), str(memory_mb)]
         self.proc: subprocess.Popen | None = None
         self.control: socket.socket | None = None
         self.lock = threading.Lock()
@@ -280,20 +327,20 @@ class _UserToolProcess:
         self.pid = 0
         self.buffer = b""
 
-    def call(self, name: str, arguments: dict, timeout_s: float, limit_s: float) -> tuple[str, int]:
-        """(the answer's first max_chars characters, its length), within `timeout_s`: what is left of the call's
-        `limit_s` after it queued for a tool thread."""
+    def call(self, request: dict, timeout_s: float, limit_s: float) -> dict:
+        """The reply to `request` (a tool's: the answer's first max_chars characters, its length), within
+        `timeout_s`: what is left of the call's `limit_s` after it queued for a tool thread."""
         if self.conn is None:
             self.conn, self.pid = self.server.fork()
             self.buffer = b""
         try:
-            self.conn.sendall((json.dumps({"name": name, "arguments": arguments}) + "\n").encode())
+            self.conn.sendall((json.dumps(request) + "\n").encode())
         except OSError:  # it died between two calls
             raise ToolFailure(self._died()) from None
         reply = self._reply(timeout_s, limit_s)
         if "error" in reply:
             raise ToolFailure(reply["error"])
-        return reply["text"], reply["chars"]
+        return reply
 
     def _reply(self, timeout_s: float, limit_s: float) -> dict:
         """The next line the process writes, parsed; ToolFailure if it takes over `timeout_s` or dies."""

@@ -9,13 +9,16 @@ Control (a SOCK_SEQPACKET socket whose fd is argv[1]): first {"ready": true} (or
 import); then {"fork": true} with a connected socket's fd attached -> {"pid"}: a process serving the tools on
 that socket; {"reap": pid} -> {"status"}: its exit code, once it has died or been killed.
 A conversation's process reads one request per line, {"name", "arguments"}, and writes one reply per line,
-{"text", "chars"} or {"error"}. The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's text
-is cut to the size limit here, so a flood never crosses the socket. A tool may be a function or an `async def`.
+{"text", "chars"} or {"error"}; with an environment (tools.env), {"step": action, "sample"} -> {"text",
+"chars", "reward", "done"}: the conversation's instance, made and reset(sample) at its first step, steps.
+The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's text is cut to the size limit
+here, so a flood never crosses the socket. A tool, reset or step may be a function or an `async def`.
 """
 import asyncio
 import ctypes
 import inspect
 import json
+import math
 import os
 import resource
 import signal
@@ -27,13 +30,14 @@ from rlsys.plugins import load_function
 PR_SET_PDEATHSIG = 1
 
 
-def main(control_fd: int, specs: dict[str, str], max_chars: int, memory_mb: int) -> None:
+def main(control_fd: int, specs: dict[str, str], env: str | None, max_chars: int, memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     os.dup2(2, 1)  # the tools' prints
     _die_with_parent()
     control = socket.socket(fileno=control_fd)
     try:
         fns = {name: load_function(spec, "tools.fns") for name, spec in specs.items()}
+        env_class = load_function(env, "tools.env") if env else None
     except Exception as e:
         control.send(json.dumps({"error": f"importing the tools raised {type(e).__name__}: {e}"}).encode())
         return
@@ -51,19 +55,25 @@ def main(control_fd: int, specs: dict[str, str], max_chars: int, memory_mb: int)
         if pid == 0:
             control.close()
             _die_with_parent()
-            serve(socket.socket(fileno=fds[0]), fns, max_chars)
+            serve(socket.socket(fileno=fds[0]), fns, env_class, max_chars)
             os._exit(0)
         os.close(fds[0])
         control.send(json.dumps({"pid": pid}).encode())
 
 
-def serve(conn: socket.socket, fns: dict, max_chars: int) -> None:
+def serve(conn: socket.socket, fns: dict, env_class, max_chars: int) -> None:
+    env = None  # the conversation's environment, made and reset at its first step
     for line in conn.makefile("rb"):
         request = json.loads(line)
         try:
-            value = fns[request["name"]](**request["arguments"])
-            if inspect.isawaitable(value):  # an `async def` tool: run to its answer in this process's own loop
-                value = asyncio.run(_awaited(value))
+            if "step" in request:
+                if env is None:
+                    env = env_class()
+                    _result(env.reset(request["sample"]))
+                reply = _step(env, request["step"], max_chars)
+                conn.sendall((json.dumps(reply) + "\n").encode())
+                continue
+            value = _result(fns[request["name"]](**request["arguments"]))
             if isinstance(value, str):
                 reply = {"text": value[:max_chars], "chars": len(value)}
             else:
@@ -71,6 +81,19 @@ def serve(conn: socket.socket, fns: dict, max_chars: int) -> None:
         except Exception as e:
             reply = {"error": f"raised {type(e).__name__}: {str(e)[:300]}"}
         conn.sendall((json.dumps(reply) + "\n").encode())
+
+
+def _step(env, action: str, max_chars: int) -> dict:
+    out = _result(env.step(action))
+    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
+            and isinstance(out[1], (int, float)) and math.isfinite(out[1]) and isinstance(out[2], bool)):
+        return {"error": f"step returned {repr(out)[:100]}, not (observation: str, reward: float, done: bool)"}
+    return {"text": out[0][:max_chars], "chars": len(out[0]), "reward": float(out[1]), "done": out[2]}
+
+
+def _result(value):
+    """The value, or what it awaited (`async def`: run to its end in this process's own loop)."""
+    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
 
 
 def _die_with_parent() -> None:
@@ -83,4 +106,4 @@ async def _awaited(awaitable):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
