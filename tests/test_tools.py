@@ -11,7 +11,7 @@ import pytest
 
 from rlsys.config import ConfigError, DataConfig, SandboxConfig, ToolsConfig, WarmStartConfig
 from rlsys.data import load_datasets
-from rlsys.data.tool_tasks import demonstrate
+from rlsys.data.tool_tasks import demonstrate, demonstrate_search
 from rlsys.models.tiny import build_char_tokenizer
 from rlsys.models.warm_start import IGNORE, draw_batch, encode_demonstration
 from rlsys.reward.registry import final_answer
@@ -509,3 +509,27 @@ def test_an_environment_without_step_or_beside_tools_is_refused_at_load(env_file
 def test_a_trajectory_s_return_is_its_reward_plus_its_turns_rewards_summed():
     turns = [ToolTurn("env", True, reward=-0.1), ToolTurn("env", True, reward=1.0)]
     assert trajectory_return(0.5, turns) == pytest.approx(1.4) and trajectory_return(0.5, []) == 0.5
+
+
+def test_guess_number_needs_rounds_of_feedback_and_its_demonstration_searches_with_the_environment():
+    """The hidden number is in no prompt; the environment's feedback leads the demonstration's binary search to it in
+    at most four guesses, most games taking two or more; eval games are not training games."""
+    train, evals = load_datasets(DataConfig(task="guess_number", train_size=200, eval_size=100))
+    assert not {p.text for p in train} & {p.text for p in evals}
+    env = box(env="rlsys.data.tool_tasks:GuessNumber")
+    turns = []
+    try:
+        for i, prompt in enumerate(evals[:20]):
+            assert prompt.answer not in prompt.text.partition("game")[2].split()
+            parts = demonstrate_search(prompt)
+            calls = [text for text, mine in parts[:-1] if mine]
+            said = [env.run(c, f"g{i}", sample={"prompt": prompt.text}).text for c in calls]
+            assert [render_response(s) for s in said] == [text for text, mine in parts if not mine]
+            assert said[-1] == "correct" and parts[-1] == (prompt.answer, True) and len(calls) <= 4
+            assert final_answer("".join(text for text, mine in parts if mine), prompt.answer) == 1.0
+            turns.append(len(calls))
+            env.release(f"g{i}")
+    finally:
+        env.close()
+    assert sum(t >= 2 for t in turns) >= 15
+    check_report(load_config("configs/tool_guess.yaml", []))  # the shipped config passes its checks (else raises)
