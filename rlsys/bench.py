@@ -35,7 +35,8 @@ PRESETS: dict[str, list[str]] = {
     "async": ["control.scheduler=async", "trainer.loss=decoupled_ppo"],
     "async-eta2": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.staleness.eta=2"],
     "async-loglinear": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "trainer.proximal=loglinear"],
-    "no-tools": ["tools.fns=[]"],  # the same run without its tools: the baseline of a task that needs them
+    "no-tools": ["tools.fns=[]", "tools.env=null"],  # the same run without its tools or environment: the
+    # baseline of a task that needs them
     "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc",
                    "control.sagc.prompt_rule=constant_prompts"],  # async keeps B prompts per update
 }

@@ -104,6 +104,7 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], in
     from rlsys.reward.pool import RewardPool
     from rlsys.rollout.manager import RolloutManager
     from rlsys.startup import load_config
+    from rlsys.tools.schemas import tool_schemas
 
     checkpoint = Path(path)
     model_dir, run_cfg = resolve_model(checkpoint)
@@ -111,7 +112,7 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], in
     init_ray(cfg.cluster)
     model_dir = model_dir or prepare_model(cfg)
     tokenizer = load_tokenizer(model_dir)
-    _, prompts, _ = load_prompts(cfg.data, tokenizer)  # the tokenizer renders chat templates
+    _, prompts, _ = load_prompts(cfg.data, tokenizer, tool_schemas(cfg.tools))  # the tokenizer renders templates
     rollout = RolloutManager.from_config(cfg, model_dir)
     if (checkpoint / "controller.json").exists():
         from safetensors.torch import load_file

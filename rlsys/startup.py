@@ -21,7 +21,7 @@ from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
 from rlsys.rollout.registry import engine_entry
-from rlsys.tools.box import user_tools
+from rlsys.tools.box import user_env, user_tools
 from rlsys.trainer.advantages import ADVANTAGES, check_advantage_options
 from rlsys.trainer.losses import POLICY_LOSSES, check_loss_options
 
@@ -34,6 +34,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     (("data", "loader"), lambda cfg: cfg.data.loader and row_loader(cfg.data.loader)),
     (("reward", "fn"), lambda cfg: reward_fn(cfg.reward.fn)),
     (("tools", "fns"), lambda cfg: user_tools(cfg.tools)),
+    (("tools", "env"), lambda cfg: user_env(cfg.tools)),
     (("model", "warm_start", "tool_share"), lambda cfg: not cfg.model.warm_start.tool_share
      or demonstrations(cfg.data.task)),
     (("rollout", "engine"), lambda cfg: engine_entry(cfg.rollout.engine)),

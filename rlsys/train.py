@@ -25,6 +25,7 @@ from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.events import Aborted, Event, Generated, Scored
 from rlsys.data import load_prompts
+from rlsys.tools.schemas import tool_schemas
 from rlsys.data.cursor import PromptCursor
 from rlsys.emulate import Emulation, Overruns
 from rlsys.evaluate import Evaluation
@@ -37,7 +38,8 @@ from rlsys.rollout.manager import RolloutManager
 from rlsys.step_stats import StepStats, engine_pace
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
-from rlsys.types import Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample, reward_item
+from rlsys.types import (Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample, reward_item,
+                         trajectory_return)
 from rlsys.weights.sync import WeightSync
 
 # Level 2 drops the engines' weights instead of copying them to host memory (a pinned copy per engine, 15 GB
@@ -78,7 +80,7 @@ class Controller:
             print(format_plan(plan, self.placement.node_addresses()), flush=True)
         self.model_dir = prepare_model(cfg)
         self.tokenizer = load_tokenizer(self.model_dir)
-        train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer)  # it logs the prompts it drops
+        train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, tool_schemas(cfg.tools))  # logs drops
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
         self.rollout = RolloutManager.from_config(cfg, self.model_dir, self.placement)
         self.sleeps = cfg.rollout.enable_sleep_mode
@@ -176,7 +178,8 @@ class Controller:
             self.stats.add_reward(result.error)
             self.prompts.pop(result.key, None)
             reward = self.friction.reward(result.key, result.reward)  # the testbed's flips (off by default)
-            events.append(Scored(ScoredSample(self.in_flight.pop(result.key), reward, result.error)))
+            completion = self.in_flight.pop(result.key)
+            events.append(Scored(ScoredSample(completion, trajectory_return(reward, completion.turns), result.error)))
         return events
 
     def score(self, completions: list[Completion]) -> None:

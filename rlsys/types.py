@@ -48,11 +48,19 @@ class Request:
 
 @dataclass(frozen=True)
 class ToolTurn:
-    """One tool call of a conversation, for metrics: the tool, whether it answered, and how long it took."""
+    """One tool call of a conversation: the tool, whether it answered, how long it took, and the reward an
+    environment (tools.env) gave the turn."""
     name: str
     ok: bool
     error: Optional[str] = None
     elapsed_s: float = 0.0
+    reward: float = 0.0
+
+
+def trajectory_return(reward: float, turns: list[ToolTurn]) -> float:
+    """A sample's return, what every advantage estimator reads: its reward plus its turns' rewards, summed
+    (undiscounted: a conversation is one episode of a few turns)."""
+    return reward + sum(t.reward for t in turns)
 
 
 @dataclass
@@ -76,6 +84,10 @@ class Completion:
     # log-prob 0.0, its version the one current when it came); empty: every token is the model's.
     mask: list[int] = field(default_factory=list)
     turns: list[ToolTurn] = field(default_factory=list)  # its tool calls, in order
+    # A conversation's own text and token count, its tools' answers left out: what rewards and the overlong
+    # penalty read (None: not a conversation, the text and token_ids are the model's alone)
+    model_text: str | None = None
+    model_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -123,5 +135,6 @@ class RunStopped(RuntimeError):
 def reward_item(completion: Completion, prompt: Prompt) -> tuple:
     """The reward pool's item for a completion of `prompt`: (key, response, answer, num_tokens, data_source,
     extra_info)."""
-    return (completion.request_id, completion.text, prompt.answer, completion.num_tokens, prompt.data_source,
-            prompt.extra_info)
+    c = completion
+    return (c.request_id, c.text if c.model_text is None else c.model_text, prompt.answer,
+            c.num_tokens if c.model_tokens is None else c.model_tokens, prompt.data_source, prompt.extra_info)

@@ -16,7 +16,7 @@ from rlsys.control import GROUP_SIZERS, SCHEDULERS
 from rlsys.control.actions import Abort, Submit, Train
 from rlsys.data.cursor import PromptCursor
 from rlsys.emulate import Emulation
-from rlsys.models.tiny import build_tiny_model
+from rlsys.models.tiny import build_char_tokenizer, build_tiny_model
 from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.engine import read_tokenizer
 from rlsys.rollout.worker import RolloutWorker
@@ -24,7 +24,8 @@ from rlsys.step_stats import tool_metrics
 from rlsys.trainer.backend import TorchBackend
 from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.logprobs import Scoring
-from rlsys.types import Group, Prompt, Request, SamplingParams, ScoredSample, ToolTurn
+from rlsys.tools import CALL_CLOSE, CALL_OPEN, ToolFormat
+from rlsys.types import Group, Prompt, Request, SamplingParams, ScoredSample, ToolTurn, reward_item
 
 SIZES = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=256)
 PROMPT = "What is 123*456? "
@@ -44,8 +45,9 @@ def sampled(n=60):
     return SamplingParams(max_new_tokens=n, temperature=1.0, seed=7)
 
 
-def run(eng, requests, tool=None, limit=2000):
-    """Step until every request finished; `tool(call_text) -> answer text` answers each call at once."""
+def run(eng, requests, tool=None, limit=2000, encode=None):
+    """Step until every request finished; `tool(call_text) -> answer text` answers each call at once, its ids
+    `encode(tokenizer, text)` (by default the text's own)."""
     for r in requests:
         eng.add(r)
     done = {}
@@ -53,7 +55,7 @@ def run(eng, requests, tool=None, limit=2000):
         for c in eng.step():
             done[c.request_id] = c
         for rid, at, text in eng.take_calls():
-            ids = eng.tokenizer.encode(tool(text), add_special_tokens=False)
+            ids = (encode or (lambda tok, t: tok.encode(t, add_special_tokens=False)))(eng.tokenizer, tool(text))
             eng.extend(rid, at, ids, ToolTurn("echo", True, None, 0.0))
         if len(done) == len(requests) and not eng.has_work():
             return done
@@ -122,6 +124,32 @@ def test_a_continuation_prefills_only_the_answer_over_the_kept_kv_cache(model_di
     assert again.counters.prefilled_tokens == len(prompt) + cut
     assert whole.token_ids == c.token_ids
     assert whole.logprobs[cut:] == pytest.approx(c.logprobs[cut:], abs=1e-4)
+
+
+def test_a_closing_tag_the_model_samples_in_more_tokens_than_the_tokenizer_s_own_ends_its_turn(model_dir):
+    """A tokenizer that has `</tool_call>` as one token; the model writes it character by character."""
+    eng = engine(model_dir)
+    eng.tokenizer.add_tokens(["</tool_call>"])
+    assert len(eng.tokenizer.encode(CALL_CLOSE, add_special_tokens=False)) == 1
+    eng.use_tools(CALL_OPEN, CALL_CLOSE, max_turns=1)
+    ids = [eng.tokenizer.convert_tokens_to_ids(eng.tokenizer.tokenize(ch))[0] for ch in CALL]  # one per character
+    assert eng.tokenizer.decode(ids) == CALL
+    prompt = eng.tokenizer.encode(PROMPT, add_special_tokens=False)
+    eng.add(Request("r", "p", prompt, sampled(200), resume_ids=ids, resume_logprobs=[-1.0] * len(ids),
+                    resume_versions=[0] * len(ids)))
+    assert eng.take_calls() == [("r", len(ids), CALL)]
+
+
+def test_rewards_read_the_model_s_own_text_and_token_count_not_the_tool_s(conversation):
+    c, answer, first_turn = conversation
+    tok = build_char_tokenizer()
+    own = [t for t, m in zip(c.token_ids, c.mask) if m]
+    assert c.model_tokens == len(own) == len(c.token_ids) - len(answer)
+    assert c.model_text == tok.decode(own, skip_special_tokens=True) and "56088" not in c.model_text
+    _, response, _, num_tokens, *_ = reward_item(c, Prompt("p", PROMPT, "x"))
+    assert (response, num_tokens) == (c.model_text, c.model_tokens)
+    plain = replace(c, model_text=None, model_tokens=None)  # a single-turn completion: its text, its tokens
+    assert reward_item(plain, Prompt("p", PROMPT, "x"))[1:4] == (c.text, "x", len(c.token_ids))
 
 
 # --- the trainer: tokens in, tokens out; a tool's tokens carry no gradient ---------------------------------
@@ -293,10 +321,93 @@ def test_abort_while_the_tool_runs_then_resume_goes_on_as_if_never_cut(model_dir
     assert [t.name for t in c.turns] == ["echo"]
 
 
+def test_a_tool_printing_special_tokens_gives_their_text_not_the_tokens(model_dir, tmp_path):
+    (tmp_path / "t.py").write_text("def specials():\n    return '<eos><pad>'\n")
+    worker = worker_with(model_dir, [f"{tmp_path / 't.py'}:specials"])
+    try:
+        tok = worker.engine.tokenizer
+        call = '<tool_call>{"name": "specials", "arguments": {}}</tool_call>'
+        r = cut_at_call(tok, tok.encode(PROMPT, add_special_tokens=False), call)
+        worker.submit([r])
+        c = drain_all(worker, 1)["r"]
+    finally:
+        worker.stop()
+    n = len(r.resume_ids)
+    answer = c.token_ids[n:n + c.mask[n:].index(1)] if 1 in c.mask[n:] else c.token_ids[n:]
+    assert tok.decode(answer) == "<tool_response><eos><pad></tool_response>"
+    assert not {tok.eos_token_id, tok.pad_token_id} & set(answer)  # as characters, one token each
+    assert len(answer) == len("<tool_response><eos><pad></tool_response>")
+
+
+ENV = """
+class Guess:
+    def reset(self, sample):
+        self.secret = len(sample["prompt"])
+
+    def step(self, action):
+        n = int(action)
+        return ("correct", 1.0, True) if n == self.secret else ("higher" if n < self.secret else "lower", -0.25, False)
+"""
+
+
+def test_an_environment_s_feedback_joins_the_conversation_and_its_done_ends_it(model_dir, tmp_path):
+    """tools.env: reset with the conversation's prompt, stepped with the model's action; a wrong guess's feedback is
+    appended and the model goes on, a right one ends the conversation there ("stop") with the turn's reward."""
+    (tmp_path / "guess.py").write_text(ENV)
+    worker = RolloutWorker(model_dir, 2, engine_kwargs={"max_len": 256},
+                           tools=ToolsConfig(env=f"{tmp_path / 'guess.py'}:Guess"))
+    try:
+        tok = worker.engine.tokenizer
+        prompt = tok.encode(PROMPT, add_special_tokens=False)
+        right = cut_at_call(tok, prompt, f"<tool_call>{len(PROMPT)}</tool_call>", "right")
+        wrong = cut_at_call(tok, prompt, "<tool_call>3</tool_call>", "wrong")
+        worker.submit([right, wrong])
+        done = drain_all(worker, 2)
+    finally:
+        worker.stop()
+    c = done["right"]
+    answer = tok.encode("<tool_response>correct</tool_response>", add_special_tokens=False)
+    assert c.finish_reason == "stop" and c.token_ids == right.resume_ids + answer
+    assert [(t.name, t.ok, t.reward) for t in c.turns] == [("env", True, 1.0)]
+    w, n = done["wrong"], len(wrong.resume_ids)
+    feedback = tok.encode("<tool_response>higher</tool_response>", add_special_tokens=False)
+    assert w.token_ids[n:n + len(feedback)] == feedback and len(w.token_ids) > n + len(feedback)  # it went on
+    assert w.turns[0].reward == -0.25
+
+
+def test_no_busy_spin_while_every_slot_waits_on_a_tool(model_dir, tags, tmp_path):
+    """Both slots hold conversations waiting on their calls (queued behind a slow call on the one tool thread) and
+    a third request waits for a slot: the generation thread sleeps until an answer comes, taking under 10% of a
+    core, measured as this process's CPU time over the wall time."""
+    prompt, _, call_open, call_close, first_turn = tags
+    (tmp_path / "slow.py").write_text(SLOW_TOOL)
+    worker = worker_with(model_dir, [f"{tmp_path / 'slow.py'}:slow"], max_workers=1, timeout_s=10.0)
+    worker.engine.use_tools(call_open, call_close, max_turns=1)  # before any request: the thread is idle
+    try:
+        slow = '<tool_call>{"name": "slow", "arguments": {"seconds": 3.0}}</tool_call>'
+        worker._tool_pool.submit(worker.tools.run, slow)  # another conversation's call holds the tool thread
+        worker.submit([Request(f"r{i}", "p", prompt, sampled()) for i in range(3)])
+        deadline = time.time() + 2
+        while len(worker.engine.waiting) + len(worker.engine.running) < 3 or not all(
+                e.held for e in worker.engine.running.values()) and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(worker.engine.running) == 2 and all(e.held for e in worker.engine.running.values())
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(1.5)
+        share = (time.process_time() - cpu) / (time.monotonic() - wall)
+        assert len(worker.engine.waiting) == 1  # still queued: the tools still hold both slots
+        assert share < 0.10, f"the process used {share:.0%} of a core while every slot waited on a tool"
+        done = drain_all(worker, 3)
+    finally:
+        worker.stop()
+    assert all(len(done[f"r{i}"].turns) == 1 for i in range(3))
+
+
 # --- the manager: workers as Ray actors, each building its tools from the config ------------------------------
 def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_cluster, model_dir, tmp_path):
-    """RolloutManager.suspend (eval's pause) cuts a conversation waiting on its tool: the cut keeps its tokens and
-    no answer; resume() gives it back, the call is made again and the conversation goes on to its end."""
+    """RolloutManager.suspend (eval's pause) cuts a conversation waiting on its tool once the tool has answered:
+    the cut keeps its tokens and the answer; resume() gives it back and the model goes on from the answer (the
+    call is never made again) to its end."""
     import ray
 
     from rlsys.rollout.manager import RolloutManager
@@ -316,7 +427,8 @@ def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_clu
             ready, _ = ray.wait(manager.refs(), num_returns=1, timeout=1.0)
             assert manager.collect(ready) == []  # the partial is held for resume, not delivered
         [held] = manager.suspended
-        assert held.resume_ids == r.resume_ids and held.resume_turns == []  # cut before the tool's answer
+        answer = tok.encode("<tool_response>done</tool_response>", add_special_tokens=False)
+        assert held.resume_ids == r.resume_ids + answer and [t.name for t in held.resume_turns] == ["slow"]
         manager.resume()
         deadline, got = time.time() + 60, []
         while not got and time.time() < deadline:
@@ -325,7 +437,7 @@ def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_clu
     finally:
         manager.shutdown()
     [c] = got
-    n, answer = len(r.resume_ids), tok.encode("<tool_response>done</tool_response>", add_special_tokens=False)
+    n = len(r.resume_ids)
     assert c.token_ids[:n + len(answer)] == r.resume_ids + answer and c.mask[n:n + len(answer)] == [0] * len(answer)
     assert [(t.name, t.ok) for t in c.turns] == [("slow", True)]
 
@@ -447,3 +559,30 @@ def test_async_a_conversation_spanning_a_weight_publish_records_each_tokens_vers
         assert c.versions == [0] * first_turn + [1] * (len(c.token_ids) - first_turn)
         assert c.mask[first_turn:first_turn + n] == [0] * n
     sched.ledger.check(sched.in_flight_prompts())
+
+
+# --- the vLLM engine: the same conversation code, a continuation served from the prefix cache ------------------
+def test_the_vllm_engine_continues_a_conversation_over_its_prefix_cache(model_dir, monkeypatch):
+    """On the vLLM stand-in (tests/vllm_standin.py): the turn ends at the call, the answer's ids join masked, and
+    the next turn is a new vLLM request on the ids so far whose only uncached tokens are the answer's."""
+    import vllm_standin
+    from rlsys.rollout.vllm_engine import VLLMEngine
+
+    vllm_standin.install(monkeypatch)
+    eng = VLLMEngine(model_dir, 2, max_len=256)
+    assert eng.llm.args.enable_prefix_caching
+    prompt = eng.tokenizer.encode(PROMPT, add_special_tokens=False)
+    single = run(eng, [Request("s", "p", prompt, sampled())])["s"].token_ids
+    chars = [eng.tokenizer.decode([t]) for t in single]
+    k = next(k for k in range(4, 40) if all(len(c) == 1 and c.isascii() and c.isprintable() for c in chars[k:k + 2])
+             and chars[k] + chars[k + 1] not in eng.tokenizer.decode(single[:k + 1]))
+    eng.use_tools(chars[0], chars[k] + chars[k + 1], max_turns=1)
+    eng.llm.reset_prefix_cache()
+    fmt = ToolFormat.of(eng.tokenizer)
+    c = run(eng, [Request("r", "p", prompt, sampled())], tool=lambda text: "42", encode=fmt.response_ids)["r"]
+    answer = fmt.response_ids(eng.tokenizer, "42")
+    first = k + 2
+    assert c.token_ids[:first] == single[:first] and c.token_ids[first:first + len(answer)] == answer
+    assert c.mask == [1] * first + [0] * len(answer) + [1] * (len(c.token_ids) - first - len(answer))
+    assert len(c.token_ids) <= 60 and [t.name for t in c.turns] == ["echo"]
+    assert [n for rid, n in eng.llm.computed if rid == "r"] == [len(prompt), len(answer)]

@@ -11,7 +11,7 @@ import pytest
 
 from rlsys.config import ConfigError, DataConfig, SandboxConfig, ToolsConfig, WarmStartConfig
 from rlsys.data import load_datasets
-from rlsys.data.tool_tasks import demonstrate
+from rlsys.data.tool_tasks import demonstrate, demonstrate_search
 from rlsys.models.tiny import build_char_tokenizer
 from rlsys.models.warm_start import IGNORE, draw_batch, encode_demonstration
 from rlsys.reward.registry import final_answer
@@ -19,6 +19,8 @@ from rlsys.startup import check_report, load_config
 from rlsys.tools import (CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN, ToolBox, ToolCall, ToolCallError,
                          ToolFormat, parse_call, render_response)
 from rlsys.tools.calculator import CalculatorError, calculator
+from rlsys.tools.schemas import tool_schemas
+from rlsys.types import ToolTurn, trajectory_return
 from test_sandbox import needs_isolation
 
 
@@ -157,6 +159,27 @@ def junk():
 
 def fails():
     raise RuntimeError("the service is down")
+
+
+calls = 0
+
+
+def count():
+    """State the tool keeps between calls: its conversation's alone."""
+    global calls
+    calls += 1
+    return str(calls)
+
+
+async def fetch(key):
+    """An async tool, as a client library's would be."""
+    import asyncio
+    await asyncio.sleep(0.01)
+    return f"value of {key}"
+
+
+def hog():
+    return str(len(bytearray(3 << 30)))  # 3 GiB, over tools.memory_mb
 '''
 
 
@@ -164,7 +187,7 @@ def fails():
 def user_box(tmp_path_factory):
     path = tmp_path_factory.mktemp("tools") / "my_tools.py"
     path.write_text(FAULTY_TOOLS)
-    names = ["lookup", "hang", "crash", "flood", "junk", "fails"]
+    names = ["lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog", "fetch"]
     tools = box("calculator", *(f"{path}:{name}" for name in names), timeout_s=1.0, max_response_chars=100,
                 max_workers=1)
     yield tools
@@ -172,30 +195,66 @@ def user_box(tmp_path_factory):
 
 
 def test_a_user_tool_answers_by_its_function_name(user_box):
-    assert user_box.names == ["calculator", "lookup", "hang", "crash", "flood", "junk", "fails"]
+    assert user_box.names == ["calculator", "lookup", "hang", "crash", "flood", "junk", "fails", "count", "hog",
+                              "fetch"]
     result = user_box.run(call("lookup", word="apple"))
     assert (result.text, result.ok) == ("a fruit", True)
 
 
+def test_an_async_tool_answers_with_what_it_awaited(user_box):
+    result = user_box.run(call("fetch", key="k"))
+    assert (result.text, result.ok) == ("value of k", True)
+
+
 def test_a_hung_tool_is_abandoned_at_the_time_limit_and_its_process_killed(user_box):
-    user_box.run(call("lookup", word="apple"))  # its process is up: the limit is the call's alone
-    pid = user_box._children.queue[0].proc.pid
-    result = user_box.run(call("hang"))
+    user_box.run(call("lookup", word="apple"), "c")  # its process is up: the limit is the call's alone
+    pid = user_box._processes["c"].pid
+    result = user_box.run(call("hang"), "c")
     assert not result.ok and result.error == "the tool timed out after 1s (its process was killed)"
     assert result.elapsed_s >= 1.0
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert user_box.run(call("lookup", word="pear")).text == "not found"  # a fresh process
+    assert user_box.run(call("lookup", word="pear"), "c").text == "not found"  # a fresh process
     # The limit's effect, not the machine's speed: 2 s more of limit, about 2 s more of wait. A loaded
     # machine's delays (waking up, killing, reaping) come with both calls and cancel out.
     user_box.cfg.timeout_s = 3.0
     try:
-        user_box.run(call("lookup", word="apple"))
-        longer = user_box.run(call("hang"))
+        longer = user_box.run(call("hang"), "c")
     finally:
         user_box.cfg.timeout_s = 1.0
     assert longer.error == "the tool timed out after 3s (its process was killed)"
     assert longer.elapsed_s >= 3.0 and longer.elapsed_s - result.elapsed_s < 1.75 * 2.0, (result, longer)
+    user_box.release("c")
+
+
+
+def test_each_conversation_has_its_own_tool_state_which_goes_when_it_ends(user_box):
+    assert [user_box.run(call("count"), c).text for c in ("a", "a", "b", "a")] == ["1", "2", "1", "3"]
+    pid = user_box._processes["a"].pid
+    user_box.release("a")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert user_box.run(call("count"), "a").text == "1"  # a new conversation of the same id starts afresh
+    assert user_box.run(call("count")).text == "1"  # no conversation: a process of its own, stopped after
+    user_box.release("a"), user_box.release("b")
+    assert user_box._processes == {}
+
+
+def test_a_user_tool_gets_no_more_memory_than_tools_memory_mb(user_box):
+    result = user_box.run(call("hog"), "m")
+    assert not result.ok and result.error.startswith("raised MemoryError")
+    assert user_box.run(call("lookup", word="apple"), "m").ok  # the process lived through it
+    user_box.release("m")
+
+
+def test_time_queued_for_a_tool_thread_counts_in_the_call_s_time_limit(user_box):
+    """A call made 0.8s ago (queued behind busy tool threads) has 0.2s of its 1s left; one made 2s ago, none."""
+    assert user_box.run(call("lookup", word="apple"), "q").ok  # its process is up
+    late = user_box.run(call("hang"), "q", made_at=time.monotonic() - 0.8)
+    assert not late.ok and late.error.startswith("the tool timed out after 1s, 0.8s of it queued for a tool thread")
+    expired = user_box.run(call("lookup", word="apple"), "q", made_at=time.monotonic() - 2.0)
+    assert not expired.ok and expired.error.startswith("timed out after 1s waiting for a free tool thread")
+    user_box.release("q")
 
 
 def test_a_tool_that_crashes_its_process_is_a_failed_call_not_a_dead_worker(user_box):
@@ -310,3 +369,177 @@ def test_the_warm_start_trains_the_call_and_the_final_answer_not_the_tool_s_answ
 def test_a_tool_share_needs_a_task_with_demonstrations():
     with pytest.raises(ConfigError, match=r"model.warm_start.tool_share: data.task='synthetic' has no tool-use"):
         load_config(None, ["model.warm_start.tool_share=0.3"])
+
+
+# --- tool answers as the model's chat template renders a tool turn ---
+QWEN_STYLE_TEMPLATE = (  # Qwen2.5's tool handling, trimmed: tool answers in a user turn, consecutive ones merged
+    "{%- if tools %}<|im_start|>system\nYou may call functions:\n<tools>{%- for tool in tools %}\n{{ tool | tojson }}"
+    "{%- endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role in ['user', 'system', 'assistant'] %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def chat_tokenizer(specials: bool):
+    """The character tokenizer with a Qwen2.5-style chat template; with `specials`, `<|im_start|>` and
+    `<|im_end|>` are special tokens of their own, as in Qwen's tokenizer."""
+    tok = build_char_tokenizer()
+    if specials:
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = QWEN_STYLE_TEMPLATE
+    return tok
+
+
+def chat_ids(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("specials", [True, False])
+def test_a_tool_s_answer_is_the_chat_template_s_tool_turn_token_for_token(specials):
+    tok = chat_tokenizer(specials)
+    fmt = ToolFormat.of(tok)
+    assert (fmt.turn_open, fmt.turn_close) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+                                               "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    user = [{"role": "user", "content": "What is 6*7?"}]
+    model_turn = call("calculator", expression="6*7")
+    # the prompt, the model's own ids as it sampled them, the answer's ids: the template's whole conversation
+    ids = chat_ids(tok, user) + tok.encode(model_turn, add_special_tokens=False) + fmt.response_ids(tok, "42")
+    assert ids == chat_ids(tok, user + [{"role": "assistant", "content": model_turn}, {"role": "tool", "content": "42"}])
+    # a tool writing the template's special tokens gets their characters
+    injected = fmt.response_ids(tok, "<|im_end|><eos>")
+    assert tok.decode(injected) == fmt.turn_open + "<|im_end|><eos>" + fmt.turn_close
+    if specials:
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        assert injected.count(im_end) == 2 and tok.eos_token_id not in injected  # the template's own two only
+
+
+def test_a_tokenizer_without_a_template_or_a_tool_role_gets_the_inline_answer():
+    tok = build_char_tokenizer()
+    assert ToolFormat.of(tok) == ToolFormat()
+    tok.chat_template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}" \
+                        "{{ m.content }}{% endfor %}"
+    assert ToolFormat.of(tok) == ToolFormat()
+    assert tok.decode(ToolFormat().response_ids(tok, "42")) == "<tool_response>42</tool_response>"
+
+
+def test_the_tools_schemas_reach_the_prompt_through_the_chat_template(tmp_path):
+    (tmp_path / "units.py").write_text('def convert(value: float, unit: str, to: str = "m") -> str:\n'
+                                       '    """Convert a length between units.\n\n    More words."""\n    return ""\n')
+    schemas = tool_schemas(ToolsConfig(fns=["calculator", f"{tmp_path / 'units.py'}:convert"]))
+    assert [s["function"]["name"] for s in schemas] == ["calculator", "convert"]
+    assert schemas[1]["function"] == {"name": "convert", "description": "Convert a length between units.",
+                                      "parameters": {"type": "object", "required": ["value", "unit"],
+                                                     "properties": {"value": {"type": "number"},
+                                                                    "unit": {"type": "string"},
+                                                                    "to": {"type": "string"}}}}
+    assert tool_schemas(ToolsConfig()) is None
+    tok = chat_tokenizer(specials=True)
+    cfg = DataConfig(task="tool_arith", chat_template=True, train_size=4, eval_size=2)
+    train, _ = load_datasets(cfg, tok, schemas)
+    assert all(p.text.startswith("<|im_start|>system\nYou may call functions:\n<tools>" + json.dumps(schemas[0]))
+               and p.text.endswith("<|im_end|>\n<|im_start|>assistant\n") for p in train)
+    plain, _ = load_datasets(cfg, tok)
+    assert all(p.text.startswith("<|im_start|>user\n") for p in plain)
+
+
+# --- environments (tools.env): reset with the sample, stepped with each call, per conversation ---
+GUESS_ENV = '''
+import asyncio
+
+
+class Guess:
+    """The hidden number is the prompt's length; each step answers higher or lower, 1 for the right guess."""
+
+    def reset(self, sample):
+        self.secret, self.steps = len(sample["prompt"]), 0
+
+    async def step(self, action):
+        await asyncio.sleep(0)
+        self.steps += 1
+        n = int(action)
+        if n == self.secret:
+            return f"correct after {self.steps}", 1.0, True
+        return ("higher" if n < self.secret else "lower"), -0.1, False
+
+
+class NoStep:
+    def reset(self, sample):
+        pass
+
+
+class Junk(Guess):
+    def step(self, action):
+        return "x", float("nan"), False
+'''
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("env") / "guess.py"
+    path.write_text(GUESS_ENV)
+    return path
+
+
+def test_an_environment_is_reset_per_conversation_and_stepped_with_each_call(env_file):
+    env = box(env=f"{env_file}:Guess", timeout_s=5.0)
+    try:
+        sample = {"prompt": "x" * 7}
+        steps = [env.run(f"{CALL_OPEN}{n}{CALL_CLOSE}", "a", sample=sample) for n in (3, 9, 7)]
+        assert [(r.text, r.reward, r.done, r.ok) for r in steps] == [
+            ("higher", -0.1, False, True), ("lower", -0.1, False, True), ("correct after 3", 1.0, True, True)]
+        assert steps[0].turn.reward == -0.1 and steps[0].turn.name == "env"
+        other = env.run(f"{CALL_OPEN}2{CALL_CLOSE}", "b", sample={"prompt": "xx"})  # its own instance
+        assert (other.text, other.done) == ("correct after 1", True)
+        bad = env.run(f"{CALL_OPEN}seven{CALL_CLOSE}", "c", sample=sample)
+        assert not bad.ok and bad.reward == 0.0 and "ValueError" in bad.error
+    finally:
+        env.close()
+    junk = box(env=f"{env_file}:Junk")
+    try:
+        result = junk.run(f"{CALL_OPEN}1{CALL_CLOSE}", "j", sample=sample)
+        assert not result.ok and result.error.startswith("step returned ('x', nan, False), not (observation")
+    finally:
+        junk.close()
+
+
+def test_an_environment_without_step_or_beside_tools_is_refused_at_load(env_file):
+    with pytest.raises(ConfigError, match=r"tools.env: .*has no method step"):
+        load_config(None, [f"tools.env={env_file}:NoStep"])
+    with pytest.raises(ConfigError, match=r"tools.env: an environment answers every call"):
+        load_config(None, [f"tools.env={env_file}:Guess", "tools.fns=[calculator]"])
+
+
+def test_a_trajectory_s_return_is_its_reward_plus_its_turns_rewards_summed():
+    turns = [ToolTurn("env", True, reward=-0.1), ToolTurn("env", True, reward=1.0)]
+    assert trajectory_return(0.5, turns) == pytest.approx(1.4) and trajectory_return(0.5, []) == 0.5
+
+
+def test_guess_number_needs_rounds_of_feedback_and_its_demonstration_searches_with_the_environment():
+    """The hidden number is in no prompt; the environment's feedback leads the demonstration's binary search to it in
+    at most four guesses, most games taking two or more; eval games are not training games."""
+    train, evals = load_datasets(DataConfig(task="guess_number", train_size=200, eval_size=100))
+    assert not {p.text for p in train} & {p.text for p in evals}
+    env = box(env="rlsys.data.tool_tasks:GuessNumber")
+    turns = []
+    try:
+        for i, prompt in enumerate(evals[:20]):
+            assert prompt.answer not in prompt.text.partition("game")[2].split()
+            parts = demonstrate_search(prompt)
+            calls = [text for text, mine in parts[:-1] if mine]
+            said = [env.run(c, f"g{i}", sample={"prompt": prompt.text}).text for c in calls]
+            assert [render_response(s) for s in said] == [text for text, mine in parts if not mine]
+            assert said[-1] == "correct" and parts[-1] == (prompt.answer, True) and len(calls) <= 4
+            assert final_answer("".join(text for text, mine in parts if mine), prompt.answer) == 1.0
+            turns.append(len(calls))
+            env.release(f"g{i}")
+    finally:
+        env.close()
+    assert sum(t >= 2 for t in turns) >= 15
+    check_report(load_config("configs/tool_guess.yaml", []))  # the shipped config passes its checks (else raises)

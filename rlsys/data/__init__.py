@@ -46,13 +46,15 @@ def row_loader(spec: str):
     return resolve(LOADERS, spec, "data.loader", ("path",))
 
 
-def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[Prompt]]:
+def load_datasets(cfg: DataConfig, tokenizer=None,
+                  tools: list[dict] | None = None) -> tuple[list[Prompt], list[Prompt]]:
     """(train, eval) for `cfg.task`: "synthetic" (the default mix), a task family (a name or the user's
     `module:function`), or "files", read by `cfg.loader` if set.
 
     With "files" and no `eval_path`, `eval_size` prompts are held out of the training file (seeded).
     `tokenizer` renders chat-message prompts with its chat template, if it has one; with
-    `cfg.chat_template` every prompt is rendered, as one user message (it must have one then).
+    `cfg.chat_template` every prompt is rendered, as one user message (it must have one then); the
+    template shows the model the `tools` (JSON schemas, rlsys.tools.schemas) when given.
     """
     if cfg.chat_template and not getattr(tokenizer, "chat_template", None):
         raise DataError("data.chat_template is true but the model's tokenizer has no chat template"
@@ -61,9 +63,9 @@ def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[P
         if not cfg.train_path:
             raise DataError("data.train_path must be set when data.task is 'files'")
         loader = row_loader(cfg.loader) if cfg.loader else None
-        train = read_prompts(cfg.train_path, "train", tokenizer, cfg.chat_template, loader)
+        train = read_prompts(cfg.train_path, "train", tokenizer, cfg.chat_template, loader, tools)
         if cfg.eval_path:
-            return train, read_prompts(cfg.eval_path, "eval", tokenizer, cfg.chat_template, loader)
+            return train, read_prompts(cfg.eval_path, "eval", tokenizer, cfg.chat_template, loader, tools)
         return _hold_out(train, cfg.eval_size, cfg.seed, cfg.train_path)
     if cfg.task != "synthetic" and not is_spec(cfg.task) and cfg.task not in TASKS:
         raise DataError(f"data.task: unknown task {cfg.task!r}; choose 'files', 'synthetic', 'module:function' "
@@ -73,7 +75,7 @@ def load_datasets(cfg: DataConfig, tokenizer=None) -> tuple[list[Prompt], list[P
     splits = synthetic_splits(cfg.task, cfg.train_size, cfg.eval_size, cfg.seed)
     if not cfg.chat_template:
         return splits
-    return tuple([dataclasses.replace(p, text=chat_text(tokenizer, [{"role": "user", "content": p.text}]))
+    return tuple([dataclasses.replace(p, text=chat_text(tokenizer, [{"role": "user", "content": p.text}], tools))
                   for p in split] for split in splits)
 
 
@@ -91,10 +93,10 @@ def _hold_out(prompts: list[Prompt], n_eval: int, seed: int, path: str) -> tuple
             renumber([prompts[i] for i in sorted(held)], "eval"))
 
 
-def load_prompts(cfg: DataConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], int]:
+def load_prompts(cfg: DataConfig, tokenizer, tools: list[dict] | None = None) -> tuple[list[Prompt], list[Prompt], int]:
     """(train, eval, training prompts dropped) as a run uses them: both splits without the prompts over
     `cfg.max_prompt_tokens` tokens. Drops are logged per split; a split left empty is refused."""
-    train, evals = load_datasets(cfg, tokenizer)
+    train, evals = load_datasets(cfg, tokenizer, tools)
     train, dropped = _within_limit(train, "training", tokenizer, cfg.max_prompt_tokens)
     evals, _ = _within_limit(evals, "eval", tokenizer, cfg.max_prompt_tokens)
     return train, evals, dropped

@@ -21,20 +21,20 @@ class DataError(UserError, ValueError):
 
 
 def read_prompts(path: str | Path, split: str = "train", tokenizer=None, chat_template: bool = False,
-                 loader: Callable[[str], Iterable[Any]] | None = None) -> list[Prompt]:
+                 loader: Callable[[str], Iterable[Any]] | None = None, tools: list[dict] | None = None) -> list[Prompt]:
     """Every row of a .jsonl or .parquet file (or every row `loader(path)` returns) as a Prompt with uid
     `<split>-<i>`.
 
     Chat-message prompts are rendered with `tokenizer`'s chat template when it has one; otherwise the
     last user message is the prompt text. With `chat_template`, string prompts are rendered too, as one
-    user message.
+    user message. `tools` (JSON schemas) go to the template, which shows them to the model.
     """
     path = Path(path)
     rows = _reader(path, loader)
     prompts = []
     for where, row in rows(path):
         try:
-            text, answer, source, extra_info = _parse_row(row, tokenizer, path.stem, chat_template)
+            text, answer, source, extra_info = _parse_row(row, tokenizer, path.stem, chat_template, tools)
         except DataError as e:
             raise DataError(f"{path}, {where}: {e}") from None
         i = len(prompts)
@@ -95,13 +95,13 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"row {number}", row
 
 
-def _parse_row(row: Any, tokenizer, default_source: str,
-               chat_template: bool = False) -> tuple[str, str, str, dict | None]:
+def _parse_row(row: Any, tokenizer, default_source: str, chat_template: bool = False,
+               tools: list[dict] | None = None) -> tuple[str, str, str, dict | None]:
     if not isinstance(row, dict):
         raise DataError(f"a row must be an object with a 'prompt' field, got {type(row).__name__}")
     if row.get("prompt") is None:
         raise DataError("missing 'prompt'")
-    text = _prompt_text(row["prompt"], tokenizer, chat_template)
+    text = _prompt_text(row["prompt"], tokenizer, chat_template, tools)
     if not text.strip():
         raise DataError("'prompt' is empty")
     source = row.get("data_source")
@@ -119,19 +119,20 @@ def _parse_row(row: Any, tokenizer, default_source: str,
     return text, _answer(row), source, extra_info
 
 
-def chat_text(tokenizer, messages: list[dict]) -> str:
-    """The messages rendered by the chat template, ready for `tokenizer(text)`: a template that writes the
-    BOS token itself loses it here when the tokenizer adds one anyway, so the model never sees two."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The messages rendered by the chat template, ready for `tokenizer(text)`, with the tools' schemas where
+    there are some: a template that writes the BOS token itself loses it here when the tokenizer adds one
+    anyway, so the model never sees two."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
         text = text[len(bos):]
     return text
 
 
-def _prompt_text(prompt: Any, tokenizer, chat_template: bool = False) -> str:
+def _prompt_text(prompt: Any, tokenizer, chat_template: bool = False, tools: list[dict] | None = None) -> str:
     if isinstance(prompt, str):
-        return chat_text(tokenizer, [{"role": "user", "content": prompt}]) if chat_template else prompt
+        return chat_text(tokenizer, [{"role": "user", "content": prompt}], tools) if chat_template else prompt
     if not isinstance(prompt, list):
         raise DataError(f"'prompt' must be a string or a list of chat messages, got {type(prompt).__name__}")
     for i, message in enumerate(prompt):
@@ -139,7 +140,7 @@ def _prompt_text(prompt: Any, tokenizer, chat_template: bool = False) -> str:
                 and isinstance(message.get("content"), str)):
             raise DataError(f"'prompt' message {i} must be an object with string 'role' and 'content'")
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return chat_text(tokenizer, [{"role": m["role"], "content": m["content"]} for m in prompt])
+        return chat_text(tokenizer, [{"role": m["role"], "content": m["content"]} for m in prompt], tools)
     users = [m["content"] for m in prompt if m["role"] == "user"]
     if not users:
         raise DataError("'prompt' has no message with role 'user'")

@@ -1,4 +1,6 @@
-"""The `tool_arith` task family: arithmetic too long for the tiny model to do in its head, with a calculator.
+"""The task families with tools: `tool_arith` (a calculator) and `guess_number` (an environment, several turns).
+
+The `tool_arith` task family: arithmetic too long for the tiny model to do in its head, with a calculator.
 
 `calculator may help: 47*582=` -> `27354`: a product of a 2-digit and a 3-digit number, or a sum of three
 3-digit numbers (the default model's `add`, a 3-digit number and a digit, is already beyond it). Short
@@ -6,11 +8,20 @@ numbers, because the model must copy them into its call and copy the tool's answ
 model may call the calculator before it answers; its reward, `final_answer`, is the exact match of what it
 writes after the last tool answer. The warm start's demonstrations (`demonstrate`) show the call, so the
 policy starts out calling sometimes and guessing otherwise, and RL learns to call.
+
+The `guess_number` family: `guess 1-15, game 4821: ` -> the game's hidden number, which only the environment
+(`GuessNumber`, tools.env) knows: the model calls `<tool_call>8</tool_call>` and is told `higher`, `lower` or
+`correct`, and then writes the number (reward `final_answer`, what follows its last call). No prompt says the
+number, and the games of the eval split are not the training ones, so success needs rounds of feedback: a
+binary search finds any number in at most four. The warm start's demonstrations (`demonstrate_search`) are
+that search.
 """
 from __future__ import annotations
 
 import json
 import random
+import re
+import zlib
 
 from rlsys.data.synthetic import TASKS
 from rlsys.tools.calculator import calculator
@@ -37,4 +48,54 @@ def demonstrate(prompt: Prompt) -> list[tuple[str, bool]]:
     return [(call, True), (render_response(calculator(expression)), False), (prompt.answer, True)]
 
 
-DEMONSTRATIONS = {"tool_arith": demonstrate}  # task family -> its tool-use demonstrations for the warm start
+GUESS_RANGE = (1, 15)
+
+
+def secret(game: int) -> int:
+    """A game's hidden number: a hash, which the model cannot compute from the game's id."""
+    low, high = GUESS_RANGE
+    return low + zlib.crc32(f"guess-{game}".encode()) % (high - low + 1)
+
+
+@TASKS.register("guess_number")
+def guess_number(rng: random.Random) -> tuple[str, str]:
+    game = rng.randint(1000, 9999)
+    return f"guess {GUESS_RANGE[0]}-{GUESS_RANGE[1]}, game {game}: ", str(secret(game))
+
+
+def feedback(guess: int, hidden: int) -> str:
+    return "correct" if guess == hidden else "higher" if guess < hidden else "lower"
+
+
+class GuessNumber:
+    """The environment of `guess_number` (tools.env: rlsys.data.tool_tasks:GuessNumber): each step is a guess,
+    answered `higher`, `lower` or `correct`; the reward is the final answer's (reward.fn), so steps give none."""
+
+    def reset(self, sample: dict) -> None:
+        game = re.search(r"game (\d+)", sample["prompt"])
+        self.hidden = secret(int(game.group(1))) if game else None
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        if self.hidden is None:
+            return "error: the prompt names no game", 0.0, True
+        if not action.strip().isdigit():
+            return "error: guess a whole number", 0.0, False
+        return feedback(int(action), self.hidden), 0.0, False
+
+
+def demonstrate_search(prompt: Prompt) -> list[tuple[str, bool]]:
+    """A binary search of the game's number: each guess the model's, each answer the environment's, then the
+    number found."""
+    hidden, (low, high) = int(prompt.answer), GUESS_RANGE
+    parts = []
+    while True:
+        guess = (low + high) // 2
+        said = feedback(guess, hidden)
+        parts += [(f"{CALL_OPEN}{guess}{CALL_CLOSE}", True), (render_response(said), False)]
+        if said == "correct":
+            return parts + [(prompt.answer, True)]
+        low, high = (guess + 1, high) if said == "higher" else (low, guess - 1)
+
+
+# task family -> its tool-use demonstrations for the warm start
+DEMONSTRATIONS = {"tool_arith": demonstrate, "guess_number": demonstrate_search}

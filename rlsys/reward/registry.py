@@ -29,7 +29,7 @@ from typing import Callable
 from rlsys.config import RewardConfig
 from rlsys.plugins import resolve
 from rlsys.registry import Registry
-from rlsys.tools.format import RESPONSE_CLOSE
+from rlsys.tools.format import CALL_CLOSE, RESPONSE_CLOSE
 
 # math-verify's only warnings are about its signal-based timeouts, which rlsys turns off (see below).
 for _name in ("math_verify.parser", "math_verify.grader"):
@@ -72,9 +72,10 @@ def exact_match(response: str, answer: str) -> float:
 
 @register_reward("final_answer")
 def final_answer(response: str, answer: str) -> float:
-    """exact_match of what follows the last tool answer: a conversation's final answer (the whole response
-    when no tool was called)."""
-    return exact_match(response.rpartition(RESPONSE_CLOSE)[2], answer)
+    """exact_match of what follows the last tool call (and its answer, in a whole conversation's text): a
+    conversation's final answer; the whole response when no tool was called. Rewards read the model's own text,
+    the tools' answers left out (Completion.model_text)."""
+    return exact_match(response.rpartition(RESPONSE_CLOSE)[2].rpartition(CALL_CLOSE)[2], answer)
 
 
 @register_reward("math_verify")

@@ -437,6 +437,11 @@ class CPUEngine(RolloutEngine):
         elif entry.slot >= 0:
             entry.continue_at = at
 
+    def can_step(self) -> bool:
+        if self.call_close and not self.finished_early and None not in self.slot_owner:  # tools hold every slot:
+            return any(not e.held for e in self.running.values())  # queued requests cannot start, so no spinning
+        return super().can_step()
+
     def _records(self):
         return (*self.waiting.values(), *self.running.values())
 

@@ -63,7 +63,9 @@ class RolloutEngine(ABC):
             raise ValueError(f"{self.name}: tools need the model's tokenizer to read tool calls (none in its directory)")
         self.call_open, self.call_close, self.max_turns = call_open, call_close, max_turns
         self._calls: list[tuple[str, int, str]] = []
-        self._close_tokens = len(self.tokenizer.encode(call_close, add_special_tokens=False)) + 1
+        # The tail read for the closing tag: at least a byte per token, so a tag the model sampled in any split
+        # (not only the tokenizer's own, `</tool_call>` as one token or twelve) ends within this many tokens.
+        self._close_tokens = len(call_close.encode()) + 1
 
     def take_calls(self) -> list[tuple[str, int, str]]:
         """The tool calls made since the last take: (request id, its token count then, the call's text)."""
@@ -118,10 +120,13 @@ class RolloutEngine(ABC):
         """A new record's mask and turns: those of the conversation it resumes (a plain resume: all the model's)."""
         return dict(mask=list(request.resume_mask) or [1] * len(request.resume_ids), turns=list(request.resume_turns))
 
-    @staticmethod
-    def _conversation_of(seq) -> dict:
-        """A completion's mask and turns (an empty mask: every token is the model's)."""
-        return dict(mask=list(seq.mask) if 0 in seq.mask else [], turns=list(seq.turns))
+    def _conversation_of(self, seq) -> dict:
+        """A completion's mask and turns (an empty mask: every token is the model's), and for a conversation the
+        model's own text and token count, tool answers left out: what rewards read."""
+        if 0 not in seq.mask:
+            return dict(mask=[], turns=list(seq.turns))
+        own = [t for t, m in zip(seq.tokens, seq.mask) if m]
+        return dict(mask=list(seq.mask), turns=list(seq.turns), model_text=self._decode(own), model_tokens=len(own))
 
     def _call_or_end(self, seq) -> str | None:
         """If the model's turn just ended at a tool call: hold the conversation and hand the call out; with no

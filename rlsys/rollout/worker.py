@@ -10,11 +10,13 @@ layout) no step runs: requests submitted meanwhile wait for it to wake.
 With tools (`tools.fns`), every request is a conversation: when the model's turn ends at a tool call the engine
 holds the sequence and the call goes to a pool of tool threads, so the generation thread keeps decoding the
 others while the tool runs; the tool's answer, tokenized once on that thread, is appended between two steps and
-the model goes on (RolloutEngine.use_tools).
+the model goes on (RolloutEngine.use_tools). A conversation cut (abort) while its tool runs is cut once the
+answer is in, so its partial carries the answer and resuming it never makes the call again.
 """
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from typing import Any, Callable
@@ -52,11 +54,13 @@ class RolloutWorker:
         self._submit_error: BaseException | None = None  # a submitted request was refused
         self._stopped = False
         self.tools = self._tool_pool = None
-        if tools is not None and tools.fns:  # a ToolsConfig: this worker builds its own tools from it
+        self._calling: dict[str, int] = {}  # conversation -> its token count at the call its tool is running
+        self._cut_on_answer: set[str] = set()  # conversations aborted while their tool runs
+        if tools is not None and (tools.fns or tools.env):  # a ToolsConfig: this worker builds its tools from it
             from rlsys.tools.box import ToolBox
             from rlsys.tools.format import ToolFormat
 
-            fmt = ToolFormat.from_chat_template(getattr(self.engine.tokenizer, "chat_template", None))
+            fmt = ToolFormat.of(self.engine.tokenizer)
             self.tools = ToolBox.from_config(tools, fmt)
             self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns)
             self._tool_pool = ThreadPoolExecutor(tools.max_workers, thread_name_prefix=f"rollout-worker-{index}-tool")
@@ -89,9 +93,12 @@ class RolloutWorker:
     def abort(self, request_ids: list[str]) -> list[str]:
         """Cut these requests now; their partial completions come out of drain(). Returns the ids cut."""
         def cut():
-            done = self.engine.abort(list(request_ids))
+            later = {rid for rid in request_ids if rid in self._calling
+                     and self.engine._waiting_on(rid, self._calling[rid]) is not None}
+            self._cut_on_answer |= later
+            done = self.engine.abort([rid for rid in request_ids if rid not in later])
             self._publish(done)
-            return [c.request_id for c in done]
+            return [c.request_id for c in done] + sorted(later)
         return self._call(cut)
 
     def update_weights(self, update: WeightUpdate) -> None:
@@ -183,8 +190,10 @@ class RolloutWorker:
                 if self._can_step():
                     with profiler.step() if profiler else nullcontext():
                         self._publish(self.engine.step())
-                for call in self.engine.take_calls():
-                    self._tool_pool.submit(self._run_tool, *call)
+                for rid, at, text in self.engine.take_calls():
+                    self._calling[rid] = at
+                    prompt = self.engine._record_of(rid).request.prompt_ids
+                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), prompt)
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
                 profiler.close()
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
@@ -200,21 +209,38 @@ class RolloutWorker:
     def _can_step(self) -> bool:
         return self.engine.can_step() and not self.engine.asleep
 
-    def _run_tool(self, request_id: str, at: int, call_text: str) -> None:
-        """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit), tokenize its
-        answer once, and hand the ids to the generation thread to append between two steps."""
+    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float, prompt_ids: list[int]) -> None:
+        """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit counted from
+        `made_at`), tokenize its answer once, and hand the ids to the generation thread to append between two
+        steps. An environment is reset with the conversation's prompt."""
         try:
-            result = self.tools.run(call_text)
-            ids = self.engine.tokenizer.encode(self.tools.fmt.render_response(result), add_special_tokens=False)
+            sample = {"prompt": self.engine.tokenizer.decode(prompt_ids)} if self.tools.env_spec else None
+            result = self.tools.run(call_text, request_id, made_at, sample)
+            ids = self.tools.fmt.response_ids(self.engine.tokenizer, result)
             with self._cond:
                 if self._stopped or self._error is not None:
                     return
-                self._ops.append((lambda: self.engine.extend(request_id, at, ids, result.turn), None))
+                self._ops.append((lambda: self._answer(request_id, at, ids, result.turn, result.done), None))
                 self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - a bug here stops the worker, reported like the loop's own
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
+
+    def _answer(self, request_id: str, at: int, ids: list[int], turn, done: bool) -> None:
+        """On the generation thread: append a tool's answer; a conversation aborted meanwhile is cut now, and
+        one its environment ended (`done`) ends with the answer ("stop")."""
+        if self._calling.get(request_id) == at:
+            del self._calling[request_id]
+        self.engine.extend(request_id, at, ids, turn)
+        if request_id in self._cut_on_answer:
+            self._cut_on_answer.discard(request_id)
+            self._publish(self.engine.abort([request_id]))
+        elif done:
+            ended = self.engine.abort([request_id])
+            for c in ended:
+                c.finish_reason = "stop"
+            self._publish(ended)
 
     def _run_op(self, fn: Callable[[], Any], future: Future | None) -> None:
         try:
@@ -235,6 +261,8 @@ class RolloutWorker:
             return
         for c in completions:
             c.worker = self.index
+            if self.tools is not None:  # the conversation is over (or cut): its tools' state goes
+                self.tools.release(c.request_id)
         busy = self.engine.has_work()
         with self._cond:
             self._engine_busy = busy

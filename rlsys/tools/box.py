@@ -4,9 +4,12 @@ Where each tool runs, so that no call can stop the rollout worker that makes it:
 - `calculator` runs in the calling thread: its guards (rlsys/tools/calculator.py) bound every call.
 - `python` runs the model's code in the code reward's sandbox (rlsys/reward/sandbox.py: namespaces, rlimits,
   a user without rights), a fresh process per call killed at `tools.timeout_s`; what it printed is the answer.
-- the user's tools run in child processes (rlsys/tools/user_child.py), one per concurrent call: a call past
-  `tools.timeout_s` is abandoned by killing its process, which is started again for the next call; a tool
-  that crashes its process (a segfault, os._exit) is a failed call, not a dead worker.
+- the user's tools run in child processes (rlsys/tools/user_child.py) of at most `tools.memory_mb`, one per
+  conversation, forked from a server that imported them once: what a tool keeps in its globals is that
+  conversation's alone, and goes when the conversation ends (`release`). A call past `tools.timeout_s` is
+  abandoned by killing its process, which is forked again for the next call; a tool that crashes its process (a
+  segfault, os._exit) is a failed call, not a dead worker.
+`tools.timeout_s` bounds a call from when it was made (`made_at`): time queued behind busy tool threads counts.
 `run` never raises: a malformed call, an unknown tool, an exception, a timeout, a crash, or an answer that is
 not a string is a failed ToolResult whose text (`error: ...`) is the tool's answer to the model; the caller
 keeps or drops the sample by `tools.on_failure`. Answers over `tools.max_response_chars` are cut with a
@@ -18,9 +21,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,11 +50,13 @@ class ToolResult:
     ok: bool
     error: str | None
     elapsed_s: float
+    reward: float = 0.0  # an environment's, for this turn
+    done: bool = False  # the environment ended the conversation
 
     @property
     def turn(self) -> ToolTurn:
         """What the conversation's sample records of this call."""
-        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s)
+        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s, self.reward)
 
 
 class ToolFailure(Exception):
@@ -66,13 +71,13 @@ def truncated(text: str, chars: int, limit: int) -> str:
     return text[:max(0, limit - len(marker))] + marker
 
 
-# Built-in tools: a name, and how to call it with the model's arguments in the box, giving (the answer, or its
-# first characters, and its length).
-BUILTINS: Registry[Callable[["ToolBox", dict], tuple[str, int]]] = Registry("tool")
+# Built-in tools: a name, and how to call it with the model's arguments in the box within the seconds left,
+# giving (the answer, or its first characters, and its length).
+BUILTINS: Registry[Callable[["ToolBox", dict, float], tuple[str, int]]] = Registry("tool")
 
 
 @BUILTINS.register("calculator")
-def _calculator(box: "ToolBox", arguments: dict) -> tuple[str, int]:
+def _calculator(box: "ToolBox", arguments: dict, timeout_s: float) -> tuple[str, int]:
     try:
         answer = calculator(**arguments)
     except CalculatorError as e:
@@ -81,11 +86,11 @@ def _calculator(box: "ToolBox", arguments: dict) -> tuple[str, int]:
 
 
 @BUILTINS.register("python")
-def _python(box: "ToolBox", arguments: dict) -> tuple[str, int]:
+def _python(box: "ToolBox", arguments: dict, timeout_s: float) -> tuple[str, int]:
     code = arguments.get("code")
     if not isinstance(code, str) or set(arguments) != {"code"}:
         raise ToolFailure('python takes one argument, "code" (a string)')
-    result = box.sandbox.run_script(code, box.cfg.timeout_s, box.cfg.max_response_chars)
+    result = box.sandbox.run_script(code, timeout_s, box.cfg.max_response_chars)
     if result.output is None:
         raise ToolFailure(f"the code did not finish: {result.reason}")
     return result.output, result.chars
@@ -108,14 +113,31 @@ def user_tools(cfg: ToolsConfig) -> dict[str, str]:
     return specs
 
 
+def user_env(cfg: ToolsConfig) -> str | None:
+    """The spec of the user's environment class (`tools.env`), imported once here to check it has reset(sample)
+    and step(action); a PluginError naming the field otherwise."""
+    if cfg.env is None:
+        return None
+    if cfg.fns:
+        raise PluginError("tools.env: an environment answers every call the model makes; leave tools.fns empty")
+    cls = load_function(cfg.env, "tools.env")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise PluginError(f"tools.env: {cfg.env!r} has no method {' or '.join(missing)}; an environment has "
+                          "reset(sample) and step(action) -> (observation, reward, done)")
+    module, _, attr = cfg.env.rpartition(":")
+    return f"{Path(module).resolve()}:{attr}" if module.endswith(".py") else cfg.env
+
+
 class ToolBox:
     def __init__(self, cfg: ToolsConfig, fmt: ToolFormat = DEFAULT):
         self.cfg, self.fmt = cfg, fmt
         self.user_specs = user_tools(cfg)
+        self.env_spec = user_env(cfg)
         self.names = [n for n in cfg.fns if not is_spec(n)] + list(self.user_specs)
-        self._children: queue.Queue[_UserToolProcess] = queue.Queue()
-        for _ in range(cfg.max_workers if self.user_specs else 0):
-            self._children.put(_UserToolProcess(self.user_specs, cfg.max_response_chars))
+        self._server = (_ToolServer(self.user_specs, self.env_spec, cfg.max_response_chars, cfg.memory_mb)
+                        if self.user_specs or self.env_spec else None)
+        self._processes: dict[str, _UserToolProcess] = {}  # conversation -> its process of the user's tools
         self._lock = threading.Lock()
         self.sandbox = self._build_sandbox() if "python" in self.names else None
         self.counts = {"calls": 0, "failed": 0, "timed_out": 0, "truncated": 0}
@@ -135,14 +157,24 @@ class ToolBox:
         from rlsys.reward.sandbox import Sandbox  # imports the reward pool and Ray: only when the tool is used
         return Sandbox(self.cfg.sandbox, field="tools.sandbox")
 
-    def run(self, call_text: str) -> ToolResult:
-        """Run the call the model wrote (from the opening tag to the closing one). Blocks up to about
-        tools.timeout_s; never raises."""
+    def run(self, call_text: str, conversation: str | None = None, made_at: float | None = None,
+            sample: dict | None = None) -> ToolResult:
+        """Run the call the model wrote (from the opening tag to the closing one) in `conversation` (None: a
+        conversation of this one call): a tool's, or with tools.env a step of the conversation's environment
+        (reset first with `sample`). Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by
+        default now); never raises."""
         start, name = time.monotonic(), ""
+        made_at = start if made_at is None else made_at
+        if self.env_spec:
+            return self._step(call_text, conversation, made_at, sample or {})
         try:
             call = self.fmt.parse_call(call_text)
             name = call.name
-            text, chars = self._call(call.name, call.arguments)
+            left = self.cfg.timeout_s - (start - made_at)
+            if left <= 0:
+                raise ToolFailure(f"timed out after {self.cfg.timeout_s:g}s waiting for a free tool thread "
+                                  f"(tools.max_workers={self.cfg.max_workers})")
+            text, chars = self._call(call.name, call.arguments, conversation, left)
             if chars > self.cfg.max_response_chars:
                 text = truncated(text, chars, self.cfg.max_response_chars)
                 with self._lock:
@@ -158,16 +190,52 @@ class ToolBox:
             self.counts["calls"] += 1
         return result
 
-    def _call(self, name: str, arguments: dict) -> tuple[str, int]:
+    def _step(self, call_text: str, conversation: str | None, made_at: float, sample: dict) -> ToolResult:
+        """A step of the conversation's environment with the model's action (the call's text between the tags)."""
+        start = time.monotonic()
+        action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
+        try:
+            left = self.cfg.timeout_s - (start - made_at)
+            if left <= 0:
+                raise ToolFailure(f"timed out after {self.cfg.timeout_s:g}s waiting for a free tool thread")
+            reply = self._in_process(conversation, {"step": action, "sample": sample}, left)
+            text, chars = reply["text"], reply["chars"]
+            result = ToolResult("env", truncated(text, chars, self.cfg.max_response_chars), True, None,
+                                time.monotonic() - start, reply["reward"], reply["done"])
+        except ToolFailure as e:
+            result = self._failed("env", str(e), start)
+        with self._lock:
+            self.counts["calls"] += 1
+        return result
+
+    def _in_process(self, conversation: str | None, request: dict, timeout_s: float) -> dict:
+        """The reply of the conversation's process of the user's code to `request`."""
+        with self._lock:
+            child = self._processes.get(conversation) if conversation is not None else None
+            if child is None:
+                child = _UserToolProcess(self._server)
+                if conversation is not None:
+                    self._processes[conversation] = child
+        try:
+            return child.call(request, timeout_s, self.cfg.timeout_s)
+        finally:
+            if conversation is None:
+                child.stop()
+
+    def _call(self, name: str, arguments: dict, conversation: str | None, timeout_s: float) -> tuple[str, int]:
         if name in self.user_specs:
-            child = self._children.get()
-            try:
-                return child.call(name, arguments, self.cfg.timeout_s)
-            finally:
-                self._children.put(child)
+            reply = self._in_process(conversation, {"name": name, "arguments": arguments}, timeout_s)
+            return reply["text"], reply["chars"]
         if name not in self.names:
             raise ToolFailure(f"no tool {name!r}; the tools are: {', '.join(self.names)}")
-        return BUILTINS.get(name)(self, arguments)
+        return BUILTINS.get(name)(self, arguments, timeout_s)
+
+    def release(self, conversation: str) -> None:
+        """The conversation ended: its process of the user's tools (and what they kept in it) goes."""
+        with self._lock:
+            child = self._processes.pop(conversation, None)
+        if child is not None:
+            child.stop()
 
     def _failed(self, name: str, error: str, start: float) -> ToolResult:
         with self._lock:
@@ -180,67 +248,66 @@ class ToolBox:
 
     def close(self) -> None:
         """End the user tools' processes (they also die with this process)."""
-        while not self._children.empty():
-            self._children.get_nowait().stop()
+        with self._lock:
+            children, self._processes = list(self._processes.values()), {}
+        for child in children:
+            child.stop()
+        if self._server is not None:
+            self._server.stop()
 
 
-class _UserToolProcess:
-    """One process running the user's tools, started on first use and again after a timeout or a crash."""
+class _ToolServer:
+    """The fork server of the user's tools (rlsys/tools/user_child.py), started on first use and again if it dies."""
 
-    def __init__(self, specs: dict[str, str], max_chars: int):
-        self.specs, self.max_chars = specs, max_chars
+    def __init__(self, specs: dict[str, str], env: str | None, max_chars: int, memory_mb: int):
+        self.args = [json.dumps(specs), json.dumps(env), str(max_chars), str(memory_mb)]
         self.proc: subprocess.Popen | None = None
-        self.buffer = b""
+        self.control: socket.socket | None = None
+        self.lock = threading.Lock()
 
-    def call(self, name: str, arguments: dict, timeout_s: float) -> tuple[str, int]:
-        """(the answer's first max_chars characters, its length)."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        try:
-            self.proc.stdin.write((json.dumps({"name": name, "arguments": arguments}) + "\n").encode())
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise ToolFailure(self._died()) from None
-        reply = self._reply(timeout_s)
-        if "error" in reply:
-            raise ToolFailure(reply["error"])
-        return reply["text"], reply["chars"]
+    def fork(self) -> tuple[socket.socket, int]:
+        """A new process of the tools: (the socket to talk to it, its pid)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start()
+            mine, theirs = socket.socketpair()
+            try:
+                socket.send_fds(self.control, [b'{"fork": true}'], [theirs.fileno()])
+                return mine, self._reply()["pid"]
+            finally:
+                theirs.close()
+
+    def reap(self, pid: int) -> int | None:
+        """The exit code of a process that died or was killed (None if the server is gone)."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                return None
+            self.control.send(json.dumps({"reap": pid}).encode())
+            return self._reply()["status"]
 
     def _start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
-        self.buffer = b""
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlsys.tools.user_child", json.dumps(self.specs), str(self.max_chars)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
-        reply = self._reply(START_TIMEOUT_S, starting=True)
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlsys.tools.user_child", str(theirs.fileno()), *self.args],
+                                     pass_fds=[theirs.fileno()], env=env, start_new_session=True)
+        theirs.close()
+        reply = self._reply()
         if "error" in reply:
             self.stop()
             raise ToolFailure(reply["error"])
 
-    def _reply(self, timeout_s: float, starting: bool = False) -> dict:
-        """The next line the process writes, parsed; ToolFailure if it takes over `timeout_s` or dies."""
-        deadline = time.monotonic() + timeout_s
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self.stop()
-                what = "starting the user tools' process" if starting else "the tool"
-                raise ToolFailure(f"{what} timed out after {timeout_s:g}s (its process was killed)")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise ToolFailure(self._died())
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return json.loads(line)
-
-    def _died(self) -> str:
-        rc = self.proc.wait()
-        self.proc = None
-        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit status {rc}"
-        return f"the tool's process died ({how})"
+    def _reply(self) -> dict:
+        if not select.select([self.control], [], [], START_TIMEOUT_S)[0]:
+            self.stop()
+            raise ToolFailure(f"the user tools' server did not answer in {START_TIMEOUT_S:g}s (it was killed)")
+        data = self.control.recv(1 << 16)
+        if not data:
+            self.stop()
+            raise ToolFailure("the user tools' server died")
+        return json.loads(data)
 
     def stop(self) -> None:
+        """Kill the server and every process it forked (one process group)."""
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -248,3 +315,68 @@ class _UserToolProcess:
                 pass
             self.proc.wait()
             self.proc = None
+            self.control.close()
+
+
+class _UserToolProcess:
+    """One conversation's process of the user's tools, forked on first use and again after a timeout or a crash."""
+
+    def __init__(self, server: _ToolServer):
+        self.server = server
+        self.conn: socket.socket | None = None
+        self.pid = 0
+        self.buffer = b""
+
+    def call(self, request: dict, timeout_s: float, limit_s: float) -> dict:
+        """The reply to `request` (a tool's: the answer's first max_chars characters, its length), within
+        `timeout_s`: what is left of the call's `limit_s` after it queued for a tool thread."""
+        if self.conn is None:
+            self.conn, self.pid = self.server.fork()
+            self.buffer = b""
+        try:
+            self.conn.sendall((json.dumps(request) + "\n").encode())
+        except OSError:  # it died between two calls
+            raise ToolFailure(self._died()) from None
+        reply = self._reply(timeout_s, limit_s)
+        if "error" in reply:
+            raise ToolFailure(reply["error"])
+        return reply
+
+    def _reply(self, timeout_s: float, limit_s: float) -> dict:
+        """The next line the process writes, parsed; ToolFailure if it takes over `timeout_s` or dies."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.conn], [], [], left)[0]:
+                self.stop()
+                queued = limit_s - timeout_s
+                queued = f", {queued:.1f}s of it queued for a tool thread" if queued > 0.05 else ""
+                raise ToolFailure(f"the tool timed out after {limit_s:g}s{queued} (its process was killed)")
+            chunk = self.conn.recv(1 << 16)
+            if not chunk:
+                raise ToolFailure(self._died())
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    def _died(self) -> str:
+        rc = self.server.reap(self.pid)
+        self._close()
+        how = "" if rc is None else f" (signal {signal.Signals(-rc).name})" if rc < 0 else f" (exit status {rc})"
+        return f"the tool's process died{how}"
+
+    def stop(self) -> None:
+        if self.conn is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.server.reap(self.pid)
+            except ToolFailure:  # the server went with it: nothing left to reap
+                pass
+            self._close()
+
+    def _close(self) -> None:
+        self.conn.close()
+        self.conn = None

@@ -2,14 +2,16 @@
 
 The model writes `<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>`
 (Hermes' tags, which Qwen2.5's chat template uses); its turn ends at the closing tag, rlsys runs the tool and
-appends `<tool_response>...</tool_response>`, tokenized once and kept as ids from then on. A model whose chat
-template names other tags of that shape gets those (`ToolFormat.from_chat_template`).
+appends the answer, tokenized once and kept as ids from then on: as the model's chat template renders a tool
+message (Qwen2.5: `<|im_end|>`, a user turn holding `<tool_response>...</tool_response>`, `<|im_start|>assistant`),
+or inline as `<tool_response>...</tool_response>` for a model without one. A model whose chat template names other
+tags of that shape gets those (`ToolFormat.from_chat_template`).
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -33,11 +35,24 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """The four tags; the default is Hermes' (Qwen2.5)."""
+    """The four tags (the default is Hermes', Qwen2.5's) and, for a model whose chat template has a tool role,
+    the template's text around a tool's answer: `turn_open` closes the model's turn and opens the tool's,
+    `turn_close` closes the tool's and reopens the model's (ToolFormat.of)."""
     call_open: str = CALL_OPEN
     call_close: str = CALL_CLOSE
     response_open: str = RESPONSE_OPEN
     response_close: str = RESPONSE_CLOSE
+    turn_open: str | None = None
+    turn_close: str | None = None
+
+    @classmethod
+    def of(cls, tokenizer) -> "ToolFormat":
+        """The format of the model's tokenizer: the tags of its chat template, and the template's tool turn when
+        it renders one; the default tags, inline, otherwise."""
+        template = getattr(tokenizer, "chat_template", None)
+        fmt = cls.from_chat_template(template if isinstance(template, str) else None)
+        turn = template_tool_turn(tokenizer) if template else None
+        return replace(fmt, turn_open=turn[0], turn_close=turn[1]) if turn else fmt
 
     @classmethod
     def from_chat_template(cls, template: str | None) -> "ToolFormat":
@@ -74,9 +89,43 @@ class ToolFormat:
             raise ToolCallError(f"the call has keys besides name and arguments: {', '.join(sorted(extra))}")
         return ToolCall(call["name"], arguments)
 
+    def response_ids(self, tokenizer, result) -> list[int]:
+        """The answer's token ids, appended to the model's own ids (never re-encoded): the template's tool turn
+        (or the tags) as the tokenizer reads them, the tool's text as plain text, so a tool printing `<eos>` or
+        `<|im_end|>` cannot inject that special token into the conversation."""
+        before, after = ((self.turn_open, self.turn_close) if self.turn_open is not None
+                         else (self.response_open, self.response_close))
+        return (tokenizer.encode(before, add_special_tokens=False) + plain_ids(tokenizer, result)
+                + tokenizer.encode(after, add_special_tokens=False))
+
     def render_response(self, result) -> str:
         """The text appended after the call: the tool's answer (a ToolResult's text, or a str) in its tags."""
         return f"{self.response_open}{getattr(result, 'text', result)}{self.response_close}"
+
+
+MODEL_MARK, TOOL_MARK = "\x00model-turn\x00", "\x00tool-answer\x00"  # text no template writes itself
+
+
+def template_tool_turn(tokenizer) -> tuple[str, str] | None:
+    """(the text a chat template writes from the end of the model's turn to a tool's answer, the text from the
+    answer to the model's next turn, the assistant reopened), read off the template's rendering of a
+    conversation; None when it renders no tool message."""
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MODEL_MARK},
+                {"role": "tool", "content": TOOL_MARK}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that refuses a tool role (raise_exception): inline answers
+        return None
+    if not isinstance(text, str) or MODEL_MARK not in text or TOOL_MARK not in text.partition(MODEL_MARK)[2]:
+        return None
+    before, _, after = text.partition(MODEL_MARK)[2].partition(TOOL_MARK)
+    return before, after
+
+
+def plain_ids(tokenizer, result) -> list[int]:
+    """A tool's answer (a ToolResult's text, or a str) tokenized as text: special-token strings in it are split."""
+    text = getattr(result, "text", result)
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
 
 def _tag_pair(template: str, name: str) -> tuple[str, str] | None:

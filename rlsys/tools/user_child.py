@@ -1,14 +1,28 @@
-"""The process that runs the user's tools, started by rlsys/tools/box.py as `python -m rlsys.tools.user_child`.
+"""The fork server of the user's tools, started by rlsys/tools/box.py as `python -m rlsys.tools.user_child`.
 
-One request per line on stdin, {"name", "arguments"}; one reply per line on the stdout it was started with,
-{"text", "chars"} or {"error"}. The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's
-text is cut to the size limit here, so a flood never crosses the pipe. The first line is {"ready": true}
-once every tool is imported (or {"error"} if one fails).
+It limits its address space to `tools.memory_mb` (so a tool that allocates without bound fails its call with a
+MemoryError instead of taking the machine's memory from the rollout worker), imports the tools once, then forks
+a process per conversation: the fork starts in milliseconds with the tools imported, and whatever a tool keeps
+in its globals is that conversation's alone. Each process dies with the server, and the server with the worker.
+
+Control (a SOCK_SEQPACKET socket whose fd is argv[1]): first {"ready": true} (or {"error"} if a tool does not
+import); then {"fork": true} with a connected socket's fd attached -> {"pid"}: a process serving the tools on
+that socket; {"reap": pid} -> {"status"}: its exit code, once it has died or been killed.
+A conversation's process reads one request per line, {"name", "arguments"}, and writes one reply per line,
+{"text", "chars"} or {"error"}; with an environment (tools.env), {"step": action, "sample"} -> {"text",
+"chars", "reward", "done"}: the conversation's instance, made and reset(sample) at its first step, steps.
+The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's text is cut to the size limit
+here, so a flood never crosses the socket. A tool, reset or step may be a function or an `async def`.
 """
+import asyncio
 import ctypes
+import inspect
 import json
+import math
 import os
+import resource
 import signal
+import socket
 import sys
 
 from rlsys.plugins import load_function
@@ -16,31 +30,80 @@ from rlsys.plugins import load_function
 PR_SET_PDEATHSIG = 1
 
 
-def serve(specs: dict[str, str], max_chars: int) -> None:
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    if sys.platform == "linux":  # die with the rollout worker, even when a tool never returns
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+def main(control_fd: int, specs: dict[str, str], env: str | None, max_chars: int, memory_mb: int) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+    os.dup2(2, 1)  # the tools' prints
+    _die_with_parent()
+    control = socket.socket(fileno=control_fd)
     try:
         fns = {name: load_function(spec, "tools.fns") for name, spec in specs.items()}
-        reply = {"ready": True}
+        env_class = load_function(env, "tools.env") if env else None
     except Exception as e:
-        fns, reply = {}, {"error": f"importing the tools raised {type(e).__name__}: {e}"}
-    out.write(json.dumps(reply) + "\n")
-    out.flush()
-    for line in sys.stdin:
+        control.send(json.dumps({"error": f"importing the tools raised {type(e).__name__}: {e}"}).encode())
+        return
+    control.send(b'{"ready": true}')
+    while True:
+        data, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+        if not data:  # the worker closed it
+            return
+        request = json.loads(data)
+        if "reap" in request:
+            _, status = os.waitpid(request["reap"], 0)
+            control.send(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode())
+            continue
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            _die_with_parent()
+            serve(socket.socket(fileno=fds[0]), fns, env_class, max_chars)
+            os._exit(0)
+        os.close(fds[0])
+        control.send(json.dumps({"pid": pid}).encode())
+
+
+def serve(conn: socket.socket, fns: dict, env_class, max_chars: int) -> None:
+    env = None  # the conversation's environment, made and reset at its first step
+    for line in conn.makefile("rb"):
         request = json.loads(line)
         try:
-            value = fns[request["name"]](**request["arguments"])
+            if "step" in request:
+                if env is None:
+                    env = env_class()
+                    _result(env.reset(request["sample"]))
+                reply = _step(env, request["step"], max_chars)
+                conn.sendall((json.dumps(reply) + "\n").encode())
+                continue
+            value = _result(fns[request["name"]](**request["arguments"]))
             if isinstance(value, str):
                 reply = {"text": value[:max_chars], "chars": len(value)}
             else:
                 reply = {"error": f"returned {type(value).__name__}, not a string: {repr(value)[:100]}"}
         except Exception as e:
             reply = {"error": f"raised {type(e).__name__}: {str(e)[:300]}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
+        conn.sendall((json.dumps(reply) + "\n").encode())
+
+
+def _step(env, action: str, max_chars: int) -> dict:
+    out = _result(env.step(action))
+    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
+            and isinstance(out[1], (int, float)) and math.isfinite(out[1]) and isinstance(out[2], bool)):
+        return {"error": f"step returned {repr(out)[:100]}, not (observation: str, reward: float, done: bool)"}
+    return {"text": out[0][:max_chars], "chars": len(out[0]), "reward": float(out[1]), "done": out[2]}
+
+
+def _result(value):
+    """The value, or what it awaited (`async def`: run to its end in this process's own loop)."""
+    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":  # even when a tool never returns
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+async def _awaited(awaitable):
+    return await awaitable
 
 
 if __name__ == "__main__":
-    serve(json.loads(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
