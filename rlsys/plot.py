@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from rlsys.errors import UserError  # noqa: E402
 from rlsys.logger import read_jsonl  # noqa: E402
 
 
@@ -73,7 +74,8 @@ def plot_timeline(rows: list[dict], out: Path, last_steps: int = 4, clock: str =
 def plot_run(run_dir: str | Path, last_steps: int = 4) -> list[Path]:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: is it a run folder?")
+        raise UserError(f"{run_dir} has no metrics.jsonl: give a run folder (output_dir of `rlsys train`) that "
+                        "has trained or evaluated")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     out = [plot_progress(metrics, run_dir / "progress.png")]
     timeline = read_jsonl(run_dir / "timeline.jsonl")

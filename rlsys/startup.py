@@ -65,6 +65,46 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def missing_files(cfg: Config) -> list[str]:
+    """What a run of `cfg` would fail on at start-up, read from this machine's disk without starting anything:
+    model.path, the data files, data.eval_size held out of a training file too small for it. Not part of
+    `load_config`: a config may be checked here for a cluster whose disks hold what this one lacks."""
+    from rlsys.models import ModelDirError, validate_model_dir
+
+    problems = []
+    if cfg.model.path:
+        try:
+            validate_model_dir(cfg.model.path)
+        except ModelDirError as e:
+            problems.append(str(e))
+    data = cfg.data
+    if data.task != "files" or data.loader:  # the user's loader decides what its paths mean
+        return problems
+    if not data.train_path:
+        return problems + ["data.train_path must be set when data.task is 'files'"]
+    for field, path in (("data.train_path", data.train_path), ("data.eval_path", data.eval_path)):
+        if path and not Path(path).is_file():
+            problems.append(f"{field}: {path}: dataset file not found")
+    if not data.eval_path and Path(data.train_path).is_file():
+        rows = count_rows(Path(data.train_path))
+        if rows is not None and data.eval_size >= rows:
+            problems.append(f"data.eval_size: {data.train_path} has {rows} rows and cannot spare data.eval_size="
+                            f"{data.eval_size} for evaluation; set data.eval_path or a smaller data.eval_size")
+    return problems
+
+
+def count_rows(path: Path) -> int | None:
+    """The rows of a jsonl (its non-blank lines) or parquet file (its metadata); None for another kind."""
+    if path.suffix == ".jsonl":
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return None
+
+
 USER_CODE = (("data", "task"), ("data", "loader"), ("reward", "fn"), ("tools", "fns"))  # may name the user's code
 
 
