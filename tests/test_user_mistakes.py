@@ -152,3 +152,21 @@ def test_eval_of_an_export_without_its_run_config_asks_for_the_task(tmp_path, ca
     assert task_source(str(model), ["data.task=tool_arith"]) == "task 'tool_arith' (data.task given)"
     (model / RUN_CONFIG).write_text(json.dumps({"data": {"task": "word_problems"}}))  # what a run's export holds
     assert task_source(str(model), []) == f"task 'word_problems' (from {model / RUN_CONFIG})"
+
+
+# --- config mistakes ----------------------------------------------------------------------------------
+def test_an_unknown_key_names_the_nearest_known_one(capsys):
+    assert main(["check", "trainer.total_step=3", "control.sorted.mod=partial", "trainer.zzz=1"]) == 2
+    err = one_message(capsys.readouterr().err)
+    assert "trainer.total_step: unknown key (got 3) [command-line override]; did you mean trainer.total_steps?" in err
+    assert "control.sorted.mod: unknown key (got 'partial') [command-line override]; did you mean control.sorted.mode?" \
+        in err
+    assert "trainer.zzz: unknown key (got 1) [command-line override]\n" in err  # nothing near: no guess
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs" / "sim").glob("*.yaml")), ids=lambda p: p.name)
+def test_a_simulator_config_given_to_check_says_to_simulate_it_in_one_message(config, capsys):
+    assert main(["check", str(config)]) == 2
+    err = one_message(capsys.readouterr().err)
+    assert f"rlsys: {config} is a simulator config" in err and f"run it with `rlsys simulate {config}`" in err
+    assert "unknown key" not in err and len(err.strip().splitlines()) == 2  # the message and the --traceback hint
