@@ -484,10 +484,15 @@ class WeightsConfig(Section):
 
 
 class LoggingConfig(Section):
-    progress: bool = True
+    """Where a run's metrics go besides OUTPUT_DIR/metrics.jsonl, which is always written."""
+    progress: bool = True  # a progress bar of the steps, with the last eval accuracy, reward and step time
+    # TensorBoard event files in OUTPUT_DIR/tensorboard (`tensorboard --logdir OUTPUT_DIR`); needs the `logging`
+    # extra (`make setup EXTRAS=dev,logging`), checked as the config loads
     tensorboard: bool = False
+    # Weights & Biases: needs the `logging` extra and a login (`wandb login`, or WANDB_API_KEY), or WANDB_MODE=offline
+    # (files under OUTPUT_DIR/wandb, `wandb sync` later), checked as the config loads
     wandb: bool = False
-    wandb_project: str = "rlsys"
+    wandb_project: str = "rlsys"  # the W&B project; the run is named after OUTPUT_DIR
 
 
 class FrictionConfig(Section):

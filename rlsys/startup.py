@@ -9,6 +9,8 @@ config would start (`rlsys check`, every --dry-run), without starting it.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -43,7 +45,30 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     (("trainer", "advantage"), lambda cfg: ADVANTAGES.get(cfg.trainer.advantage)),
     ((), lambda cfg: cfg.trainer.loss not in POLICY_LOSSES or check_loss_options(cfg.trainer)),  # the loss's options
     ((), plan_from_config),
+    (("logging", "tensorboard"), lambda cfg: not cfg.logging.tensorboard or tensorboard_ready()),
+    (("logging", "wandb"), lambda cfg: not cfg.logging.wandb or wandb_ready()),
 )
+
+LOGGING_EXTRA = "install the `logging` extra (`make setup EXTRAS=dev,logging`, or `pip install -e \".[logging]\"`)"
+
+
+def tensorboard_ready() -> bool:
+    """TensorBoard's writer needs the tensorboard package; looked up, not imported (a check imports no torch)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(f"the tensorboard package is not installed: {LOGGING_EXTRA}, or set logging.tensorboard=false")
+    return True
+
+
+def wandb_ready() -> bool:
+    """wandb installed, and a key to log with (WANDB_API_KEY, or a `wandb login` in ~/.netrc) or a mode that needs none."""
+    if importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"the wandb package is not installed: {LOGGING_EXTRA}, or set logging.wandb=false")
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    logged_in = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace")
+    if not (os.environ.get("WANDB_API_KEY") or logged_in or os.environ.get("WANDB_MODE") in ("offline", "disabled")):
+        raise ValueError("wandb has no key: run `wandb login` (or set WANDB_API_KEY), or log to files with "
+                         "WANDB_MODE=offline, or set logging.wandb=false")
+    return True
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -170,3 +170,31 @@ def test_a_simulator_config_given_to_check_says_to_simulate_it_in_one_message(co
     err = one_message(capsys.readouterr().err)
     assert f"rlsys: {config} is a simulator config" in err and f"run it with `rlsys simulate {config}`" in err
     assert "unknown key" not in err and len(err.strip().splitlines()) == 2  # the message and the --traceback hint
+
+
+# --- logging ------------------------------------------------------------------------------------------
+def test_tensorboard_without_its_package_is_refused_as_the_config_loads(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard"):
+        pytest.skip("tensorboard is installed here")
+    assert main(["train", "logging.tensorboard=true", "--dry-run", f"output_dir={tmp_path}"]) == 2
+    err = one_message(capsys.readouterr().err)
+    assert "logging.tensorboard: the tensorboard package is not installed: install the `logging` extra" in err
+
+
+def test_wandb_without_a_key_or_an_offline_mode_is_refused_as_the_config_loads(monkeypatch, tmp_path, capsys):
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "__init__.py").write_text("")  # installed, as far as a lookup can tell
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no.netrc"))
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["check", "logging.wandb=true"]) == 2
+    assert "logging.wandb: wandb has no key: run `wandb login` (or set WANDB_API_KEY)" in \
+        one_message(capsys.readouterr().err)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main(["check", "logging.wandb=true"]) == 0
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / "no.netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")  # `wandb login`
+    assert main(["check", "logging.wandb=true"]) == 0
