@@ -24,13 +24,13 @@ EPILOG = """examples:
 def check(items: list[str]):
     """`[CONFIG] [key=value ...]` loaded as a run loads it, and what it would start printed; nothing is started.
     Files the config names that this machine lacks are warned of: the run may be meant for another's disks."""
-    from rlsys.startup import check_report, load_config, missing_files
+    from rlsys.startup import check_report, load_config, start_problems
 
     path, overrides = split_config_and_overrides(items)
     cfg = load_config(path, overrides)
     print(f"{' '.join([path, *overrides])}: a valid config")
     print(check_report(cfg), flush=True)
-    for problem in missing_files(cfg):
+    for problem in start_problems(cfg):
         print(f"warning: a run on this machine would fail at start-up: {problem}", file=sys.stderr, flush=True)
     return cfg
 

@@ -35,7 +35,7 @@ from rlsys.placement import Placement, format_plan, idle_warning, plan_from_conf
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
-from rlsys.startup import missing_files
+from rlsys.startup import start_problems, stale_loss_warning
 from rlsys.step_stats import StepStats, engine_pace
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
@@ -71,8 +71,9 @@ class Controller:
         self.sync_pacer = self.emulation.sync_pacer() if self.emulation else None
         self.overruns = Overruns(cfg.emulate.overrun_limit)
         plan = plan_from_config(cfg)
-        if plan and idle_warning(plan):  # not fatal: a run on part of its cluster is still a run
-            print(idle_warning(plan), file=sys.stderr, flush=True)
+        for warning in (plan and idle_warning(plan), stale_loss_warning(cfg)):  # not fatal: the run still runs
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         init_ray(cfg.cluster)
         self.placement = None
         if plan:  # where each engine and trainer rank goes (GPU clusters only), reserved before any actor starts
@@ -434,7 +435,7 @@ def train(cfg: Config, resume: bool = False, controller_class: type[Controller] 
           overwrite: bool = False) -> dict:
     """One run; a benchmark may pass a Controller subclass that changes one of its jobs (a baseline). A finished
     run resumed is left as it is: `finished` in the result, nothing started."""
-    problems = missing_files(cfg)
+    problems = start_problems(cfg)
     if problems:  # seconds before anything starts, not after Ray, the engines and the trainer have
         raise UserError("this run would fail at start-up:\n  " + "\n  ".join(problems))
     claim_run_dir(cfg.output_dir, resume, overwrite)

@@ -198,3 +198,26 @@ def test_wandb_without_a_key_or_an_offline_mode_is_refused_as_the_config_loads(m
     monkeypatch.delenv("WANDB_MODE")
     (tmp_path / "no.netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")  # `wandb login`
     assert main(["check", "logging.wandb=true"]) == 0
+
+
+# --- what the README asks for beside a choice -----------------------------------------------------------
+@pytest.mark.parametrize("overrides, stale", [
+    (["control.scheduler=async"], "control.scheduler=async"),
+    (["control.scheduler=sorted", "control.sorted.mode=partial"], "control.sorted.mode=partial")])
+def test_stale_samples_under_a_loss_that_ignores_their_age_are_warned_of(overrides, stale, capsys):
+    assert main(["check", *overrides]) == 0
+    assert (f"warning: {stale} trains on samples of older weights, which trainer.loss=dapo does not correct for; "
+            "set trainer.loss=decoupled_ppo") in capsys.readouterr().out
+    for fine in (overrides + ["trainer.loss=decoupled_ppo"], ["control.scheduler=async", "control.staleness.eta=0"],
+                 ["control.scheduler=sorted"]):
+        assert main(["check", *fine]) == 0
+        assert "warning" not in capsys.readouterr().out
+
+
+def test_several_nodes_asked_of_the_one_node_ray_a_run_starts_is_refused(tmp_path, capsys):
+    assert main(["train", "cluster.nodes=2", f"output_dir={tmp_path / 'run'}"]) == 2
+    assert ("cluster.nodes=2: the Ray cluster a run starts itself (cluster.address unset) is this one machine, so "
+            "it would train on one node") in one_message(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+    assert main(["check", "cluster.nodes=2", "cluster.address=10.0.0.1:6379"]) == 0  # a running multi-node Ray
+    assert "warning" not in capsys.readouterr().err
