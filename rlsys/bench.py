@@ -410,7 +410,8 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
     for ax, (name, rows) in zip(axes[0], timelines.items()):
         steps = sorted({x["step"] for x in rows})
         shown = steps[len(steps) // 2: len(steps) // 2 + 3]  # three steps from the middle of the run
-        draw_timeline(ax, [x for x in rows if x["step"] in shown], f"{name}: steps {shown[0]}-{shown[-1]}")
+        draw_timeline(ax, [x for x in rows if x["step"] in shown], f"{name}: steps {shown[0]}-{shown[-1]}",
+                      f"{clock} time since the run started (s)")
     paths.append(out_dir / "timelines.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=100)
