@@ -26,7 +26,7 @@ from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.events import Aborted, Event, Generated, Scored
 from rlsys.data import load_prompts
 from rlsys.data.cursor import PromptCursor
-from rlsys.emulate import Emulation, Overruns
+from rlsys.emulate import Emulation, Overruns, clock_label
 from rlsys.errors import UserError
 from rlsys.evaluate import RUN_CONFIG, Evaluation
 from rlsys.friction import Friction
@@ -92,7 +92,7 @@ class Controller:
         self.trainer = TrainerGroup(cfg, str(self.model_dir), Scoring.of(cfg.rollout), self.placement)
         self.weights = WeightSync(cfg, self.trainer, self.rollout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
-        self.log = RunLogger(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps)
+        self.log = RunLogger(self.run_dir, cfg.logging, cfg.trainer.total_steps, clock_label(cfg.emulate))
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
         self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
