@@ -188,16 +188,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
+        args = parse(sys.argv[1:] if argv is None else argv)  # it imports the commands' modules: seconds
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (train stops at its next step): one line
         hint = getattr(args, "on_interrupt", None)
-        print(f"\nrlsys: interrupted" + (f"; {hint()}" if hint else ""), file=sys.stderr)
+        print("\nrlsys: interrupted" + (f"; {hint()}" if hint else ""), file=sys.stderr)
         return 130
     except Exception as e:  # a mistake in the user's config, data or model files reads as one message
         mistake = user_error(e)
-        if mistake is None or args.traceback:
+        if mistake is None or args is None or args.traceback:
             raise
         print(f"rlsys: {mistake}\n(rlsys --traceback ... shows where it was raised)", file=sys.stderr)
         return 2
