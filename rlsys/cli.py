@@ -31,7 +31,7 @@ def check(items: list[str]):
     print(f"{' '.join([path, *overrides])}: a valid config")
     print(check_report(cfg), flush=True)
     for problem in start_problems(cfg):
-        print(f"warning: a run on this machine would fail at start-up: {problem}", file=sys.stderr, flush=True)
+        print(f"on this machine, a run would fail at start-up: {problem}", file=sys.stderr, flush=True)
     return cfg
 
 

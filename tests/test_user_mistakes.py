@@ -109,7 +109,7 @@ def test_check_dry_run_and_train_catch_missing_files_before_anything_starts(over
     problem = problem.replace("TRAIN", train)
     for command in (["check"], ["train", "--dry-run"]):  # the config may be meant for another machine's disks
         assert main([*command, *overrides]) == 0
-        assert f"warning: a run on this machine would fail at start-up: {problem}" in capsys.readouterr().err
+        assert f"on this machine, a run would fail at start-up: {problem}" in capsys.readouterr().err
     assert main(["train", *overrides]) == 2
     err = one_message(capsys.readouterr().err)
     assert f"rlsys: this run would fail at start-up:\n  {problem}" in err
@@ -119,7 +119,7 @@ def test_check_dry_run_and_train_catch_missing_files_before_anything_starts(over
 def test_check_is_silent_about_files_that_are_there(tmp_path, capsys):
     train = rows_file(tmp_path / "train.jsonl", 6)
     assert main(["check", "data.task=files", f"data.train_path={train}", "data.eval_size=2"]) == 0
-    assert "warning" not in capsys.readouterr().err
+    assert "would fail" not in capsys.readouterr().err
 
 
 # --- rlsys eval and plot on what is not a finished run ---------------------------------------------------
@@ -220,4 +220,4 @@ def test_several_nodes_asked_of_the_one_node_ray_a_run_starts_is_refused(tmp_pat
             "it would train on one node") in one_message(capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
     assert main(["check", "cluster.nodes=2", "cluster.address=10.0.0.1:6379"]) == 0  # a running multi-node Ray
-    assert "warning" not in capsys.readouterr().err
+    assert "would fail" not in capsys.readouterr().err
