@@ -23,7 +23,8 @@ EPILOG = """examples:
 
 def check(items: list[str]):
     """`[CONFIG] [key=value ...]` loaded as a run loads it, and what it would start printed; nothing is started.
-    Files the config names that this machine lacks are warned of: the run may be meant for another's disks."""
+    What a run started here would fail on (files this machine lacks) is named, not refused: the config may be
+    meant for another machine's disks."""
     from rlsys.startup import check_report, load_config, start_problems
 
     path, overrides = split_config_and_overrides(items)
