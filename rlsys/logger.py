@@ -20,7 +20,8 @@ def progress_format(clock: str) -> str:
     """The bar's layout: tqdm's own times are wall seconds, so they say so beside the run's step time when that
     is on another clock (an emulated GPU's)."""
     wall = "" if clock == "wall" else "wall "
-    return "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [" + wall + "{elapsed}<{remaining}, {rate_fmt}]{postfix}"
+    return ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [" + wall
+            + "{elapsed}<{remaining}, {rate_fmt}]{postfix}")
 
 
 class RunLogger:

@@ -60,7 +60,8 @@ def tensorboard_ready() -> bool:
 
 
 def wandb_ready() -> bool:
-    """wandb installed, and a key to log with (WANDB_API_KEY, or a `wandb login` in ~/.netrc) or a mode that needs none."""
+    """wandb installed, and a key to log with (WANDB_API_KEY, or a `wandb login` in ~/.netrc), or a mode that
+    needs none."""
     if importlib.util.find_spec("wandb") is None:
         raise ValueError(f"the wandb package is not installed: {LOGGING_EXTRA}, or set logging.wandb=false")
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))

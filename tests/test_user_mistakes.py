@@ -159,8 +159,8 @@ def test_an_unknown_key_names_the_nearest_known_one(capsys):
     assert main(["check", "trainer.total_step=3", "control.sorted.mod=partial", "trainer.zzz=1"]) == 2
     err = one_message(capsys.readouterr().err)
     assert "trainer.total_step: unknown key (got 3) [command-line override]; did you mean trainer.total_steps?" in err
-    assert "control.sorted.mod: unknown key (got 'partial') [command-line override]; did you mean control.sorted.mode?" \
-        in err
+    assert ("control.sorted.mod: unknown key (got 'partial') [command-line override]; "
+            "did you mean control.sorted.mode?") in err
     assert "trainer.zzz: unknown key (got 1) [command-line override]\n" in err  # nothing near: no guess
 
 
