@@ -8,17 +8,20 @@ EXTRAS ?= dev
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?=   # e.g. --index-url https://download.pytorch.org/whl/cpu where the registry has only CUDA builds
 PY := $(VENV)/bin/python
+comma := ,
+# One stamp per set of extras: `make setup EXTRAS=dev,logging` on an existing .venv/ installs the new ones
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: setup train test lock
 
-setup: $(VENV)/.installed
+setup: $(STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 # Without a GPU, the CPU build of torch goes in first, so no CUDA packages are pulled in.
-$(VENV)/.installed: pyproject.toml $(LOCK) | $(PY)
+$(STAMP): pyproject.toml $(LOCK) | $(PY)
 	@command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_CPU_INDEX)
 	$(PY) -m pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
 	touch $@

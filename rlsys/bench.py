@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,15 +235,38 @@ def speedups(runs: dict[str, list[dict]], results: dict) -> dict:
     return out
 
 
+class RunCut(Exception):
+    """A run stopped before its last step (Ctrl-C, SIGTERM): its folder and the metrics rows it wrote."""
+
+    def __init__(self, run_dir: Path, rows: list[dict]):
+        super().__init__(f"{run_dir} was stopped before its last step")
+        self.run_dir, self.rows = run_dir, rows
+
+
 def run_preset(config: str | None, overrides: list[str], out_dir: Path, controller_class=None) -> list[dict]:
+    """One run's metrics rows; a run stopped before its end raises RunCut, so no sweep takes it for a whole one."""
     from rlsys.train import Controller, train
 
     cfg = load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
     if out_dir.exists():
         import shutil
         shutil.rmtree(out_dir)
-    train(cfg, controller_class=controller_class or Controller)
+    final = train(cfg, controller_class=controller_class or Controller)
+    if final["stopped"]:
+        raise RunCut(out_dir, read_metrics(out_dir))
     return read_metrics(out_dir)
+
+
+def claim_out_dir(out_dir: Path, top_up: bool) -> None:
+    """A bench replaces the run folders of the presets it runs: refuse a folder that holds another bench's runs,
+    unless --top-up says this bench adds to it."""
+    if top_up or not out_dir.is_dir():
+        return
+    held = sorted(p.name for p in out_dir.iterdir())
+    if held:
+        shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+        raise UserError(f"--out-dir {out_dir} holds an earlier bench's runs ({shown}); choose another folder with "
+                        "--out-dir DIR, or remove it (--top-up adds to it, replacing only the presets run now)")
 
 
 def kept_runs(output: str | None, workload: dict, presets: list[str]) -> dict[str, list[dict]]:
@@ -261,7 +285,10 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
           out_dir: Path, output: str | None = None, vary_seed: bool = False, top_up: bool = False) -> dict:
     """The report; with `output`, rewritten there after every run, so a sweep cut short keeps what it measured.
     `vary_seed`: repeat r runs with seed=r (training noise), else every repeat with the config's seed.
-    `top_up`: the report keeps `output`'s runs of the presets not run now."""
+    `top_up`: the report keeps `output`'s runs of the presets not run now. A run cut short (Ctrl-C, SIGTERM)
+    stops the bench: the report keeps the runs that finished and lists the cut one under "cut_runs", compared
+    with nothing, and says "interrupted"."""
+    claim_out_dir(out_dir, top_up)
     names = [p for p in presets if available(p)]
     skipped = [p for p in presets if p not in names]
     if skipped:
@@ -273,6 +300,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
         names = [p for p in names if p not in same]
     workload = {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides, "target": str(target)}
     runs: dict[str, list[dict]] = {**(kept_runs(output, workload, names) if top_up else {}), **{n: [] for n in names}}
+    cut: dict[str, dict] = {}  # the run a Ctrl-C stopped, by its folder's name
 
     def report() -> dict:
         done = {n: v for n, v in runs.items() if v}
@@ -292,18 +320,29 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
             "results": results,
             "speedup_vs_sync": speedups(done, results),
             "runs": done,
+            **({"interrupted": True, "cut_runs": cut} if cut else {}),
         }
 
-    for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]  # rotate so no preset always runs first
-        for name in order:
-            t = time.time()
-            seed = [f"seed={r}"] if vary_seed else []
-            rows = run_preset(config, overrides + preset_overrides(name) + seed, out_dir / f"{name}-r{r}")
-            runs[name].append(summarise_run(rows, target))
-            print(f"[bench] {name} repeat {r}: {time.time() - t:.0f}s, "
-                  f"final accuracy {runs[name][-1]['final_accuracy']}", flush=True)
+    order = [(r, name) for r in range(repeats)  # rotated so no preset always runs first
+             for name in names[r % len(names):] + names[: r % len(names)]]
+    for r, name in order:
+        t, run_dir = time.time(), out_dir / f"{name}-r{r}"
+        seed = [f"seed={r}"] if vary_seed else []
+        try:
+            rows = run_preset(config, overrides + preset_overrides(name) + seed, run_dir)
+        except (RunCut, KeyboardInterrupt) as stop:  # one Ctrl-C stops the bench, not only this run
+            rows = stop.rows if isinstance(stop, RunCut) else read_metrics(run_dir)
+            steps = [row["step"] for row in rows if "timing/train_s" in row]
+            cut[run_dir.name] = {"cut": True, "steps_trained": steps[-1] if steps else 0,
+                                 **summarise_run(rows, target)}
+            print(f"[bench] {name} repeat {r} was cut at step {cut[run_dir.name]['steps_trained']}: the bench "
+                  "stops; the report keeps the runs that finished", flush=True)
             write_report(output, report())
+            break
+        runs[name].append(summarise_run(rows, target))
+        print(f"[bench] {name} repeat {r}: {time.time() - t:.0f}s, "
+              f"final accuracy {runs[name][-1]['final_accuracy']}", flush=True)
+        write_report(output, report())
     return report()
 
 
@@ -372,7 +411,8 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
     for ax, (name, rows) in zip(axes[0], timelines.items()):
         steps = sorted({x["step"] for x in rows})
         shown = steps[len(steps) // 2: len(steps) // 2 + 3]  # three steps from the middle of the run
-        draw_timeline(ax, [x for x in rows if x["step"] in shown], f"{name}: steps {shown[0]}-{shown[-1]}")
+        draw_timeline(ax, [x for x in rows if x["step"] in shown], f"{name}: steps {shown[0]}-{shown[-1]}",
+                      f"{clock} time since the run started (s)")
     paths.append(out_dir / "timelines.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=100)
@@ -380,18 +420,25 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
+def positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of runs, at least 1")
+    return int(text)
+
+
 def add_arguments(p) -> None:
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help=f"the workload: a config (default {DEFAULT_CONFIG.name}) and overrides")
     p.add_argument("--presets", default=",".join(PRESETS),
                    help="comma-separated presets, two joined by + combine (default: all available)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per preset, interleaved (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="runs per preset, interleaved (default 2)")
     p.add_argument("--target", type=Target.parse, default=Target.parse(DEFAULT_TARGET),
                    help="eval accuracy for time-to-target (0.3), or a gain over each run's first eval "
                         f"(+0.025; default {DEFAULT_TARGET})")
     p.add_argument("--vary-seed", action="store_true", help="repeat r runs with seed=r")
     p.add_argument("--quick", action="store_true", help="a short workload: " + " ".join(QUICK))
-    p.add_argument("--out-dir", default="runs/bench", help="where the runs and figures go")
+    p.add_argument("--out-dir", default="runs/bench",
+                   help="where the runs and figures go: a new or empty folder (or, with --top-up, the earlier one)")
     p.add_argument("--output", help="write the report JSON here")
     p.add_argument("--top-up", action="store_true",
                    help="keep --output's runs of the presets not given, measured on the same workload")
@@ -404,13 +451,18 @@ def run_from_args(args) -> int:
     report = bench(config, overrides, args.presets.split(","), args.repeats, args.target, out_dir, args.output,
                    args.vary_seed, args.top_up)
     print_table(report)
-    try:  # matplotlib is optional: offline GPU hosts go without it (benchmarks/gpu/build_bundle.py)
-        paths = plot_bench(report, out_dir)
-    except ModuleNotFoundError as e:
-        print(f"no plots: {e.name} is not installed")
-        paths = []
+    paths = []
+    if report["results"]:
+        try:  # matplotlib is optional: offline GPU hosts go without it (benchmarks/gpu/build_bundle.py)
+            paths = plot_bench(report, out_dir)
+        except ModuleNotFoundError as e:
+            print(f"no plots: {e.name} is not installed")
     for path in paths:
         print(f"wrote {path}")
     if args.output:
         print(f"wrote {args.output}")
+    if report.get("interrupted"):
+        print(f"rlsys: bench interrupted: {', '.join(report['cut_runs'])} was cut and is left out of the table; "
+              f"the finished runs are in {out_dir}", file=sys.stderr)
+        return 130
     return 0

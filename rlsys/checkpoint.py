@@ -76,6 +76,17 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def finished_step(run_dir: str | Path, total_steps: int) -> int | None:
+    """The step a run in `run_dir` finished at, if it trained `total_steps` or more and exported its model;
+    None for a run that has steps to go (or was stopped before its export)."""
+    run_dir = Path(run_dir)
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    if latest is None or not (run_dir / "export" / "config.json").exists():
+        return None
+    step = CheckpointManager.read_state(latest)["step"]
+    return step if step >= total_steps else None
+
+
 def claim_run_dir(run_dir: str | Path, resume: bool, overwrite: bool = False) -> None:
     """Refuse what would mix two runs in one folder, before anything starts: a second run appended to the
     first's metrics, its checkpoints pruned as older than the first's. `overwrite` moves the old run aside."""

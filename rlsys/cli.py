@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rlsys.config import DEFAULT_CONFIG, ConfigError, split_config_and_overrides
 from rlsys.errors import UserError
@@ -21,13 +22,17 @@ EPILOG = """examples:
 
 
 def check(items: list[str]):
-    """`[CONFIG] [key=value ...]` loaded as a run loads it, and what it would start printed; nothing is started."""
-    from rlsys.startup import check_report, load_config
+    """`[CONFIG] [key=value ...]` loaded as a run loads it, and what it would start printed; nothing is started.
+    What a run started here would fail on (files this machine lacks) is named, not refused: the config may be
+    meant for another machine's disks."""
+    from rlsys.startup import check_report, load_config, start_problems
 
     path, overrides = split_config_and_overrides(items)
     cfg = load_config(path, overrides)
     print(f"{' '.join([path, *overrides])}: a valid config")
     print(check_report(cfg), flush=True)
+    for problem in start_problems(cfg):
+        print(f"on this machine, a run would fail at start-up: {problem}", file=sys.stderr, flush=True)
     return cfg
 
 
@@ -50,14 +55,16 @@ def cmd_train(args) -> int:
         return 0
     cfg = load_config(*split_config_and_overrides(args.items))
     go_on = " ".join(["rlsys train", *args.items, "--resume"])
+    args.on_interrupt = lambda: how_to_go_on(cfg.output_dir, go_on)  # a second Ctrl-C, or one before the run ran
     try:
         final = train(cfg, resume=args.resume, overwrite=args.overwrite)
     except RunStopped as e:  # a clear message, not a traceback
         print(f"rlsys: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C: the last checkpoint written is where to go on from
-        print(f"\ninterrupted; `{go_on}` continues from the last checkpoint in {cfg.output_dir}", file=sys.stderr)
-        return 130
+    if final.get("finished"):  # resumed with nothing left to train: nothing changed
+        print(f"{cfg.output_dir} is a finished run (step {final['step']}, trainer.total_steps="
+              f"{cfg.trainer.total_steps}): nothing to do; a larger trainer.total_steps continues it")
+        return 0
     if final["stopped"]:  # by SIGTERM or Ctrl-C: checkpointed, no final eval
         print(f"stopped at step {final['step']}; `{go_on}` continues (run folder {cfg.output_dir})")
         return 0
@@ -67,12 +74,25 @@ def cmd_train(args) -> int:
     return 0
 
 
-def cmd_eval(args) -> int:
-    from rlsys.evaluate import evaluate_path
+def how_to_go_on(run_dir: str, go_on: str) -> str:
+    """After an interrupted run: the command that continues it, where a checkpoint was written."""
+    from rlsys.checkpoint import CheckpointManager
 
+    latest = CheckpointManager(Path(run_dir) / "checkpoints").latest()
+    if latest is None:
+        return f"no checkpoint was written in {run_dir}: start the run again (without --resume)"
+    return (f"`{go_on}` continues from the last checkpoint, step {CheckpointManager.read_state(latest)['step']}, "
+            f"in {run_dir}")
+
+
+def cmd_eval(args) -> int:
+    from rlsys.evaluate import evaluate_path, task_source
+
+    task = task_source(args.path, args.overrides)
+    print(f"evaluating {args.path} on {task}", flush=True)
     metrics, n = evaluate_path(args.path, args.overrides)
     shown = (f"{k.split('/')[1]} {v:.3f} ± {metrics[k + '_se']:.3f}" for k, v in metrics.items() if k + "_se" in metrics)
-    print(f"on {n} held-out prompts: " + ", ".join(shown) + " (± one standard error)")
+    print(f"on {n} held-out prompts of {task}: " + ", ".join(shown) + " (± one standard error)")
     return 0
 
 
@@ -169,12 +189,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
+        args = parse(sys.argv[1:] if argv is None else argv)  # it imports the commands' modules: seconds
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (train stops at its next step): one line
+        hint = getattr(args, "on_interrupt", None)
+        print("\nrlsys: interrupted" + (f"; {hint()}" if hint else ""), file=sys.stderr)
+        return 130
     except Exception as e:  # a mistake in the user's config, data or model files reads as one message
         mistake = user_error(e)
-        if mistake is None or args.traceback:
+        if mistake is None or args is None or args.traceback:
             raise
         print(f"rlsys: {mistake}\n(rlsys --traceback ... shows where it was raised)", file=sys.stderr)
         return 2

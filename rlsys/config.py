@@ -6,6 +6,7 @@ of rlsys to check (registered names, the user's code, the GPU placement) is chec
 """
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -529,10 +530,15 @@ class WeightsConfig(Section):
 
 
 class LoggingConfig(Section):
-    progress: bool = True
+    """Where a run's metrics go besides OUTPUT_DIR/metrics.jsonl, which is always written."""
+    progress: bool = True  # a progress bar of the steps, with the last eval accuracy, reward and step time
+    # TensorBoard event files in OUTPUT_DIR/tensorboard (`tensorboard --logdir OUTPUT_DIR`); needs the `logging`
+    # extra (`make setup EXTRAS=dev,logging`), checked as the config loads
     tensorboard: bool = False
+    # Weights & Biases: needs the `logging` extra and a login (`wandb login`, or WANDB_API_KEY), or WANDB_MODE=offline
+    # (files under OUTPUT_DIR/wandb, `wandb sync` later), checked as the config loads
     wandb: bool = False
-    wandb_project: str = "rlsys"
+    wandb_project: str = "rlsys"  # the W&B project; the run is named after OUTPUT_DIR
 
 
 class FrictionConfig(Section):
@@ -722,7 +728,7 @@ class ConfigSource:
                     f"{self.path}, line {line}" if line else str(self.path))
             else:
                 where, origin = "(several fields)", self._origins(msg)
-            lines.append(f"  {where}: {msg}{got} [{origin}]")
+            lines.append(f"  {where}: {msg}{got} [{origin}]" + (_nearest_key(loc) if msg == "unknown key" else ""))
         return ConfigError("invalid config:\n" + "\n".join(lines))
 
     def _origins(self, msg: str) -> str:
@@ -734,6 +740,17 @@ class ConfigSource:
         parts = [f"{self.path}: {', '.join(in_file)}" if in_file else "",
                  f"command-line override: {', '.join(overridden)}" if overridden else ""]
         return "; ".join(filter(None, parts)) or f"{self.path}: their defaults"
+
+
+def _nearest_key(loc: tuple) -> str:
+    """For an unknown key: "; did you mean" the nearest key of its section, where one is near (trainer.total_step)."""
+    section: Any = Config
+    for key in loc[:-1]:
+        field = section.model_fields.get(key) if isinstance(section, type) and issubclass(section, BaseModel) else None
+        section = field.annotation if field else None
+    known = list(section.model_fields) if isinstance(section, type) and issubclass(section, BaseModel) else []
+    near = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return f"; did you mean {'.'.join(map(str, (*loc[:-1], near[0])))}?" if near else ""
 
 
 def format_errors(err: ValidationError, source: ConfigSource) -> ConfigError:
@@ -818,12 +835,18 @@ def split_config_and_overrides(items: list[str]) -> tuple[str, list[str]]:
     return str(DEFAULT_CONFIG), items
 
 
+SIM_KEYS = {"schedulers", "workload"}  # sections only a simulator config has (rlsys/sim/config.py)
+
+
 def read_config(path: str | Path | None = None, overrides: list[str] | None = None) -> tuple[Config, ConfigSource]:
     """The config of a file (the default one for None) with `key=value` overrides, checked against the schema,
     and where its values came from. A run loads its config with rlsys.startup.load_run_config, which adds the
     checks that need the rest of rlsys."""
     path = Path(path) if path else DEFAULT_CONFIG
     raw, text = read_yaml_mapping(path)
+    if SIM_KEYS & set(raw):
+        raise ConfigError(f"{path} is a simulator config (it has {', '.join(sorted(SIM_KEYS & set(raw)))}), not a "
+                          f"run's: run it with `rlsys simulate {path}`")
     source = ConfigSource(path, text, parse_overrides(overrides or []))
     try:
         return Config.model_validate(_merge(raw, source.overrides)), source

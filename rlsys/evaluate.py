@@ -13,6 +13,7 @@ import math
 import statistics
 from pathlib import Path
 
+from rlsys.errors import UserError
 from rlsys.rollout.registry import engine_entry
 from rlsys.types import Completion, Prompt, Request, SamplingParams, reward_item
 
@@ -83,6 +84,11 @@ def mean_and_se(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), se
 
 
+# The run's config inside its export/, so an export copied elsewhere keeps its task: JSON, which is YAML too and
+# keeps the export to safetensors and JSON
+RUN_CONFIG = "rlsys_config.json"
+
+
 def resolve_model(path: Path) -> tuple[Path | None, Path | None]:
     """(model dir, run config or None) for a run folder, its export/ folder or any HF model dir.
     A checkpoint folder gives no model dir: its weights load into the run's base model."""
@@ -91,10 +97,31 @@ def resolve_model(path: Path) -> tuple[Path | None, Path | None]:
     if (path / "config.yaml").exists() and (path / "export" / "config.json").exists():
         return path / "export", path / "config.yaml"
     if (path / "config.json").exists():
-        run_cfg = path.parent / "config.yaml"
-        return path, run_cfg if run_cfg.exists() else None
-    raise FileNotFoundError(f"{path}: expected a run folder with export/, a checkpoints/step_N folder, or a "
-                            "Hugging Face model directory (config.json + weights + tokenizer)")
+        found = [c for c in (path.parent / "config.yaml", path / RUN_CONFIG) if c.exists()]
+        return path, found[0] if found else None
+    if (path / "config.yaml").exists():  # a run stopped before its end: no export, perhaps a checkpoint
+        from rlsys.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(path / "checkpoints").latest()
+        raise UserError(f"{path} is a run folder without export/ (it was stopped before its end); "
+                        + (f"evaluate its last checkpoint: rlsys eval {latest}" if latest else "it has no checkpoint"))
+    raise UserError(f"{path}: expected a run folder with export/, a checkpoints/step_N folder, or a Hugging Face "
+                    "model directory (config.json + weights + tokenizer)")
+
+
+def task_source(path: str, overrides: list[str]) -> str:
+    """Which task `rlsys eval PATH OVERRIDES` evaluates and where that comes from; a model without its run's
+    config and no data.task given is refused: the default task would be evaluated without a word."""
+    from rlsys.config import read_config
+
+    _, run_cfg = resolve_model(Path(path))
+    named = any(o.startswith("data.task=") for o in overrides)
+    if run_cfg is None and not named:
+        raise UserError(f"{path} carries no run config (no config.yaml beside it, no {RUN_CONFIG} in it), so its "
+                        "task is unknown: name it, e.g. data.task=synthetic, or data.task=files "
+                        "data.eval_path=FILE")
+    task = read_config(run_cfg, overrides)[0].data.task
+    return f"task {task!r} (" + ("data.task given" if named else f"from {run_cfg}") + ")"
 
 
 def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], int]:
@@ -107,6 +134,7 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], in
     from rlsys.tools.schemas import tool_schemas
 
     checkpoint = Path(path)
+    task_source(path, overrides)  # refuses a model whose task is unknown
     model_dir, run_cfg = resolve_model(checkpoint)
     cfg = load_config(run_cfg, overrides)
     init_ray(cfg.cluster)

@@ -16,16 +16,28 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def progress_format(clock: str) -> str:
+    """The bar's layout: tqdm's own times are wall seconds, so they say so beside the run's step time when that
+    is on another clock (an emulated GPU's)."""
+    wall = "" if clock == "wall" else "wall "
+    return ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [" + wall
+            + "{elapsed}<{remaining}, {rate_fmt}]{postfix}")
+
+
 class RunLogger:
-    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int):
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, total_steps: int, clock: str = "wall"):
+        """`clock`: what the metrics' times are, "wall" or "emulated <gpu>/<model>" (emulate.clock_label)."""
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.timeline_path = run_dir / "timeline.jsonl"
         self.shown: dict[str, float] = {}
+        self.names = dict(PROGRESS_KEYS)
+        if clock != "wall":  # one label per clock: the step time is the emulated GPU's
+            self.names["timing/step_s"] = f"step_s ({clock})"
         self.bar = self.tb = self.wandb = None
         if cfg.progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True, bar_format=progress_format(clock))
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
@@ -46,7 +58,7 @@ class RunLogger:
         if self.wandb:
             self.wandb.log(numbers, step=step)
         if self.bar:
-            self.shown.update({short: metrics[k] for k, short in PROGRESS_KEYS.items() if k in metrics})
+            self.shown.update({short: metrics[k] for k, short in self.names.items() if k in metrics})
             self.bar.n = step
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=True)
 

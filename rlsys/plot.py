@@ -8,7 +8,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
+from rlsys.errors import UserError  # noqa: E402
 from rlsys.logger import read_jsonl  # noqa: E402
 
 
@@ -42,19 +44,31 @@ def plot_progress(rows: list[dict], out: Path, label: str = "") -> Path:
     return out
 
 
+def timeline_clock(rows: list[dict]) -> str:
+    """The timeline's x axis: request times since the run started, evaluations and checkpoints included (the
+    metrics' training clock leaves those out), in wall or emulated seconds."""
+    emulated = next((r["emulate/label"] for r in rows if "emulate/label" in r), None)
+    return f"{emulated + ' ' if emulated else 'wall '}time since the run started (s)"
+
+
 def draw_timeline(ax, rows: list[dict], title: str = "", clock: str = "seconds") -> None:
-    """One row per engine slot; bars are requests, coloured by step, aborted ones hatched."""
+    """One row per engine slot; bars are requests at their times in the run, coloured by step, aborted ones hatched;
+    a legend names the steps' colours and the hatch."""
     if not rows:
         ax.set_title(f"{title} (no requests)")
         return
     slots = max(r["slot"] for r in rows) + 1
-    t0 = min(r["start"] for r in rows)
     colors = plt.get_cmap("tab10")
     for r in rows:
         lane = r["worker"] * slots + r["slot"]
         aborted = r.get("finish_reason") == "abort"
-        ax.barh(lane, r["end"] - r["start"], left=r["start"] - t0, height=0.8,
+        ax.barh(lane, r["end"] - r["start"], left=r["start"], height=0.8,
                 color=colors(r["step"] % 10), hatch="//" if aborted else None, alpha=0.5 if aborted else 0.9)
+    steps = sorted({r["step"] for r in rows})
+    legend = [Patch(color=colors(step % 10), label=f"step {step}") for step in steps]
+    if any(r.get("finish_reason") == "abort" for r in rows):
+        legend.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="aborted"))
+    ax.legend(handles=legend, loc="upper right", fontsize="small")
     ax.set(xlabel=clock, ylabel="engine slot", title=title or "Rollout timeline (gaps are bubbles)")
     ax.invert_yaxis()
 
@@ -73,10 +87,11 @@ def plot_timeline(rows: list[dict], out: Path, last_steps: int = 4, clock: str =
 def plot_run(run_dir: str | Path, last_steps: int = 4) -> list[Path]:
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: is it a run folder?")
+        raise UserError(f"{run_dir} has no metrics.jsonl: give a run folder (output_dir of `rlsys train`) that "
+                        "has trained or evaluated")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     out = [plot_progress(metrics, run_dir / "progress.png")]
     timeline = read_jsonl(run_dir / "timeline.jsonl")
     if timeline:
-        out.append(plot_timeline(timeline, run_dir / "timeline.png", last_steps, clock_name(metrics)))
+        out.append(plot_timeline(timeline, run_dir / "timeline.png", last_steps, timeline_clock(metrics)))
     return out

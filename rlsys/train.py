@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-from rlsys.checkpoint import STATE_FILE, CheckpointManager, claim_run_dir, write_json_atomic
+from rlsys.checkpoint import STATE_FILE, CheckpointManager, claim_run_dir, finished_step, write_json_atomic
 from rlsys.cluster import init_ray
 from rlsys.config import Config, save_config
 from rlsys.control import build_scheduler
@@ -27,14 +27,16 @@ from rlsys.control.events import Aborted, Event, Generated, Scored
 from rlsys.data import load_prompts
 from rlsys.tools.schemas import tool_schemas
 from rlsys.data.cursor import PromptCursor
-from rlsys.emulate import Emulation, Overruns
-from rlsys.evaluate import Evaluation
+from rlsys.emulate import Emulation, Overruns, clock_label
+from rlsys.errors import UserError
+from rlsys.evaluate import RUN_CONFIG, Evaluation
 from rlsys.friction import Friction
 from rlsys.logger import RunLogger
 from rlsys.placement import Placement, format_plan, idle_warning, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
+from rlsys.startup import start_problems, stale_loss_warning
 from rlsys.step_stats import StepStats, engine_pace
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
@@ -71,8 +73,9 @@ class Controller:
         self.sync_pacer = self.emulation.sync_pacer() if self.emulation else None
         self.overruns = Overruns(cfg.emulate.overrun_limit)
         plan = plan_from_config(cfg)
-        if plan and idle_warning(plan):  # not fatal: a run on part of its cluster is still a run
-            print(idle_warning(plan), file=sys.stderr, flush=True)
+        for warning in (plan and idle_warning(plan), stale_loss_warning(cfg)):  # not fatal: the run still runs
+            if warning:
+                print(warning, file=sys.stderr, flush=True)
         init_ray(cfg.cluster)
         self.placement = None
         if plan:  # where each engine and trainer rank goes (GPU clusters only), reserved before any actor starts
@@ -91,7 +94,7 @@ class Controller:
         self.trainer = TrainerGroup(cfg, str(self.model_dir), Scoring.of(cfg.rollout), self.placement)
         self.weights = WeightSync(cfg, self.trainer, self.rollout)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints")
-        self.log = RunLogger(self.run_dir, cfg.logging, total_steps=cfg.trainer.total_steps)
+        self.log = RunLogger(self.run_dir, cfg.logging, cfg.trainer.total_steps, clock_label(cfg.emulate))
         self.step, self.version, self.elapsed_before = 0, 0, 0.0
         self.in_flight: dict[str, Completion] = {}  # completions waiting for their reward
         self.prompts: dict[str, Prompt] = {}  # request id -> prompt, until the sample is scored
@@ -108,14 +111,25 @@ class Controller:
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> dict:
-        for signum in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops as a pre-emption notice does
-            signal.signal(signum, self._on_stop_signal)
+        # Ctrl-C stops as a pre-emption notice does, while this run runs; a driver's own handlers (a bench's
+        # next run, its report) are back once it has returned
+        before = {signum: signal.signal(signum, self._on_stop_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        finally:
+            for signum, handler in before.items():
+                signal.signal(signum, handler)
+
+    def _run(self) -> dict:
         if self.rollout.asleep:  # slept at start: the first wake brings the trainer's weights
             self.publish()
         if self.step == 0:
             self.log.write(0, self.now(), {**self.emulated(self.evaluate()), "policy_version": 0, **self.describe()})
-        self.stats.start_step()
-        self.apply(self.scheduler.start(self.now()))
+        # resumed at its last step (stopped there before its final eval and export): only those are left
+        self.done = self.step >= self.cfg.trainer.total_steps
+        if not self.done:
+            self.stats.start_step()
+            self.apply(self.scheduler.start(self.now()))
         while not self.done:
             self.handle(self.next_events())
             if self.training and self.training.done():
@@ -335,6 +349,7 @@ class Controller:
                 final.update(self.overruns.summary())
             self.log.write(self.step, self.now(), final, final=True)
             self.trainer.export_hf(str(self.run_dir / "export"), str(self.model_dir))
+            write_json_atomic(self.run_dir / "export" / RUN_CONFIG, self.cfg.model_dump())  # its task goes with it
         self.log.close()
         try:  # matplotlib is optional: offline GPU hosts go without it (benchmarks/gpu/build_bundle.py)
             from rlsys.plot import plot_run
@@ -421,8 +436,14 @@ class Controller:
 
 def train(cfg: Config, resume: bool = False, controller_class: type[Controller] = Controller,
           overwrite: bool = False) -> dict:
-    """One run; a benchmark may pass a Controller subclass that changes one of its jobs (a baseline)."""
+    """One run; a benchmark may pass a Controller subclass that changes one of its jobs (a baseline). A finished
+    run resumed is left as it is: `finished` in the result, nothing started."""
+    problems = start_problems(cfg)
+    if problems:  # seconds before anything starts, not after Ray, the engines and the trainer have
+        raise UserError("this run would fail at start-up:\n  " + "\n  ".join(problems))
     claim_run_dir(cfg.output_dir, resume, overwrite)
+    if resume and (step := finished_step(cfg.output_dir, cfg.trainer.total_steps)) is not None:
+        return {"step": step, "finished": True, "stopped": False}
     controller = controller_class(cfg, resume=resume)
     try:
         return controller.run()

@@ -33,3 +33,19 @@ def test_a_hanging_test_fails_at_the_suites_time_limit_instead_of_hanging(pytest
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "timeout=2", "-p", "no:cacheprovider",
                            str(tmp_path / "test_hang.py")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Timeout (>2.0s) from pytest-timeout" in done.stdout, done.stdout[-2000:]
+
+
+def test_setup_with_new_extras_installs_them_into_an_existing_venv(tmp_path):
+    """Each set of extras has its stamp: `make setup EXTRAS=dev,logging` after `make setup` is not "nothing to do"."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")  # make -n runs nothing: the venv only has to be there
+    (venv / ".installed-dev").touch()  # `make setup` done, after the lock and pyproject.toml changed last
+
+    def plan(extras: str) -> str:
+        return subprocess.run(["make", "-n", "-C", str(REPO), "setup", f"VENV={venv}", f"EXTRAS={extras}"],
+                              capture_output=True, text=True, check=True).stdout
+    assert "pip install" not in plan("dev")
+    assert '-e ".[dev,logging]"' in plan("dev,logging")

@@ -63,3 +63,17 @@ def test_the_bench_plots_skip_the_timeline_of_a_preset_whose_runs_are_under_anot
     plot_bench(report, tmp_path)
     [ax] = saved["timelines.png"].axes
     assert ax.get_title().startswith("tail: steps 1-1")
+
+
+def test_the_timeline_has_a_legend_and_draws_requests_at_their_time_in_the_run(tmp_path, saved):
+    from rlsys.plot import plot_run
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in EVALS))
+    rows = [{"step": 1, "worker": 0, "slot": 0, "start": 10.0, "end": 12.0},
+            {"step": 2, "worker": 0, "slot": 1, "start": 20.0, "end": 21.0, "finish_reason": "abort"}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_run(tmp_path, last_steps=4)
+    [ax] = saved["timeline.png"].axes
+    assert sorted(bar.get_x() for bar in ax.patches) == [10.0, 20.0]  # not shifted to start at 0
+    assert ax.get_xlabel() == "wall time since the run started (s)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["step 1", "step 2", "aborted"]

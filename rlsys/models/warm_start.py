@@ -159,21 +159,24 @@ def release(device: torch.device) -> None:
 
 
 def warm_start(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig,
-               demonstrate: Callable[[Prompt], list[tuple[str, bool]]] | None = None) -> dict:
+               demonstrate: Callable[[Prompt], list[tuple[str, bool]]] | None = None, progress: bool = False) -> dict:
     """Fine-tune the model in `model_dir` for `cfg.steps` steps on `cfg.device` and save it back; returns loss
-    figures. `demonstrate` gives a prompt's tool-use conversation (rlsys.data.demonstrations), for `cfg.tool_share`."""
+    figures. `demonstrate` gives a prompt's tool-use conversation (rlsys.data.demonstrations), for `cfg.tool_share`.
+    `progress`: a bar of the steps with the loss, as training's (minutes on a CPU are not spent in silence)."""
     if not train_prompts:
         raise ValueError("warm start: the training split is empty")
     device = training_device(cfg.device)
     try:
         with one_thread():
-            return _train(model_dir, train_prompts, cfg, demonstrate, device)
+            return _train(model_dir, train_prompts, cfg, demonstrate, device, progress)
     finally:
         release(device)
 
 
 def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartConfig, demonstrate,
-           device: torch.device) -> dict:
+           device: torch.device, progress: bool = False) -> dict:
+    from tqdm import tqdm
+
     t0 = time.time()
     torch.manual_seed(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -190,6 +193,7 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
     rng = random.Random(cfg.seed)
     model.train()
     losses = []
+    bar = tqdm(total=cfg.steps, desc="warm start", dynamic_ncols=True, disable=not progress)
     for _ in range(cfg.steps):
         batch = sorted(draw_batch(rng, examples, kept, cfg, tokenizer, demos), key=lambda e: len(e[0]))
         n_answer = sum(map(trained_tokens, batch))
@@ -206,6 +210,9 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
         optimizer.step()
         schedule.step()
         losses.append(loss_sum)
+        bar.update()
+        bar.set_postfix(loss=f"{loss_sum:.3g}", refresh=False)
+    bar.close()
     model.eval()
     model.to("cpu").save_pretrained(model_dir)
     head = losses[: max(1, len(losses) // 10)]
