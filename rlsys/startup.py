@@ -17,6 +17,7 @@ from rlsys.control.scheduler import SCHEDULERS
 from rlsys.control.sizing import GROUP_SIZERS
 from rlsys.data import demonstrations, row_loader, task_family
 from rlsys.data.synthetic import TASKS
+from rlsys.emulate import Budget
 from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
@@ -43,6 +44,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     (("trainer", "advantage"), lambda cfg: ADVANTAGES.get(cfg.trainer.advantage)),
     ((), lambda cfg: cfg.trainer.loss not in POLICY_LOSSES or check_loss_options(cfg.trainer)),  # the loss's options
     ((), plan_from_config),
+    ((), lambda cfg: not cfg.emulate.on or Budget.of(cfg.emulate, cfg.rollout.num_workers, cfg.trainer.world_size)),
 )
 
 

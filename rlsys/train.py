@@ -64,7 +64,7 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         # emulate: every part paced to the cost model, and the run's clock in emulated seconds
-        self.emulation = Emulation(cfg.emulate) if cfg.emulate.on else None
+        self.emulation = Emulation.of(cfg) if cfg.emulate.on else None
         self.clock_scale = cfg.emulate.time_scale if self.emulation else 1.0
         self.sync_pacer = self.emulation.sync_pacer() if self.emulation else None
         self.overruns = Overruns(cfg.emulate.overrun_limit)

@@ -1,8 +1,10 @@
 """Live runs on a GPU's clock: one cost model for the simulator and the pacers, paced steps never end before their
 modelled time, and the overrun share that says whether a run emulated."""
 import json
+import threading
 import time
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys import costs
 from rlsys.config import ConfigError, EmulateConfig
-from rlsys.emulate import Emulation, EnginePacer, Overruns, Pacer
+from rlsys.emulate import Budget, Emulation, EnginePacer, Overruns, Pacer
 from rlsys.rollout.cpu_engine import CPUEngine
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.simulator import Simulation
@@ -247,21 +249,26 @@ def test_a_replay_gives_each_request_the_length_of_the_live_request_of_its_rank(
     assert lengths(aborted, 0, 1) == [k * 2 + 1] and lengths(last, 0, 1) == [k * 4]
 
 
-def test_a_replay_of_async_gives_the_trainer_its_own_gpus_and_its_proximal_forwards(tmp_path):
+def test_a_replay_of_async_gives_the_trainer_its_budgets_gpus_and_its_proximal_forwards(tmp_path):
     from pathlib import Path
 
     from rlsys.config import save_config
     from rlsys.sim.replay import replay_config
 
     repo = Path(__file__).resolve().parent.parent
-    save_config(load_config(repo / "configs" / "emulated_h100_7b.yaml",
-                            ["control.scheduler=async", "trainer.loss=decoupled_ppo"]), tmp_path / "config.yaml")
+    config = repo / "configs" / "emulated_h100_7b.yaml"
     (tmp_path / "timeline.jsonl").write_text(json.dumps(
         {"step": 1, "request_id": "p0#0", "tokens": 5, "prompt_tokens": 9, "finish_reason": "stop"}) + "\n")
+    save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo", "emulate.layout=separate",
+                                     "rollout.num_workers=1"]), tmp_path / "config.yaml")
     cfg, _ = replay_config(tmp_path)
-    assert cfg.cluster.gpus == 4 and cfg.cluster.trainer_gpus == 2  # it generates while the trainer trains
+    assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus == 1  # the same budget: 1 engine GPU, 1 trainer GPU
     # 4 mini-batches of stale samples: pi_prox recomputed for the last 3 (trainer.proximal=recompute)
     assert cfg.trainer.flops_per_param_token == costs.TRAIN_FLOPS + costs.FORWARD_FLOPS * 3 / 4
+    # Colocated, async contends for its GPUs live: the simulator, which does not model that, refuses to replay it
+    save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo"]), tmp_path / "config.yaml")
+    with pytest.raises(ValueError, match="contends for its GPUs"):
+        replay_config(tmp_path)
 
 
 def gpu_run_folder(path):
@@ -324,3 +331,63 @@ def test_a_replay_with_the_runs_own_step_cost_charges_its_measured_decode_step(t
     builtin = live_vs_sim(tmp_path, gpu="h100")["rollout_time_s"]["sim"]
     measured = live_vs_sim(tmp_path, gpu="h100", engine=engine)["rollout_time_s"]["sim"]
     assert measured > 1.5 * builtin and 470 * 10e-3 < measured < 470 * 20e-3
+
+
+# --- one GPU budget ------------------------------------------------------------------------------
+def emulated(*overrides):
+    return load_config(Path(__file__).resolve().parent.parent / "configs" / "emulated_h100_7b.yaml", list(overrides))
+
+
+def test_the_budget_places_engines_and_trainer_on_the_modelled_gpus_and_refuses_more_than_it_has():
+    assert Emulation.of(emulated()).budget == Budget(2, "colocated", ((0,), (1,)), (0, 1))
+    split = Emulation.of(emulated("emulate.layout=separate", "rollout.num_workers=1"))
+    assert split.budget == Budget(2, "separate", ((0,),), (1,))
+    assert split.trainer_pacer(1).gpus == 1 and split.describe()["emulate/gpus"] == 2
+    assert Emulation.of(emulated("emulate.gpus=4", "trainer.world_size=2")).budget.trainer_rank(1, 2) == (2, 3)
+    with pytest.raises(ConfigError, match=r"emulate.layout=separate: rollout.num_workers=2 x emulate.tp=1 = 2 GPUs "
+                                          r"plus at least 1 for the trainer need more than emulate.gpus=2"):
+        emulated("emulate.layout=separate")
+    with pytest.raises(ConfigError, match="remove emulate.trainer_gpus"):
+        emulated("emulate.trainer_gpus=1")
+    # Without emulate.gpus every part has GPUs of its own, and the budget counts them all
+    legacy = Emulation(EmulateConfig(gpu="h100", trainer_gpus=2), engines=2).budget
+    assert legacy == Budget(4, "separate", ((0,), (1,)), (2, 3))
+
+
+def contending_spans(tmp_path, *overrides) -> tuple[list, list]:
+    """Engine 0's paced steps and trainer rank 0's paced micro-batches, run at once in two threads of a budget's
+    layout: each one's modelled (begin, end) spans."""
+    emulation = Emulation.of(emulated("emulate.time_scale=1.0", "emulate.tokens_per_token=1", f"output_dir={tmp_path}",
+                                  *overrides))
+    engine, trainer = emulation.engine_pacer(0), emulation.trainer_pacer(1)
+    spans = {"engine": [], "trainer": []}
+
+    def steps():
+        for _ in range(30):
+            spans["engine"].append(engine.step(time.perf_counter(), 0, 64, 64 * 40))  # ~8 ms modelled
+
+    def micro_batches():
+        for _ in range(6):
+            spans["trainer"].append(trainer.micro_batch(time.perf_counter(), 600, costs.TRAIN_FLOPS))  # ~20 ms
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=f) for f in (steps, micro_batches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return spans["engine"], spans["trainer"]
+
+
+def overlap(a: list, b: list) -> float:
+    return sum(max(0.0, min(e1, e2) - max(b1, b2)) for b1, e1 in a for b2, e2 in b)
+
+
+def test_a_colocated_engine_never_steps_while_a_trainer_micro_batch_runs_on_its_gpu(tmp_path):
+    engine, trainer = contending_spans(tmp_path / "colocated")
+    assert len(engine) == 30 and len(trainer) == 6
+    assert overlap(engine, trainer) == 0.0  # one after the other on the shared GPU
+    assert all(e - b >= 0.001 for b, e in engine + trainer)  # each still lasts its modelled time
+    # Split (engine on GPU 0, trainer on GPU 1) they run at once: the check above sees overlap where there is some
+    engine, trainer = contending_spans(tmp_path / "separate", "emulate.layout=separate", "rollout.num_workers=1")
+    assert overlap(engine, trainer) > 0.05
