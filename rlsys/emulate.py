@@ -91,6 +91,7 @@ class Pacer:
     time_scale: float
     held: int = 0
     overruns: int = 0
+    overrun_s: float = 0.0  # the run's seconds (wall over time_scale) by which real compute passed modelled time
     timeline: GPUTimeline | None = None  # where the work contends for its modelled GPUs (colocated)
     on_gpus: tuple[int, ...] = ()  # the modelled GPUs the work runs on
 
@@ -102,6 +103,7 @@ class Pacer:
         self.held += 1
         if now > started + seconds:
             self.overruns += 1
+            self.overrun_s += (now - started - seconds) / self.time_scale
         begin = started
         if self.timeline:
             begin = self.timeline.reserve(self.on_gpus, started, seconds)
@@ -110,8 +112,8 @@ class Pacer:
             time.sleep(left)
         return begin, deadline
 
-    def counts(self) -> dict[str, int]:
-        return {"held": self.held, "overruns": self.overruns}
+    def counts(self) -> dict[str, float]:
+        return {"held": self.held, "overruns": self.overruns, "overrun_s": self.overrun_s}
 
 
 @dataclass
@@ -201,14 +203,21 @@ class Overruns:
     def __init__(self, limit: float):
         self.limit = limit
         self.held = self.overruns = 0  # over the run so far
+        self.overrun_s = 0.0
 
     def step(self, counts: list[dict]) -> dict:
-        """`counts`: every pacer's cumulative counts now. The share of this step's held work that overran."""
+        """`counts`: every pacer's cumulative counts now. The share of this step's held work that overran, and
+        by how many of the run's seconds in all (summed over the parts, which run in parallel)."""
         held, overruns = sum(c["held"] for c in counts), sum(c["overruns"] for c in counts)
+        overrun_s = sum(c.get("overrun_s", 0.0) for c in counts)
         step_held, step_over = max(0, held - self.held), max(0, overruns - self.overruns)
+        step_s = max(0.0, overrun_s - self.overrun_s)
         self.held, self.overruns = max(held, self.held), max(overruns, self.overruns)
-        return {"emulate/overrun_share": step_over / step_held if step_held else 0.0, "emulate/held": step_held}
+        self.overrun_s = max(overrun_s, self.overrun_s)
+        return {"emulate/overrun_share": step_over / step_held if step_held else 0.0, "emulate/held": step_held,
+                "emulate/overrun_s": step_s}
 
     def summary(self) -> dict:
         share = self.overruns / self.held if self.held else 0.0
-        return {"emulate/overrun_share": share, "emulate/emulating": share <= self.limit}
+        return {"emulate/overrun_share": share, "emulate/emulating": share <= self.limit,
+                "emulate/overrun_s": self.overrun_s}

@@ -372,7 +372,7 @@ class Controller:
     def pacer_counts(self, train_metrics: dict) -> list[dict]:
         """Every pacer's cumulative counts: the engines', the trainer ranks' (summed) and the publish's."""
         engines = [e["emulate"] for e in self.rollout.stats() if "emulate" in e]
-        trainer = {"held": train_metrics.get("emulate_held", 0), "overruns": train_metrics.get("emulate_overruns", 0)}
+        trainer = {k: train_metrics.get(f"emulate_{k}", 0) for k in ("held", "overruns", "overrun_s")}
         return engines + [trainer, self.sync_pacer.counts()]
 
     @contextmanager

@@ -61,20 +61,23 @@ def test_a_hold_never_ends_before_its_modelled_time_and_counts_overruns():
         started = time.perf_counter()
         pacer.hold(started, modelled)
         assert time.perf_counter() - started >= modelled * 3.0
-    assert pacer.counts() == {"held": 3, "overruns": 0}
-    started = time.perf_counter() - 1.0  # the real work took a second
+    assert pacer.counts() == {"held": 3, "overruns": 0, "overrun_s": 0.0}
+    started = time.perf_counter() - 1.0  # the real work took a second, 0.7 s of wall time past its 0.3
     pacer.hold(started, 0.1)
-    assert pacer.counts() == {"held": 4, "overruns": 1}
+    counts = pacer.counts()
+    assert counts["held"] == 4 and counts["overruns"] == 1
+    assert 0.7 / 3.0 <= counts["overrun_s"] < 0.8 / 3.0  # in the run's seconds: wall over the time scale
 
 
 def test_overrun_share_per_step_and_over_the_run():
     tally = Overruns(limit=0.05)
-    step = tally.step([{"held": 90, "overruns": 0}, {"held": 10, "overruns": 1}])
-    assert step == {"emulate/overrun_share": 0.01, "emulate/held": 100}
-    assert tally.summary() == {"emulate/overrun_share": 0.01, "emulate/emulating": True}
-    step = tally.step([{"held": 100, "overruns": 10}, {"held": 100, "overruns": 1}])  # cumulative counts
-    assert step == {"emulate/overrun_share": 0.1, "emulate/held": 100}
-    assert tally.summary() == {"emulate/overrun_share": 11 / 200, "emulate/emulating": False}
+    step = tally.step([{"held": 90, "overruns": 0, "overrun_s": 0.0}, {"held": 10, "overruns": 1, "overrun_s": 0.5}])
+    assert step == {"emulate/overrun_share": 0.01, "emulate/held": 100, "emulate/overrun_s": 0.5}
+    assert tally.summary() == {"emulate/overrun_share": 0.01, "emulate/emulating": True, "emulate/overrun_s": 0.5}
+    step = tally.step([{"held": 100, "overruns": 10, "overrun_s": 2.0},  # cumulative counts
+                       {"held": 100, "overruns": 1, "overrun_s": 0.5}])
+    assert step == {"emulate/overrun_share": 0.1, "emulate/held": 100, "emulate/overrun_s": 2.0}
+    assert tally.summary() == {"emulate/overrun_share": 11 / 200, "emulate/emulating": False, "emulate/overrun_s": 2.5}
 
 
 def test_config_refuses_emulation_it_cannot_pace(tmp_path):
