@@ -161,11 +161,22 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
         "response_length": mean("response_length/mean"),
+        **length_shape(steps),
         "group_size": mean("group_size"),
         **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/overrun_s", "emulate/emulating")
            if k in rows[-1]},
         **tool_calls(steps),
     }
+
+
+def length_shape(steps: list[dict]) -> dict:
+    """The responses' length shape (tokens of the run's model) at the first and the last step: median, p90, p99,
+    the share cut at the cap; none for runs that did not log it."""
+    keys = ("p50", "p90", "p99", "at_cap")
+    if not steps or any(f"response_length/{k}" not in steps[0] for k in keys):
+        return {}
+    return {f"length_{k}_{when}": row[f"response_length/{k}"] for when, row in (("first", steps[0]), ("last", steps[-1]))
+            for k in keys}
 
 
 def tool_calls(steps: list[dict]) -> dict:

@@ -192,3 +192,16 @@ def test_every_ratio_carries_a_bootstrap_95_interval_of_its_pairs():
         assert 1.0 <= low <= out[label] <= high <= 2.0  # within the pairs' range, around their median
     assert out["per_sample_ci95"][0] < out["per_sample_ci95"][1]  # the pairs differ: so does the interval's ends
     assert bootstrap_interval([1.5, 1.5, 1.5]) == [1.5, 1.5]
+
+
+def test_a_run_reports_its_length_shape_at_the_first_and_the_last_step():
+    run = rows(1.0, [(0, 0.2), (4, 0.35)])
+    steps = [r for r in run if "timing/step_s" in r]
+    for r, (p50, at_cap) in zip(steps, ((6, 0.0), (7, 0.01), (8, 0.02), (12, 0.05))):
+        r.update({"response_length/p50": p50, "response_length/p90": 3 * p50, "response_length/p99": 9 * p50,
+                  "response_length/at_cap": at_cap})
+    out = summarise_run(run, target=0.3)
+    assert (out["length_p50_first"], out["length_p90_first"], out["length_p99_first"]) == (6, 18, 54)
+    assert (out["length_p50_last"], out["length_at_cap_last"], out["length_at_cap_first"]) == (12, 0.05, 0.0)
+    assert aggregate([out, out])["length_p50_last"] == 12
+    assert "length_p50_first" not in summarise_run(rows(1.0, [(0, 0.2)]), target=0.3)  # a run that did not log it
