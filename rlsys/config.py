@@ -510,6 +510,7 @@ class EmulateConfig(Section):
     model: Literal["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"] = "qwen2.5-7b"  # rlsys.costs.MODELS
     time_scale: float = Field(1.0, gt=0)  # wall seconds per emulated second: room for the real compute to fit
     tokens_per_token: int = Field(1, ge=1)  # k: a token of the run's model stands for k of the emulated one
+    prompt_tokens: Optional[int] = Field(None, ge=1)  # what each prompt stands for, set on its own; None: k a token
     tp: int = Field(1, ge=1)  # GPUs per emulated rollout engine
     trainer_gpus: Optional[int] = Field(None, ge=1)  # emulated GPUs the trainer's ranks share, where `gpus` is unset
     # (8 if this is unset too)

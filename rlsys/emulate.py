@@ -120,18 +120,35 @@ class Pacer:
 class EnginePacer(Pacer):
     cost: costs.EngineCost = None
     k: int = 1
+    prompt_tokens: int | None = None  # emulate.prompt_tokens: what each prompt stands for; None: k per token
 
-    def step_s(self, prefill_tokens: int, running: int, live_kv: int) -> float:
-        """A step of the built-in engine: its prefill, then one decode step of `running` sequences over `live_kv`
-        cached tokens, which stands for k decode steps of the emulated model (its KV growing by `running` each)."""
+    def emulated(self, tokens: float, prompts: int, prompt_tokens: float) -> float:
+        """Emulated tokens of `tokens` run tokens, `prompt_tokens` of them the prompts' of `prompts` sequences."""
+        return emulated_tokens(self.k, self.prompt_tokens, tokens, prompts, prompt_tokens)
+
+    def step_s(self, prefill_tokens: int, running: int, live_kv: int, prompts: int = 0, prompt_prefill: int = 0,
+               prompt_kv: int = 0) -> float:
+        """A step of the built-in engine: its prefill (`prompts` prompts of `prompt_prefill` tokens among
+        `prefill_tokens`), then one decode step of `running` sequences over `live_kv` cached tokens (`prompt_kv`
+        of them their prompts'), which stands for k decode steps of the emulated model (its KV growing by
+        `running` each)."""
         k, cost = self.k, self.cost
-        seconds = k * prefill_tokens * cost.prefill_s_per_token
+        seconds = self.emulated(prefill_tokens, prompts, prompt_prefill) * cost.prefill_s_per_token
         if running:
-            seconds += k * cost.step_s(running, k * live_kv + running * (k - 1) / 2)  # the k steps' mean KV
+            kv = self.emulated(live_kv, running, prompt_kv)
+            seconds += k * cost.step_s(running, kv + running * (k - 1) / 2)  # the k steps' mean KV
         return seconds
 
-    def step(self, started: float, prefill_tokens: int, running: int, live_kv: int) -> tuple[float, float]:
-        return self.hold(started, self.step_s(prefill_tokens, running, live_kv))
+    def step(self, started: float, prefill_tokens: int, running: int, live_kv: int, **prompt) -> tuple[float, float]:
+        return self.hold(started, self.step_s(prefill_tokens, running, live_kv, **prompt))
+
+
+def emulated_tokens(k: int, per_prompt: int | None, tokens: float, prompts: int, prompt_tokens: float) -> float:
+    """k emulated tokens per run token, but a prompt's `per_prompt` where that is set (emulate.prompt_tokens):
+    long-CoT RL's prompts are a few hundred tokens whatever the response cap, so k must not scale them."""
+    if per_prompt is None:
+        return k * tokens
+    return k * (tokens - prompt_tokens) + per_prompt * prompts
 
 
 @dataclass
@@ -140,13 +157,17 @@ class TrainerPacer(Pacer):
     gpu: costs.GPU = None
     gpus: float = 1.0  # the emulated GPUs of this rank
     k: int = 1
+    prompt_tokens: int | None = None  # as EnginePacer's
 
-    def micro_batch_s(self, tokens: int, flops_per_param_token: float) -> float:
-        return costs.train_gpu_seconds(self.model, self.gpu, self.k * tokens, costs.TRAIN_MFU,
+    def micro_batch_s(self, tokens: int, flops_per_param_token: float, prompts: int = 0,
+                      prompt_tokens: int = 0) -> float:
+        """`tokens` of `prompts` sequences, `prompt_tokens` of them their prompts'."""
+        emulated = emulated_tokens(self.k, self.prompt_tokens, tokens, prompts, prompt_tokens)
+        return costs.train_gpu_seconds(self.model, self.gpu, emulated, costs.TRAIN_MFU,
                                        flops_per_param_token) / self.gpus
 
-    def micro_batch(self, started: float, tokens: int, flops_per_param_token: float) -> tuple[float, float]:
-        return self.hold(started, self.micro_batch_s(tokens, flops_per_param_token))
+    def micro_batch(self, started: float, tokens: int, flops_per_param_token: float, **prompt) -> tuple[float, float]:
+        return self.hold(started, self.micro_batch_s(tokens, flops_per_param_token, **prompt))
 
 
 def clock_label(cfg) -> str:
@@ -178,12 +199,14 @@ class Emulation:
 
     def engine_pacer(self, index: int = 0) -> EnginePacer:
         return EnginePacer(self.cfg.time_scale, cost=self.engine_cost, k=self.cfg.tokens_per_token,
-                           timeline=self.timeline, on_gpus=self.budget.engines[index])
+                           prompt_tokens=self.cfg.prompt_tokens, timeline=self.timeline,
+                           on_gpus=self.budget.engines[index])
 
     def trainer_pacer(self, world_size: int, rank: int = 0) -> TrainerPacer:
         on = self.budget.trainer_rank(rank, world_size)
         return TrainerPacer(self.cfg.time_scale, model=self.model, gpu=self.gpu, gpus=len(on),
-                            k=self.cfg.tokens_per_token, timeline=self.timeline, on_gpus=on)
+                            k=self.cfg.tokens_per_token, prompt_tokens=self.cfg.prompt_tokens, timeline=self.timeline,
+                            on_gpus=on)
 
     def sync_pacer(self) -> Pacer:
         return Pacer(self.cfg.time_scale)
@@ -192,7 +215,8 @@ class Emulation:
         """What every report of the run carries beside its times."""
         c = self.cfg
         return {"emulate/label": self.label, "emulate/time_scale": c.time_scale,
-                "emulate/tokens_per_token": c.tokens_per_token, "emulate/tp": c.tp,
+                "emulate/tokens_per_token": c.tokens_per_token, "emulate/prompt_tokens": c.prompt_tokens,
+                "emulate/tp": c.tp,
                 "emulate/gpus": self.budget.gpus, "emulate/layout": self.budget.layout,
                 "emulate/trainer_gpus": len(self.budget.trainer)}
 

@@ -55,6 +55,24 @@ def test_k_tokens_per_token_are_k_decode_steps_of_the_emulated_model():
     assert EnginePacer(1.0, cost=cost, k=k).step_s(0, n, kv) == pytest.approx(steps)
 
 
+def test_a_prompt_stands_for_its_own_emulated_length_not_k_times_its_tokens():
+    """emulate.prompt_tokens: long-CoT RL's prompts are a few hundred tokens whatever the response cap."""
+    cost, k, P = Emulation(H100_7B).engine_cost, 4, 300
+    scaled, own = EnginePacer(1.0, cost=cost, k=k), EnginePacer(1.0, cost=cost, k=k, prompt_tokens=P)
+    # two prompts of 9 and 5 tokens prefilled with 3 resumed response tokens; then two sequences decoding over
+    # those prompts and 10 response tokens
+    assert own.step_s(17, 0, 0, prompts=2, prompt_prefill=14) == pytest.approx((2 * P + k * 3) * cost.prefill_s_per_token)
+    assert scaled.step_s(17, 0, 0, prompts=2, prompt_prefill=14) == pytest.approx(k * 17 * cost.prefill_s_per_token)
+    assert own.step_s(0, 2, 24, prompt_kv=14) == pytest.approx(k * cost.step_s(2, 2 * P + k * 10 + 2 * (k - 1) / 2))
+    assert scaled.step_s(0, 2, 24, prompt_kv=14) == scaled.step_s(0, 2, 24)  # k a token, prompt or not
+    emulation = Emulation(EmulateConfig(gpu="h100", model="qwen2.5-7b", tokens_per_token=k, prompt_tokens=P,
+                                        trainer_gpus=1))
+    trainer = emulation.trainer_pacer(1)
+    assert emulation.engine_pacer().prompt_tokens == trainer.prompt_tokens == P
+    assert trainer.micro_batch_s(40, 6, prompts=2, prompt_tokens=14) == pytest.approx(
+        costs.train_gpu_seconds(emulation.model, emulation.gpu, 2 * P + k * 26, costs.TRAIN_MFU, 6))
+
+
 def test_a_hold_never_ends_before_its_modelled_time_and_counts_overruns():
     pacer = Pacer(time_scale=3.0)
     for modelled in (0.001, 0.01, 0.02):
@@ -129,7 +147,7 @@ def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engi
     pacer.time_scale = 1.0  # modelled seconds far beyond this machine's step, so holding would show
     held = []
     real_step = pacer.step
-    pacer.step = lambda *args: (held.append(args[1:]), real_step(*args))  # the real hold, its arguments kept
+    pacer.step = lambda *args, **prompt: (held.append((*args[1:], prompt)), real_step(*args, **prompt))  # the real hold
     engine = CPUEngine(engine_dir, slots=4, pacer=pacer)
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     engine.add(Request("eval/a", "p", [1, 2, 3], greedy, on_clock=False))
@@ -146,8 +164,11 @@ def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engi
     engine.step()
     # The training prompt's 2 tokens prefilled and the rest of its prefill token decoded over them, then its one
     # sequence decoding over its own KV (read after the step's record: prompt + sampled - 1); the eval request's
-    # 4 prompt tokens and its KV are in neither.
-    assert held == [(2, 1, 2), (0, 1, 3)] and engine.stats()["emulate"]["held"] == 2
+    # 4 prompt tokens and its KV are in neither. Of each, the prompt's share: one prompt of 2 tokens prefilled, then
+    # none, its 2 tokens in the KV read both times.
+    assert held == [(2, 1, 2, {"prompts": 1, "prompt_prefill": 2, "prompt_kv": 2}),
+                    (0, 1, 3, {"prompts": 0, "prompt_prefill": 0, "prompt_kv": 2})]
+    assert engine.stats()["emulate"]["held"] == 2
     assert time.perf_counter() - started >= pacer.step_s(2, 1, 2) + pacer.step_s(0, 1, 3)
 
 
@@ -167,7 +188,8 @@ def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F
     # An empty micro-batch (padding; the boundary DeepSpeed closes before each streamed update) is not held:
     # modelled at no time, it would count as an overrun every time.
     backend.accumulate_gradients([], StepTotals(1, 1, 1), closes_step=False)
-    assert backend.pacer.counts() == {"held": metrics["emulate_held"], "overruns": metrics["emulate_overruns"]}
+    assert backend.pacer.counts() == {"held": metrics["emulate_held"], "overruns": metrics["emulate_overruns"],
+                                      "overrun_s": metrics["emulate_overrun_s"]}
 
 
 @pytest.mark.slow
