@@ -57,6 +57,18 @@ def report_of(path: Path, workload: dict, runs: dict[str, list[dict]], command: 
             "budgets": {n: r.get("gpus") for n, r in results.items()}, "runs": done}
 
 
+def started_run(config: str, overrides: list[str], out_dir: Path, tries: int = 5) -> list[dict]:
+    """run_preset, tried again where Ray did not start: on a loaded machine its node can miss Ray's fixed 30 s."""
+    for attempt in range(tries):
+        try:
+            return run_preset(config, overrides, out_dir)
+        except Exception as e:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
+            print(f"[budget] Ray did not start ({e}); trying again", flush=True)
+            time.sleep(10)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -79,7 +91,7 @@ def main() -> int:
                         continue
                     overrides = SHORT + layout(preset, gpus) + [f"seed={seed}"]
                     started = time.time()
-                    rows = run_preset(config, overrides, Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}")
+                    rows = started_run(config, overrides, Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}")
                     summary = summarise_run(rows, Target.parse(TARGET), budget_gpus(load_config(config, overrides)))
                     runs.setdefault(preset, []).append({**summary, "seed": seed, "wall_clock_s": time.time() - started})
                     write_report(str(path), report_of(path, workload, runs, command))
