@@ -211,6 +211,22 @@ class Emulation:
     def sync_pacer(self) -> Pacer:
         return Pacer(self.cfg.time_scale)
 
+    def kv_slots(self, max_prompt_tokens: int, max_new_tokens: int) -> int:
+        """Sequences of the longest prompt and response (run tokens) that an engine's modelled KV cache holds at
+        once, as vLLM's memory allows: the slots an engine of the emulated GPU would run."""
+        k = self.cfg.tokens_per_token
+        longest = emulated_tokens(k, self.cfg.prompt_tokens, max_prompt_tokens + max_new_tokens, 1, max_prompt_tokens)
+        return int(self.engine_cost.kv_capacity // longest)
+
+    def layout_report(self, run_cfg) -> str:
+        """Which engines and trainer GPUs stand on which modelled GPU, and the slots their KV would hold."""
+        b = self.budget
+        engines = "; ".join(f"engine {i} on GPU {','.join(map(str, g))}" for i, g in enumerate(b.engines))
+        slots = self.kv_slots(run_cfg.data.max_prompt_tokens, run_cfg.rollout.max_new_tokens)
+        return (f"emulated: {b.gpus} modelled {self.cfg.gpu} GPUs, {b.layout}: {engines}; trainer on GPUs "
+                f"{','.join(map(str, b.trainer))}; an engine's KV holds {slots} sequences of the longest prompt and "
+                f"response (rollout.slots={run_cfg.rollout.slots})")
+
     def describe(self) -> dict:
         """What every report of the run carries beside its times."""
         c = self.cfg

@@ -17,7 +17,7 @@ from rlsys.control.scheduler import SCHEDULERS
 from rlsys.control.sizing import GROUP_SIZERS
 from rlsys.data import demonstrations, row_loader, task_family
 from rlsys.data.synthetic import TASKS
-from rlsys.emulate import Budget
+from rlsys.emulate import Budget, Emulation
 from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
@@ -87,4 +87,6 @@ def check_report(cfg: Config) -> str:
                      "CPUs of the Ray cluster")
     else:
         lines += [format_plan(plan), *filter(None, [idle_warning(plan)])]
+    if cfg.emulate.on:
+        lines.append(Emulation.of(cfg).layout_report(cfg))
     return "\n".join(lines)

@@ -416,3 +416,18 @@ def test_a_colocated_engine_never_steps_while_a_trainer_micro_batch_runs_on_its_
     # Split (engine on GPU 0, trainer on GPU 1) they run at once: the check above sees overlap where there is some
     engine, trainer = contending_spans(tmp_path / "separate", "emulate.layout=separate", "rollout.num_workers=1")
     assert overlap(engine, trainer) > 0.05
+
+
+def test_an_engines_slots_are_what_its_modelled_kv_cache_holds_and_check_prints_the_layout():
+    from rlsys.startup import check_report
+
+    cfg = emulated("emulate.prompt_tokens=256")
+    emulation = Emulation.of(cfg)
+    free = costs.MEMORY_FRACTION * 80e9 - 7.61e9 * 2  # an H100's usable memory less Qwen2.5-7B's bf16 weights
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
+    longest = 256 + 64 * cfg.rollout.max_new_tokens  # the prompt's own 256, the response k = 64 a token
+    assert emulation.kv_slots(cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens) == int(free / per_token // longest)
+    assert 100 < int(free / per_token // longest) < 130  # hundreds of 8k sequences at most, as vLLM on one H100
+    report = check_report(cfg)
+    assert "emulated: 2 modelled h100 GPUs, colocated: engine 0 on GPU 0; engine 1 on GPU 1; trainer on GPUs 0,1" \
+        in report and f"KV holds {int(free / per_token // longest)} sequences" in report
