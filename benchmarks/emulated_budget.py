@@ -5,7 +5,9 @@ on all of them, contending with the engines where they overlap): sync, tail, tai
 sorted-partial, sagc, async, async-eta2. Split (B/2 engine GPUs, the trainer on the other B/2): async-split and
 async-eta2-split. Per (workload, budget) one results file, benchmarks/results/emulated_budget_<workload>_<B>gpu.json,
 rewritten after every run in `rlsys bench`'s report format (GPU-seconds, ratios with bootstrap 95% intervals).
-Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions.
+Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions; one
+that did not emulate (its real compute overran, e.g. on a loaded machine) is kept, left out of the figures, and
+run again.
 
     nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
     python benchmarks/emulated_budget.py                     # the whole matrix, 5 seeds, skipping what is done
@@ -42,19 +44,25 @@ def layout(preset: str, gpus: int) -> list[str]:
     return PRESETS[preset] + [f"emulate.gpus={gpus}", "emulate.layout=colocated", f"rollout.num_workers={gpus}"]
 
 
-def report_of(path: Path, workload: dict, runs: dict[str, list[dict]], command: str) -> dict:
-    done = {n: sorted(v, key=lambda r: r["seed"]) for n, v in runs.items() if v}  # pairs by seed
-    if "sync" in done:  # pairs only where both ran that seed
-        seeds = {r["seed"] for r in done["sync"]}
-        paired = {n: [r for r in v if r["seed"] in seeds] for n, v in done.items()}
+def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict:
+    """The bench report over the runs that emulated (overrun share within emulate.overrun_limit), paired with
+    sync by seed; a run that did not emulate stays in `runs`, is named in `not_emulating`, and is run again."""
+    kept = {n: sorted((r for r in v if r.get("emulating", True)), key=lambda r: r["seed"]) for n, v in runs.items()}
+    kept = {n: v for n, v in kept.items() if v}
+    if "sync" in kept:  # pairs only where both ran that seed
+        seeds = {r["seed"] for r in kept["sync"]}
+        paired = {n: [r for r in v if r["seed"] in seeds] for n, v in kept.items()}
+        paired = {n: v for n, v in paired.items() if v}
     else:
-        paired = done
-    results = {n: aggregate(v) for n, v in done.items()}
+        paired = kept
+    results = {n: aggregate(v) for n, v in kept.items()}
     return {"command": command, "workload": workload, "machine": machine(),
-            "equal_time_s": add_equal_time(done) if done else None,
-            "target_accuracy": median_of([r for rs in done.values() for r in rs], "target_accuracy"),
+            "equal_time_s": add_equal_time(kept) if kept else None,
+            "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
-            "budgets": {n: r.get("gpus") for n, r in results.items()}, "runs": done}
+            "budgets": {n: r.get("gpus") for n, r in results.items()},
+            "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],
+            "runs": runs}
 
 
 def started_run(config: str, overrides: list[str], out_dir: Path, tries: int = 5) -> list[dict]:
@@ -87,14 +95,14 @@ def main() -> int:
             runs = json.loads(path.read_text())["runs"] if path.exists() else {}
             for seed in range(args.seeds):  # seeds outermost: every preset's first seeds before anyone's fifth
                 for preset in args.presets.split(","):
-                    if any(r["seed"] == seed for r in runs.get(preset, [])):
+                    if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
                         continue
                     overrides = SHORT + layout(preset, gpus) + [f"seed={seed}"]
                     started = time.time()
                     rows = started_run(config, overrides, Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}")
                     summary = summarise_run(rows, Target.parse(TARGET), budget_gpus(load_config(config, overrides)))
                     runs.setdefault(preset, []).append({**summary, "seed": seed, "wall_clock_s": time.time() - started})
-                    write_report(str(path), report_of(path, workload, runs, command))
+                    write_report(str(path), report_of(workload, runs, command))
                     print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
                           f"final accuracy {summary['final_accuracy']}", flush=True)
     return 0
