@@ -7,6 +7,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -15,10 +16,11 @@ from pathlib import Path
 
 from rlsys.config import DEFAULT_CONFIG, Config, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
-from rlsys.emulate import clock_label
+from rlsys.emulate import Budget, clock_label
 from rlsys.errors import UserError
 from rlsys.evaluate import mean_and_se
 from rlsys.logger import read_jsonl
+from rlsys.placement import plan_from_config
 from rlsys.startup import load_config
 
 # name -> config overrides on top of the workload. Presets whose scheduler or sizer is not
@@ -114,25 +116,46 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "metrics.jsonl")
 
 
-def summarise_run(rows: list[dict], target: float | Target) -> dict:
-    """The figures of one run, from its metrics.jsonl rows."""
+WARMUP_STEPS = 2  # left out of the step time: the first steps pay for starting (caches, the first compile)
+
+
+def crossing_time(evals: list[dict], target: float) -> float | None:
+    """When the eval curve first reaches `target`, interpolated linearly between the eval before and the eval
+    at or past it: one eval's time alone would make every run that crosses between two evals tie."""
+    for before, at in zip([None] + evals, evals):
+        if at["eval/accuracy"] >= target:
+            if before is None or at["eval/accuracy"] == before["eval/accuracy"]:
+                return at["time_s"]
+            share = (target - before["eval/accuracy"]) / (at["eval/accuracy"] - before["eval/accuracy"])
+            return before["time_s"] + share * (at["time_s"] - before["time_s"])
+    return None
+
+
+def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = None) -> dict:
+    """The figures of one run, from its metrics.jsonl rows; `gpus`: its GPU budget, for its GPU-seconds."""
     steps = [r for r in rows if "timing/step_s" in r]
     evals = [r for r in rows if "eval/accuracy" in r]
     if isinstance(target, Target):
         target = target.accuracy(evals[0]["eval/accuracy"] if evals else None)
-    reached = [r["time_s"] for r in evals if r["eval/accuracy"] >= target]
+    to_target = crossing_time(evals, target)
     samples = sum(r["samples"] for r in steps)
     mean = lambda key: statistics.mean(r[key] for r in steps) if steps else 0.0  # noqa: E731
+    warm = steps[WARMUP_STEPS:] or steps
+    per_sample = steps[-1]["time_s"] / samples if samples else None
+    gpu_s = lambda t: t * gpus if t is not None and gpus else None  # noqa: E731
     return {
         "eval_curve": [[r["time_s"], r["eval/accuracy"]] for r in evals],
-        "step_time_s": mean("timing/step_s"),
-        "time_per_sample_s": steps[-1]["time_s"] / samples if samples else None,
+        "step_time_s": statistics.mean(r["timing/step_s"] for r in warm) if warm else 0.0,
+        "time_per_sample_s": per_sample,
+        "gpus": gpus,
+        "gpu_s_per_sample": gpu_s(per_sample),
+        "gpu_s_to_target": gpu_s(to_target),
         "bubble_ratio": mean("rollout/bubble_ratio"),
         "straggler_rate": mean("rollout/straggler_rate"),
         "efficiency": mean("rollout/efficiency"),
         "tokens_per_s": mean("throughput/tokens_per_s"),
         "target_accuracy": target,
-        "time_to_target_s": reached[0] if reached else None,
+        "time_to_target_s": to_target,
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
         "final_accuracy_se": evals[-1].get("eval/accuracy_se") if evals else None,
         "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
@@ -140,10 +163,22 @@ def summarise_run(rows: list[dict], target: float | Target) -> dict:
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
         "response_length": mean("response_length/mean"),
+        **length_shape(steps),
         "group_size": mean("group_size"),
-        **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/emulating") if k in rows[-1]},
+        **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/overrun_s", "emulate/emulating")
+           if k in rows[-1]},
         **tool_calls(steps),
     }
+
+
+def length_shape(steps: list[dict]) -> dict:
+    """The responses' length shape (tokens of the run's model) at the first and the last step: median, p90, p99,
+    the share cut at the cap; none for runs that did not log it."""
+    keys = ("p50", "p90", "p99", "at_cap")
+    if not steps or any(f"response_length/{k}" not in steps[0] for k in keys):
+        return {}
+    return {f"length_{k}_{when}": row[f"response_length/{k}"] for when, row in (("first", steps[0]), ("last", steps[-1]))
+            for k in keys}
 
 
 def tool_calls(steps: list[dict]) -> dict:
@@ -171,7 +206,7 @@ def add_equal_time(runs: dict[str, list[dict]]) -> float:
 def median_of(runs: list[dict], key: str):
     """The median of `key` over repeats that have it; time to target only if every repeat reached it."""
     values = [r[key] for r in runs if r.get(key) is not None]
-    if key == "time_to_target_s" and len(values) < len(runs):
+    if key in ("time_to_target_s", "gpu_s_to_target") and len(values) < len(runs):
         return None
     return statistics.median(values) if values else None
 
@@ -218,20 +253,37 @@ def pair_ratios(base: list[dict], other: list[dict], key: str) -> list[float | N
     return [b[key] / o[key] if b.get(key) and o.get(key) else None for b, o in zip(base, other)]
 
 
+def bootstrap_interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
+    """A 95% percentile-bootstrap interval of the median of paired ratios: the pairs resampled with replacement."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
+
+
+RATIOS = (("per_sample", "time_per_sample_s"), ("time_to_target", "time_to_target_s"),
+          ("per_sample_gpu_s", "gpu_s_per_sample"), ("time_to_target_gpu_s", "gpu_s_to_target"))
+
+
 def speedups(runs: dict[str, list[dict]], results: dict) -> dict:
-    """Each preset against sync: the median and [min, max] of the per-repeat ratios (time to target only if
-    every repeat of both reached it), and the final accuracy's difference with its error."""
+    """Each preset against sync: the median, [min, max] and bootstrap 95% interval of the per-repeat ratios, in
+    wall time and in GPU-seconds (time to target only if every repeat of both reached it), the final accuracy's
+    difference with its error, and whether the two ran on different GPU budgets (a wall-time ratio between
+    budgets is not a like-for-like speedup)."""
     if "sync" not in runs:
         return {}
 
     out = {}
     for name in runs:
         out[name] = {"final_accuracy_vs_sync": accuracy_difference(results[name], results["sync"])}
-        for label, key in (("per_sample", "time_per_sample_s"), ("time_to_target", "time_to_target_s")):
+        for label, key in RATIOS:
             ratios = pair_ratios(runs["sync"], runs[name], key)
             whole = ratios and None not in ratios
             out[name][label] = statistics.median(ratios) if whole else None
             out[name][f"{label}_spread"] = [min(ratios), max(ratios)] if whole else None
+            out[name][f"{label}_ci95"] = bootstrap_interval(ratios) if whole else None
+        gpus = [results["sync"].get("gpus"), results[name].get("gpus")]
+        out[name]["gpus_sync_and_this"] = gpus
+        out[name]["budgets_differ"] = gpus[0] != gpus[1]
     return out
 
 
@@ -241,6 +293,14 @@ class RunCut(Exception):
     def __init__(self, run_dir: Path, rows: list[dict]):
         super().__init__(f"{run_dir} was stopped before its last step")
         self.run_dir, self.rows = run_dir, rows
+
+
+def budget_gpus(cfg: Config) -> int | None:
+    """The GPUs a run pays for: its emulated budget, or its placement plan's; None on the CPU."""
+    if cfg.emulate.on:
+        return Budget.of(cfg.emulate, cfg.rollout.num_workers, cfg.trainer.world_size).gpus
+    plan = plan_from_config(cfg)
+    return plan.used_gpus if plan else None
 
 
 def run_preset(config: str | None, overrides: list[str], out_dir: Path, controller_class=None) -> list[dict]:
@@ -319,6 +379,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
             "equal_time_s": equal_time_s,
             "results": results,
             "speedup_vs_sync": speedups(done, results),
+            "budgets": {n: r.get("gpus") for n, r in results.items()},
             "runs": done,
             **({"interrupted": True, "cut_runs": cut} if cut else {}),
         }
@@ -328,18 +389,19 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     for r, name in order:
         t, run_dir = time.time(), out_dir / f"{name}-r{r}"
         seed = [f"seed={r}"] if vary_seed else []
+        gpus = budget_gpus(load_config(config, overrides + preset_overrides(name) + seed))
         try:
             rows = run_preset(config, overrides + preset_overrides(name) + seed, run_dir)
         except (RunCut, KeyboardInterrupt) as stop:  # one Ctrl-C stops the bench, not only this run
             rows = stop.rows if isinstance(stop, RunCut) else read_metrics(run_dir)
             steps = [row["step"] for row in rows if "timing/train_s" in row]
             cut[run_dir.name] = {"cut": True, "steps_trained": steps[-1] if steps else 0,
-                                 **summarise_run(rows, target)}
+                                 **summarise_run(rows, target, gpus)}
             print(f"[bench] {name} repeat {r} was cut at step {cut[run_dir.name]['steps_trained']}: the bench "
                   "stops; the report keeps the runs that finished", flush=True)
             write_report(output, report())
             break
-        runs[name].append(summarise_run(rows, target))
+        runs[name].append(summarise_run(rows, target, gpus))
         print(f"[bench] {name} repeat {r}: {time.time() - t:.0f}s, "
               f"final accuracy {runs[name][-1]['final_accuracy']}", flush=True)
         write_report(output, report())
@@ -355,18 +417,26 @@ def cell(result: dict, key: str, fmt: str) -> str:
 
 
 def print_table(report: dict) -> None:
-    print(f"times in {report['workload'].get('clock', 'wall')} seconds")
-    cols = [("step_time_s", "step s", "{:.2f}"), ("time_per_sample_s", "s/sample", "{:.4f}"),
+    print(f"times in {report['workload'].get('clock', 'wall')} seconds; GPU-s: time x the run's GPU budget")
+    cols = [("gpus", "GPUs", "{:.0f}"), ("step_time_s", "step s", "{:.2f}"), ("time_per_sample_s", "s/sample", "{:.4f}"),
+            ("gpu_s_per_sample", "GPU-s/smp", "{:.4f}"),
             ("bubble_ratio", "bubble", "{:.3f}"), ("straggler_rate", "straggler", "{:.2f}"),
             ("efficiency", "effic.", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.0f}"),
-            ("time_to_target_s", "to target s", "{:.0f}"), ("final_accuracy", "final acc", "{:.3f}"),
+            ("time_to_target_s", "to target s", "{:.0f}"), ("gpu_s_to_target", "GPU-s to tgt", "{:.0f}"),
+            ("final_accuracy", "final acc", "{:.3f}"),
             ("accuracy_at_equal_time", "acc @ T", "{:.3f}"), ("response_length", "length", "{:.1f}"),
             ("group_size", "G", "{:.1f}")]
-    print(f"{'preset':<12}" + "".join(f"{h:>12}" for _, h, _ in cols) + f"{'speedup':>10}")
+    print(f"{'preset':<12}" + "".join(f"{h:>13}" for _, h, _ in cols) + f"{'speedup':>10}{'per GPU-s':>11}")
+    marked = False
     for name, r in report["results"].items():
-        cells = "".join(f"{cell(r, k, f):>12}" for k, _, f in cols)
-        s = report["speedup_vs_sync"].get(name, {}).get("per_sample")
-        print(f"{name:<12}{cells}{(f'{s:.2f}x' if s else '-'):>10}")
+        cells = "".join(f"{cell(r, k, f):>13}" for k, _, f in cols)
+        versus = report["speedup_vs_sync"].get(name, {})
+        mark = " *" if versus.get("budgets_differ") else ""
+        marked |= bool(mark)
+        s, g = versus.get("per_sample"), versus.get("per_sample_gpu_s")
+        print(f"{name:<12}{cells}{(f'{s:.2f}x' if s else '-') + mark:>10}{(f'{g:.2f}x' if g else '-'):>11}")
+    if marked:
+        print("* on a different GPU budget than sync: its wall-time speedup is not at equal GPUs; see per GPU-s")
     if report.get("equal_time_s"):
         print(f"acc @ T: eval accuracy at T = {report['equal_time_s']:.0f} s of training (the shortest run)")
 

@@ -562,8 +562,14 @@ class EmulateConfig(Section):
     model: Literal["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"] = "qwen2.5-7b"  # rlsys.costs.MODELS
     time_scale: float = Field(1.0, gt=0)  # wall seconds per emulated second: room for the real compute to fit
     tokens_per_token: int = Field(1, ge=1)  # k: a token of the run's model stands for k of the emulated one
+    prompt_tokens: Optional[int] = Field(None, ge=1)  # what each prompt stands for, set on its own; None: k a token
     tp: int = Field(1, ge=1)  # GPUs per emulated rollout engine
-    trainer_gpus: int = Field(8, ge=1)  # emulated GPUs the trainer's ranks share
+    trainer_gpus: Optional[int] = Field(None, ge=1)  # emulated GPUs the trainer's ranks share, where `gpus` is unset
+    # (8 if this is unset too)
+    # The run's GPU budget (rlsys/emulate.py Budget): engines on the first, the trainer on all of them (colocated,
+    # contending with the engines) or on the rest (separate). Unset: engines and trainer_gpus each their own.
+    gpus: Optional[int] = Field(None, ge=1)
+    layout: Literal["colocated", "separate"] = "colocated"
     overrun_limit: float = Field(0.05, ge=0, le=1)  # a run whose overrun share passes this is not emulating
 
     @property
@@ -602,6 +608,10 @@ class Config(Section):
         if self.emulate.on and self.rollout.engine != "cpu":
             raise ValueError(f"emulate.gpu={self.emulate.gpu} paces the built-in engine only: it needs "
                              f"rollout.engine=cpu (got {self.rollout.engine})")
+        e = self.emulate
+        if e.on and e.gpus is not None and e.trainer_gpus is not None:
+            raise ValueError(f"emulate.trainer_gpus={e.trainer_gpus} with emulate.gpus={e.gpus}: the budget's "
+                             "layout gives the trainer its GPUs (emulate.layout); remove emulate.trainer_gpus")
         return self
 
     @model_validator(mode="after")

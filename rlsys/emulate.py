@@ -6,14 +6,83 @@ times `emulate.time_scale`, have passed since the step began: the built-in engin
 Tokens, rewards and gradients stay real; only the clock follows the model. A step whose real compute took
 longer than its modelled time is an overrun; a run whose overrun share passes `emulate.overrun_limit` did not
 emulate, and says so. A token of the run's model stands for `tokens_per_token` (k) tokens of the emulated one.
+
+One GPU budget: the run's modelled GPUs (`emulate.gpus`) are laid out by rlsys/placement.py, engines first, the
+trainer on all of them (colocated) or on those the engines leave (separate). Where an engine and the trainer share
+a modelled GPU they contend for it, as they would for a real one: each paced engine step and each paced trainer
+micro-batch reserves its GPUs' timeline (`GPUTimeline`) and begins only when the work before it there has ended,
+so an engine never steps while a trainer micro-batch runs on its GPU. (Whole steps rather than a share of the GPU:
+a decode step is bound by reading the weights and the KV cache, a micro-batch by the tensor cores, and neither
+leaves the other a share worth modelling.)
 """
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import time
 from dataclasses import dataclass
 
 from rlsys import costs
 from rlsys.errors import UserError
+from rlsys.placement import PlacementError, plan_placement
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The run's modelled GPUs and who stands on which: each engine's (its TP GPUs) and the trainer's."""
+    gpus: int
+    layout: str
+    engines: tuple[tuple[int, ...], ...]
+    trainer: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cfg, engines: int, trainer_world: int = 1) -> "Budget":
+        """`cfg`: an EmulateConfig that is on; `engines`: rollout.num_workers. Without `emulate.gpus`, every engine
+        and the trainer's `emulate.trainer_gpus` have GPUs of their own (separate), and the budget is their sum."""
+        tp, layout = cfg.tp, cfg.layout
+        gpus = cfg.gpus if cfg.gpus is not None else engines * tp + (cfg.trainer_gpus or 8)
+        if cfg.gpus is None:
+            layout = "separate"
+        need = engines * tp + (1 if layout == "separate" else 0)
+        if need > gpus:
+            plus = " plus at least 1 for the trainer" if layout == "separate" else ""
+            raise PlacementError(f"emulate.layout={layout}: rollout.num_workers={engines} x emulate.tp={tp} = "
+                                 f"{engines * tp} GPUs{plus} need more than emulate.gpus={gpus}")
+        trainer_gpus = gpus if layout == "colocated" else gpus - engines * tp
+        if trainer_gpus % trainer_world:
+            raise PlacementError(f"trainer.world_size={trainer_world} must divide the trainer's {trainer_gpus} "
+                                 f"modelled GPUs (emulate.gpus={gpus}, emulate.layout={layout})")
+        plan = plan_placement(1, gpus, engines, tp, trainer_gpus, layout)
+        return cls(gpus, layout, tuple(s.gpus for s in plan.engines), tuple(s.gpus[0] for s in plan.trainer))
+
+    def trainer_rank(self, rank: int, world: int) -> tuple[int, ...]:
+        """The modelled GPUs of live trainer rank `rank` of `world`: an equal slice of the trainer's."""
+        share = len(self.trainer) // world
+        return self.trainer[rank * share:(rank + 1) * share]
+
+
+@dataclass(frozen=True)
+class GPUTimeline:
+    """Until when each modelled GPU is taken, in one file every process of the run (engines, trainer ranks) shares
+    under an exclusive lock. Times are time.perf_counter()'s, which on Linux is CLOCK_MONOTONIC: one clock for every
+    process of the machine."""
+    path: str
+
+    def reserve(self, gpus: tuple[int, ...], began: float, seconds: float) -> float:
+        """Take `gpus` for `seconds` from `began` or, if later, from when the work reserved before on any of them
+        ends. Returns when this work's time there begins."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released by close
+            f.seek(0)
+            busy = json.loads(f.read() or "{}")
+            start = max([began] + [busy.get(str(g), began) for g in gpus])
+            busy.update({str(g): start + seconds for g in gpus})
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(busy))
+        return start
 
 
 @dataclass
@@ -22,36 +91,64 @@ class Pacer:
     time_scale: float
     held: int = 0
     overruns: int = 0
+    overrun_s: float = 0.0  # the run's seconds (wall over time_scale) by which real compute passed modelled time
+    timeline: GPUTimeline | None = None  # where the work contends for its modelled GPUs (colocated)
+    on_gpus: tuple[int, ...] = ()  # the modelled GPUs the work runs on
 
-    def hold(self, started: float, modelled_s: float) -> None:
-        """`started`: time.perf_counter() when the work began."""
-        deadline = started + modelled_s * self.time_scale
+    def hold(self, started: float, modelled_s: float) -> tuple[float, float]:
+        """`started`: time.perf_counter() when the work began. Waiting for a GPU another part holds is not an
+        overrun; real compute longer than the modelled time is. Returns the work's modelled (begin, end)."""
+        seconds = modelled_s * self.time_scale
+        now = time.perf_counter()
         self.held += 1
-        if time.perf_counter() > deadline:
+        if now > started + seconds:
             self.overruns += 1
+            self.overrun_s += (now - started - seconds) / self.time_scale
+        begin = started
+        if self.timeline:
+            begin = self.timeline.reserve(self.on_gpus, started, seconds)
+        deadline = begin + seconds
         while (left := deadline - time.perf_counter()) > 0:  # sleep may wake a hair early
             time.sleep(left)
+        return begin, deadline
 
-    def counts(self) -> dict[str, int]:
-        return {"held": self.held, "overruns": self.overruns}
+    def counts(self) -> dict[str, float]:
+        return {"held": self.held, "overruns": self.overruns, "overrun_s": self.overrun_s}
 
 
 @dataclass
 class EnginePacer(Pacer):
     cost: costs.EngineCost = None
     k: int = 1
+    prompt_tokens: int | None = None  # emulate.prompt_tokens: what each prompt stands for; None: k per token
 
-    def step_s(self, prefill_tokens: int, running: int, live_kv: int) -> float:
-        """A step of the built-in engine: its prefill, then one decode step of `running` sequences over `live_kv`
-        cached tokens, which stands for k decode steps of the emulated model (its KV growing by `running` each)."""
+    def emulated(self, tokens: float, prompts: int, prompt_tokens: float) -> float:
+        """Emulated tokens of `tokens` run tokens, `prompt_tokens` of them the prompts' of `prompts` sequences."""
+        return emulated_tokens(self.k, self.prompt_tokens, tokens, prompts, prompt_tokens)
+
+    def step_s(self, prefill_tokens: int, running: int, live_kv: int, prompts: int = 0, prompt_prefill: int = 0,
+               prompt_kv: int = 0) -> float:
+        """A step of the built-in engine: its prefill (`prompts` prompts of `prompt_prefill` tokens among
+        `prefill_tokens`), then one decode step of `running` sequences over `live_kv` cached tokens (`prompt_kv`
+        of them their prompts'), which stands for k decode steps of the emulated model (its KV growing by
+        `running` each)."""
         k, cost = self.k, self.cost
-        seconds = k * prefill_tokens * cost.prefill_s_per_token
+        seconds = self.emulated(prefill_tokens, prompts, prompt_prefill) * cost.prefill_s_per_token
         if running:
-            seconds += k * cost.step_s(running, k * live_kv + running * (k - 1) / 2)  # the k steps' mean KV
+            kv = self.emulated(live_kv, running, prompt_kv)
+            seconds += k * cost.step_s(running, kv + running * (k - 1) / 2)  # the k steps' mean KV
         return seconds
 
-    def step(self, started: float, prefill_tokens: int, running: int, live_kv: int) -> None:
-        self.hold(started, self.step_s(prefill_tokens, running, live_kv))
+    def step(self, started: float, prefill_tokens: int, running: int, live_kv: int, **prompt) -> tuple[float, float]:
+        return self.hold(started, self.step_s(prefill_tokens, running, live_kv, **prompt))
+
+
+def emulated_tokens(k: int, per_prompt: int | None, tokens: float, prompts: int, prompt_tokens: float) -> float:
+    """k emulated tokens per run token, but a prompt's `per_prompt` where that is set (emulate.prompt_tokens):
+    long-CoT RL's prompts are a few hundred tokens whatever the response cap, so k must not scale them."""
+    if per_prompt is None:
+        return k * tokens
+    return k * (tokens - prompt_tokens) + per_prompt * prompts
 
 
 @dataclass
@@ -60,13 +157,17 @@ class TrainerPacer(Pacer):
     gpu: costs.GPU = None
     gpus: float = 1.0  # the emulated GPUs of this rank
     k: int = 1
+    prompt_tokens: int | None = None  # as EnginePacer's
 
-    def micro_batch_s(self, tokens: int, flops_per_param_token: float) -> float:
-        return costs.train_gpu_seconds(self.model, self.gpu, self.k * tokens, costs.TRAIN_MFU,
+    def micro_batch_s(self, tokens: int, flops_per_param_token: float, prompts: int = 0,
+                      prompt_tokens: int = 0) -> float:
+        """`tokens` of `prompts` sequences, `prompt_tokens` of them their prompts'."""
+        emulated = emulated_tokens(self.k, self.prompt_tokens, tokens, prompts, prompt_tokens)
+        return costs.train_gpu_seconds(self.model, self.gpu, emulated, costs.TRAIN_MFU,
                                        flops_per_param_token) / self.gpus
 
-    def micro_batch(self, started: float, tokens: int, flops_per_param_token: float) -> None:
-        self.hold(started, self.micro_batch_s(tokens, flops_per_param_token))
+    def micro_batch(self, started: float, tokens: int, flops_per_param_token: float, **prompt) -> tuple[float, float]:
+        return self.hold(started, self.micro_batch_s(tokens, flops_per_param_token, **prompt))
 
 
 def clock_label(cfg) -> str:
@@ -75,10 +176,14 @@ def clock_label(cfg) -> str:
 
 
 class Emulation:
-    """The run's emulated GPU and model (`cfg`: an EmulateConfig that is on) and its pacers."""
+    """The run's emulated GPU and model (`cfg`: an EmulateConfig that is on), its GPU budget over `engines`
+    engines and `trainer_world` live trainer ranks, and its pacers; `run_dir` holds the GPUs' shared timeline."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, engines: int = 1, trainer_world: int = 1, run_dir: str = "."):
         self.cfg = cfg
+        self.budget = Budget.of(cfg, engines, trainer_world)
+        self.timeline = (GPUTimeline(os.path.join(os.path.abspath(run_dir), "emulated_gpus.json"))
+                         if self.budget.layout == "colocated" else None)  # separate: no GPU is shared
         self.model, self.gpu = costs.MODELS[cfg.model], costs.GPUS[cfg.gpu]
         try:
             self.engine_cost = costs.EngineCost.build(self.model, self.gpu, cfg.tp)
@@ -87,22 +192,49 @@ class Emulation:
         self.sync_s = costs.sync_seconds(self.model)
         self.label = clock_label(cfg)
 
-    def engine_pacer(self) -> EnginePacer:
-        return EnginePacer(self.cfg.time_scale, cost=self.engine_cost, k=self.cfg.tokens_per_token)
+    @classmethod
+    def of(cls, run_cfg) -> "Emulation":
+        """The emulation of a run's Config."""
+        return cls(run_cfg.emulate, run_cfg.rollout.num_workers, run_cfg.trainer.world_size, run_cfg.output_dir)
 
-    def trainer_pacer(self, world_size: int) -> TrainerPacer:
-        return TrainerPacer(self.cfg.time_scale, model=self.model, gpu=self.gpu,
-                            gpus=self.cfg.trainer_gpus / world_size, k=self.cfg.tokens_per_token)
+    def engine_pacer(self, index: int = 0) -> EnginePacer:
+        return EnginePacer(self.cfg.time_scale, cost=self.engine_cost, k=self.cfg.tokens_per_token,
+                           prompt_tokens=self.cfg.prompt_tokens, timeline=self.timeline,
+                           on_gpus=self.budget.engines[index])
+
+    def trainer_pacer(self, world_size: int, rank: int = 0) -> TrainerPacer:
+        on = self.budget.trainer_rank(rank, world_size)
+        return TrainerPacer(self.cfg.time_scale, model=self.model, gpu=self.gpu, gpus=len(on),
+                            k=self.cfg.tokens_per_token, prompt_tokens=self.cfg.prompt_tokens, timeline=self.timeline,
+                            on_gpus=on)
 
     def sync_pacer(self) -> Pacer:
         return Pacer(self.cfg.time_scale)
+
+    def kv_slots(self, max_prompt_tokens: int, max_new_tokens: int) -> int:
+        """Sequences of the longest prompt and response (run tokens) that an engine's modelled KV cache holds at
+        once, as vLLM's memory allows: the slots an engine of the emulated GPU would run."""
+        k = self.cfg.tokens_per_token
+        longest = emulated_tokens(k, self.cfg.prompt_tokens, max_prompt_tokens + max_new_tokens, 1, max_prompt_tokens)
+        return int(self.engine_cost.kv_capacity // longest)
+
+    def layout_report(self, run_cfg) -> str:
+        """Which engines and trainer GPUs stand on which modelled GPU, and the slots their KV would hold."""
+        b = self.budget
+        engines = "; ".join(f"engine {i} on GPU {','.join(map(str, g))}" for i, g in enumerate(b.engines))
+        slots = self.kv_slots(run_cfg.data.max_prompt_tokens, run_cfg.rollout.max_new_tokens)
+        return (f"emulated: {b.gpus} modelled {self.cfg.gpu} GPUs, {b.layout}: {engines}; trainer on GPUs "
+                f"{','.join(map(str, b.trainer))}; an engine's KV holds {slots} sequences of the longest prompt and "
+                f"response (rollout.slots={run_cfg.rollout.slots})")
 
     def describe(self) -> dict:
         """What every report of the run carries beside its times."""
         c = self.cfg
         return {"emulate/label": self.label, "emulate/time_scale": c.time_scale,
-                "emulate/tokens_per_token": c.tokens_per_token, "emulate/tp": c.tp,
-                "emulate/trainer_gpus": c.trainer_gpus}
+                "emulate/tokens_per_token": c.tokens_per_token, "emulate/prompt_tokens": c.prompt_tokens,
+                "emulate/tp": c.tp,
+                "emulate/gpus": self.budget.gpus, "emulate/layout": self.budget.layout,
+                "emulate/trainer_gpus": len(self.budget.trainer)}
 
 
 class Overruns:
@@ -111,14 +243,21 @@ class Overruns:
     def __init__(self, limit: float):
         self.limit = limit
         self.held = self.overruns = 0  # over the run so far
+        self.overrun_s = 0.0
 
     def step(self, counts: list[dict]) -> dict:
-        """`counts`: every pacer's cumulative counts now. The share of this step's held work that overran."""
+        """`counts`: every pacer's cumulative counts now. The share of this step's held work that overran, and
+        by how many of the run's seconds in all (summed over the parts, which run in parallel)."""
         held, overruns = sum(c["held"] for c in counts), sum(c["overruns"] for c in counts)
+        overrun_s = sum(c.get("overrun_s", 0.0) for c in counts)
         step_held, step_over = max(0, held - self.held), max(0, overruns - self.overruns)
+        step_s = max(0.0, overrun_s - self.overrun_s)
         self.held, self.overruns = max(held, self.held), max(overruns, self.overruns)
-        return {"emulate/overrun_share": step_over / step_held if step_held else 0.0, "emulate/held": step_held}
+        self.overrun_s = max(overrun_s, self.overrun_s)
+        return {"emulate/overrun_share": step_over / step_held if step_held else 0.0, "emulate/held": step_held,
+                "emulate/overrun_s": step_s}
 
     def summary(self) -> dict:
         share = self.overruns / self.held if self.held else 0.0
-        return {"emulate/overrun_share": share, "emulate/emulating": share <= self.limit}
+        return {"emulate/overrun_share": share, "emulate/emulating": share <= self.limit,
+                "emulate/overrun_s": self.overrun_s}

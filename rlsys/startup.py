@@ -19,6 +19,7 @@ from rlsys.control.scheduler import SCHEDULERS
 from rlsys.control.sizing import GROUP_SIZERS
 from rlsys.data import demonstrations, row_loader, task_family
 from rlsys.data.synthetic import TASKS
+from rlsys.emulate import Budget, Emulation
 from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_fn
@@ -49,6 +50,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     ((), plan_from_config),
     (("logging", "tensorboard"), lambda cfg: not cfg.logging.tensorboard or tensorboard_ready()),
     (("logging", "wandb"), lambda cfg: not cfg.logging.wandb or wandb_ready()),
+    ((), lambda cfg: not cfg.emulate.on or Budget.of(cfg.emulate, cfg.rollout.num_workers, cfg.trainer.world_size)),
 )
 
 LOGGING_EXTRA = "install the `logging` extra (`make setup EXTRAS=dev,logging`, or `pip install -e \".[logging]\"`)"
@@ -172,4 +174,6 @@ def check_report(cfg: Config) -> str:
                      "CPUs of the Ray cluster")
     else:
         lines += [format_plan(plan), *filter(None, [idle_warning(plan)])]
+    if cfg.emulate.on:
+        lines.append(Emulation.of(cfg).layout_report(cfg))
     return "\n".join(lines + list(filter(None, [stale_loss_warning(cfg)])))

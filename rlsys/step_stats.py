@@ -71,6 +71,11 @@ class StepStats:
             "response_length/mean": statistics.mean(lengths) if lengths else 0.0,
             "response_length/max": max(lengths, default=0),
             "response_length/p99": percentile(lengths, 99),
+            # the length shape: its middle, its tail, and the share cut at the response cap
+            "response_length/p50": percentile(lengths, 50),
+            "response_length/p90": percentile(lengths, 90),
+            "response_length/at_cap": (statistics.mean(s.completion.finish_reason == "length" for g in groups
+                                                       for s in g.samples) if lengths else 0.0),
             "rollout/bubble_ratio": idle_share(occupied, self.capacity * engine_window),
             "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
             "rollout/efficiency": (in_window / (saturated_tokens_per_s * engine_window)

@@ -68,7 +68,7 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.run_dir / "config.yaml")
         # emulate: every part paced to the cost model, and the run's clock in emulated seconds
-        self.emulation = Emulation(cfg.emulate) if cfg.emulate.on else None
+        self.emulation = Emulation.of(cfg) if cfg.emulate.on else None
         self.clock_scale = cfg.emulate.time_scale if self.emulation else 1.0
         self.sync_pacer = self.emulation.sync_pacer() if self.emulation else None
         self.overruns = Overruns(cfg.emulate.overrun_limit)
@@ -390,7 +390,7 @@ class Controller:
     def pacer_counts(self, train_metrics: dict) -> list[dict]:
         """Every pacer's cumulative counts: the engines', the trainer ranks' (summed) and the publish's."""
         engines = [e["emulate"] for e in self.rollout.stats() if "emulate" in e]
-        trainer = {"held": train_metrics.get("emulate_held", 0), "overruns": train_metrics.get("emulate_overruns", 0)}
+        trainer = {k: train_metrics.get(f"emulate_{k}", 0) for k in ("held", "overruns", "overrun_s")}
         return engines + [trainer, self.sync_pacer.counts()]
 
     @contextmanager

@@ -24,7 +24,8 @@ def rows(step_s, evals, samples=128):
 def test_equal_time_takes_each_runs_last_eval_before_the_shortest_run_ends():
     fast = summarise_run(rows(1.0, [(0, 0.2), (2, 0.3), (4, 0.35)]), target=0.3)
     slow = summarise_run(rows(2.0, [(0, 0.2), (3, 0.25), (8, 0.4)]), target=0.3)
-    assert fast["time_to_target_s"] == 2 and slow["time_to_target_s"] == 8
+    # crossed at an eval (fast), or between two: interpolated, 0.3 a third of the way from 0.25 at 3 s to 0.4 at 8 s
+    assert fast["time_to_target_s"] == 2 and slow["time_to_target_s"] == pytest.approx(3 + 5 / 3)
     assert fast["time_per_sample_s"] == pytest.approx(4.0 / 512)
     t = add_equal_time({"fast": [fast], "slow": [slow]})
     assert t == 4.0
@@ -102,9 +103,10 @@ def test_a_target_gain_counts_from_each_runs_first_eval():
     target = Target.parse("+0.05")
     low = summarise_run(rows(1.0, [(0, 0.1), (2, 0.16), (4, 0.3)]), target)
     high = summarise_run(rows(1.0, [(0, 0.3), (2, 0.34), (4, 0.36)]), target)
-    assert (low["target_accuracy"], low["time_to_target_s"]) == (pytest.approx(0.15), 2)
-    assert (high["target_accuracy"], high["time_to_target_s"]) == (pytest.approx(0.35), 4)
-    assert summarise_run(rows(1.0, [(0, 0.1), (2, 0.16)]), Target.parse("0.15"))["time_to_target_s"] == 2
+    assert (low["target_accuracy"], low["time_to_target_s"]) == (pytest.approx(0.15), pytest.approx(2 * 5 / 6))
+    assert (high["target_accuracy"], high["time_to_target_s"]) == (pytest.approx(0.35), pytest.approx(3))
+    assert summarise_run(rows(1.0, [(0, 0.1), (2, 0.16)]), Target.parse("0.15"))["time_to_target_s"] == \
+        pytest.approx(2 * 5 / 6)
 
 
 def test_the_default_target_is_one_the_default_run_reaches():
@@ -151,3 +153,55 @@ def test_a_preset_that_changes_nothing_on_the_workload_is_skipped_as_the_baselin
     assert changing_nothing(default, None, [], ["sync", "tail", "no-tools"]) == ["no-tools"]
     tools = "configs/tool_arith.yaml"
     assert changing_nothing(load_config(tools, []), tools, [], ["sync", "no-tools"]) == []
+
+
+def test_every_run_reports_gpu_seconds_and_a_comparison_across_gpu_budgets_is_marked(capsys):
+    """Two presets on different GPU budgets: the wall-time speedup is flagged, the GPU-second one is beside it."""
+    from rlsys.bench import print_table, speedups
+
+    sync = [summarise_run(rows(1.0, [(0, 0.2), (4, 0.35)]), target=0.3, gpus=2) for _ in range(3)]
+    more = [summarise_run(rows(0.5, [(0, 0.2), (2, 0.35)]), target=0.3, gpus=4) for _ in range(3)]
+    assert sync[0]["gpu_s_per_sample"] == pytest.approx(2 * 4.0 / 512) and more[0]["gpus"] == 4
+    assert sync[0]["gpu_s_to_target"] == pytest.approx(2 * sync[0]["time_to_target_s"])
+    runs = {"sync": sync, "more": more}
+    results = {name: aggregate(rs) for name, rs in runs.items()}
+    out = speedups(runs, results)
+    assert out["more"]["per_sample"] == pytest.approx(2.0) and out["more"]["per_sample_gpu_s"] == pytest.approx(1.0)
+    assert out["more"]["budgets_differ"] and not out["sync"]["budgets_differ"]
+    assert out["more"]["gpus_sync_and_this"] == [2, 4]
+    print_table({"workload": {}, "results": results, "speedup_vs_sync": out, "equal_time_s": None})
+    lines = capsys.readouterr().out.splitlines()
+    more_line = next(line for line in lines if line.startswith("more"))
+    assert "2.00x *" in more_line and "1.00x" in more_line  # marked, and its GPU-second ratio beside it
+    assert "*" not in next(line for line in lines if line.startswith("sync"))
+    assert any(line.startswith("* on a different GPU budget") for line in lines)
+
+
+def test_every_ratio_carries_a_bootstrap_95_interval_of_its_pairs():
+    from rlsys.bench import bootstrap_interval, speedups
+
+    def run(ms):
+        return {"time_per_sample_s": ms / 1000, "gpu_s_per_sample": 2 * ms / 1000, "time_to_target_s": ms,
+                "final_accuracy": 0.3, "gpus": 2}
+
+    runs = {"sync": [run(4.0), run(4.0), run(4.0), run(4.0), run(4.0)],
+            "other": [run(4.0), run(3.2), run(2.0), run(2.5), run(3.0)]}  # ratios 1.0, 1.25, 2.0, 1.6, 1.33
+    out = speedups(runs, {name: aggregate(rs) for name, rs in runs.items()})["other"]
+    for label in ("per_sample", "time_to_target", "per_sample_gpu_s"):
+        low, high = out[f"{label}_ci95"]
+        assert 1.0 <= low <= out[label] <= high <= 2.0  # within the pairs' range, around their median
+    assert out["per_sample_ci95"][0] < out["per_sample_ci95"][1]  # the pairs differ: so does the interval's ends
+    assert bootstrap_interval([1.5, 1.5, 1.5]) == [1.5, 1.5]
+
+
+def test_a_run_reports_its_length_shape_at_the_first_and_the_last_step():
+    run = rows(1.0, [(0, 0.2), (4, 0.35)])
+    steps = [r for r in run if "timing/step_s" in r]
+    for r, (p50, at_cap) in zip(steps, ((6, 0.0), (7, 0.01), (8, 0.02), (12, 0.05))):
+        r.update({"response_length/p50": p50, "response_length/p90": 3 * p50, "response_length/p99": 9 * p50,
+                  "response_length/at_cap": at_cap})
+    out = summarise_run(run, target=0.3)
+    assert (out["length_p50_first"], out["length_p90_first"], out["length_p99_first"]) == (6, 18, 54)
+    assert (out["length_p50_last"], out["length_at_cap_last"], out["length_at_cap_first"]) == (12, 0.05, 0.0)
+    assert aggregate([out, out])["length_p50_last"] == 12
+    assert "length_p50_first" not in summarise_run(rows(1.0, [(0, 0.2)]), target=0.3)  # a run that did not log it

@@ -1,8 +1,10 @@
 """Live runs on a GPU's clock: one cost model for the simulator and the pacers, paced steps never end before their
 modelled time, and the overrun share that says whether a run emulated."""
 import json
+import threading
 import time
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys import costs
 from rlsys.config import ConfigError, EmulateConfig
-from rlsys.emulate import Emulation, EnginePacer, Overruns, Pacer
+from rlsys.emulate import Budget, Emulation, EnginePacer, Overruns, Pacer
 from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.simulator import Simulation
@@ -53,26 +55,47 @@ def test_k_tokens_per_token_are_k_decode_steps_of_the_emulated_model():
     assert EnginePacer(1.0, cost=cost, k=k).step_s(0, n, kv) == pytest.approx(steps)
 
 
+def test_a_prompt_stands_for_its_own_emulated_length_not_k_times_its_tokens():
+    """emulate.prompt_tokens: long-CoT RL's prompts are a few hundred tokens whatever the response cap."""
+    cost, k, P = Emulation(H100_7B).engine_cost, 4, 300
+    scaled, own = EnginePacer(1.0, cost=cost, k=k), EnginePacer(1.0, cost=cost, k=k, prompt_tokens=P)
+    # two prompts of 9 and 5 tokens prefilled with 3 resumed response tokens; then two sequences decoding over
+    # those prompts and 10 response tokens
+    assert own.step_s(17, 0, 0, prompts=2, prompt_prefill=14) == pytest.approx((2 * P + k * 3) * cost.prefill_s_per_token)
+    assert scaled.step_s(17, 0, 0, prompts=2, prompt_prefill=14) == pytest.approx(k * 17 * cost.prefill_s_per_token)
+    assert own.step_s(0, 2, 24, prompt_kv=14) == pytest.approx(k * cost.step_s(2, 2 * P + k * 10 + 2 * (k - 1) / 2))
+    assert scaled.step_s(0, 2, 24, prompt_kv=14) == scaled.step_s(0, 2, 24)  # k a token, prompt or not
+    emulation = Emulation(EmulateConfig(gpu="h100", model="qwen2.5-7b", tokens_per_token=k, prompt_tokens=P,
+                                        trainer_gpus=1))
+    trainer = emulation.trainer_pacer(1)
+    assert emulation.engine_pacer().prompt_tokens == trainer.prompt_tokens == P
+    assert trainer.micro_batch_s(40, 6, prompts=2, prompt_tokens=14) == pytest.approx(
+        costs.train_gpu_seconds(emulation.model, emulation.gpu, 2 * P + k * 26, costs.TRAIN_MFU, 6))
+
+
 def test_a_hold_never_ends_before_its_modelled_time_and_counts_overruns():
     pacer = Pacer(time_scale=3.0)
     for modelled in (0.001, 0.01, 0.02):
         started = time.perf_counter()
         pacer.hold(started, modelled)
         assert time.perf_counter() - started >= modelled * 3.0
-    assert pacer.counts() == {"held": 3, "overruns": 0}
-    started = time.perf_counter() - 1.0  # the real work took a second
+    assert pacer.counts() == {"held": 3, "overruns": 0, "overrun_s": 0.0}
+    started = time.perf_counter() - 1.0  # the real work took a second, 0.7 s of wall time past its 0.3
     pacer.hold(started, 0.1)
-    assert pacer.counts() == {"held": 4, "overruns": 1}
+    counts = pacer.counts()
+    assert counts["held"] == 4 and counts["overruns"] == 1
+    assert 0.7 / 3.0 <= counts["overrun_s"] < 0.8 / 3.0  # in the run's seconds: wall over the time scale
 
 
 def test_overrun_share_per_step_and_over_the_run():
     tally = Overruns(limit=0.05)
-    step = tally.step([{"held": 90, "overruns": 0}, {"held": 10, "overruns": 1}])
-    assert step == {"emulate/overrun_share": 0.01, "emulate/held": 100}
-    assert tally.summary() == {"emulate/overrun_share": 0.01, "emulate/emulating": True}
-    step = tally.step([{"held": 100, "overruns": 10}, {"held": 100, "overruns": 1}])  # cumulative counts
-    assert step == {"emulate/overrun_share": 0.1, "emulate/held": 100}
-    assert tally.summary() == {"emulate/overrun_share": 11 / 200, "emulate/emulating": False}
+    step = tally.step([{"held": 90, "overruns": 0, "overrun_s": 0.0}, {"held": 10, "overruns": 1, "overrun_s": 0.5}])
+    assert step == {"emulate/overrun_share": 0.01, "emulate/held": 100, "emulate/overrun_s": 0.5}
+    assert tally.summary() == {"emulate/overrun_share": 0.01, "emulate/emulating": True, "emulate/overrun_s": 0.5}
+    step = tally.step([{"held": 100, "overruns": 10, "overrun_s": 2.0},  # cumulative counts
+                       {"held": 100, "overruns": 1, "overrun_s": 0.5}])
+    assert step == {"emulate/overrun_share": 0.1, "emulate/held": 100, "emulate/overrun_s": 2.0}
+    assert tally.summary() == {"emulate/overrun_share": 11 / 200, "emulate/emulating": False, "emulate/overrun_s": 2.5}
 
 
 def test_config_refuses_emulation_it_cannot_pace(tmp_path):
@@ -124,7 +147,7 @@ def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engi
     pacer.time_scale = 1.0  # modelled seconds far beyond this machine's step, so holding would show
     held = []
     real_step = pacer.step
-    pacer.step = lambda *args: (held.append(args[1:]), real_step(*args))  # the real hold, its arguments kept
+    pacer.step = lambda *args, **prompt: (held.append((*args[1:], prompt)), real_step(*args, **prompt))  # the real hold
     engine = CPUEngine(engine_dir, slots=4, pacer=pacer)
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     engine.add(Request("eval/a", "p", [1, 2, 3], greedy, on_clock=False))
@@ -141,8 +164,11 @@ def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engi
     engine.step()
     # The training prompt's 2 tokens prefilled and the rest of its prefill token decoded over them, then its one
     # sequence decoding over its own KV (read after the step's record: prompt + sampled - 1); the eval request's
-    # 4 prompt tokens and its KV are in neither.
-    assert held == [(2, 1, 2), (0, 1, 3)] and engine.stats()["emulate"]["held"] == 2
+    # 4 prompt tokens and its KV are in neither. Of each, the prompt's share: one prompt of 2 tokens prefilled, then
+    # none, its 2 tokens in the KV read both times.
+    assert held == [(2, 1, 2, {"prompts": 1, "prompt_prefill": 2, "prompt_kv": 2}),
+                    (0, 1, 3, {"prompts": 0, "prompt_prefill": 0, "prompt_kv": 2})]
+    assert engine.stats()["emulate"]["held"] == 2
     assert time.perf_counter() - started >= pacer.step_s(2, 1, 2) + pacer.step_s(0, 1, 3)
 
 
@@ -162,7 +188,8 @@ def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F
     # An empty micro-batch (padding; the boundary DeepSpeed closes before each streamed update) is not held:
     # modelled at no time, it would count as an overrun every time.
     backend.accumulate_gradients([], StepTotals(1, 1, 1), closes_step=False)
-    assert backend.pacer.counts() == {"held": metrics["emulate_held"], "overruns": metrics["emulate_overruns"]}
+    assert backend.pacer.counts() == {"held": metrics["emulate_held"], "overruns": metrics["emulate_overruns"],
+                                      "overrun_s": metrics["emulate_overrun_s"]}
 
 
 @pytest.mark.slow
@@ -247,21 +274,26 @@ def test_a_replay_gives_each_request_the_length_of_the_live_request_of_its_rank(
     assert lengths(aborted, 0, 1) == [k * 2 + 1] and lengths(last, 0, 1) == [k * 4]
 
 
-def test_a_replay_of_async_gives_the_trainer_its_own_gpus_and_its_proximal_forwards(tmp_path):
+def test_a_replay_of_async_gives_the_trainer_its_budgets_gpus_and_its_proximal_forwards(tmp_path):
     from pathlib import Path
 
     from rlsys.config import save_config
     from rlsys.sim.replay import replay_config
 
     repo = Path(__file__).resolve().parent.parent
-    save_config(load_config(repo / "configs" / "emulated_h100_7b.yaml",
-                            ["control.scheduler=async", "trainer.loss=decoupled_ppo"]), tmp_path / "config.yaml")
+    config = repo / "configs" / "emulated_h100_7b.yaml"
     (tmp_path / "timeline.jsonl").write_text(json.dumps(
         {"step": 1, "request_id": "p0#0", "tokens": 5, "prompt_tokens": 9, "finish_reason": "stop"}) + "\n")
+    save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo", "emulate.layout=separate",
+                                     "rollout.num_workers=1"]), tmp_path / "config.yaml")
     cfg, _ = replay_config(tmp_path)
-    assert cfg.cluster.gpus == 4 and cfg.cluster.trainer_gpus == 2  # it generates while the trainer trains
+    assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus == 1  # the same budget: 1 engine GPU, 1 trainer GPU
     # 4 mini-batches of stale samples: pi_prox recomputed for the last 3 (trainer.proximal=recompute)
     assert cfg.trainer.flops_per_param_token == costs.TRAIN_FLOPS + costs.FORWARD_FLOPS * 3 / 4
+    # Colocated, async contends for its GPUs live: the simulator, which does not model that, refuses to replay it
+    save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo"]), tmp_path / "config.yaml")
+    with pytest.raises(ValueError, match="contends for its GPUs"):
+        replay_config(tmp_path)
 
 
 def gpu_run_folder(path):
@@ -324,3 +356,78 @@ def test_a_replay_with_the_runs_own_step_cost_charges_its_measured_decode_step(t
     builtin = live_vs_sim(tmp_path, gpu="h100")["rollout_time_s"]["sim"]
     measured = live_vs_sim(tmp_path, gpu="h100", engine=engine)["rollout_time_s"]["sim"]
     assert measured > 1.5 * builtin and 470 * 10e-3 < measured < 470 * 20e-3
+
+
+# --- one GPU budget ------------------------------------------------------------------------------
+def emulated(*overrides):
+    return load_config(Path(__file__).resolve().parent.parent / "configs" / "emulated_h100_7b.yaml", list(overrides))
+
+
+def test_the_budget_places_engines_and_trainer_on_the_modelled_gpus_and_refuses_more_than_it_has():
+    assert Emulation.of(emulated()).budget == Budget(2, "colocated", ((0,), (1,)), (0, 1))
+    split = Emulation.of(emulated("emulate.layout=separate", "rollout.num_workers=1"))
+    assert split.budget == Budget(2, "separate", ((0,),), (1,))
+    assert split.trainer_pacer(1).gpus == 1 and split.describe()["emulate/gpus"] == 2
+    assert Emulation.of(emulated("emulate.gpus=4", "trainer.world_size=2")).budget.trainer_rank(1, 2) == (2, 3)
+    with pytest.raises(ConfigError, match=r"emulate.layout=separate: rollout.num_workers=2 x emulate.tp=1 = 2 GPUs "
+                                          r"plus at least 1 for the trainer need more than emulate.gpus=2"):
+        emulated("emulate.layout=separate")
+    with pytest.raises(ConfigError, match="remove emulate.trainer_gpus"):
+        emulated("emulate.trainer_gpus=1")
+    # Without emulate.gpus every part has GPUs of its own, and the budget counts them all
+    legacy = Emulation(EmulateConfig(gpu="h100", trainer_gpus=2), engines=2).budget
+    assert legacy == Budget(4, "separate", ((0,), (1,)), (2, 3))
+
+
+def contending_spans(tmp_path, *overrides) -> tuple[list, list]:
+    """Engine 0's paced steps and trainer rank 0's paced micro-batches, run at once in two threads of a budget's
+    layout: each one's modelled (begin, end) spans."""
+    emulation = Emulation.of(emulated("emulate.time_scale=1.0", "emulate.tokens_per_token=1", f"output_dir={tmp_path}",
+                                  *overrides))
+    engine, trainer = emulation.engine_pacer(0), emulation.trainer_pacer(1)
+    spans = {"engine": [], "trainer": []}
+
+    def steps():
+        for _ in range(30):
+            spans["engine"].append(engine.step(time.perf_counter(), 0, 64, 64 * 40))  # ~8 ms modelled
+
+    def micro_batches():
+        for _ in range(6):
+            spans["trainer"].append(trainer.micro_batch(time.perf_counter(), 600, costs.TRAIN_FLOPS))  # ~20 ms
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=f) for f in (steps, micro_batches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return spans["engine"], spans["trainer"]
+
+
+def overlap(a: list, b: list) -> float:
+    return sum(max(0.0, min(e1, e2) - max(b1, b2)) for b1, e1 in a for b2, e2 in b)
+
+
+def test_a_colocated_engine_never_steps_while_a_trainer_micro_batch_runs_on_its_gpu(tmp_path):
+    engine, trainer = contending_spans(tmp_path / "colocated")
+    assert len(engine) == 30 and len(trainer) == 6
+    assert overlap(engine, trainer) == 0.0  # one after the other on the shared GPU
+    assert all(e - b >= 0.001 for b, e in engine + trainer)  # each still lasts its modelled time
+    # Split (engine on GPU 0, trainer on GPU 1) they run at once: the check above sees overlap where there is some
+    engine, trainer = contending_spans(tmp_path / "separate", "emulate.layout=separate", "rollout.num_workers=1")
+    assert overlap(engine, trainer) > 0.05
+
+
+def test_an_engines_slots_are_what_its_modelled_kv_cache_holds_and_check_prints_the_layout():
+    from rlsys.startup import check_report
+
+    cfg = emulated("emulate.prompt_tokens=256")
+    emulation = Emulation.of(cfg)
+    free = costs.MEMORY_FRACTION * 80e9 - 7.61e9 * 2  # an H100's usable memory less Qwen2.5-7B's bf16 weights
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
+    longest = 256 + 64 * cfg.rollout.max_new_tokens  # the prompt's own 256, the response k = 64 a token
+    assert emulation.kv_slots(cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens) == int(free / per_token // longest)
+    assert 100 < int(free / per_token // longest) < 130  # hundreds of 8k sequences at most, as vLLM on one H100
+    report = check_report(cfg)
+    assert "emulated: 2 modelled h100 GPUs, colocated: engine 0 on GPU 0; engine 1 on GPU 1; trainer on GPUs 0,1" \
+        in report and f"KV holds {int(free / per_token // longest)} sequences" in report

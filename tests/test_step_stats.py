@@ -222,3 +222,17 @@ def test_the_simulator_closes_each_rollout_window_at_the_last_sample_generated_b
     sim.run()
     assert sim.rollout_s == [pytest.approx(max(0.0, last - start)) for start, last, _ in windows]
     assert any(handover - max(start, last) > 1.0 for start, last, handover in windows)  # a wait it leaves out
+
+
+def test_a_step_logs_its_length_shape_and_the_share_cut_at_the_cap(clock):
+    engine = Engine(clock)
+    stats = StepStats(kappa=2.0, capacity=2, engine_stats=engine.stats)
+    runs = [done(f"r{i}", 100, 101, tokens=n, reason="length" if n == 40 else "stop")
+            for i, n in enumerate([2, 4, 4, 6, 8, 10, 12, 20, 40, 40])]
+    for c in runs:
+        stats.add_completion(c)
+    clock.t = 101
+    metrics = stats.close_rollout(group(*runs))
+    assert metrics["response_length/at_cap"] == pytest.approx(0.2)  # two of ten cut at the cap
+    assert metrics["response_length/p50"] <= metrics["response_length/p90"] <= metrics["response_length/p99"] == 40
+    assert metrics["response_length/p50"] == pytest.approx(9) and metrics["response_length/p90"] >= 20  # 8 and 10

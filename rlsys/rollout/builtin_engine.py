@@ -404,6 +404,7 @@ class CPUEngine(RolloutEngine):
         self.counters = EngineCounters()
         self.pacer = pacer  # emulate: each step held until its modelled time on the emulated GPU
         self._prefilled_on_clock = 0  # this step's prefilled tokens of requests on the run's clock, for the pacer
+        self._prompts_on_clock = [0, 0]  # ...of which prompts: how many, and their tokens
 
     # --- interface --------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -452,7 +453,7 @@ class CPUEngine(RolloutEngine):
     def step(self) -> list[Completion]:
         t0 = time.perf_counter()
         done, self.finished_early = self.finished_early, []
-        self._prefilled_on_clock = 0
+        self._prefilled_on_clock, self._prompts_on_clock = 0, [0, 0]
         admitted, continued = self._admit(), self._continue()
         prefilled = [e for batch in (admitted, continued) if batch for e in batch[0]]
         # An admitted request decodes in the same step unless its budget is spent. Whether its prefill token
@@ -485,8 +486,11 @@ class CPUEngine(RolloutEngine):
         decoding_on = [e for e in decoding if e.request.on_clock]
         if not self._prefilled_on_clock and not decoding_on:
             return
-        read_kv = sum(len(e.request.prompt_ids) + e.sampled - 1 for e in decoding_on)
-        self.pacer.step(t0, self._prefilled_on_clock, len(decoding_on), read_kv)
+        prompt_kv = sum(len(e.request.prompt_ids) for e in decoding_on)
+        read_kv = prompt_kv + sum(e.sampled - 1 for e in decoding_on)
+        prompts, prompt_prefill = self._prompts_on_clock
+        self.pacer.step(t0, self._prefilled_on_clock, len(decoding_on), read_kv, prompts=prompts,
+                        prompt_prefill=prompt_prefill, prompt_kv=prompt_kv)
 
     def stats(self) -> dict:
         out = super().stats()
@@ -568,6 +572,8 @@ class CPUEngine(RolloutEngine):
             self._occupy(e, slot, now)
         seqs = [e.request.prompt_ids + e.tokens for e in entries]
         self._count_prefill(entries, seqs)
+        on_clock = [e for e in entries if e.request.on_clock]
+        self._prompts_on_clock = [len(on_clock), sum(len(e.request.prompt_ids) for e in on_clock)]
         plan, logits = self._prefill(entries, seqs)
         return self._sample_into(entries, plan, logits)
 

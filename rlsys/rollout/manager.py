@@ -41,7 +41,8 @@ def engine_options(cfg) -> dict:
     options = {"max_len": cfg.data.max_prompt_tokens + r.max_new_tokens, "dtype": r.engine_dtype, "seed": cfg.seed,
                "running_requests": cfg.weights.running_requests, **engine_entry(r.engine).options(r)}
     if cfg.emulate.on:  # the built-in engine only (Config refuses others)
-        options["pacer"] = Emulation(cfg.emulate).engine_pacer()
+        emulation = Emulation.of(cfg)  # one pacer per engine, on its modelled GPUs: _new_worker picks its own
+        options["pacer"] = tuple(emulation.engine_pacer(i) for i in range(r.num_workers))
     return options
 
 
@@ -291,6 +292,8 @@ class RolloutManager:
 
     def _new_worker(self, i: int):
         model_dir, slots, torch_threads, engine_kwargs, engine, tools = self._worker_args
+        if isinstance((engine_kwargs or {}).get("pacer"), tuple):  # emulate: engine i's pacer
+            engine_kwargs = {**engine_kwargs, "pacer": engine_kwargs["pacer"][i]}
         return RemoteRolloutWorker.options(**self._options(i)).remote(model_dir, slots, i, torch_threads,
                                                                       engine_kwargs, engine, tools)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from rlsys import costs
 from rlsys.config import Config, read_config
 from rlsys.data.cursor import PromptCursor
+from rlsys.emulate import Budget
 from rlsys.logger import read_jsonl
 from rlsys.sim.config import SimConfig, load_sim_config
 from rlsys.sim.workload import SampleDraw, Workload
@@ -94,7 +95,8 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         profile = engine or costs.BUILTIN_ENGINE
         engine_spec = {"step_overhead_ms": profile["overhead_s"] * 1e3, "decode_mfu": profile["decode_mfu"],
                        "prefill_mfu": profile["prefill_mfu"]}
-        e = e.model_copy(update={"gpu": gpu, "tp": 1, "trainer_gpus": live.rollout.num_workers, "tokens_per_token": 1})
+        e = e.model_copy(update={"gpu": gpu, "tp": 1, "gpus": live.rollout.num_workers, "layout": "colocated",
+                                 "tokens_per_token": 1})
     elif not e.on:
         raise ValueError(f"{run_dir}: not an emulated run (emulate.gpu is unset in its config.yaml)")
     else:
@@ -104,13 +106,18 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         raise ValueError(f"{run_dir}: timeline.jsonl is empty or missing")
     k = e.tokens_per_token
     lengths, prompt_tokens = live_lengths(timeline, k)
-    engines = live.rollout.num_workers * e.tp
-    # A trainer on as many GPUs as the engines is on theirs (colocated): the simulator pauses the engines while
-    # it trains and leaves that time out of the bubble, as the live metric does. Generating while training
-    # (async, streamed gradients) needs GPUs of its own.
+    # The run's GPU budget: colocated, the simulator pauses the engines while the trainer trains on all the GPUs and
+    # leaves that time out of the bubble, as the live metric does; separate, the trainer has the GPUs the engines
+    # leave. A colocated run that generates while it trains (async, streamed gradients) contends for its GPUs live,
+    # which the simulator does not model.
+    budget = Budget.of(e, live.rollout.num_workers, live.trainer.world_size)
     overlaps = live.control.scheduler == "async" or live.trainer.streamed
-    colocated = e.trainer_gpus == engines and not overlaps
-    cluster = ({"gpus": engines} if colocated else {"gpus": engines + e.trainer_gpus, "trainer_gpus": e.trainer_gpus})
+    if budget.layout == "colocated" and overlaps:
+        raise ValueError(f"{run_dir}: a colocated run that generates while it trains (control.scheduler="
+                         f"{live.control.scheduler}, trainer.streamed={live.trainer.streamed}) contends for its GPUs, "
+                         "which the simulator does not model; replay a run of emulate.layout=separate")
+    cluster = ({"gpus": budget.gpus} if budget.layout == "colocated" and not overlaps
+               else {"gpus": budget.gpus, "trainer_gpus": len(budget.trainer)})
     # The live trainer's passes per token: forward and backward; a forward more against a KL reference; and where
     # samples may be stale (partial rollouts, async), pi_prox recomputed for every mini-batch but the first.
     t = live.trainer

@@ -290,7 +290,8 @@ class TrainerBackend(ABC):
         # An empty micro-batch (a rank's padding, DeepSpeed's boundary before a streamed update) is modelled at
         # no time, so holding it would count its real compute as an overrun.
         if self.pacer and batch:
-            self.pacer.micro_batch(started, sum(s.num_tokens for s in batch), flops_per_param_token)
+            self.pacer.micro_batch(started, sum(s.num_tokens for s in batch), flops_per_param_token,
+                                   prompts=len(batch), prompt_tokens=sum(s.prompt_len for s in batch))
 
     def _micro_batches(self, samples: list[TrainSample], count: int) -> list[list[TrainSample]]:
         batches = pack_micro_batches(samples, self.cfg.micro_batch_tokens)

@@ -235,8 +235,10 @@ class TrainerGroup:
                         for rank in range(world)]
         ips = started([w.node_ip.remote() for w in self.workers], options(0))
         port = ray.get(self.workers[0].free_port.remote())
-        pacer = Emulation(cfg.emulate).trainer_pacer(world) if cfg.emulate.on else None
-        self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads, pacer) for w in self.workers])
+        emulation = Emulation.of(cfg) if cfg.emulate.on else None
+        self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads,
+                                      emulation and emulation.trainer_pacer(world, rank))
+                       for rank, w in enumerate(self.workers)])
         self.stream: RunningStream | None = None
         kl = self.cfg.kl
         self.kl_in_reward = KLController(kl.coef, kl.target, kl.horizon) if kl.in_reward else None

@@ -1,0 +1,112 @@
+"""Every preset on one GPU budget (issue 45): the emulated comparison rerun at an equal budget of modelled GPUs.
+
+Each budget B runs every preset on B modelled H100s (emulate.gpus=B). Colocated (one engine per GPU, the trainer
+on all of them, contending with the engines where they overlap): sync, tail, tail-streamed, sorted,
+sorted-partial, sagc, async, async-eta2. Split (B/2 engine GPUs, the trainer on the other B/2): async-split and
+async-eta2-split. Per (workload, budget) one results file, benchmarks/results/emulated_budget_<workload>_<B>gpu.json,
+rewritten after every run in `rlsys bench`'s report format (GPU-seconds, ratios with bootstrap 95% intervals).
+Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions; one
+that did not emulate (its real compute overran, e.g. on a loaded machine) is kept, left out of the figures, and
+run again.
+
+    nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
+    python benchmarks/emulated_budget.py                     # the whole matrix, 5 seeds, skipping what is done
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlsys.bench import (PRESETS, Target, add_equal_time, aggregate, budget_gpus, machine, median_of,  # noqa: E402
+                         run_preset, speedups, summarise_run, write_report)
+from rlsys.startup import load_config  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
+# interpolated between evals
+WORKLOADS = {"old": "configs/emulated_h100_7b.yaml"}
+SHORT = ["trainer.total_steps=20", "control.eval_every=5", "data.eval_size=1000", "control.save_every=0"]
+TARGET = "+0.03"  # the stored table's
+COLOCATED = ["sync", "tail", "tail-streamed", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
+SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}
+
+
+def layout(preset: str, gpus: int) -> list[str]:
+    """The overrides that put a preset on `gpus` modelled GPUs: colocated one engine each, or split in halves."""
+    if preset in SPLIT:
+        return PRESETS[SPLIT[preset]] + [f"emulate.gpus={gpus}", "emulate.layout=separate",
+                                         f"rollout.num_workers={gpus // 2}"]
+    return PRESETS[preset] + [f"emulate.gpus={gpus}", "emulate.layout=colocated", f"rollout.num_workers={gpus}"]
+
+
+def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict:
+    """The bench report over the runs that emulated (overrun share within emulate.overrun_limit), paired with
+    sync by seed; a run that did not emulate stays in `runs`, is named in `not_emulating`, and is run again."""
+    kept = {n: sorted((r for r in v if r.get("emulating", True)), key=lambda r: r["seed"]) for n, v in runs.items()}
+    kept = {n: v for n, v in kept.items() if v}
+    if "sync" in kept:  # pairs only where both ran that seed
+        seeds = {r["seed"] for r in kept["sync"]}
+        paired = {n: [r for r in v if r["seed"] in seeds] for n, v in kept.items()}
+        paired = {n: v for n, v in paired.items() if v}
+    else:
+        paired = kept
+    results = {n: aggregate(v) for n, v in kept.items()}
+    return {"command": command, "workload": workload, "machine": machine(),
+            "equal_time_s": add_equal_time(kept) if kept else None,
+            "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
+            "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
+            "budgets": {n: r.get("gpus") for n, r in results.items()},
+            "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],
+            "runs": runs}
+
+
+def started_run(config: str, overrides: list[str], out_dir: Path, tries: int = 5) -> list[dict]:
+    """run_preset, tried again where Ray did not start: on a loaded machine its node can miss Ray's fixed 30 s."""
+    for attempt in range(tries):
+        try:
+            return run_preset(config, overrides, out_dir)
+        except Exception as e:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(e) or attempt == tries - 1:
+                raise
+            print(f"[budget] Ray did not start ({e}); trying again", flush=True)
+            time.sleep(10)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--budgets", default="2,4")
+    p.add_argument("--presets", default=",".join(COLOCATED + list(SPLIT)))
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--out-dir", default="runs/emulated_budget")
+    args = p.parse_args()
+    command = "python benchmarks/emulated_budget.py " + " ".join(sys.argv[1:])
+    for name in args.workloads.split(","):
+        config = WORKLOADS[name]
+        for gpus in map(int, args.budgets.split(",")):
+            path = RESULTS / f"emulated_budget_{name}_{gpus}gpu.json"
+            workload = {"config": config, "overrides": SHORT, "target": TARGET, "gpus": gpus,
+                        "layouts": {preset: layout(preset, gpus) for preset in args.presets.split(",")}}
+            runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+            for seed in range(args.seeds):  # seeds outermost: every preset's first seeds before anyone's fifth
+                for preset in args.presets.split(","):
+                    if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
+                        continue
+                    overrides = SHORT + layout(preset, gpus) + [f"seed={seed}"]
+                    started = time.time()
+                    rows = started_run(config, overrides, Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}")
+                    summary = summarise_run(rows, Target.parse(TARGET), budget_gpus(load_config(config, overrides)))
+                    runs.setdefault(preset, []).append({**summary, "seed": seed, "wall_clock_s": time.time() - started})
+                    write_report(str(path), report_of(workload, runs, command))
+                    print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
+                          f"final accuracy {summary['final_accuracy']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
