@@ -38,8 +38,18 @@ def engine_weights(worker) -> dict:
 
 
 def block(worker, seconds: float) -> None:
-    """Keep a worker's generation thread busy: an engine stuck in a long step."""
-    worker.__ray_call__.remote(lambda w: w._enqueue(lambda: time.sleep(seconds), None))
+    """Keep a worker's generation thread busy: an engine stuck in a long step. Returns once the thread is in
+    it: the actor's calls run on several threads, so a call made next could otherwise queue ahead of it."""
+    def stall(w):
+        w.test_stalled = True
+        time.sleep(seconds)
+        w.test_stalled = False
+
+    worker.__ray_call__.remote(lambda w: w._enqueue(lambda: stall(w), None))
+    deadline = time.monotonic() + 30
+    while not ray.get(worker.__ray_call__.remote(lambda w: getattr(w, "test_stalled", False))):
+        assert time.monotonic() < deadline, "the worker's generation thread never took the stall"
+        time.sleep(0.01)
 
 
 def checked_run(out, *overrides):
