@@ -79,6 +79,15 @@ class RolloutEngine(ABC):
         `at` tokens; the model goes on from there. A request no longer waiting (aborted, resumed) is ignored."""
         raise NotImplementedError(f"{self.name} does not run conversations with tools")
 
+    def awaits_answer(self, request_id: str, at: int) -> bool:
+        """Whether the conversation still waits on the tool call it made at `at` tokens (`take_calls`)."""
+        return self._waiting_on(request_id, at) is not None
+
+    def request_of(self, request_id: str) -> Request | None:
+        """The request the engine holds by this id (None if none): a tool call's conversation, for its tools."""
+        seq = self._record_of(request_id)
+        return None if seq is None else seq.request
+
     def can_step(self) -> bool:
         """Whether a step would do anything: not while every request it holds waits on a tool."""
         if not self.call_close:  # no conversations: nothing ever waits on a tool

@@ -94,7 +94,7 @@ class RolloutWorker:
         """Cut these requests now; their partial completions come out of drain(). Returns the ids cut."""
         def cut():
             later = {rid for rid in request_ids if rid in self._calling
-                     and self.engine._waiting_on(rid, self._calling[rid]) is not None}
+                     and self.engine.awaits_answer(rid, self._calling[rid])}
             self._cut_on_answer |= later
             done = self.engine.abort([rid for rid in request_ids if rid not in later])
             self._publish(done)
@@ -192,7 +192,7 @@ class RolloutWorker:
                         self._publish(self.engine.step())
                 for rid, at, text in self.engine.take_calls():
                     self._calling[rid] = at
-                    prompt = self.engine._record_of(rid).request.prompt_ids
+                    prompt = self.engine.request_of(rid).prompt_ids
                     self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), prompt)
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
                 profiler.close()
