@@ -438,13 +438,10 @@ class CPUEngine(RolloutEngine):
         elif entry.slot >= 0:
             entry.continue_at = at
 
-    def can_step(self) -> bool:
-        if self.call_close and not self.finished_early and None not in self.slot_owner:  # tools hold every slot:
-            return any(not e.held for e in self.running.values())  # queued requests cannot start, so no spinning
-        return super().can_step()
-
     def _records(self):
-        return (*self.waiting.values(), *self.running.values())
+        # a queued request starts only in a free slot: with every slot taken (by conversations waiting on tools,
+        # say), a step cannot advance it, and counting it would spin the worker
+        return (*(self.waiting.values() if None in self.slot_owner else ()), *self.running.values())
 
     def _record_of(self, request_id: str):
         return self.running.get(request_id) or self.waiting.get(request_id)

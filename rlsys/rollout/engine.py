@@ -89,13 +89,14 @@ class RolloutEngine(ABC):
         return None if seq is None else seq.request
 
     def can_step(self) -> bool:
-        """Whether a step would do anything: not while every request it holds waits on a tool."""
+        """Whether a step would do anything: not while every request it could advance waits on a tool."""
         if not self.call_close:  # no conversations: nothing ever waits on a tool
             return self.has_work()
         return bool(self.finished_early or any(not seq.held for seq in self._records()))
 
     def _records(self):
-        """The engine's record (`seq` below) of every request it holds."""
+        """The engine's record (`seq` below) of every request a step could advance, held ones included: every
+        request it holds, less those that cannot start yet whatever the step does."""
         raise NotImplementedError(f"{self.name} does not run conversations with tools")
 
     def _record_of(self, request_id: str):
