@@ -163,23 +163,24 @@ class ToolBox:
         conversation of this one call): a tool's, or with tools.env a step of the conversation's environment
         (reset first with `sample`). Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by
         default now); never raises."""
-        start, name = time.monotonic(), ""
+        start = time.monotonic()
         made_at = start if made_at is None else made_at
-        if self.env_spec:
-            return self._step(call_text, conversation, made_at, sample or {})
+        name, reward, done = ("env" if self.env_spec else ""), 0.0, False
         try:
-            call = self.fmt.parse_call(call_text)
-            name = call.name
-            left = self.cfg.timeout_s - (start - made_at)
-            if left <= 0:
-                raise ToolFailure(f"timed out after {self.cfg.timeout_s:g}s waiting for a free tool thread "
-                                  f"(tools.max_workers={self.cfg.max_workers})")
-            text, chars = self._call(call.name, call.arguments, conversation, left)
+            if self.env_spec:  # the model's action: the call's text between the tags
+                action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
+                reply = self._in_process(conversation, {"step": action, "sample": sample or {}},
+                                         self._time_left(start, made_at))
+                text, chars, reward, done = reply["text"], reply["chars"], reply["reward"], reply["done"]
+            else:
+                call = self.fmt.parse_call(call_text)
+                name = call.name
+                text, chars = self._call(call.name, call.arguments, conversation, self._time_left(start, made_at))
             if chars > self.cfg.max_response_chars:
                 text = truncated(text, chars, self.cfg.max_response_chars)
                 with self._lock:
                     self.counts["truncated"] += 1
-            result = ToolResult(name, text, True, None, time.monotonic() - start)
+            result = ToolResult(name, text, True, None, time.monotonic() - start, reward, done)
         except ToolCallError as e:
             result = self._failed(name, f"the call cannot be read: {e.reason}", start)
         except ToolFailure as e:
@@ -190,23 +191,13 @@ class ToolBox:
             self.counts["calls"] += 1
         return result
 
-    def _step(self, call_text: str, conversation: str | None, made_at: float, sample: dict) -> ToolResult:
-        """A step of the conversation's environment with the model's action (the call's text between the tags)."""
-        start = time.monotonic()
-        action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
-        try:
-            left = self.cfg.timeout_s - (start - made_at)
-            if left <= 0:
-                raise ToolFailure(f"timed out after {self.cfg.timeout_s:g}s waiting for a free tool thread")
-            reply = self._in_process(conversation, {"step": action, "sample": sample}, left)
-            text, chars = reply["text"], reply["chars"]
-            result = ToolResult("env", truncated(text, chars, self.cfg.max_response_chars), True, None,
-                                time.monotonic() - start, reply["reward"], reply["done"])
-        except ToolFailure as e:
-            result = self._failed("env", str(e), start)
-        with self._lock:
-            self.counts["calls"] += 1
-        return result
+    def _time_left(self, start: float, made_at: float) -> float:
+        """What is left of the call's tools.timeout_s once it got a tool thread; ToolFailure if nothing."""
+        left = self.cfg.timeout_s - (start - made_at)
+        if left <= 0:
+            raise ToolFailure(f"timed out after {self.cfg.timeout_s:g}s waiting for a free tool thread "
+                              f"(tools.max_workers={self.cfg.max_workers})")
+        return left
 
     def _in_process(self, conversation: str | None, request: dict, timeout_s: float) -> dict:
         """The reply of the conversation's process of the user's code to `request`."""
