@@ -75,7 +75,7 @@ class BosTokenizer:
     def __init__(self, adds_bos: bool):
         self.adds_bos = adds_bos
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+    def apply_chat_template(self, messages, tools, tokenize, add_generation_prompt):
         return "<s>" + "".join(f"[{m['role']}]{m['content']}" for m in messages) + "[assistant]"
 
     def __call__(self, text):

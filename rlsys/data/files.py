@@ -123,8 +123,7 @@ def chat_text(tokenizer, messages: list[dict], tools: list[dict] | None = None) 
     """The messages rendered by the chat template, ready for `tokenizer(text)`, with the tools' schemas where
     there are some: a template that writes the BOS token itself loses it here when the tokenizer adds one
     anyway, so the model never sees two."""
-    schemas = {"tools": tools} if tools else {}  # a template (or a stand-in's) that knows no tools gets none
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **schemas)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
         text = text[len(bos):]
