@@ -108,9 +108,14 @@ def user_tools(cfg: ToolsConfig) -> dict[str, str]:
         name = getattr(fn, "__name__", spec.rpartition(":")[2])
         if name in BUILTINS or name in specs:
             raise PluginError(f"tools.fns: {spec!r} is called {name!r}, as another tool is; rename one")
-        module, _, attr = spec.rpartition(":")
-        specs[name] = f"{Path(module).resolve()}:{attr}" if module.endswith(".py") else spec
+        specs[name] = _absolute(spec)
     return specs
+
+
+def _absolute(spec: str) -> str:
+    """A spec a process started elsewhere finds: a file's path made absolute."""
+    module, _, attr = spec.rpartition(":")
+    return f"{Path(module).resolve()}:{attr}" if module.endswith(".py") else spec
 
 
 def user_env(cfg: ToolsConfig) -> str | None:
@@ -125,8 +130,7 @@ def user_env(cfg: ToolsConfig) -> str | None:
     if missing:
         raise PluginError(f"tools.env: {cfg.env!r} has no method {' or '.join(missing)}; an environment has "
                           "reset(sample) and step(action) -> (observation, reward, done)")
-    module, _, attr = cfg.env.rpartition(":")
-    return f"{Path(module).resolve()}:{attr}" if module.endswith(".py") else cfg.env
+    return _absolute(cfg.env)
 
 
 class ToolBox:
