@@ -79,9 +79,10 @@ class RolloutEngine(ABC):
         `at` tokens; the model goes on from there. A request no longer waiting (aborted, resumed) is ignored."""
         raise NotImplementedError(f"{self.name} does not run conversations with tools")
 
-    def awaits_answer(self, request_id: str, at: int) -> bool:
-        """Whether the conversation still waits on the tool call it made at `at` tokens (`take_calls`)."""
-        return self._waiting_on(request_id, at) is not None
+    def waits_on_tool(self, request_id: str) -> bool:
+        """Whether the engine holds this conversation waiting on a tool's answer (its call from `take_calls`)."""
+        seq = self._record_of(request_id) if self.call_close else None
+        return seq is not None and seq.held
 
     def request_of(self, request_id: str) -> Request | None:
         """The request the engine holds by this id (None if none): a tool call's conversation, for its tools."""

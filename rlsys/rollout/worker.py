@@ -54,7 +54,6 @@ class RolloutWorker:
         self._submit_error: BaseException | None = None  # a submitted request was refused
         self._stopped = False
         self.tools = self._tool_pool = None
-        self._calling: dict[str, int] = {}  # conversation -> its token count at the call its tool is running
         self._cut_on_answer: set[str] = set()  # conversations aborted while their tool runs
         if tools is not None and (tools.fns or tools.env):  # a ToolsConfig: this worker builds its tools from it
             from rlsys.tools.box import ToolBox
@@ -93,8 +92,7 @@ class RolloutWorker:
     def abort(self, request_ids: list[str]) -> list[str]:
         """Cut these requests now; their partial completions come out of drain(). Returns the ids cut."""
         def cut():
-            later = {rid for rid in request_ids if rid in self._calling
-                     and self.engine.awaits_answer(rid, self._calling[rid])}
+            later = {rid for rid in request_ids if self.engine.waits_on_tool(rid)}
             self._cut_on_answer |= later
             done = self.engine.abort([rid for rid in request_ids if rid not in later])
             self._publish(done)
@@ -191,7 +189,6 @@ class RolloutWorker:
                     with profiler.step() if profiler else nullcontext():
                         self._publish(self.engine.step())
                 for rid, at, text in self.engine.take_calls():
-                    self._calling[rid] = at
                     prompt = self.engine.request_of(rid).prompt_ids
                     self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), prompt)
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
@@ -230,8 +227,6 @@ class RolloutWorker:
     def _answer(self, request_id: str, at: int, ids: list[int], turn, done: bool) -> None:
         """On the generation thread: append a tool's answer; a conversation aborted meanwhile is cut now, and
         one its environment ended (`done`) ends with the answer ("stop")."""
-        if self._calling.get(request_id) == at:
-            del self._calling[request_id]
         self.engine.extend(request_id, at, ids, turn)
         if request_id in self._cut_on_answer:
             self._cut_on_answer.discard(request_id)
