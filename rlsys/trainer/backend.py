@@ -74,6 +74,12 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
             module.training = True
 
 
+def cpu_copy(weights: Iterator[tuple[str, torch.Tensor]], keep: bool = True) -> dict[str, torch.Tensor]:
+    """Each tensor copied to CPU float32, read one at a time; every rank reads them all (ZeRO-3 gathers each, a
+    collective), and only with `keep` does it hold the copies."""
+    return {name: t.to("cpu", torch.float32, copy=True) for name, t in weights if keep}
+
+
 def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What model.state_dict() holds, in its order (tied weights under each name), read one at a time."""
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -325,11 +331,6 @@ class TrainerBackend(ABC):
         for ref, param in zip(self._reference_module().parameters(), self._hf_model().parameters(), strict=True):
             ref.mul_(1.0 - alpha).add_(param.detach().to(ref.dtype), alpha=alpha)
 
-    def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The reference's weights, HF names, one at a time (as `rollout_weights`)."""
-        for name, t in named_tensors(self._reference_module()):
-            yield name, t.detach()
-
     def _load_reference(self, weights: dict[str, torch.Tensor]) -> None:
         self._reference_module().load_state_dict(weights)
 
@@ -358,7 +359,14 @@ class TrainerBackend(ABC):
     def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor where it lives), one at a time, in state_dict order: use each before asking for
         the next (under ZeRO-3 a parameter is gathered only meanwhile, a collective: every rank reads all)."""
-        for name, t in named_tensors(self._hf_model()):
+        return self._weights_of(self._hf_model())
+
+    def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The reference's weights, as `rollout_weights`."""
+        return self._weights_of(self._reference_module())
+
+    def _weights_of(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors(model):
             yield name, t.detach()
 
     def rollout_shapes(self) -> dict[str, torch.Tensor]:
@@ -369,7 +377,7 @@ class TrainerBackend(ABC):
     def state_dict_for_rollout(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full weights, HF names, CPU float32, read one parameter at a time; only with `keep` does this rank
         hold the copy (checkpoints, exports: rank 0). Publishing streams instead (rlsys/weights/transfer.py)."""
-        return {name: t.to("cpu", torch.float32, copy=True) for name, t in self.rollout_weights() if keep}
+        return cpu_copy(self.rollout_weights(), keep)
 
     @abstractmethod
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
@@ -399,8 +407,7 @@ class TrainerBackend(ABC):
             (folder / LAYOUT_FILE).write_text(json.dumps(self._layout()))
         self._save_optimizer(folder)
         if self.cfg.kl.ref_sync_steps is not None:  # the reference has moved from the initial weights
-            reference = {name: t.to("cpu", torch.float32, copy=True) for name, t in self.reference_weights()
-                         if self.rank == 0}
+            reference = cpu_copy(self.reference_weights(), keep=self.rank == 0)
             if self.rank == 0:
                 save_tensors(reference, folder / REFERENCE_FILE)
         save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps, "updates": self.updates}, folder,
