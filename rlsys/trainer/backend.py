@@ -189,15 +189,21 @@ class TrainerBackend(ABC):
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
-        rejecting = self.cfg.mismatch.reject is not None
+        rejecting = self.cfg.mismatch.reject is not None  # then the step's gradient is divided once closed
         stats = self.accumulate_gradients(samples, totals, closes_step=not rejecting, interpolate_at=interpolate_at,
                                           at_start=at_start)
-        divisor = None
-        if rejecting:  # the step's rejections are known now: divide by the kept counts, as veRL's rejection does
-            divisor = kept_share(self.sum_over_ranks({k: stats.get(k, 0.0) for k in REJECTED_SHARE.values()}),
-                                 self.cfg)
-            stats = {k: v / divisor if k in LOSS_STATS else v for k, v in stats.items()}
-        return self.close_step(stats, sum(s.trained_tokens for s in samples), len(samples), divisor=divisor)
+        stats, kept = self.divide_by_kept(stats)
+        return self.close_step(stats, sum(s.trained_tokens for s in samples), len(samples), divisor=kept)
+
+    def divide_by_kept(self, stats: dict) -> tuple[dict, float | None]:
+        """With trainer.mismatch.reject, the step's statistics (this rank's shares of its planned counts) with the
+        loss divided by the share of the normaliser that rejection kept on every rank (`kept_share`), as veRL's
+        rejection divides by the kept counts, and that share: what the step's gradient is divided by too.
+        Without, the statistics as they are and None."""
+        if self.cfg.mismatch.reject is None:
+            return stats, None
+        kept = kept_share(self.sum_over_ranks({k: stats.get(k, 0.0) for k in REJECTED_SHARE.values()}), self.cfg)
+        return {k: v / kept if k in LOSS_STATS else v for k, v in stats.items()}, kept
 
     def sum_over_ranks(self, stats: dict) -> dict:
         """These statistics summed over every rank (one rank here; DeepSpeed all-reduces)."""
