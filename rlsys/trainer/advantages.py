@@ -118,8 +118,7 @@ def reinforce_pp_baseline(rewards: list[list[float]], tokens: list[list[int]]) -
     """REINFORCE++-baseline (veRL's): the reward less its group's mean (0 for a group of one), then whitened over
     the step's tokens."""
     centred = [[r - (_mean(group) if len(group) > 1 else 0.0) for r in group] for group in rewards]
-    flat = [r for group in centred for r in group]
-    return regroup(token_whiten(flat, [n for group in tokens for n in group]), rewards)
+    return reinforce_pp(centred, tokens)
 
 
 @ADVANTAGES.register("grpo_batch_std")

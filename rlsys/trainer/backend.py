@@ -74,6 +74,12 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
             module.training = True
 
 
+def cpu_copy(weights: Iterator[tuple[str, torch.Tensor]], keep: bool = True) -> dict[str, torch.Tensor]:
+    """Each tensor copied to CPU float32, read one at a time; every rank reads them all (ZeRO-3 gathers each, a
+    collective), and only with `keep` does it hold the copies."""
+    return {name: t.to("cpu", torch.float32, copy=True) for name, t in weights if keep}
+
+
 def named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """What model.state_dict() holds, in its order (tied weights under each name), read one at a time."""
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -183,15 +189,21 @@ class TrainerBackend(ABC):
         """
         if totals.micro_batches == 0:  # no response tokens anywhere: nothing to step on
             return self.skip_step()
-        rejecting = self.cfg.mismatch.reject is not None
+        rejecting = self.cfg.mismatch.reject is not None  # then the step's gradient is divided once closed
         stats = self.accumulate_gradients(samples, totals, closes_step=not rejecting, interpolate_at=interpolate_at,
                                           at_start=at_start)
-        divisor = None
-        if rejecting:  # the step's rejections are known now: divide by the kept counts, as veRL's rejection does
-            divisor = kept_share(self.sum_over_ranks({k: stats.get(k, 0.0) for k in REJECTED_SHARE.values()}),
-                                 self.cfg)
-            stats = {k: v / divisor if k in LOSS_STATS else v for k, v in stats.items()}
-        return self.close_step(stats, sum(s.trained_tokens for s in samples), len(samples), divisor=divisor)
+        stats, kept = self.divide_by_kept(stats)
+        return self.close_step(stats, sum(s.trained_tokens for s in samples), len(samples), divisor=kept)
+
+    def divide_by_kept(self, stats: dict) -> tuple[dict, float | None]:
+        """With trainer.mismatch.reject, the step's statistics (this rank's shares of its planned counts) with the
+        loss divided by the share of the normaliser that rejection kept on every rank (`kept_share`), as veRL's
+        rejection divides by the kept counts, and that share: what the step's gradient is divided by too.
+        Without, the statistics as they are and None."""
+        if self.cfg.mismatch.reject is None:
+            return stats, None
+        kept = kept_share(self.sum_over_ranks({k: stats.get(k, 0.0) for k in REJECTED_SHARE.values()}), self.cfg)
+        return {k: v / kept if k in LOSS_STATS else v for k, v in stats.items()}, kept
 
     def sum_over_ranks(self, stats: dict) -> dict:
         """These statistics summed over every rank (one rank here; DeepSpeed all-reduces)."""
@@ -325,11 +337,6 @@ class TrainerBackend(ABC):
         for ref, param in zip(self._reference_module().parameters(), self._hf_model().parameters(), strict=True):
             ref.mul_(1.0 - alpha).add_(param.detach().to(ref.dtype), alpha=alpha)
 
-    def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The reference's weights, HF names, one at a time (as `rollout_weights`)."""
-        for name, t in named_tensors(self._reference_module()):
-            yield name, t.detach()
-
     def _load_reference(self, weights: dict[str, torch.Tensor]) -> None:
         self._reference_module().load_state_dict(weights)
 
@@ -358,7 +365,14 @@ class TrainerBackend(ABC):
     def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor where it lives), one at a time, in state_dict order: use each before asking for
         the next (under ZeRO-3 a parameter is gathered only meanwhile, a collective: every rank reads all)."""
-        for name, t in named_tensors(self._hf_model()):
+        return self._weights_of(self._hf_model())
+
+    def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The reference's weights, as `rollout_weights`."""
+        return self._weights_of(self._reference_module())
+
+    def _weights_of(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors(model):
             yield name, t.detach()
 
     def rollout_shapes(self) -> dict[str, torch.Tensor]:
@@ -369,7 +383,7 @@ class TrainerBackend(ABC):
     def state_dict_for_rollout(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full weights, HF names, CPU float32, read one parameter at a time; only with `keep` does this rank
         hold the copy (checkpoints, exports: rank 0). Publishing streams instead (rlsys/weights/transfer.py)."""
-        return {name: t.to("cpu", torch.float32, copy=True) for name, t in self.rollout_weights() if keep}
+        return cpu_copy(self.rollout_weights(), keep)
 
     @abstractmethod
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
@@ -399,8 +413,7 @@ class TrainerBackend(ABC):
             (folder / LAYOUT_FILE).write_text(json.dumps(self._layout()))
         self._save_optimizer(folder)
         if self.cfg.kl.ref_sync_steps is not None:  # the reference has moved from the initial weights
-            reference = {name: t.to("cpu", torch.float32, copy=True) for name, t in self.reference_weights()
-                         if self.rank == 0}
+            reference = cpu_copy(self.reference_weights(), keep=self.rank == 0)
             if self.rank == 0:
                 save_tensors(reference, folder / REFERENCE_FILE)
         save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps, "updates": self.updates}, folder,

@@ -120,14 +120,15 @@ class DeepSpeedBackend(TrainerBackend):
         finally:
             optimizer.override_loss_scale(1.0)
 
-    def _parameters_gathered(self, modifier_rank=None):
-        """Full parameters inside the block: a no-op below ZeRO-3, an all-gather at ZeRO-3."""
-        params = list(self.engine.module.parameters())
+    def _parameters_gathered(self, modifier_rank=None, model: torch.nn.Module | None = None):
+        """Full parameters of `model` (the policy's by default) inside the block: a no-op below ZeRO-3, an
+        all-gather at ZeRO-3."""
+        params = list((model or self.engine.module).parameters())
         enabled = self.stage == 3
         return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank, enabled=enabled)
 
-    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in named_tensors(self.engine.module):
+    def _weights_of(self, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named_tensors(model):
             gather = self.stage == 3 and isinstance(t, torch.nn.Parameter)  # buffers are never partitioned
             with deepspeed.zero.GatheredParameters([t], enabled=gather):  # this parameter alone, while read
                 yield name, t.detach()
@@ -147,16 +148,9 @@ class DeepSpeedBackend(TrainerBackend):
                 if self.rank == 0:
                     ref.mul_(1.0 - alpha).add_(param.detach().to(ref.dtype), alpha=alpha)
 
-    def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in named_tensors(self._reference_module()):
-            gather = self.stage == 3 and isinstance(t, torch.nn.Parameter)
-            with deepspeed.zero.GatheredParameters([t], enabled=gather):
-                yield name, t.detach()
-
     def _load_reference(self, weights: dict[str, torch.Tensor]) -> None:
         reference = self._reference_module()
-        params = list(reference.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=self.stage == 3):
+        with self._parameters_gathered(modifier_rank=0, model=reference):
             reference.load_state_dict(weights)
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:

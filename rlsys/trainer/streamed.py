@@ -71,15 +71,13 @@ class StreamedGradients:
         No update where it has no token on any rank (no rank ran a micro-batch), as the synchronous split has
         no mini-batch without samples."""
         if tokens:
-            counts = {"tokens": tokens, "sequences": sequences, "constant": 1}
-            divisor = counts[self.normaliser]
-            rejected = REJECTED_SHARE.get(self.normaliser)  # accumulated over totals of 1: a count
-            if self.backend.cfg.mismatch.reject is not None and rejected:  # the step's kept count
-                divisor -= round(self.backend.sum_over_ranks({rejected: self.stats.get(rejected, 0.0)})[rejected])
-            divisor = max(divisor, 1)
-            share_of = {k: divisor for k in LOSS_STATS} | {REJECTED_SHARE["sequences"]: sequences}
-            stats = {k: v / share_of.get(k, tokens) for k, v in self.stats.items()}
-            self.closed.append(self.backend.close_step(stats, self.tokens, self.sequences, divisor=float(divisor)))
+            count = {"tokens": tokens, "sequences": sequences, "constant": 1}[self.normaliser]
+            # Accumulated over totals of 1: to the shares a synchronous step's statistics are, then (with mismatch
+            # rejection) the loss and the gradient over the share kept, as there.
+            share_of = {k: count for k in LOSS_STATS} | {REJECTED_SHARE["sequences"]: sequences}
+            stats, kept = self.backend.divide_by_kept({k: v / share_of.get(k, tokens) for k, v in self.stats.items()})
+            divisor = count * (kept or 1.0)
+            self.closed.append(self.backend.close_step(stats, self.tokens, self.sequences, divisor=divisor))
         self._open()
 
     def finish(self, tokens: int, sequences: int) -> dict:
