@@ -298,7 +298,7 @@ class RunCut(Exception):
 def budget_gpus(cfg: Config) -> int | None:
     """The GPUs a run pays for: its emulated budget, or its placement plan's; None on the CPU."""
     if cfg.emulate.on:
-        return Budget.of(cfg.emulate, cfg.rollout.num_workers, cfg.trainer.world_size).gpus
+        return Budget.of_run(cfg).gpus
     plan = plan_from_config(cfg)
     return plan.used_gpus if plan else None
 

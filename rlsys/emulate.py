@@ -56,6 +56,11 @@ class Budget:
         plan = plan_placement(1, gpus, engines, tp, trainer_gpus, layout)
         return cls(gpus, layout, tuple(s.gpus for s in plan.engines), tuple(s.gpus[0] for s in plan.trainer))
 
+    @classmethod
+    def of_run(cls, run_cfg) -> "Budget":
+        """The budget of a run's Config whose emulate section is on."""
+        return cls.of(run_cfg.emulate, run_cfg.rollout.num_workers, run_cfg.trainer.world_size)
+
     def trainer_rank(self, rank: int, world: int) -> tuple[int, ...]:
         """The modelled GPUs of live trainer rank `rank` of `world`: an equal slice of the trainer's."""
         share = len(self.trainer) // world

@@ -50,7 +50,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     ((), plan_from_config),
     (("logging", "tensorboard"), lambda cfg: not cfg.logging.tensorboard or tensorboard_ready()),
     (("logging", "wandb"), lambda cfg: not cfg.logging.wandb or wandb_ready()),
-    ((), lambda cfg: not cfg.emulate.on or Budget.of(cfg.emulate, cfg.rollout.num_workers, cfg.trainer.world_size)),
+    ((), lambda cfg: not cfg.emulate.on or Budget.of_run(cfg)),
 )
 
 LOGGING_EXTRA = "install the `logging` extra (`make setup EXTRAS=dev,logging`, or `pip install -e \".[logging]\"`)"
