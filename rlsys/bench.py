@@ -303,11 +303,17 @@ def budget_gpus(cfg: Config) -> int | None:
     return plan.used_gpus if plan else None
 
 
-def run_preset(config: str | None, overrides: list[str], out_dir: Path, controller_class=None) -> list[dict]:
-    """One run's metrics rows; a run stopped before its end raises RunCut, so no sweep takes it for a whole one."""
+def run_config(config: str | None, overrides: list[str], out_dir: Path) -> Config:
+    """The config of one run of a sweep, in `out_dir`, without a progress bar."""
+    return load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
+
+
+def run_loaded(cfg: Config, controller_class=None) -> list[dict]:
+    """The metrics rows of a run of `cfg` (run_config's) in a fresh cfg.output_dir; a run stopped before its end
+    raises RunCut, so no sweep takes it for a whole one."""
     from rlsys.train import Controller, train
 
-    cfg = load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
+    out_dir = Path(cfg.output_dir)
     if out_dir.exists():
         import shutil
         shutil.rmtree(out_dir)
@@ -315,6 +321,11 @@ def run_preset(config: str | None, overrides: list[str], out_dir: Path, controll
     if final["stopped"]:
         raise RunCut(out_dir, read_metrics(out_dir))
     return read_metrics(out_dir)
+
+
+def run_preset(config: str | None, overrides: list[str], out_dir: Path, controller_class=None) -> list[dict]:
+    """One run's metrics rows (run_loaded)."""
+    return run_loaded(run_config(config, overrides, out_dir), controller_class)
 
 
 def claim_out_dir(out_dir: Path, top_up: bool) -> None:
@@ -389,9 +400,10 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     for r, name in order:
         t, run_dir = time.time(), out_dir / f"{name}-r{r}"
         seed = [f"seed={r}"] if vary_seed else []
-        gpus = budget_gpus(load_config(config, overrides + preset_overrides(name) + seed))
+        run_cfg = run_config(config, overrides + preset_overrides(name) + seed, run_dir)
+        gpus = budget_gpus(run_cfg)
         try:
-            rows = run_preset(config, overrides + preset_overrides(name) + seed, run_dir)
+            rows = run_loaded(run_cfg)
         except (RunCut, KeyboardInterrupt) as stop:  # one Ctrl-C stops the bench, not only this run
             rows = stop.rows if isinstance(stop, RunCut) else read_metrics(run_dir)
             steps = [row["step"] for row in rows if "timing/train_s" in row]
