@@ -288,11 +288,11 @@ def speedups(runs: dict[str, list[dict]], results: dict) -> dict:
 
 
 class RunCut(Exception):
-    """A run stopped before its last step (Ctrl-C, SIGTERM): its folder and the metrics rows it wrote."""
+    """A run stopped before its last step (Ctrl-C, SIGTERM): its folder holds the metrics rows it wrote."""
 
-    def __init__(self, run_dir: Path, rows: list[dict]):
+    def __init__(self, run_dir: Path):
         super().__init__(f"{run_dir} was stopped before its last step")
-        self.run_dir, self.rows = run_dir, rows
+        self.run_dir = run_dir
 
 
 def budget_gpus(cfg: Config) -> int | None:
@@ -319,7 +319,7 @@ def run_loaded(cfg: Config, controller_class=None) -> list[dict]:
         shutil.rmtree(out_dir)
     final = train(cfg, controller_class=controller_class or Controller)
     if final["stopped"]:
-        raise RunCut(out_dir, read_metrics(out_dir))
+        raise RunCut(out_dir)
     return read_metrics(out_dir)
 
 
@@ -404,8 +404,8 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
         gpus = budget_gpus(run_cfg)
         try:
             rows = run_loaded(run_cfg)
-        except (RunCut, KeyboardInterrupt) as stop:  # one Ctrl-C stops the bench, not only this run
-            rows = stop.rows if isinstance(stop, RunCut) else read_metrics(run_dir)
+        except (RunCut, KeyboardInterrupt):  # one Ctrl-C stops the bench, not only this run
+            rows = read_metrics(run_dir)
             steps = [row["step"] for row in rows if "timing/train_s" in row]
             cut[run_dir.name] = {"cut": True, "steps_trained": steps[-1] if steps else 0,
                                  **summarise_run(rows, target, gpus)}
