@@ -60,7 +60,6 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
             "equal_time_s": add_equal_time(kept) if kept else None,
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
-            "budgets": {n: r.get("gpus") for n, r in results.items()},
             "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],
             "runs": runs}
 

@@ -390,7 +390,6 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
             "equal_time_s": equal_time_s,
             "results": results,
             "speedup_vs_sync": speedups(done, results),
-            "budgets": {n: r.get("gpus") for n, r in results.items()},
             "runs": done,
             **({"interrupted": True, "cut_runs": cut} if cut else {}),
         }
