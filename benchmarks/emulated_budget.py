@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsys.bench import (PRESETS, Target, add_equal_time, aggregate, budget_gpus, machine, median_of,  # noqa: E402
-                         run_preset, speedups, summarise_run, write_report)
-from rlsys.startup import load_config  # noqa: E402
+                         run_config, run_loaded, speedups, summarise_run, write_report)
+from rlsys.config import Config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
@@ -60,16 +60,15 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
             "equal_time_s": add_equal_time(kept) if kept else None,
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
-            "budgets": {n: r.get("gpus") for n, r in results.items()},
             "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],
             "runs": runs}
 
 
-def started_run(config: str, overrides: list[str], out_dir: Path, tries: int = 5) -> list[dict]:
-    """run_preset, tried again where Ray did not start: on a loaded machine its node can miss Ray's fixed 30 s."""
+def started_run(cfg: Config, tries: int = 5) -> list[dict]:
+    """run_loaded, tried again where Ray did not start: on a loaded machine its node can miss Ray's fixed 30 s."""
     for attempt in range(tries):
         try:
-            return run_preset(config, overrides, out_dir)
+            return run_loaded(cfg)
         except Exception as e:  # Ray raises a bare Exception for it
             if "timed out during startup" not in str(e) or attempt == tries - 1:
                 raise
@@ -99,8 +98,9 @@ def main() -> int:
                         continue
                     overrides = SHORT + layout(preset, gpus) + [f"seed={seed}"]
                     started = time.time()
-                    rows = started_run(config, overrides, Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}")
-                    summary = summarise_run(rows, Target.parse(TARGET), budget_gpus(load_config(config, overrides)))
+                    run_dir = Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}"
+                    run_cfg = run_config(config, overrides, run_dir)
+                    summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
                     runs.setdefault(preset, []).append({**summary, "seed": seed, "wall_clock_s": time.time() - started})
                     write_report(str(path), report_of(workload, runs, command))
                     print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "

@@ -288,33 +288,44 @@ def speedups(runs: dict[str, list[dict]], results: dict) -> dict:
 
 
 class RunCut(Exception):
-    """A run stopped before its last step (Ctrl-C, SIGTERM): its folder and the metrics rows it wrote."""
+    """A run stopped before its last step (Ctrl-C, SIGTERM): its folder holds the metrics rows it wrote."""
 
-    def __init__(self, run_dir: Path, rows: list[dict]):
+    def __init__(self, run_dir: Path):
         super().__init__(f"{run_dir} was stopped before its last step")
-        self.run_dir, self.rows = run_dir, rows
+        self.run_dir = run_dir
 
 
 def budget_gpus(cfg: Config) -> int | None:
     """The GPUs a run pays for: its emulated budget, or its placement plan's; None on the CPU."""
     if cfg.emulate.on:
-        return Budget.of(cfg.emulate, cfg.rollout.num_workers, cfg.trainer.world_size).gpus
+        return Budget.of_run(cfg).gpus
     plan = plan_from_config(cfg)
     return plan.used_gpus if plan else None
 
 
-def run_preset(config: str | None, overrides: list[str], out_dir: Path, controller_class=None) -> list[dict]:
-    """One run's metrics rows; a run stopped before its end raises RunCut, so no sweep takes it for a whole one."""
+def run_config(config: str | None, overrides: list[str], out_dir: Path) -> Config:
+    """The config of one run of a sweep, in `out_dir`, without a progress bar."""
+    return load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
+
+
+def run_loaded(cfg: Config, controller_class=None) -> list[dict]:
+    """The metrics rows of a run of `cfg` (run_config's) in a fresh cfg.output_dir; a run stopped before its end
+    raises RunCut, so no sweep takes it for a whole one."""
     from rlsys.train import Controller, train
 
-    cfg = load_config(config, overrides + [f"output_dir={out_dir}", "logging.progress=false"])
+    out_dir = Path(cfg.output_dir)
     if out_dir.exists():
         import shutil
         shutil.rmtree(out_dir)
     final = train(cfg, controller_class=controller_class or Controller)
     if final["stopped"]:
-        raise RunCut(out_dir, read_metrics(out_dir))
+        raise RunCut(out_dir)
     return read_metrics(out_dir)
+
+
+def run_preset(config: str | None, overrides: list[str], out_dir: Path, controller_class=None) -> list[dict]:
+    """One run's metrics rows (run_loaded)."""
+    return run_loaded(run_config(config, overrides, out_dir), controller_class)
 
 
 def claim_out_dir(out_dir: Path, top_up: bool) -> None:
@@ -379,7 +390,6 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
             "equal_time_s": equal_time_s,
             "results": results,
             "speedup_vs_sync": speedups(done, results),
-            "budgets": {n: r.get("gpus") for n, r in results.items()},
             "runs": done,
             **({"interrupted": True, "cut_runs": cut} if cut else {}),
         }
@@ -389,11 +399,12 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     for r, name in order:
         t, run_dir = time.time(), out_dir / f"{name}-r{r}"
         seed = [f"seed={r}"] if vary_seed else []
-        gpus = budget_gpus(load_config(config, overrides + preset_overrides(name) + seed))
+        run_cfg = run_config(config, overrides + preset_overrides(name) + seed, run_dir)
+        gpus = budget_gpus(run_cfg)
         try:
-            rows = run_preset(config, overrides + preset_overrides(name) + seed, run_dir)
-        except (RunCut, KeyboardInterrupt) as stop:  # one Ctrl-C stops the bench, not only this run
-            rows = stop.rows if isinstance(stop, RunCut) else read_metrics(run_dir)
+            rows = run_loaded(run_cfg)
+        except (RunCut, KeyboardInterrupt):  # one Ctrl-C stops the bench, not only this run
+            rows = read_metrics(run_dir)
             steps = [row["step"] for row in rows if "timing/train_s" in row]
             cut[run_dir.name] = {"cut": True, "steps_trained": steps[-1] if steps else 0,
                                  **summarise_run(rows, target, gpus)}

@@ -69,6 +69,11 @@ class CheckpointManager:
         """The controller's state saved in a checkpoint folder."""
         return json.loads((folder / STATE_FILE).read_text())
 
+    def latest_step(self) -> int | None:
+        """The step of the latest complete checkpoint; None where there is none."""
+        latest = self.latest()
+        return None if latest is None else self.read_state(latest)["step"]
+
     def _prune(self) -> None:
         for old in self.completed()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
@@ -80,10 +85,9 @@ def finished_step(run_dir: str | Path, total_steps: int) -> int | None:
     """The step a run in `run_dir` finished at, if it trained `total_steps` or more and exported its model;
     None for a run that has steps to go (or was stopped before its export)."""
     run_dir = Path(run_dir)
-    latest = CheckpointManager(run_dir / "checkpoints").latest()
-    if latest is None or not (run_dir / "export" / "config.json").exists():
+    step = CheckpointManager(run_dir / "checkpoints").latest_step()
+    if step is None or not (run_dir / "export" / "config.json").exists():
         return None
-    step = CheckpointManager.read_state(latest)["step"]
     return step if step >= total_steps else None
 
 
@@ -91,7 +95,7 @@ def claim_run_dir(run_dir: str | Path, resume: bool, overwrite: bool = False) ->
     """Refuse what would mix two runs in one folder, before anything starts: a second run appended to the
     first's metrics, its checkpoints pruned as older than the first's. `overwrite` moves the old run aside."""
     run_dir = Path(run_dir)
-    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    latest = CheckpointManager(run_dir / "checkpoints").latest_step()
     if resume:
         if latest is None:
             raise UserError(f"--resume: no complete checkpoint under {run_dir / 'checkpoints'}; start the run "
@@ -105,6 +109,6 @@ def claim_run_dir(run_dir: str | Path, resume: bool, overwrite: bool = False) ->
         os.replace(run_dir, aside)
         print(f"moved the earlier run in {run_dir} to {aside}")
         return
-    last = f"its last checkpoint is step {CheckpointManager.read_state(latest)['step']}" if latest else "no checkpoint"
+    last = f"its last checkpoint is step {latest}" if latest is not None else "no checkpoint"
     raise UserError(f"output_dir {run_dir} holds a run ({', '.join(used)}; {last}). Continue it with --resume, "
                     f"choose another output_dir, or add --overwrite to move it aside and start again")

@@ -78,11 +78,10 @@ def how_to_go_on(run_dir: str, go_on: str) -> str:
     """After an interrupted run: the command that continues it, where a checkpoint was written."""
     from rlsys.checkpoint import CheckpointManager
 
-    latest = CheckpointManager(Path(run_dir) / "checkpoints").latest()
-    if latest is None:
+    step = CheckpointManager(Path(run_dir) / "checkpoints").latest_step()
+    if step is None:
         return f"no checkpoint was written in {run_dir}: start the run again (without --resume)"
-    return (f"`{go_on}` continues from the last checkpoint, step {CheckpointManager.read_state(latest)['step']}, "
-            f"in {run_dir}")
+    return f"`{go_on}` continues from the last checkpoint, step {step}, in {run_dir}"
 
 
 def cmd_eval(args) -> int:

@@ -109,19 +109,28 @@ def resolve_model(path: Path) -> tuple[Path | None, Path | None]:
                     "model directory (config.json + weights + tokenizer)")
 
 
-def task_source(path: str, overrides: list[str]) -> str:
-    """Which task `rlsys eval PATH OVERRIDES` evaluates and where that comes from; a model without its run's
-    config and no data.task given is refused: the default task would be evaluated without a word."""
-    from rlsys.config import read_config
+def names_task(overrides: list[str]) -> bool:
+    return any(o.startswith("data.task=") for o in overrides)
 
-    _, run_cfg = resolve_model(Path(path))
-    named = any(o.startswith("data.task=") for o in overrides)
-    if run_cfg is None and not named:
+
+def resolve_task_model(path: Path, overrides: list[str]) -> tuple[Path | None, Path | None]:
+    """resolve_model, refusing a model without its run's config when no data.task is given: the default task would
+    be evaluated without a word."""
+    model_dir, run_cfg = resolve_model(path)
+    if run_cfg is None and not names_task(overrides):
         raise UserError(f"{path} carries no run config (no config.yaml beside it, no {RUN_CONFIG} in it), so its "
                         "task is unknown: name it, e.g. data.task=synthetic, or data.task=files "
                         "data.eval_path=FILE")
+    return model_dir, run_cfg
+
+
+def task_source(path: str, overrides: list[str]) -> str:
+    """Which task `rlsys eval PATH OVERRIDES` evaluates and where that comes from (resolve_task_model's refusal)."""
+    from rlsys.config import read_config
+
+    _, run_cfg = resolve_task_model(Path(path), overrides)
     task = read_config(run_cfg, overrides)[0].data.task
-    return f"task {task!r} (" + ("data.task given" if named else f"from {run_cfg}") + ")"
+    return f"task {task!r} (" + ("data.task given" if names_task(overrides) else f"from {run_cfg}") + ")"
 
 
 def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], int]:
@@ -134,8 +143,7 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], in
     from rlsys.tools.schemas import tool_schemas
 
     checkpoint = Path(path)
-    task_source(path, overrides)  # refuses a model whose task is unknown
-    model_dir, run_cfg = resolve_model(checkpoint)
+    model_dir, run_cfg = resolve_task_model(checkpoint, overrides)
     cfg = load_config(run_cfg, overrides)
     init_ray(cfg.cluster)
     model_dir = model_dir or prepare_model(cfg)

@@ -48,26 +48,26 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     ((), lambda cfg: cfg.trainer.advantage not in ADVANTAGES or check_advantage_options(cfg.trainer)),
     ((), lambda cfg: cfg.trainer.loss not in POLICY_LOSSES or check_loss_options(cfg.trainer)),  # the loss's options
     ((), plan_from_config),
-    (("logging", "tensorboard"), lambda cfg: not cfg.logging.tensorboard or tensorboard_ready()),
+    (("logging", "tensorboard"), lambda cfg: not cfg.logging.tensorboard or installed("tensorboard")),
     (("logging", "wandb"), lambda cfg: not cfg.logging.wandb or wandb_ready()),
-    ((), lambda cfg: not cfg.emulate.on or Budget.of(cfg.emulate, cfg.rollout.num_workers, cfg.trainer.world_size)),
+    ((), lambda cfg: not cfg.emulate.on or Budget.of_run(cfg)),
 )
 
 LOGGING_EXTRA = "install the `logging` extra (`make setup EXTRAS=dev,logging`, or `pip install -e \".[logging]\"`)"
 
 
-def tensorboard_ready() -> bool:
-    """TensorBoard's writer needs the tensorboard package; looked up, not imported (a check imports no torch)."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(f"the tensorboard package is not installed: {LOGGING_EXTRA}, or set logging.tensorboard=false")
+def installed(package: str) -> bool:
+    """A logging.<package> backend's package (tensorboard's writer, wandb) is there; looked up, not imported (a
+    check imports no torch)."""
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"the {package} package is not installed: {LOGGING_EXTRA}, or set logging.{package}=false")
     return True
 
 
 def wandb_ready() -> bool:
     """wandb installed, and a key to log with (WANDB_API_KEY, or a `wandb login` in ~/.netrc), or a mode that
     needs none."""
-    if importlib.util.find_spec("wandb") is None:
-        raise ValueError(f"the wandb package is not installed: {LOGGING_EXTRA}, or set logging.wandb=false")
+    installed("wandb")
     netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     logged_in = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="replace")
     if not (os.environ.get("WANDB_API_KEY") or logged_in or os.environ.get("WANDB_MODE") in ("offline", "disabled")):

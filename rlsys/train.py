@@ -427,10 +427,9 @@ class Controller:
 
     def stopped_by(self, death: TrainerDied) -> str:
         """Where a dead trainer rank stopped the run, and how to go on from there."""
-        latest = self.checkpoints.latest()
-        how = (f"`rlsys train` with the same config and --resume continues from the last checkpoint, step "
-               f"{self.checkpoints.read_state(latest)['step']}" if latest
-               else "no checkpoint was written yet: start it again")
+        step = self.checkpoints.latest_step()
+        how = (f"`rlsys train` with the same config and --resume continues from the last checkpoint, step {step}"
+               if step is not None else "no checkpoint was written yet: start it again")
         return f"trainer rank {death.rank} died in step {self.step + 1} ({death.why}). The run stopped; {how}."
 
 

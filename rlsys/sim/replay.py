@@ -116,7 +116,7 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         raise ValueError(f"{run_dir}: a colocated run that generates while it trains (control.scheduler="
                          f"{live.control.scheduler}, trainer.streamed={live.trainer.streamed}) contends for its GPUs, "
                          "which the simulator does not model; replay a run of emulate.layout=separate")
-    cluster = ({"gpus": budget.gpus} if budget.layout == "colocated" and not overlaps
+    cluster = ({"gpus": budget.gpus} if budget.layout == "colocated"
                else {"gpus": budget.gpus, "trainer_gpus": len(budget.trainer)})
     # The live trainer's passes per token: forward and backward; a forward more against a KL reference; and where
     # samples may be stale (partial rollouts, async), pi_prox recomputed for every mini-batch but the first.
