@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU measurements of a lent GPU, phase by phase, each under its own time limit, each writing its log and
 # results into OUT_DIR as it ends (the runs' records in records.tgz), so a run cut off keeps what it measured:
+#   prepare    the bench model and its warm start, into the model cache the runs below read
 #   smoke      benchmarks/gpu/run.sh with configs/gpu/smoke.yaml: install, train, publish, checkpoint
 #   engine     the built-in engine's decode and prefill cost at the 0.5B bench model's size, beside rlsys.costs
+#   engine_eager  the same with the eager decode step, on a subset of the grid
 #   live       the engine's decode step alone, behind its worker thread, in a Ray actor, beside a CUDA peer
 #   publish_cuda_ipc, publish_object_store   a short 0.5B run per transport one GPU can run: weight sync time
 #   cuda_tests tests/test_engine_cuda.py on the GPU
@@ -16,8 +18,8 @@
 #
 # One lent GPU window is 15 minutes of device time, the machine's start included, in commands of at most 10
 # minutes; results come back when a command ends. The plan for a window, two commands:
-#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" cuda_tests:100 engine:160
-#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" sched_sync:170 sched_tail:170
+#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" cuda_tests:40 engine:150 engine_eager:80
+#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" prepare:220 sched_sync:160 sched_tail:160
 # A command's limits may add up to MEASURE_BUDGET_S (default 540: a 10-minute command less the set-up and the
 # records); more is refused before anything runs. The bundle's rlsys must be this checkout's (RLSYS_SHA256).
 # MEASURE_OVERRIDES: overrides added to every run's (a CPU rehearsal's: benchmarks/gpu/rehearse_measure.sh).
@@ -40,6 +42,12 @@ phase_engine() {
   PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/engine_throughput.py" --device cuda \
     --config "$bench" --vocab 259 --gpu "$gpu" --sweep 1,8,32,64,128,256 --lengths 128,1024,4096 \
     --repeats 3 --out "$out/engine_decode.json"
+}
+
+phase_engine_eager() {  # the eager step on a subset of the same grid, for the graph step's gain in one window
+  PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/engine_throughput.py" --device cuda \
+    --config "$bench" --vocab 259 --gpu "$gpu" --sweep 1,64,256 --lengths 128,1024,4096 --prefill 1x1024 \
+    --repeats 2 --decode eager --out "$out/engine_decode_eager.json"
 }
 
 phase_live() {  # the KV cache a bench_0.5b run gives the engine: 128 prompt + 4096 response positions per slot
@@ -69,8 +77,16 @@ phase_diagnose() {  # the profiles land in the run's folder, so in records.tgz
 phase_publish_cuda_ipc() { train publish_cuda_ipc "$bench" "${short_0_5b[@]}" weights.transfer=cuda_ipc; }
 phase_publish_object_store() { train publish_object_store "$bench" "${short_0_5b[@]}" weights.transfer=object_store; }
 
-# sync, then tail (sched_sync, sched_tail: one lent command each if need be), same seed and steps
 sched=(trainer.total_steps=3 rollout.max_new_tokens=512 control.prompts_per_step=8 control.group_size=8 data.eval_size=4)
+# sync, then tail, same seed and steps, after `prepare`: the 0.47B model's warm start (200 steps, 130 s on an
+# H200 on 2026-11-28) built once into the model cache the runs read, in the same command (a new machine has none)
+phase_prepare() {
+  cd "$work" && PYTHONPATH=$SCRATCH/site "$python" -c 'import sys
+from rlsys.models import prepare_model
+from rlsys.startup import load_config
+print(prepare_model(load_config(sys.argv[1], sys.argv[2:])))' "$bench" "${sched[@]}" logging.progress=true \
+    ${extra[@]+"${extra[@]}"}
+}
 # sync unprofiled, as tail (the diagnose phase profiles): the profiled 2026-11-26 sync run was not comparable
 phase_sched_sync() { GPU_MEMORY_MS=0 train sched_sync "$bench" "${sched[@]}" control.scheduler=sync; }
 phase_sched_tail() { GPU_MEMORY_MS=0 train sched_tail "$bench" "${sched[@]}" control.scheduler=tail; }
@@ -106,7 +122,7 @@ digest=$(cd "$repo" && find rlsys -type f ! -path '*/__pycache__/*' | LC_ALL=C s
 [ "$(cat "$bundle/RLSYS_SHA256" 2>/dev/null)" = "$digest" ] || { echo "measure.sh: the bundle's rlsys ($bundle/RLSYS_SHA256: $(cat "$bundle/RLSYS_SHA256" 2>/dev/null || echo missing)) is not this checkout's ($digest): rebuild it with build_bundle.py" >&2; exit 2; }
 
 mkdir -p "$out"
-python=${PYTHON:-python3}
+python=$(realpath -s "$(command -v "${PYTHON:-python3}")")  # absolute: some phases run from $work
 export PYTHONUNBUFFERED=1 SCRATCH=${SCRATCH:-/tmp/rlsys-gpu-scratch}
 work=$(mktemp -d -t rlsys-measure-XXXXXX)
 bench=$repo/configs/gpu/bench_0.5b.yaml
