@@ -261,8 +261,25 @@ def test_the_plan_in_measure_sh_fits_its_commands():
     script = (GPU / "measure.sh").read_text()
     plan = re.findall(r'^#   benchmarks/gpu/measure\.sh build/gpu_bundle "\$OUT" (.*)$', script, re.M)
     budget = int(re.search(r"MEASURE_BUDGET_S:-(\d+)", script).group(1))
-    assert budget <= 600 - 60 and [p.split()[0].split(":")[0] for p in plan] == ["cuda_tests", "sched_sync"]
+    assert budget <= 600 - 60 and [p.split()[0].split(":")[0] for p in plan] == ["cuda_tests", "prepare"]
     assert all(sum(int(item.split(":")[1]) for item in command.split()) <= budget for command in plan)
+    runs = [item.split(":")[0] for item in plan[1].split()]
+    assert runs.index("prepare") < runs.index("sched_sync") < runs.index("sched_tail")  # built before it is read
+
+
+def test_the_prepare_phase_builds_the_model_the_scheduler_runs_read():
+    """prepare's overrides and each sched phase's give one model cache entry: a run after prepare builds nothing."""
+    from rlsys.models import cache_key
+    from rlsys.startup import load_config
+
+    script = (GPU / "measure.sh").read_text()
+    sched = re.search(r"^sched=\((.*)\)$", script, re.M).group(1).split()
+    prepare = re.search(r'"\$bench" "\$\{sched\[@\]\}" (\S+) ', script).group(1)
+    config = ROOT / "configs" / "gpu" / "bench_0.5b.yaml"
+    built = cache_key(load_config(config, [*sched, prepare]))
+    for name in ("sync", "tail"):
+        own = re.search(rf'^phase_sched_{name}\(\) {{.*"\$\{{sched\[@\]\}}" (.*); }}$', script, re.M).group(1).split()
+        assert cache_key(load_config(config, [*sched, *own])) == built
 
 
 def test_the_bundles_rlsys_digest_is_the_one_measure_sh_computes():

@@ -19,7 +19,7 @@ case $2 in *=*) echo "run.sh: RESULTS_DIR is missing (got the override $2); $usa
 bundle=$(cd "$1" && pwd)
 results=$(realpath -m "$2")
 shift 2
-python=${PYTHON:-python3}
+python=$(realpath -s "$(command -v "${PYTHON:-python3}")")  # absolute: it runs from $scratch
 config=$(realpath "${CONFIG:-$repo/configs/gpu/smoke.yaml}")
 scratch=${SCRATCH:-$(mktemp -d -t rlsys-gpu-XXXXXX)}
 run_dir=$results/run
