@@ -391,6 +391,33 @@ def emulated_h100_7b() -> str:
     return rows(EMULATED_HEADER, emulated_rows("emulated_h100_7b"))
 
 
+def emulated_budget_rows(name: str) -> list[list]:
+    """benchmarks/emulated_budget.py's file: every preset on one budget of modelled GPUs, GPU-seconds beside
+    the figures, each ratio to sync with its bootstrap 95% interval over the seeds' pairs."""
+    j = load(name)
+
+    def ratio(preset: str, key: str) -> str:
+        s = j["speedup_vs_sync"][preset]
+        if preset == "sync":
+            return ""
+        lo, hi = s[key + "_ci95"]
+        return f"{s[key]:.2f}x [{lo:.2f}, {hi:.2f}]" + (" (budgets differ)" if s["budgets_differ"] else "")
+    return [[f"`{preset}`", r["gpus"], r["repeats"], worst_overrun(r), spread(r, "step_time_s", 1),
+             spread(r, "gpu_s_per_sample", 3), spread(r, "gpu_s_to_target", 0), acc_se(r), versus_sync(j, preset),
+             ratio(preset, "per_sample_gpu_s"), ratio(preset, "time_to_target_gpu_s")]
+            for preset, r in j["results"].items()]
+
+
+EMULATED_BUDGET_HEADER = ["preset", "modelled GPUs", "seeds", "worst overrun share", "step s", "GPU-s / sample",
+                          "GPU-s to target", "final avg@1", "final vs sync", "per GPU-second vs sync [95% CI]",
+                          "sooner to target (GPU-s) vs sync [95% CI]"]
+
+
+@table("emulated_budget_old_2gpu")
+def emulated_budget_old_2gpu() -> str:
+    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_old_2gpu"))
+
+
 @table("emulated_h100_7b_sagc")
 def emulated_h100_7b_sagc() -> str:
     """SAGC against static group sizes under `sorted`, on the drifting workload: every figure over seeds."""
@@ -641,6 +668,17 @@ def emulated_speeds() -> dict[str, float]:
             "eta2": s["async-eta2"]["time_to_target"]}
 
 
+def budget_figures() -> list[str]:
+    """The equal-budget rerun as prose quotes it: tail against sync per GPU-second and to target, with intervals."""
+    j = load("emulated_budget_old_2gpu")
+    t, seeds = j["speedup_vs_sync"]["tail"], j["results"]["tail"]["repeats"]
+    cell = "{:.2f}x [{:.2f}, {:.2f}]".format
+    return [f"`tail` is {cell(t['per_sample_gpu_s'], *t['per_sample_gpu_s_ci95'])} sync per GPU-second and reaches "
+            f"the target accuracy {cell(t['time_to_target_gpu_s'], *t['time_to_target_gpu_s_ci95'])} sooner "
+            f"({seeds} seeds, bootstrap 95% intervals)",
+            f"final accuracy {t['final_accuracy_vs_sync']['diff']:+.3f} ± {t['final_accuracy_vs_sync']['se']:.3f}"]
+
+
 def emulated_comparison_figures() -> list[str]:
     """docs/performance.md's reading of the emulated scheduler comparison and its replay by the simulator."""
     j = load("emulated_h100_7b")
@@ -679,8 +717,9 @@ def prose_figures() -> dict[str, list[str]]:
     return {
         "README.md": [
             *(sim[k] for k in ("in_sample", "held_out", "range", "runaway", "fast", "base", "tail")),
-            "`tail` is {tail:.2f}x sync per sample, streamed `tail` {streamed:.2f}x, `async` with eta 2 reaches the "
-            "target accuracy {eta2:.2f}x sooner".format(**emulated_speeds()),f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
+            *budget_figures(),
+            "streamed `tail` {streamed:.2f}x and `async` with eta 2 {eta2:.2f}x sooner".format(**emulated_speeds()),
+f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
                       f"trained {fast['per_sample']:.2f}x faster per sample than `sync` and reached the "
                       f"target {fast['time_to_target']:.2f}x sooner",
                       f"recomputed it was {plain['per_sample']:.2f}x",
