@@ -58,7 +58,8 @@ def test_split_kv_equals_sdpa_in_float32(n, KV, G, K):
 @pytest.mark.parametrize("n,KV,G,K", SHAPES)
 def test_split_kv_in_bfloat16_is_within_its_rounding(n, KV, G, K):
     """SDPA's kernels keep the scores in float32; so does split_kv (a single bf16 matmul would round a score
-    of 30 by 0.06, 6% on its weight: the second term of the scores is what keeps this bound; the output's own rounding to bf16 is half of it)."""
+    of 30 by 0.06, 6% on its weight: the scores' second term keeps this bound; the output's own rounding is half
+    of it)."""
     q, keys, values, mask = inputs(n, KV, G, K, torch.bfloat16)
     expected = reference(q, keys, values, mask)
     error = (split_kv(q, keys, values, mask).double() - expected).abs().max().item()
