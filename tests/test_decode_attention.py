@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import float32_reorder_rel
-from rlsys.rollout.attention import CHUNK_KEYS, DECODE_ATTENTION, default_attention, sdpa, split_kv
+from rlsys.rollout.attention import (CHUNK_KEYS, DECODE_ATTENTION, SPLIT_BELOW_ROWS, default_attention, sdpa,
+                                     split_kv)
 from rlsys.rollout.builtin_engine import KEYS_FINE, CPUEngine
 from rlsys.rollout.graph_step import buckets
 from test_cpu_engine import FakeDriver, FakeGraphs, assert_same_completions, mixed_workload, qwen, run  # noqa: F401
@@ -37,8 +38,9 @@ def reference(q, keys, values, mask):
     return torch.softmax(scores, -1).nan_to_num(0.0) @ values
 
 
-SHAPES = [(1, 2, 8, 1), (3, 2, 8, 5), (4, 2, 8, CHUNK_KEYS), (3, 1, 4, CHUNK_KEYS + 1), (5, 2, 8, 300),
-          (3, 4, 1, 1024), (2, 2, 8, 4096)]  # (sequences, kv heads, group, keys): 1 to 32 chunks, ragged ends
+SHAPES = [(1, 2, 8, 1), (3, 2, 8, 5), (4, 2, 8, CHUNK_KEYS), (3, 1, 4, CHUNK_KEYS + 1), (1, 2, 8, 2 * CHUNK_KEYS),
+          (5, 2, 8, 300), (3, 4, 1, 1024), (2, 2, 8, 4096)]  # (sequences, kv heads, group, keys): 1 to 32 chunks,
+# the last ragged or whole
 
 
 @pytest.mark.parametrize("n,KV,G,K", SHAPES)
@@ -53,6 +55,16 @@ def test_split_kv_equals_sdpa_in_float32(n, KV, G, K):
     bound = float32_reorder_rel(K * 64) * scale  # scores sum 64 products, the output K weighted values
     torch.testing.assert_close(out.double(), expected, atol=bound, rtol=0)
     torch.testing.assert_close(out, sdpa(q, keys, values, mask), atol=2 * bound, rtol=0)
+
+
+@pytest.mark.parametrize("n,K", [(3, 1), (3, 5), (3, CHUNK_KEYS), (SPLIT_BELOW_ROWS // 2, 300)])
+def test_keys_that_fit_one_chunk_and_batches_that_fill_the_gpu_go_to_sdpa(n, K):
+    """Nothing to split, or every SM busy already: SDPA's one kernel, not split_kv's ~25."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, keys, values, mask = inputs(n, 2, 8, K, dtype)
+        assert torch.equal(split_kv(q, keys, values, mask), sdpa(q, keys, values, mask))
+    q, keys, values, mask = inputs(SPLIT_BELOW_ROWS // 2 - 1, 2, 8, 300, torch.float32)  # one row fewer: split
+    assert not torch.equal(split_kv(q, keys, values, mask), sdpa(q, keys, values, mask))
 
 
 @pytest.mark.parametrize("n,KV,G,K", SHAPES)

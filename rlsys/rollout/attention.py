@@ -10,8 +10,10 @@ H100 a step at 4096 keys took 7.2 ms against 1.8 ms at 128 (benchmarks/results/g
 statistics and partial output computed in parallel, then combined by log-sum-exp weights. Static shapes, no host
 sync, no data-dependent branch: it captures in a CUDA graph.
 
-Which one runs (DECODE_ATTENTION): split_kv on CUDA, for the eager and the graph step alike (both sample the same
-tokens by the same arithmetic); sdpa on the CPU, where one kernel already uses every core over the keys.
+Which one runs (DECODE_ATTENTION, a CPUEngine's `attention`): split_kv on CUDA, for the eager and the graph step
+alike, so both sample by the same arithmetic up to float32's reordering (split_kv itself hands short keys and large
+batches to sdpa, by the shapes each step gives it); sdpa on the CPU, where split_kv measured slower
+(benchmarks/results/decode_attention_cpu.json).
 """
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CHUNK_KEYS = 128  # keys per chunk: 32 chunks at 4096 keys, one at the short buckets (<= 128)
+CHUNK_KEYS = 128  # keys per chunk: 32 chunks at 4096 keys; the short buckets (<= 128) are one
+# Split only while SDPA's grid (sequences x kv heads thread blocks) is smaller than an H100's 132 SMs: by arithmetic
+# (unmeasured) the split's memory traffic, 4-5x SDPA's over the keys, costs more than SDPA's walk once every SM has
+# a block of its own (SDPA: 12.2 ms at 256 x 4096, gpu_engine_graph_h100.json).
+SPLIT_BELOW_ROWS = 128
 
 
 def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
@@ -29,31 +35,38 @@ def sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
 
 
 def split_kv(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-    """Attention by chunks of keys. Precision as SDPA's kernels keep it: scores, softmax statistics and the
-    combine in float32; only the probabilities meet the values in the input dtype (as SDPA's second matmul).
-    A bf16 matmul accumulates in float32 but rounds its output to bf16, a relative 2**-9 of each score (0.03 at
-    a score of 16, 3% on its weight): so a second matmul adds back what the rounding took, q.k - bf16(q.k),
-    computed before its own rounding, and the scores carry 16 bits more (float32 inputs need no second one)."""
+    """Attention by chunks of keys. To sdpa instead: keys that fit one chunk, where it has nothing to split and runs
+    as one kernel (about 25 small ones here: the short contexts stay as measured), and a batch whose sequences x kv
+    heads reach SPLIT_BELOW_ROWS. Both are decided by shapes alone, as a graph needs.
+    Precision as SDPA's kernels keep it: scores, softmax statistics and the combine in float32; only the
+    probabilities meet the values in the input dtype (as SDPA's second matmul). A bf16 matmul accumulates in
+    float32 but rounds its output to bf16, up to a relative 2**-9 of each score (0.03 at a score of 16, 3% on its
+    weight): so a second matmul adds back what the rounding took, q.k - bf16(q.k), computed before its own
+    rounding, and the scores carry 8 bits more (float32 inputs need no second one)."""
     n, KV, G, D = q.shape
     K = keys.shape[2]
-    chunks = -(-K // CHUNK_KEYS)
-    C = min(K, CHUNK_KEYS)
-    pad = chunks * C - K  # eager steps attend to any key count; the static step's last bucket is max_len
+    if K <= CHUNK_KEYS or n * KV >= SPLIT_BELOW_ROWS:
+        return sdpa(q, keys, values, mask)
+    chunks, C = -(-K // CHUNK_KEYS), CHUNK_KEYS
     q3, keys3 = q.reshape(n * KV, G, D), keys.reshape(n * KV, K, D).transpose(1, 2)  # keys: a view, no copy
     rounded = torch.bmm(q3, keys3)
     scores = rounded.float()
     if rounded.dtype != torch.float32:
         scores += torch.baddbmm(rounded, q3, keys3, beta=-1)
     scores = torch.add(mask, scores.view(n, KV, G, K), alpha=1 / math.sqrt(D))  # float32 [n, KV, G, K]
-    scores = F.pad(scores, (0, pad), value=float("-inf")).view(n, KV, G, chunks, C)
+    pad = chunks * C - K
+    if pad:  # eager steps attend to any key count, the static step's last bucket (max_len) too
+        scores, values = F.pad(scores, (0, pad), value=float("-inf")), F.pad(values, (0, 0, 0, pad))
+    scores = scores.view(n, KV, G, chunks, C)
     # a chunk with every key masked: its max -inf would make exp(-inf - -inf) NaN; the lowest float gives 0
     top = scores.amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).min)
     p = torch.exp(scores - top)
     total = p.sum(-1)  # [n, KV, G, chunks]
-    v = F.pad(values, (0, 0, 0, pad)).reshape(n * KV * chunks, C, D)  # chunks as the batch: a copy
-    part = torch.bmm(p.to(values.dtype).transpose(2, 3).reshape(n * KV * chunks, G, C), v)
-    weight = torch.exp(top.squeeze(-1) - top.amax(-2))  # [n, KV, G, chunks], log-sum-exp rescaling
-    out = torch.einsum("bkgc,bkcgd->bkgd", weight, part.view(n, KV, chunks, G, D).float())
+    p = p.transpose(2, 3).to(values.dtype, memory_format=torch.contiguous_format)  # [n, KV, chunks, G, C]: one copy
+    v = values.reshape(n * KV * chunks, C, D)  # chunks as the batch: a copy of the cache's view
+    part = torch.bmm(p.reshape(n * KV * chunks, G, C), v).view(n, KV, chunks, G, D)
+    weight = torch.exp(top.squeeze(-1) - top.amax(-2))  # [n, KV, G, chunks]: log-sum-exp rescaling
+    out = torch.einsum("bkgc,bkcgd->bkgd", weight, part.float())
     # every key masked (an idle row of the static step, its output dropped): zeros, not NaN
     return (out / (weight * total).sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)).to(q.dtype)
 
