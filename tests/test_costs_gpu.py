@@ -57,3 +57,12 @@ def test_the_eager_grid_stays_the_record_of_the_eager_engine_far_slower_than_vll
     for r in j["decode_step_grid"]:
         assert abs(vllm.step_s(r["batch"], live_keys(r, j["settings"])) * 1e3 - r["cost_model_ms"]) < 1e-2
         assert r["step_ms"] > 2.5 * r["cost_model_ms"]
+
+
+def test_the_profiles_prefill_is_its_graph_grids_largest_prefills_within_4_percent():
+    j, shape = grid("gpu_engine_graph_h100.json")
+    cost = EngineCost.build(shape, GPUS["h100"], tp=1, **BUILTIN_ENGINE)
+    largest = sorted(j["prefill_grid"], key=lambda r: r["batch"] * r["length"])[-2:]
+    assert [(r["batch"], r["length"]) for r in largest] == [(8, 1024), (32, 512)]
+    for r in largest:
+        assert abs(cost.prefill_s_per_token * r["batch"] * r["length"] * 1e3 / r["step_ms"] - 1) <= 0.04, r
