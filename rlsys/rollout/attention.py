@@ -7,8 +7,8 @@ q [n, KV, G, D] (a kv group's G query heads share its keys, as the query length)
 heads x query blocks only (2 thread blocks at 1 sequence of the 0.47B bench model), each walking all K keys: on an
 H100 a step at 4096 keys took 7.2 ms against 1.8 ms at 128 (benchmarks/results/gpu_engine_graph_h100.json).
 `split_kv` (flash-decoding's split in plain torch ops): the scores of all keys in one batched matmul (cuBLAS tiles
-the keys), their softmax in one fused float32 kernel, then the keys split into chunks of CHUNK_KEYS as the batch of
-the probabilities-values matmul, whose partial outputs sum to the output. Flash-decoding keeps per-chunk softmax
+the keys), their softmax statistics in float32, then the keys split into chunks of CHUNK_KEYS as the batch of the
+probabilities-values matmul, whose partial outputs sum to the output. Flash-decoding keeps per-chunk softmax
 statistics and combines the chunks by log-sum-exp weights because its kernel never holds all the scores; here they
 are in memory anyway, so the statistics (max, sum) are the whole row's and the combine is a sum: about 17 kernels
 a call, where a graph-launched step pays for each. Static shapes, no host sync, no data-dependent branch: it
@@ -29,8 +29,8 @@ from torch import Tensor
 
 CHUNK_KEYS = 128  # keys per chunk: 32 chunks at 4096 keys; the short buckets (<= 128) are one
 # Split only while SDPA's grid (sequences x kv heads thread blocks) is smaller than an H100's 132 SMs: by arithmetic
-# (unmeasured) the split's memory traffic, about 4x SDPA's over the keys, costs more than SDPA's walk once every SM has
-# a block of its own (SDPA: 12.2 ms at 256 x 4096, gpu_engine_graph_h100.json).
+# (unmeasured) the split's memory traffic, about 4x SDPA's over the keys, costs more than SDPA's walk once every SM
+# has a block of its own (SDPA: 12.2 ms at 256 x 4096, gpu_engine_graph_h100.json).
 SPLIT_BELOW_ROWS = 128
 MASKED = -1e30  # a masked score: exp of it is 0 beside any real score, and it is finite
 
