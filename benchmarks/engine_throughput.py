@@ -126,7 +126,7 @@ def step_grid(model_dir: str, args) -> list[dict]:
     batches, lengths = [int(b) for b in args.sweep.split(",")], [int(n) for n in args.lengths.split(",")]
     steps = args.grid_steps
     engine = CPUEngine(model_dir, slots=max(batches), max_len=max(lengths) + steps + 1, dtype=args.dtype,
-                       device=args.device, decode=args.decode)
+                       device=args.device, decode=args.decode, attention=args.attention)
     m = engine.model
     params = parameter_count(m)
     elt = m.embed.element_size()
@@ -312,6 +312,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: the step grid only")
     ap.add_argument("--dtype", default="auto", help="as rollout.dtype (auto: float32 on the CPU, else bfloat16)")
     ap.add_argument("--decode", help="the engine's decode mode for the step grid (default: the engine's own)")
+    ap.add_argument("--attention", help="the engine's decode attention for the step grid, sdpa or split_kv "
+                    "(default: the engine's own)")
     ap.add_argument("--lengths", help="context lengths of the step grid (default on cuda: 128,1024,4096)")
     ap.add_argument("--grid-steps", type=int, default=16, help="decode steps timed per grid point")
     ap.add_argument("--model", help="a Hugging Face model directory for the step grid (default: the tiny model)")
@@ -340,7 +342,8 @@ def main() -> None:
                            "vocab": args.vocab, "torch_threads": args.threads, "temperature": args.temperature,
                            "repeats": args.repeats, "device": args.device, "dtype": args.dtype,
                            "lengths": args.lengths, "grid_steps": args.grid_steps, "prefill": args.prefill,
-                           "cost_model_gpu": args.gpu, "decode": args.decode or "default", "model": args.model or
+                           "cost_model_gpu": args.gpu, "decode": args.decode or "default",
+                           "attention": args.attention or "default", "model": args.model or
                            model_cfg.model_dump(include={"hidden_size", "num_layers", "num_heads",
                                                          "num_kv_heads", "intermediate_size"})}}
     with tempfile.TemporaryDirectory() as tmp:

@@ -303,8 +303,18 @@ def engine_throughput() -> str:
 
 @table("gpu_engine")
 def gpu_engine() -> str:
-    """The built-in engine's decode step on the H100 (ms) by sequences and context, rlsys.costs' vLLM figure after /."""
-    j = load("gpu_engine_h100")
+    """The built-in engine's eager decode step on the H100 (ms) by sequences and context, rlsys.costs' vLLM figure
+    after /."""
+    return engine_grid(load("gpu_engine_h100"))
+
+
+@table("gpu_engine_graph")
+def gpu_engine_graph() -> str:
+    """The same with its decode step as CUDA graphs (2026-11-28)."""
+    return engine_grid(load("gpu_engine_graph_h100"))
+
+
+def engine_grid(j: dict) -> str:
     grid = {(r["batch"], str(r["context"])): r for r in j["decode_step_grid"]}
     contexts = ["128", "1024", "4096", "skewed"]
     body = [[b] + [f"{grid[b, c]['step_ms']:.1f} / {grid[b, c]['cost_model_ms']:.1f}" for c in contexts]

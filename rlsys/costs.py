@@ -28,10 +28,14 @@ TRAIN_FLOPS = 6  # forward and backward
 LINK_GBPS = 25.0  # GB/s of full weights, trainer to engines
 SYNC_LATENCY_S = 0.2
 
-# The built-in engine (rlsys/rollout/builtin_engine.py) on CUDA instead of vLLM: eager PyTorch pays its kernel launches,
-# ~7 ms a step for 24 layers whatever the batch, and its per-sequence work runs far below the tensor cores' rate.
-# Fitted to its H100 grid at 0.47B (docs/performance.md "Measured on an H100"), where vLLM's defaults are 3-6x faster.
-BUILTIN_ENGINE = {"overhead_s": 7e-3, "decode_mfu": 0.05, "prefill_mfu": 0.35}
+# The built-in engine (rlsys/rollout/builtin_engine.py) on CUDA instead of vLLM, its decode step as CUDA graphs:
+# fitted (minimax relative error, skewed points included) to its H100 grid at 0.47B, benchmarks/results/
+# gpu_engine_graph_h100.json, within -51% to +107% (RMS 52%): the measured step grows with the longest sequence's
+# keys (SDPA's masked kernel walked them in 2 thread blocks a sequence, 1.8 ms at 128 keys, 7.2 ms at 4096, one
+# sequence), which a cost summing the live KV cannot express. prefill_mfu: its two largest prefills (8 x 1024 and
+# 32 x 512) within 4%; a smaller one pays a fixed cost (7.4 ms for 128 tokens) that the model leaves out.
+# The eager engine's grid (gpu_engine_h100.json) had 7 ms, 0.05 and 0.35.
+BUILTIN_ENGINE = {"overhead_s": 3.3e-3, "decode_mfu": 0.059, "prefill_mfu": 0.30}
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,19 @@
 """The built-in engine on a CUDA GPU (skipped elsewhere): greedy against transformers in float32 and bfloat16,
-the CUDA-graph decode step against the eager one, one host sync per step, and the memory it holds."""
+the CUDA-graph decode step against the eager one, one host sync per step, the memory it holds, and the split-KV
+decode attention against float64 and SDPA."""
+import dataclasses
 import gc
 
 import pytest
 import torch
 
+from helpers import float32_reorder_rel
+from rlsys.rollout.attention import split_kv
 from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 from test_cpu_engine import (LONG, PROMPTS, SIZES, assert_near_float32_greedy, build, greedy, hf_greedy, hf_logprobs,
                              mixed_workload, run)
+from test_decode_attention import BF16_EPS, SHAPES, inputs, reference
 
 DEVICE = "cuda"
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -123,3 +128,30 @@ def test_memory_is_weights_cache_and_sampling_state_and_does_not_grow(tmp_path):
     mask = m.kv_shape[1] * m.kv_shape[3] * 2
     assert torch.cuda.memory_allocated() - before <= expected - cache - mask + 2**20
     assert torch.cuda.max_memory_allocated() - before - held < cache / 4  # no copy of the cache, small activations
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,KV,G,K", SHAPES)
+def test_split_kv_on_the_gpu_is_within_float32_and_bf16_rounding(n, KV, G, K, dtype):
+    """cuBLAS's matmuls in place of the CPU's: float32 as SDPA (no TF32), bf16 within one spacing of the largest
+    output (the bf16 scores' second term computed before its rounding, as cuBLAS's epilogue does in float32)."""
+    assert not torch.backends.cuda.matmul.allow_tf32
+    q, keys, values, mask = (t.to(DEVICE) for t in inputs(n, KV, G, K, dtype))
+    expected = reference(q, keys, values, mask).cpu()
+    error = (split_kv(q, keys, values, mask).double().cpu() - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert error <= (float32_reorder_rel(K * 64) if dtype == torch.float32 else BF16_EPS) * scale
+
+
+def test_the_engine_samples_on_the_gpu_through_split_kv_what_it_samples_through_sdpa(qwen):
+    """float32, graph step: the default attention on CUDA (split_kv) against SDPA's, long enough for two chunks."""
+    _, path = qwen
+    first, late = mixed_workload()
+    first = [dataclasses.replace(r, prompt_ids=r.prompt_ids * 5) for r in first]
+    engine = CPUEngine(path, slots=4, device=DEVICE)
+    assert engine.attention == "split_kv" and engine.decode == "graph"
+    split = run(engine, first, late)
+    sdpa_run = run(CPUEngine(path, slots=4, device=DEVICE, attention="sdpa"), first, late)
+    for rid, c in sdpa_run.items():
+        assert split[rid].token_ids == c.token_ids, rid
+        torch.testing.assert_close(torch.tensor(split[rid].logprobs), torch.tensor(c.logprobs), atol=1e-4, rtol=0)

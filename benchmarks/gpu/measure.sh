@@ -5,6 +5,7 @@
 #   smoke      benchmarks/gpu/run.sh with configs/gpu/smoke.yaml: install, train, publish, checkpoint
 #   engine     the built-in engine's decode and prefill cost at the 0.5B bench model's size, beside rlsys.costs
 #   engine_eager  the same with the eager decode step, on a subset of the grid
+#   engine_sdpa   the same with the graph step's attention on SDPA (the default before split-KV), on a subset
 #   live       the engine's decode step alone, behind its worker thread, in a Ray actor, beside a CUDA peer
 #   publish_cuda_ipc, publish_object_store   a short 0.5B run per transport one GPU can run: weight sync time
 #   cuda_tests tests/test_engine_cuda.py on the GPU
@@ -48,6 +49,12 @@ phase_engine_eager() {  # the eager step on a subset of the same grid, for the g
   PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/engine_throughput.py" --device cuda \
     --config "$bench" --vocab 259 --gpu "$gpu" --sweep 1,64,256 --lengths 128,1024,4096 --prefill 1x1024 \
     --repeats 2 --decode eager --out "$out/engine_decode_eager.json"
+}
+
+phase_engine_sdpa() {  # the graph step over SDPA on a subset of the grid, for split-KV's gain in one window
+  PYTHONPATH=$SCRATCH/site:$repo "$python" "$repo/benchmarks/engine_throughput.py" --device cuda \
+    --config "$bench" --vocab 259 --gpu "$gpu" --sweep 1,8,32,64 --lengths 128,1024,4096 --prefill 1x1024 \
+    --repeats 2 --attention sdpa --out "$out/engine_decode_sdpa.json"
 }
 
 phase_live() {  # the KV cache a bench_0.5b run gives the engine: 128 prompt + 4096 response positions per slot

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from rlsys.emulate import EnginePacer
+from rlsys.rollout.attention import DECODE_ATTENTION, default_attention
 from rlsys.rollout.graph_step import DecodeGraphs, bucket, buckets
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
                                   resume_finish_reason, token_budget)
@@ -150,8 +151,9 @@ class DecoderModel:
     """The weights (q/k/v and gate/up fused for fewer matmuls) and a forward over the slot KV cache."""
 
     def __init__(self, model_dir: Path, slots: int, max_len: int | None, dtype: torch.dtype,
-                 device: torch.device = CPU):
+                 device: torch.device = CPU, attention: str = "sdpa"):
         cfg = _read_config(model_dir)
+        self.attend = DECODE_ATTENTION[attention]  # a decode span's attention (attention.py)
         self.vocab, self.hidden = cfg.vocab_size, cfg.hidden_size
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden // self.heads
@@ -326,10 +328,6 @@ class DecoderModel:
         o = parts[0] if len(parts) == 1 else torch.cat(parts)
         return o.reshape(o.shape[0], -1)
 
-    def attend(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
-        """Attention of one decode span: q [n, KV, G, D] over keys and values [n, KV, kv_len, D]."""
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-
 
 @dataclass
 class _Running:
@@ -353,12 +351,14 @@ class CPUEngine(RolloutEngine):
     """The built-in engine, on the CPU or a CUDA device. What the host decides on (slots, lengths, budgets,
     sampling parameters) it keeps itself, so a step reads back from the device only its new tokens, in
     one transfer (`_fetch`): one sync per step on a GPU. `decode`: DECODE_MODES, by default "graph" on
-    CUDA and "eager" on the CPU (where launches cost nothing and the static step's padding would)."""
+    CUDA and "eager" on the CPU (where launches cost nothing and the static step's padding would); `attention`:
+    the decode attention (attention.py), by default split_kv on CUDA and sdpa on the CPU."""
 
     def __init__(self, model_dir: str, slots: int, eos_token_id: int | None = None,
                  max_len: int | None = None, dtype: torch.dtype | str = torch.float32,
                  device: torch.device | str = "cpu", name: str = "cpu engine", seed: int = 0,
-                 running_requests: str = "recompute", pacer: EnginePacer | None = None, decode: str | None = None):
+                 running_requests: str = "recompute", pacer: EnginePacer | None = None, decode: str | None = None,
+                 attention: str | None = None):
         if slots < 1:
             raise ValueError(f"slots must be >= 1 (got {slots})")
         self.device = torch.device(device)
@@ -370,10 +370,13 @@ class CPUEngine(RolloutEngine):
             raise ValueError(f"decode={decode!r}: one of {', '.join(DECODE_MODES)}")
         if self.decode == "graph" and not torch.cuda.is_available():
             raise ValueError(f"decode=graph: {name} captures CUDA graphs and sees no CUDA device")
+        self.attention = attention or default_attention(self.device)
+        if self.attention not in DECODE_ATTENTION:
+            raise ValueError(f"attention={attention!r}: one of {', '.join(DECODE_ATTENTION)}")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         path = Path(model_dir)
         with torch.inference_mode():
-            self.model = DecoderModel(path, slots, max_len, dtype, self.device)
+            self.model = DecoderModel(path, slots, max_len, dtype, self.device, self.attention)
         self.name, self.slots, self.max_len, self.version = name, slots, self.model.max_len, 0
         self.seed = seed  # the run's: a request without a seed draws from (seed, request id), whatever engine runs it
         self.weight_group: WeightGroup | None = None  # joined for a transport that needs one (broadcast)
