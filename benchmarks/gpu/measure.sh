@@ -19,7 +19,7 @@
 #
 # One lent GPU window is 15 minutes of device time, the machine's start included, in commands of at most 10
 # minutes; results come back when a command ends. The plan for a window, two commands:
-#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" cuda_tests:40 engine:150 engine_eager:80
+#   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" cuda_tests:40 engine:150 engine_sdpa:80
 #   benchmarks/gpu/measure.sh build/gpu_bundle "$OUT" prepare:220 sched_sync:160 sched_tail:160
 # A command's limits may add up to MEASURE_BUDGET_S (default 540: a 10-minute command less the set-up and the
 # records); more is refused before anything runs. The bundle's rlsys must be this checkout's (RLSYS_SHA256).
