@@ -41,13 +41,21 @@ def test_zero_repeats_is_refused_by_the_option_itself(capsys):
     assert "--repeats: '0': give a whole number of runs, at least 1" in one_message(capsys.readouterr().err)
 
 
+def ctrl_c_as_at_a_terminal() -> None:
+    """The child's SIGINT as a terminal's foreground process has it: a suite started in the background by a
+    non-interactive shell ignores SIGINT, and a child inherits that, so a Ctrl-C sent before rlsys installs its
+    own handler (during imports) would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_one_ctrl_c_stops_the_bench_keeps_the_finished_runs_and_compares_no_cut_one(tmp_path, ray_address):
     out_dir, report = tmp_path / "bench", tmp_path / "bench.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlsys.cli", "bench", "--presets", "sync,tail", "--repeats", "2", "--out-dir",
          str(out_dir), "--output", str(report), *SMALL, "trainer.total_steps=3", "control.eval_every=0",
-         f"cluster.address={ray_address}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         f"cluster.address={ray_address}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=ctrl_c_as_at_a_terminal)
     cut_run = out_dir / "tail-r0" / "metrics.jsonl"  # sync runs first, whole; tail is cut after its first step
     deadline = time.time() + 600
     while not (cut_run.exists() and "timing/train_s" in cut_run.read_text()):
@@ -71,7 +79,8 @@ def test_ctrl_c_before_the_first_checkpoint_is_one_line_that_suggests_no_resume(
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rlsys.cli", "train", f"output_dir={run}", *SMALL,
                              f"cluster.address={ray_address}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            preexec_fn=ctrl_c_as_at_a_terminal)
     time.sleep(3)  # importing torch and the rest: long before any step, let alone a checkpoint
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
