@@ -198,7 +198,9 @@ class ToolsConfig(Section):
     """Tools the model may call in a rollout (rlsys/tools/): a conversation of several turns per sample."""
     # Built-in names (calculator, python) or the user's module:function or file.py:function; empty: single-turn
     fns: list[str] = []
-    max_turns: int = Field(4, ge=1)  # tool calls per conversation; the model's next call gets no answer
+    max_turns: int = Field(4, ge=1)  # model turns with tool calls per conversation; the next gets no answer
+    # calls one model turn may make, run at once; over 1, a turn ends at the model's end-of-turn token
+    max_calls_per_turn: int = Field(1, ge=1)
     timeout_s: float = Field(5.0, gt=0)  # per call: past it the call is abandoned and fails
     max_response_chars: int = Field(2000, ge=16)  # longer answers are cut, with a marker saying how much went
     on_failure: Literal["keep", "drop"] = "keep"  # a failed call: its error is the answer | the sample is dropped

@@ -55,6 +55,7 @@ class ToolTurn:
     error: Optional[str] = None
     elapsed_s: float = 0.0
     reward: float = 0.0
+    call: int = 0  # its place among its model turn's calls (tools.max_calls_per_turn): 0 starts a turn
 
 
 def trajectory_return(reward: float, turns: list[ToolTurn]) -> float:
