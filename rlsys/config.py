@@ -207,7 +207,8 @@ class ToolsConfig(Section):
     max_workers: int = Field(4, ge=1)  # calls running at once per rollout worker
     memory_mb: int = Field(1024, ge=64)  # address space of each conversation's process of the user's tools
     # The user's environment, module:Class or file.py:Class (rlsys/tools/box.py): one per conversation, reset with
-    # its prompt, stepped with each call the model makes; its per-turn rewards add to the sample's reward
+    # its sample (prompt and reference answer), stepped with each call the model makes; its per-turn rewards add
+    # to the sample's reward
     env: Optional[str] = None
     sandbox: SandboxConfig = SandboxConfig()  # the python tool's limits (its wall clock is timeout_s)
 

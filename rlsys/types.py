@@ -4,6 +4,7 @@ Plain dataclasses with no torch inside, so the pure control/ code and the simula
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,6 +18,15 @@ class Prompt:
     index: int = 0  # position in its dataset, what the data cursor counts
     # The row's veRL `extra_info`, passed to a veRL-style reward function; a dict, so left out of the hash
     extra_info: Optional[dict] = field(default=None, hash=False)
+
+
+def env_sample(prompt: Prompt) -> dict:
+    """The sample an environment is reset with (tools.env): the prompt's text, its reference answer, data source,
+    uid and extra_info (made JSON: it crosses to the environment's process), so the environment can judge the
+    model's actions against the answer."""
+    extra = json.loads(json.dumps(prompt.extra_info or {}, default=str))
+    return {"prompt": prompt.text, "answer": prompt.answer, "data_source": prompt.data_source, "uid": prompt.uid,
+            "extra_info": extra}
 
 
 @dataclass
@@ -42,6 +52,8 @@ class Request:
     resume_versions: list[int] = field(default_factory=list)
     resume_mask: list[int] = field(default_factory=list)  # a conversation's: see Completion.mask
     resume_turns: list["ToolTurn"] = field(default_factory=list)
+    # What an environment's reset receives (tools.env): env_sample(prompt); None: {"prompt": the prompt's text}
+    sample: Optional[dict] = None
     # Eval's requests are off the run's clock (paused there), so an emulating engine does not hold them to it
     on_clock: bool = True
 

@@ -2,6 +2,7 @@
 call order as the chat template renders several tool turns, token for token."""
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,7 @@ from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.startup import load_config
 from rlsys.tools import CALL_CLOSE, CALL_OPEN, ToolBox, ToolFormat
-from rlsys.types import Request, SamplingParams, ToolTurn
+from rlsys.types import Prompt, Request, SamplingParams, ToolTurn, env_sample
 from test_tools import chat_ids, chat_tokenizer
 
 NAPS = '''
@@ -41,6 +42,16 @@ class Counter:
         self.steps.append(action)
         time.sleep(0.2)
         return ",".join(self.steps), 0.5, False
+
+
+class Judge:
+    """An environment that judges guesses against the sample's reference answer."""
+    def reset(self, sample):
+        self.sample = sample
+
+    def step(self, action):
+        right = action == self.sample["answer"]
+        return ("right" if right else "wrong") + " " + self.sample["data_source"], float(right), right
 '''
 
 
@@ -211,3 +222,31 @@ def test_the_worker_runs_a_turn_s_calls_at_once_and_appends_the_answers_in_call_
     times = [tuple(float(x) for x in part.split()[1:3]) for part in (first, second.removesuffix("</tool_response>"))]
     assert max(s for s, _ in times) < min(e for _, e in times)  # they overlapped
     assert [(t.name, t.call) for t in c.turns] == [("nap", 0), ("nap", 1)]
+
+
+# --- an environment's reset gets the sample: its prompt and reference answer ---
+
+def test_the_sample_an_environment_is_reset_with_holds_the_prompt_and_its_reference_answer():
+    prompt = Prompt("train-3", "guess: ", "7", data_source="guess_number", index=3, extra_info={"level": 2})
+    assert env_sample(prompt) == {"prompt": "guess: ", "answer": "7", "data_source": "guess_number",
+                                  "uid": "train-3", "extra_info": {"level": 2}}
+
+
+def test_the_worker_resets_a_conversation_s_environment_with_its_request_s_sample(model_dir, naps):
+    worker = RolloutWorker(model_dir, 2, engine_kwargs={"max_len": 512}, tools=ToolsConfig(env=f"{naps}:Judge"))
+    try:
+        tok = worker.engine.tokenizer
+        sample = env_sample(Prompt("p-0", "Q? ", "7", data_source="judged"))
+        right = resumed(tok, f"{CALL_OPEN}7{CALL_CLOSE}", rid="right")
+        wrong = resumed(tok, f"{CALL_OPEN}5{CALL_CLOSE}", rid="wrong")
+        worker.submit([replace(right, sample=sample), replace(wrong, sample=sample)])
+        got, deadline = {}, time.time() + 60
+        while len(got) < 2 and time.time() < deadline:
+            got.update((c.request_id, c) for c in worker.drain(timeout_s=1.0))
+    finally:
+        worker.stop()
+    c = got["right"]
+    assert c.finish_reason == "stop" and tok.decode(c.token_ids[len(right.resume_ids):]) == \
+        "<tool_response>right judged</tool_response>" and c.turns[0].reward == 1.0
+    w = got["wrong"]
+    assert tok.decode(w.token_ids[len(wrong.resume_ids):]).startswith("<tool_response>wrong judged</tool_response>")

@@ -129,7 +129,11 @@ def _absolute(spec: str) -> str:
 
 def user_env(cfg: ToolsConfig) -> str | None:
     """The spec of the user's environment class (`tools.env`), imported once here to check it has reset(sample)
-    and step(action); a PluginError naming the field otherwise."""
+    and step(action); a PluginError naming the field otherwise. The interface, one instance per conversation:
+    `reset(sample)` before its first step, `sample` being rlsys.types.env_sample of the prompt: {"prompt": its
+    text, "answer": its reference answer, "data_source", "uid", "extra_info": the dataset row's} (a request made
+    without one gives {"prompt": text} alone); `step(action) -> (observation: str, reward: float, done: bool)`
+    with the text between the call tags. Either may be `async def`."""
     if cfg.env is None:
         return None
     if cfg.fns:
