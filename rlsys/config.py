@@ -210,6 +210,10 @@ class ToolsConfig(Section):
     # its sample (prompt and reference answer), stepped with each call the model makes; its per-turn rewards add
     # to the sample's reward
     env: Optional[str] = None
+    # How per-turn rewards fold into the return every advantage estimator reads (rlsys.types.trajectory_return):
+    # sum, R + sum_t r_t | discounted, sum_t gamma^t r_t + gamma^T R (t = 0 the first tool turn, T tool turns)
+    return_rule: Literal["sum", "discounted"] = "sum"
+    gamma: float = Field(1.0, gt=0, le=1)  # the discount of return_rule=discounted
     sandbox: SandboxConfig = SandboxConfig()  # the python tool's limits (its wall clock is timeout_s)
 
     @field_validator("fns")

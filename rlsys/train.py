@@ -193,7 +193,9 @@ class Controller:
             self.prompts.pop(result.key, None)
             reward = self.friction.reward(result.key, result.reward)  # the testbed's flips (off by default)
             completion = self.in_flight.pop(result.key)
-            events.append(Scored(ScoredSample(completion, trajectory_return(reward, completion.turns), result.error)))
+            tools = self.cfg.tools
+            returned = trajectory_return(reward, completion.turns, tools.return_rule, tools.gamma)
+            events.append(Scored(ScoredSample(completion, returned, result.error)))
         return events
 
     def score(self, completions: list[Completion]) -> None:

@@ -70,10 +70,19 @@ class ToolTurn:
     call: int = 0  # its place among its model turn's calls (tools.max_calls_per_turn): 0 starts a turn
 
 
-def trajectory_return(reward: float, turns: list[ToolTurn]) -> float:
-    """A sample's return, what every advantage estimator reads: its reward plus its turns' rewards, summed
-    (undiscounted: a conversation is one episode of a few turns)."""
-    return reward + sum(t.reward for t in turns)
+def trajectory_return(reward: float, turns: list[ToolTurn], rule: str = "sum", gamma: float = 1.0) -> float:
+    """A sample's return, what every advantage estimator reads (ScoredSample.reward). With T tool turns (model
+    turns that made calls, t = 0 the first; r_t the sum of turn t's calls' rewards) and the reward function's
+    value R for the model's final turn, turn T:
+    - "sum": R + sum_t r_t;
+    - "discounted": sum_t gamma^t r_t + gamma^T R (gamma 1: the sum)."""
+    if rule == "sum":
+        return reward + sum(t.reward for t in turns)
+    index, total = -1, 0.0
+    for t in turns:
+        index += t.call == 0  # a turn's first call opens it
+        total += gamma ** index * t.reward
+    return total + gamma ** (index + 1) * reward
 
 
 @dataclass

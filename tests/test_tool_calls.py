@@ -12,7 +12,8 @@ from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.startup import load_config
 from rlsys.tools import CALL_CLOSE, CALL_OPEN, ToolBox, ToolFormat
-from rlsys.types import Prompt, Request, SamplingParams, ToolTurn, env_sample
+from rlsys.trainer.advantages import group_advantages
+from rlsys.types import Prompt, Request, SamplingParams, ToolTurn, env_sample, trajectory_return
 from test_tools import chat_ids, chat_tokenizer
 
 NAPS = '''
@@ -250,3 +251,40 @@ def test_the_worker_resets_a_conversation_s_environment_with_its_request_s_sampl
         "<tool_response>right judged</tool_response>" and c.turns[0].reward == 1.0
     w = got["wrong"]
     assert tok.decode(w.token_ids[len(wrong.resume_ids):]).startswith("<tool_response>wrong judged</tool_response>")
+
+
+# --- per-turn rewards folded into the return (tools.return_rule) ---
+
+THREE_TURNS = [ToolTurn("env", True, reward=-0.1), ToolTurn("env", True, reward=0.2),
+               ToolTurn("env", True, reward=-0.1, call=1), ToolTurn("env", True, reward=0.5)]  # turn 1: two calls
+
+
+def test_a_three_turn_episode_s_return_under_each_rule_is_the_hand_computed_one():
+    assert trajectory_return(1.0, THREE_TURNS) == pytest.approx(1.0 - 0.1 + 0.2 - 0.1 + 0.5, abs=1e-12)
+    # t = 0, 1, 2 for the three turns (the second's two calls both at t = 1), the final reward at T = 3
+    discounted = -0.1 + 0.5 * (0.2 - 0.1) + 0.25 * 0.5 + 0.125 * 1.0
+    assert trajectory_return(1.0, THREE_TURNS, "discounted", 0.5) == pytest.approx(discounted, abs=1e-12)
+    assert trajectory_return(1.0, THREE_TURNS, "discounted", 1.0) == pytest.approx(1.5, abs=1e-12)
+    assert trajectory_return(0.7, [], "discounted", 0.5) == 0.7  # one turn: the reward itself
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_discounting_changes_what_an_estimator_sees(estimator):
+    """Two samples of a group earn the same undiscounted return, one early (a turn's reward), one late (the final
+    answer after a turn): summed they tie, discounted the early one is ahead."""
+    early, late = (0.0, [ToolTurn("env", True, reward=0.5)]), (0.5, [ToolTurn("env", True, reward=0.0)])
+    summed = [trajectory_return(r, turns) for r, turns in (early, late)]
+    discounted = [trajectory_return(r, turns, "discounted", 0.5) for r, turns in (early, late)]
+    assert summed == [0.5, 0.5] and discounted == [0.5, 0.25]
+    assert group_advantages(summed, estimator) == [0.0, 0.0]
+    high, low = group_advantages(discounted, estimator)
+    assert high > 0 > low
+
+
+def test_a_bad_return_rule_or_gamma_is_refused_naming_the_field():
+    cfg = load_config(None, ["tools.return_rule=discounted", "tools.gamma=0.9"])
+    assert (cfg.tools.return_rule, cfg.tools.gamma) == ("discounted", 0.9)
+    for override, field in [("tools.return_rule=mean", "tools.return_rule"), ("tools.gamma=0", "tools.gamma"),
+                            ("tools.gamma=1.5", "tools.gamma")]:
+        with pytest.raises(ConfigError, match=rf"{field}: .*command-line override"):
+            load_config(None, [override])
