@@ -198,15 +198,22 @@ class ToolsConfig(Section):
     """Tools the model may call in a rollout (rlsys/tools/): a conversation of several turns per sample."""
     # Built-in names (calculator, python) or the user's module:function or file.py:function; empty: single-turn
     fns: list[str] = []
-    max_turns: int = Field(4, ge=1)  # tool calls per conversation; the model's next call gets no answer
+    max_turns: int = Field(4, ge=1)  # model turns with tool calls per conversation; the next gets no answer
+    # calls one model turn may make, run at once; over 1, a turn ends at the model's end-of-turn token
+    max_calls_per_turn: int = Field(1, ge=1)
     timeout_s: float = Field(5.0, gt=0)  # per call: past it the call is abandoned and fails
     max_response_chars: int = Field(2000, ge=16)  # longer answers are cut, with a marker saying how much went
     on_failure: Literal["keep", "drop"] = "keep"  # a failed call: its error is the answer | the sample is dropped
     max_workers: int = Field(4, ge=1)  # calls running at once per rollout worker
     memory_mb: int = Field(1024, ge=64)  # address space of each conversation's process of the user's tools
     # The user's environment, module:Class or file.py:Class (rlsys/tools/box.py): one per conversation, reset with
-    # its prompt, stepped with each call the model makes; its per-turn rewards add to the sample's reward
+    # its sample (prompt and reference answer), stepped with each call the model makes; its per-turn rewards add
+    # to the sample's reward
     env: Optional[str] = None
+    # How per-turn rewards fold into the return every advantage estimator reads (rlsys.types.trajectory_return):
+    # sum, R + sum_t r_t | discounted, sum_t gamma^t r_t + gamma^T R (t = 0 the first tool turn, T tool turns)
+    return_rule: Literal["sum", "discounted"] = "sum"
+    gamma: float = Field(1.0, gt=0, le=1)  # the discount of return_rule=discounted
     sandbox: SandboxConfig = SandboxConfig()  # the python tool's limits (its wall clock is timeout_s)
 
     @field_validator("fns")

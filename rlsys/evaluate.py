@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlsys.errors import UserError
 from rlsys.rollout.registry import engine_entry
-from rlsys.types import Completion, Prompt, Request, SamplingParams, reward_item
+from rlsys.types import Completion, Prompt, Request, SamplingParams, env_sample, reward_item
 
 
 class Evaluation:
@@ -36,7 +36,8 @@ class Evaluation:
             for i, (p, ids) in enumerate(zip(prompts, prompt_ids)):
                 for j in range(k):
                     params = SamplingParams(r.max_new_tokens, temp, r.top_p, seed=i * 1009 + j if seeded else None)
-                    self.requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params, on_clock=False))
+                    self.requests.append(Request(f"{name}/{p.uid}/{j}", p.uid, ids, params, on_clock=False,
+                                                 sample=env_sample(p)))
                     self.asked[self.requests[-1].request_id] = (name, p)
         # metric -> prompt uid -> solved flags of its samples, in prompt order whatever order rewards come in:
         # the same sums, so two evaluations of the same weights agree to the last bit

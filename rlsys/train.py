@@ -40,7 +40,7 @@ from rlsys.startup import start_problems, stale_loss_warning
 from rlsys.step_stats import StepStats, engine_pace
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.worker import TrainerDied, TrainerGroup, done_or_failed
-from rlsys.types import (Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample, reward_item,
+from rlsys.types import (Completion, Prompt, Request, RunStopped, SamplingParams, ScoredSample, env_sample, reward_item,
                          trajectory_return)
 from rlsys.weights.sync import WeightSync
 
@@ -193,7 +193,9 @@ class Controller:
             self.prompts.pop(result.key, None)
             reward = self.friction.reward(result.key, result.reward)  # the testbed's flips (off by default)
             completion = self.in_flight.pop(result.key)
-            events.append(Scored(ScoredSample(completion, trajectory_return(reward, completion.turns), result.error)))
+            tools = self.cfg.tools
+            returned = trajectory_return(reward, completion.turns, tools.return_rule, tools.gamma)
+            events.append(Scored(ScoredSample(completion, returned, result.error)))
         return events
 
     def score(self, completions: list[Completion]) -> None:
@@ -211,8 +213,9 @@ class Controller:
             params = self.friction.sampling(rid, SamplingParams(self.cfg.rollout.max_new_tokens_at(self.step),
                                                                 self.cfg.rollout.temperature, self.cfg.rollout.top_p))
             resume = action.resume.get(rid)  # a partial rollout continues with this run's sampling params
-            requests.append(replace(resume, params=params) if resume
-                            else Request(rid, action.prompt.uid, prompt_ids, params))
+            sample = env_sample(action.prompt) if self.cfg.tools.env else None
+            requests.append(replace(resume, params=params, sample=sample) if resume
+                            else Request(rid, action.prompt.uid, prompt_ids, params, sample=sample))
         return requests
 
     def submit(self, requests: list[Request]) -> None:

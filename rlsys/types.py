@@ -4,6 +4,7 @@ Plain dataclasses with no torch inside, so the pure control/ code and the simula
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,6 +18,15 @@ class Prompt:
     index: int = 0  # position in its dataset, what the data cursor counts
     # The row's veRL `extra_info`, passed to a veRL-style reward function; a dict, so left out of the hash
     extra_info: Optional[dict] = field(default=None, hash=False)
+
+
+def env_sample(prompt: Prompt) -> dict:
+    """The sample an environment is reset with (tools.env): the prompt's text, its reference answer, data source,
+    uid and extra_info (made JSON: it crosses to the environment's process), so the environment can judge the
+    model's actions against the answer."""
+    extra = json.loads(json.dumps(prompt.extra_info or {}, default=str))
+    return {"prompt": prompt.text, "answer": prompt.answer, "data_source": prompt.data_source, "uid": prompt.uid,
+            "extra_info": extra}
 
 
 @dataclass
@@ -42,6 +52,8 @@ class Request:
     resume_versions: list[int] = field(default_factory=list)
     resume_mask: list[int] = field(default_factory=list)  # a conversation's: see Completion.mask
     resume_turns: list["ToolTurn"] = field(default_factory=list)
+    # What an environment's reset receives (tools.env): env_sample(prompt); None: {"prompt": the prompt's text}
+    sample: Optional[dict] = None
     # Eval's requests are off the run's clock (paused there), so an emulating engine does not hold them to it
     on_clock: bool = True
 
@@ -55,12 +67,22 @@ class ToolTurn:
     error: Optional[str] = None
     elapsed_s: float = 0.0
     reward: float = 0.0
+    call: int = 0  # its place among its model turn's calls (tools.max_calls_per_turn): 0 starts a turn
 
 
-def trajectory_return(reward: float, turns: list[ToolTurn]) -> float:
-    """A sample's return, what every advantage estimator reads: its reward plus its turns' rewards, summed
-    (undiscounted: a conversation is one episode of a few turns)."""
-    return reward + sum(t.reward for t in turns)
+def trajectory_return(reward: float, turns: list[ToolTurn], rule: str = "sum", gamma: float = 1.0) -> float:
+    """A sample's return, what every advantage estimator reads (ScoredSample.reward). With T tool turns (model
+    turns that made calls, t = 0 the first; r_t the sum of turn t's calls' rewards) and the reward function's
+    value R for the model's final turn, turn T:
+    - "sum": R + sum_t r_t;
+    - "discounted": sum_t gamma^t r_t + gamma^T R (gamma 1: the sum)."""
+    if rule == "sum":
+        return reward + sum(t.reward for t in turns)
+    index, total = -1, 0.0
+    for t in turns:
+        index += t.call == 0  # a turn's first call opens it
+        total += gamma ** index * t.reward
+    return total + gamma ** (index + 1) * reward
 
 
 @dataclass

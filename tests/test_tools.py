@@ -20,7 +20,7 @@ from rlsys.tools import (CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN, T
                          ToolFormat, parse_call, render_response)
 from rlsys.tools.calculator import CalculatorError, calculator
 from rlsys.tools.schemas import tool_schemas
-from rlsys.types import ToolTurn, trajectory_return
+from rlsys.types import ToolTurn, env_sample, trajectory_return
 from test_sandbox import needs_isolation
 
 
@@ -533,7 +533,7 @@ def test_guess_number_needs_rounds_of_feedback_and_its_demonstration_searches_wi
             assert prompt.answer not in prompt.text.partition("game")[2].split()
             parts = demonstrate_search(prompt)
             calls = [text for text, mine in parts[:-1] if mine]
-            said = [env.run(c, f"g{i}", sample={"prompt": prompt.text}).text for c in calls]
+            said = [env.run(c, f"g{i}", sample=env_sample(prompt)).text for c in calls]
             assert [render_response(s) for s in said] == [text for text, mine in parts if not mine]
             assert said[-1] == "correct" and parts[-1] == (prompt.answer, True) and len(calls) <= 4
             assert final_answer("".join(text for text, mine in parts if mine), prompt.answer) == 1.0

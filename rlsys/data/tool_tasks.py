@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import zlib
 
 from rlsys.data.synthetic import TASKS
@@ -69,15 +68,16 @@ def feedback(guess: int, hidden: int) -> str:
 
 class GuessNumber:
     """The environment of `guess_number` (tools.env: rlsys.data.tool_tasks:GuessNumber): each step is a guess,
-    answered `higher`, `lower` or `correct`; the reward is the final answer's (reward.fn), so steps give none."""
+    answered `higher`, `lower` or `correct` against the sample's answer (rlsys.types.env_sample); the reward is
+    the final answer's (reward.fn), so steps give none."""
 
     def reset(self, sample: dict) -> None:
-        game = re.search(r"game (\d+)", sample["prompt"])
-        self.hidden = secret(int(game.group(1))) if game else None
+        answer = str(sample.get("answer", ""))
+        self.hidden = int(answer) if answer.isdigit() else None
 
     def step(self, action: str) -> tuple[str, float, bool]:
         if self.hidden is None:
-            return "error: the prompt names no game", 0.0, True
+            return "error: the sample has no number to guess", 0.0, True
         if not action.strip().isdigit():
             return "error: guess a whole number", 0.0, False
         return feedback(int(action), self.hidden), 0.0, False

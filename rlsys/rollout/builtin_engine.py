@@ -26,7 +26,7 @@ from rlsys.emulate import EnginePacer
 from rlsys.rollout.attention import DECODE_ATTENTION, default_attention
 from rlsys.rollout.graph_step import DecodeGraphs, bucket, buckets
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
-                                  resume_finish_reason, token_budget)
+                                  token_budget)
 from rlsys.types import Completion, Request
 from rlsys.weights import WeightGroup, WeightUpdate
 
@@ -417,7 +417,7 @@ class CPUEngine(RolloutEngine):
         entry = _Running(request, time.time(), sampled=len(request.resume_ids), tokens=list(request.resume_ids),
                          logprobs=list(request.resume_logprobs), versions=list(request.resume_versions),
                          **self._conversation_so_far(request))
-        reason = resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(entry)
+        reason = self._resume_reason(entry)
         if reason:
             self.finished_early.append(self._completion(entry, reason))
         else:  # one cut while its tool ran (held) has made its call again and waits for the answer
@@ -689,8 +689,10 @@ class CPUEngine(RolloutEngine):
         entry.versions.append(self.version)
         entry.mask.append(1)
         entry.stale_kv_tokens += entry.kv_version < self.version
-        if token in self.eos_ids:
-            done.append(self._finish(entry.slot, "stop"))
+        if token in self.eos_ids:  # the turn's end: of the conversation, or of a turn of several calls
+            reason = self._call_or_end(entry) if self.max_calls > 1 else None
+            if not entry.held:
+                done.append(self._finish(entry.slot, reason or "stop"))
         elif self._spent(entry, len(entry.tokens)):
             done.append(self._finish(entry.slot, "length"))
         elif reason := self._call_or_end(entry):

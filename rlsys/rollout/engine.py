@@ -15,7 +15,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,7 @@ class RolloutEngine(ABC):
     call_open: str | None = None
     call_close: str | None = None
     max_turns: int = 0
+    max_calls: int = 1  # per model turn
 
     def _decode(self, tokens: list[int]) -> str:
         """The completion's text: what reward functions read."""
@@ -55,27 +56,31 @@ class RolloutEngine(ABC):
         """Raise ValueError, naming the request and field, if this engine can never run the request.
         Depends only on the request and the model, so a worker may call it from any thread."""
 
-    def use_tools(self, call_open: str, call_close: str, max_turns: int) -> None:
+    def use_tools(self, call_open: str, call_close: str, max_turns: int, max_calls: int = 1) -> None:
         """Make every request a conversation: the model's turn ends at a tool call (its text from call_open to
-        call_close), `take_calls` hands it out, and `extend` appends the tool's answer, up to max_turns calls.
+        call_close), `take_calls` hands it out, and `extend` appends the tool's answer, up to max_turns turns.
+        With max_calls > 1 a turn may make several calls: it ends at the model's end-of-turn token (EOS) after at
+        least one call, or at the closing tag of its max_calls-th call, and its text holds them all.
         The sequence keeps its place (and, where the engine can, its KV cache) while the tool runs."""
         if self.tokenizer is None:
             raise ValueError(f"{self.name}: tools need the model's tokenizer to read tool calls (none in its directory)")
-        self.call_open, self.call_close, self.max_turns = call_open, call_close, max_turns
+        self.call_open, self.call_close, self.max_turns, self.max_calls = call_open, call_close, max_turns, max_calls
         self._calls: list[tuple[str, int, str]] = []
         # The tail read for the closing tag: at least a byte per token, so a tag the model sampled in any split
         # (not only the tokenizer's own, `</tool_call>` as one token or twelve) ends within this many tokens.
         self._close_tokens = len(call_close.encode()) + 1
 
     def take_calls(self) -> list[tuple[str, int, str]]:
-        """The tool calls made since the last take: (request id, its token count then, the call's text)."""
+        """The model turns that ended at tool calls since the last take: (request id, its token count then, the
+        turn's text from its first call on: one call, or several (ToolFormat.split_calls))."""
         if not self.call_close:
             return []
         calls, self._calls = self._calls, []
         return calls
 
-    def extend(self, request_id: str, at: int, ids: list[int], turn: ToolTurn) -> None:
-        """Append a tool's answer `ids` (tokenized once) to the conversation waiting on the call it made at
+    def extend(self, request_id: str, at: int, ids: list[int], turn: ToolTurn | list[ToolTurn]) -> None:
+        """Append the answer `ids` to a turn's calls (tokenized once, one ToolTurn per call) to the conversation
+        waiting on the call it made at
         `at` tokens; the model goes on from there. A request no longer waiting (aborted, resumed) is ignored."""
         raise NotImplementedError(f"{self.name} does not run conversations with tools")
 
@@ -109,16 +114,21 @@ class RolloutEngine(ABC):
         return seq if seq is not None and seq.held and len(seq.tokens) == at else None
 
     def _call_made(self, tokens: list[int], mask: list[int]) -> str | None:
-        """The tool call's text if the model's turn just ended at one (its decoded tail reached call_close: the
-        ids are never re-tokenized), else None."""
+        """The turn's call text if the model's turn just ended at its calls (its decoded tail reached call_close,
+        or with several calls a turn allows, its EOS after one: the ids are never re-tokenized), else None."""
         if not self.call_close or not tokens or (mask and mask[-1] == 0):
             return None
+        at_eos = self.max_calls > 1 and tokens[-1] in self.eos_ids
         k = min(self._close_tokens, len(tokens))  # read per token: the tail only, the model's own tokens of it
-        if self.call_close not in self.tokenizer.decode(tokens[len(tokens) - k + self._turn_start(mask[-k:]):]):
+        if not at_eos and self.call_close not in self.tokenizer.decode(
+                tokens[len(tokens) - k + self._turn_start(mask[-k:]):]):
             return None
         text = self.tokenizer.decode(tokens[self._turn_start(mask):])
-        opened = text.rfind(self.call_open)
-        return text[opened:] if opened >= 0 else text
+        calls = text.count(self.call_close)
+        if self.max_calls > 1 and not (calls >= self.max_calls or (at_eos and calls)):
+            return None  # the model may write another call before its turn ends
+        first = text.rfind(self.call_open) if self.max_calls == 1 else text.split(self.call_close)[0].rfind(self.call_open)
+        return text[first:] if first >= 0 else text
 
     @staticmethod
     def _turn_start(mask: list[int]) -> int:
@@ -145,13 +155,22 @@ class RolloutEngine(ABC):
         call = self._call_made(seq.tokens, seq.mask)
         if call is None:
             return None
-        if len(seq.turns) >= self.max_turns:
+        if sum(t.call == 0 for t in seq.turns) >= self.max_turns:  # turns, not calls
             return "length"
         seq.held = True
         self._calls.append((seq.request.request_id, len(seq.tokens), call))
         return None
 
-    def _append_answer(self, seq, ids: list[int], turn: ToolTurn) -> bool:
+    def _resume_reason(self, seq) -> str | None:
+        """A resumed record's finish reason, or None: it goes on, or (held) waits on the calls it made again (a
+        turn that ended at EOS after its calls, with several calls a turn allowed, included)."""
+        request = seq.request
+        if not (self.max_calls > 1 and request.resume_ids and request.resume_ids[-1] in self.eos_ids):
+            return resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(seq)
+        reason = self._call_or_end(seq)
+        return None if seq.held else reason or "stop"
+
+    def _append_answer(self, seq, ids: list[int], turn: ToolTurn | list[ToolTurn]) -> bool:
         """Append a tool's answer to a held conversation, cut to its token budget (a tool's tokens count in
         max_new_tokens); True if the answer used the budget up, which ends the conversation."""
         room = token_budget(seq.request, self.max_len) - len(seq.tokens)
@@ -160,7 +179,7 @@ class RolloutEngine(ABC):
         seq.logprobs += [0.0] * len(ids)
         seq.versions += [self.version] * len(ids)
         seq.mask += [0] * len(ids)
-        seq.turns.append(turn)
+        seq.turns += [replace(t, call=i) for i, t in enumerate(turn if isinstance(turn, list) else [turn])]
         seq.held = False
         return len(ids) >= room
 

@@ -70,8 +70,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
-                                  resume_finish_reason)
+from rlsys.rollout.engine import EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer
 from rlsys.rollout.vllm_extension import EXTENSION
 from rlsys.types import Completion, Request
 from rlsys.weights.buckets import iter_buckets
@@ -141,7 +140,7 @@ class VLLMEngine(RolloutEngine):
         self.validate(request)
         sample = _Sample(request, time.time(), list(resumed), list(request.resume_logprobs),
                          list(request.resume_versions), kv_version=self.version, **self._conversation_so_far(request))
-        reason = resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(sample)
+        reason = self._resume_reason(sample)
         if reason:
             self.finished_early.append(self._completion(sample, reason))
             return

@@ -61,7 +61,7 @@ class RolloutWorker:
 
             fmt = ToolFormat.of(self.engine.tokenizer)
             self.tools = ToolBox.from_config(tools, fmt)
-            self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns)
+            self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns, tools.max_calls_per_turn)
             self._tool_pool = ThreadPoolExecutor(tools.max_workers, thread_name_prefix=f"rollout-worker-{index}-tool")
         self._thread = threading.Thread(target=self._loop, name=f"rollout-worker-{index}", daemon=True)
         self._thread.start()
@@ -189,8 +189,7 @@ class RolloutWorker:
                     with profiler.step() if profiler else nullcontext():
                         self._publish(self.engine.step())
                 for rid, at, text in self.engine.take_calls():
-                    prompt = self.engine.request_of(rid).prompt_ids
-                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), prompt)
+                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), self.engine.request_of(rid))
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
                 profiler.close()
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
@@ -206,28 +205,32 @@ class RolloutWorker:
     def _can_step(self) -> bool:
         return self.engine.can_step() and not self.engine.asleep
 
-    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float, prompt_ids: list[int]) -> None:
-        """On a tool thread: run the call (ToolBox.run never raises, and keeps to the time limit counted from
-        `made_at`), tokenize its answer once, and hand the ids to the generation thread to append between two
-        steps. An environment is reset with the conversation's prompt."""
+    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float, request: Request) -> None:
+        """On a tool thread: run the turn's calls, several at once (ToolBox.run_turn never raises, and keeps each
+        to the time limit counted from `made_at`), tokenize their answers once, in call order, and hand the ids to
+        the generation thread to append between two steps. An environment is reset with the request's sample (its
+        prompt and reference answer: rlsys.types.env_sample), or the prompt's text alone when it carries none."""
         try:
-            sample = {"prompt": self.engine.tokenizer.decode(prompt_ids)} if self.tools.env_spec else None
-            result = self.tools.run(call_text, request_id, made_at, sample)
-            ids = self.tools.fmt.response_ids(self.engine.tokenizer, result)
+            sample = None
+            if self.tools.env_spec:
+                sample = request.sample or {"prompt": self.engine.tokenizer.decode(request.prompt_ids)}
+            results = self.tools.run_turn(call_text, request_id, made_at, sample)
+            ids = self.tools.fmt.responses_ids(self.engine.tokenizer, results, call_text)
+            turns, done = [r.turn for r in results], any(r.done for r in results)
             with self._cond:
                 if self._stopped or self._error is not None:
                     return
-                self._ops.append((lambda: self._answer(request_id, at, ids, result.turn, result.done), None))
+                self._ops.append((lambda: self._answer(request_id, at, ids, turns, done), None))
                 self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - a bug here stops the worker, reported like the loop's own
             with self._cond:
                 self._error = self._error or e
                 self._cond.notify_all()
 
-    def _answer(self, request_id: str, at: int, ids: list[int], turn, done: bool) -> None:
+    def _answer(self, request_id: str, at: int, ids: list[int], turns: list, done: bool) -> None:
         """On the generation thread: append a tool's answer; a conversation aborted meanwhile is cut now, and
         one its environment ended (`done`) ends with the answer ("stop")."""
-        self.engine.extend(request_id, at, ids, turn)
+        self.engine.extend(request_id, at, ids, turns)
         if request_id in self._cut_on_answer:
             self._cut_on_answer.discard(request_id)
             self._publish(self.engine.abort([request_id]))

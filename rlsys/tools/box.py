@@ -10,6 +10,7 @@ Where each tool runs, so that no call can stop the rollout worker that makes it:
   abandoned by killing its process, which is forked again for the next call; a tool that crashes its process (a
   segfault, os._exit) is a failed call, not a dead worker.
 `tools.timeout_s` bounds a call from when it was made (`made_at`): time queued behind busy tool threads counts.
+A turn's several calls (tools.max_calls_per_turn) run at once, each within that limit (`run_turn`).
 `run` never raises: a malformed call, an unknown tool, an exception, a timeout, a crash, or an answer that is
 not a string is a failed ToolResult whose text (`error: ...`) is the tool's answer to the model; the caller
 keeps or drops the sample by `tools.on_failure`. Answers over `tools.max_response_chars` are cut with a
@@ -40,6 +41,7 @@ from rlsys.tools.format import DEFAULT, ToolCallError, ToolFormat
 from rlsys.types import ToolTurn
 
 START_TIMEOUT_S = 60.0  # for a user tools' process to import them, beyond a call's own limit
+BATCH_GRACE_S = 0.5  # a process running several calls, each within its limit, replies this much later at most
 log = logging.getLogger(__name__)
 
 
@@ -61,6 +63,13 @@ class ToolResult:
 
 class ToolFailure(Exception):
     """A call that produced no answer; the message says why."""
+
+
+def _checked(reply: dict) -> dict:
+    """A reply of the user's process: itself, or its {"error"} raised as the ToolFailure."""
+    if "error" in reply:
+        raise ToolFailure(reply["error"])
+    return reply
 
 
 def truncated(text: str, chars: int, limit: int) -> str:
@@ -120,7 +129,11 @@ def _absolute(spec: str) -> str:
 
 def user_env(cfg: ToolsConfig) -> str | None:
     """The spec of the user's environment class (`tools.env`), imported once here to check it has reset(sample)
-    and step(action); a PluginError naming the field otherwise."""
+    and step(action); a PluginError naming the field otherwise. The interface, one instance per conversation:
+    `reset(sample)` before its first step, `sample` being rlsys.types.env_sample of the prompt: {"prompt": its
+    text, "answer": its reference answer, "data_source", "uid", "extra_info": the dataset row's} (a request made
+    without one gives {"prompt": text} alone); `step(action) -> (observation: str, reward: float, done: bool)`
+    with the text between the call tags. Either may be `async def`."""
     if cfg.env is None:
         return None
     if cfg.fns:
@@ -169,22 +182,94 @@ class ToolBox:
         default now); never raises."""
         start = time.monotonic()
         made_at = start if made_at is None else made_at
-        name, reward, done = ("env" if self.env_spec else ""), 0.0, False
+        name, request = self._read(call_text, sample)
+        return self._result(name, start, lambda: self._do(name, request, conversation, self._time_left(start, made_at)))
+
+    def run_turn(self, turn_text: str, conversation: str | None = None, made_at: float | None = None,
+                 sample: dict | None = None) -> list[ToolResult]:
+        """The answers to the calls of one model turn (ToolFormat.split_calls, the first tools.max_calls_per_turn),
+        in call order. Several run at once, each within tools.timeout_s of `made_at`: each built-in tool on a
+        thread of its own, the user's tools and environment steps together in the conversation's process
+        (user_child.py). Never raises."""
+        calls = self.fmt.split_calls(turn_text)[:self.cfg.max_calls_per_turn]
+        if len(calls) == 1:
+            return [self.run(calls[0], conversation, made_at, sample)]
+        start = time.monotonic()
+        made_at = start if made_at is None else made_at
+        read = [self._read(call, sample) for call in calls]
+        results: list[ToolResult | None] = [None] * len(calls)
+        batched = [i for i, (name, request) in enumerate(read) if self._in_child(name, request)]
+
+        def run_one(i: int) -> None:
+            name, request = read[i]
+            results[i] = self._result(name, start,
+                                      lambda: self._do(name, request, conversation, self._time_left(start, made_at)))
+        threads = [threading.Thread(target=run_one, args=(i,), name="tool-call") for i in range(len(calls))
+                   if i not in batched]
+        for t in threads:
+            t.start()
+        if batched:
+            replies = self._batch(conversation, [read[i][1] for i in batched], start, made_at)
+            for i, reply in zip(batched, replies):
+                results[i] = self._result(read[i][0], start, lambda reply=reply: _checked(reply))
+        for t in threads:
+            t.join()
+        return results
+
+    def _read(self, call_text: str, sample: dict | None) -> tuple[str, dict | ToolCallError]:
+        """(the tool's name, the request for it) of a call the model wrote: a step of the environment with the
+        call's text between the tags as its action, or a tool's name and arguments; the request is the
+        ToolCallError when the call cannot be read."""
+        if self.env_spec:
+            action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
+            return "env", {"step": action, "sample": sample or {}}
         try:
-            if self.env_spec:  # the model's action: the call's text between the tags
-                action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
-                reply = self._in_process(conversation, {"step": action, "sample": sample or {}},
-                                         self._time_left(start, made_at))
-                text, chars, reward, done = reply["text"], reply["chars"], reply["reward"], reply["done"]
-            else:
-                call = self.fmt.parse_call(call_text)
-                name = call.name
-                text, chars = self._call(call.name, call.arguments, conversation, self._time_left(start, made_at))
-            if chars > self.cfg.max_response_chars:
-                text = truncated(text, chars, self.cfg.max_response_chars)
+            call = self.fmt.parse_call(call_text)
+        except ToolCallError as e:
+            return "", e
+        return call.name, {"name": call.name, "arguments": call.arguments}
+
+    def _in_child(self, name: str, request) -> bool:
+        """Whether the request runs in the conversation's process of the user's code."""
+        return isinstance(request, dict) and ("step" in request or name in self.user_specs)
+
+    def _do(self, name: str, request, conversation: str | None, timeout_s: float) -> dict:
+        """The reply to one request, {"text", "chars"} (and a step's "reward", "done"); raises what failed."""
+        if isinstance(request, ToolCallError):
+            raise request
+        if self._in_child(name, request):
+            return self._in_process(conversation, request, timeout_s)
+        if name not in self.names:
+            raise ToolFailure(f"no tool {name!r}; the tools are: {', '.join(self.names)}")
+        text, chars = BUILTINS.get(name)(self, request["arguments"], timeout_s)
+        return {"text": text, "chars": chars}
+
+    def _batch(self, conversation: str | None, requests: list[dict], start: float, made_at: float) -> list[dict]:
+        """The replies of the conversation's process to several requests run there at once, each within what is
+        left of tools.timeout_s (the process's reply awaited a grace beyond); every request's ToolFailure reply
+        ({"error"}) if the process gives none. A process left running a call past its limit is killed after."""
+        try:
+            timeout_s = self._time_left(start, made_at)
+            reply = self._in_process(conversation, {"batch": requests, "timeout_s": timeout_s},
+                                     timeout_s + BATCH_GRACE_S)
+        except ToolFailure as e:
+            return [{"error": str(e)}] * len(requests)
+        if conversation is not None and any(r.get("timed_out") for r in reply["replies"]):
+            self.release(conversation)
+        return reply["replies"]
+
+    def _result(self, name: str, start: float, reply: Callable[[], dict]) -> ToolResult:
+        """The ToolResult of a call answered by `reply()`: its text cut to tools.max_response_chars, or the
+        failure's reason as the answer."""
+        try:
+            r = reply()
+            text = r["text"]
+            if r["chars"] > self.cfg.max_response_chars:
+                text = truncated(text, r["chars"], self.cfg.max_response_chars)
                 with self._lock:
                     self.counts["truncated"] += 1
-            result = ToolResult(name, text, True, None, time.monotonic() - start, reward, done)
+            result = ToolResult(name, text, True, None, time.monotonic() - start, r.get("reward", 0.0),
+                                r.get("done", False))
         except ToolCallError as e:
             result = self._failed(name, f"the call cannot be read: {e.reason}", start)
         except ToolFailure as e:
@@ -216,14 +301,6 @@ class ToolBox:
         finally:
             if conversation is None:
                 child.stop()
-
-    def _call(self, name: str, arguments: dict, conversation: str | None, timeout_s: float) -> tuple[str, int]:
-        if name in self.user_specs:
-            reply = self._in_process(conversation, {"name": name, "arguments": arguments}, timeout_s)
-            return reply["text"], reply["chars"]
-        if name not in self.names:
-            raise ToolFailure(f"no tool {name!r}; the tools are: {', '.join(self.names)}")
-        return BUILTINS.get(name)(self, arguments, timeout_s)
 
     def release(self, conversation: str) -> None:
         """The conversation ended: its process of the user's tools (and what they kept in it) goes."""

@@ -1,8 +1,9 @@
 """How the model calls a tool and how the answer comes back, as text.
 
 The model writes `<tool_call>{"name": "calculator", "arguments": {"expression": "123*456"}}</tool_call>`
-(Hermes' tags, which Qwen2.5's chat template uses); its turn ends at the closing tag, rlsys runs the tool and
-appends the answer, tokenized once and kept as ids from then on: as the model's chat template renders a tool
+(Hermes' tags, which Qwen2.5's chat template uses); its turn ends at the closing tag (with
+tools.max_calls_per_turn > 1, at its end-of-turn token or its last call allowed), rlsys runs the calls and
+appends the answers in call order, tokenized once and kept as ids from then on: as the model's chat template renders a tool
 message (Qwen2.5: `<|im_end|>`, a user turn holding `<tool_response>...</tool_response>`, `<|im_start|>assistant`),
 or inline as `<tool_response>...</tool_response>` for a model without one. A model whose chat template names other
 tags of that shape gets those (`ToolFormat.from_chat_template`).
@@ -44,6 +45,7 @@ class ToolFormat:
     response_close: str = RESPONSE_CLOSE
     turn_open: str | None = None
     turn_close: str | None = None
+    turn_between: str | None = None  # between two answers of one turn's calls, as the template renders them
 
     @classmethod
     def of(cls, tokenizer) -> "ToolFormat":
@@ -52,7 +54,7 @@ class ToolFormat:
         template = getattr(tokenizer, "chat_template", None)
         fmt = cls.from_chat_template(template if isinstance(template, str) else None)
         turn = template_tool_turn(tokenizer) if template else None
-        return replace(fmt, turn_open=turn[0], turn_close=turn[1]) if turn else fmt
+        return replace(fmt, turn_open=turn[0], turn_between=turn[1], turn_close=turn[2]) if turn else fmt
 
     @classmethod
     def from_chat_template(cls, template: str | None) -> "ToolFormat":
@@ -89,37 +91,59 @@ class ToolFormat:
             raise ToolCallError(f"the call has keys besides name and arguments: {', '.join(sorted(extra))}")
         return ToolCall(call["name"], arguments)
 
+    def split_calls(self, text: str) -> list[str]:
+        """The calls of one model turn, in order: each from its opening tag (the last before its closing one) to
+        its closing tag; text with no closing tag is one call (its error says why)."""
+        pieces = text.split(self.call_close)[:-1]
+        return [p[max(p.rfind(self.call_open), 0):] + self.call_close for p in pieces] or [text]
+
     def response_ids(self, tokenizer, result) -> list[int]:
-        """The answer's token ids, appended to the model's own ids (never re-encoded): the template's tool turn
-        (or the tags) as the tokenizer reads them, the tool's text as plain text, so a tool printing `<eos>` or
-        `<|im_end|>` cannot inject that special token into the conversation."""
-        before, after = ((self.turn_open, self.turn_close) if self.turn_open is not None
-                         else (self.response_open, self.response_close))
-        return (tokenizer.encode(before, add_special_tokens=False) + plain_ids(tokenizer, result)
-                + tokenizer.encode(after, add_special_tokens=False))
+        """One answer's token ids (see `responses_ids`)."""
+        return self.responses_ids(tokenizer, [result])
+
+    def responses_ids(self, tokenizer, results: list, turn_text: str = "") -> list[int]:
+        """The answers to one turn's calls, in call order, as token ids appended to the model's own (never
+        re-encoded): the template's text around and between tool turns (or the tags) as the tokenizer reads it,
+        each tool's text as plain text, so a tool printing `<eos>` or `<|im_end|>` cannot inject that special
+        token into the conversation. `turn_text` is the model's turn from its first call on: what it wrote after
+        its last call (its end-of-turn token, `<|im_end|>`) is its own and not written again."""
+        if self.turn_open is not None:
+            before, between, after = self.turn_open, self.turn_between or self.turn_close + self.turn_open, self.turn_close
+        else:
+            before, between, after = self.response_open, self.response_close + self.response_open, self.response_close
+        written = turn_text.rpartition(self.call_close)[2].strip() if self.call_close in turn_text else ""
+        if written and before.startswith(written):
+            before = before[len(written):]
+        ids = tokenizer.encode(before, add_special_tokens=False)
+        for i, result in enumerate(results):
+            if i:
+                ids += tokenizer.encode(between, add_special_tokens=False)
+            ids += plain_ids(tokenizer, result)
+        return ids + tokenizer.encode(after, add_special_tokens=False)
 
     def render_response(self, result) -> str:
         """The text appended after the call: the tool's answer (a ToolResult's text, or a str) in its tags."""
         return f"{self.response_open}{getattr(result, 'text', result)}{self.response_close}"
 
 
-MODEL_MARK, TOOL_MARK = "\x00model-turn\x00", "\x00tool-answer\x00"  # text no template writes itself
+MODEL_MARK, TOOL_MARK, NEXT_MARK = "\x00model-turn\x00", "\x00tool-answer\x00", "\x00next-answer\x00"  # no template's
 
 
-def template_tool_turn(tokenizer) -> tuple[str, str] | None:
-    """(the text a chat template writes from the end of the model's turn to a tool's answer, the text from the
-    answer to the model's next turn, the assistant reopened), read off the template's rendering of a
-    conversation; None when it renders no tool message."""
+def template_tool_turn(tokenizer) -> tuple[str, str, str] | None:
+    """(the text a chat template writes from the end of the model's turn to a tool's answer, the text between two
+    answers to calls of one turn, the text from the last answer to the model's next turn, the assistant
+    reopened), read off the template's rendering of a conversation; None when it renders no tool message."""
     messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MODEL_MARK},
-                {"role": "tool", "content": TOOL_MARK}]
+                {"role": "tool", "content": TOOL_MARK}, {"role": "tool", "content": NEXT_MARK}]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 - a template that refuses a tool role (raise_exception): inline answers
         return None
-    if not isinstance(text, str) or MODEL_MARK not in text or TOOL_MARK not in text.partition(MODEL_MARK)[2]:
+    if not isinstance(text, str) or not re.search(f"{MODEL_MARK}.*{TOOL_MARK}.*{NEXT_MARK}", text, re.S):
         return None
-    before, _, after = text.partition(MODEL_MARK)[2].partition(TOOL_MARK)
-    return before, after
+    before, _, rest = text.partition(MODEL_MARK)[2].partition(TOOL_MARK)
+    between, _, after = rest.partition(NEXT_MARK)
+    return before, between, after
 
 
 def plain_ids(tokenizer, result) -> list[int]:

@@ -10,7 +10,8 @@ import); then {"fork": true} with a connected socket's fd attached -> {"pid"}: a
 that socket; {"reap": pid} -> {"status"}: its exit code, once it has died or been killed.
 A conversation's process reads one request per line, {"name", "arguments"}, and writes one reply per line,
 {"text", "chars"} or {"error"}; with an environment (tools.env), {"step": action, "sample"} -> {"text",
-"chars", "reward", "done"}: the conversation's instance, made and reset(sample) at its first step, steps.
+"chars", "reward", "done"}: the conversation's instance, made and reset(sample) at its first step, steps;
+{"batch": [requests], "timeout_s"} -> {"replies": [...]}: one model turn's calls, run at once (`_batch`).
 The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's text is cut to the size limit
 here, so a flood never crosses the socket. A tool, reset or step may be a function or an `async def`.
 """
@@ -24,6 +25,7 @@ import resource
 import signal
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from rlsys.plugins import load_function
 
@@ -66,29 +68,71 @@ def serve(conn: socket.socket, fns: dict, env_class, max_chars: int) -> None:
     for line in conn.makefile("rb"):
         request = json.loads(line)
         try:
-            if "step" in request:
-                if env is None:
-                    env = env_class()
-                    _result(env.reset(request["sample"]))
-                reply = _step(env, request["step"], max_chars)
-                conn.sendall((json.dumps(reply) + "\n").encode())
-                continue
-            value = _result(fns[request["name"]](**request["arguments"]))
-            if isinstance(value, str):
-                reply = {"text": value[:max_chars], "chars": len(value)}
+            steps = [r for r in request.get("batch", [request]) if "step" in r]
+            if steps and env is None:
+                env = env_class()
+                _result(env.reset(steps[0]["sample"]))
+            if "batch" in request:
+                reply = {"replies": asyncio.run(_batch(request["batch"], fns, env, max_chars, request["timeout_s"]))}
+            elif "step" in request:
+                reply = _step_reply(_result(env.step(request["step"])), max_chars)
             else:
-                reply = {"error": f"returned {type(value).__name__}, not a string: {repr(value)[:100]}"}
+                reply = _tool_reply(_result(fns[request["name"]](**request["arguments"])), max_chars)
         except Exception as e:
             reply = {"error": f"raised {type(e).__name__}: {str(e)[:300]}"}
         conn.sendall((json.dumps(reply) + "\n").encode())
 
 
-def _step(env, action: str, max_chars: int) -> dict:
-    out = _result(env.step(action))
+async def _batch(requests: list[dict], fns: dict, env, max_chars: int, timeout_s: float) -> list[dict]:
+    """The replies to one turn's calls, run at once, each within timeout_s: `async def` ones awaited together,
+    the others on threads of their own; a sync environment's steps one at a time, in call order (one state)."""
+    threads = ThreadPoolExecutor(len(requests))  # not the loop's: asyncio.run would wait for a hung call
+    env_turn = asyncio.Lock()
+    loop = asyncio.get_running_loop()
+
+    async def one(request: dict) -> dict:
+        step = "step" in request
+        fn = env.step if step else fns[request["name"]]
+        args, kwargs = ((request["step"],), {}) if step else ((), request["arguments"])
+        if inspect.iscoroutinefunction(fn):
+            value = await fn(*args, **kwargs)
+        elif step:
+            async with env_turn:
+                value = await _result_async(await loop.run_in_executor(threads, lambda: fn(*args, **kwargs)))
+        else:
+            value = await _result_async(await loop.run_in_executor(threads, lambda: fn(*args, **kwargs)))
+        return _step_reply(value, max_chars) if step else _tool_reply(value, max_chars)
+
+    async def timed(request: dict) -> dict:
+        try:
+            return await asyncio.wait_for(one(request), timeout_s)
+        except TimeoutError:
+            return {"error": f"the tool timed out after {timeout_s:.3g}s", "timed_out": True}
+        except Exception as e:
+            return {"error": f"raised {type(e).__name__}: {str(e)[:300]}"}
+
+    try:
+        return await asyncio.gather(*(timed(r) for r in requests))
+    finally:
+        threads.shutdown(wait=False)
+
+
+def _tool_reply(value, max_chars: int) -> dict:
+    if isinstance(value, str):
+        return {"text": value[:max_chars], "chars": len(value)}
+    return {"error": f"returned {type(value).__name__}, not a string: {repr(value)[:100]}"}
+
+
+def _step_reply(out, max_chars: int) -> dict:
     if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
             and isinstance(out[1], (int, float)) and math.isfinite(out[1]) and isinstance(out[2], bool)):
         return {"error": f"step returned {repr(out)[:100]}, not (observation: str, reward: float, done: bool)"}
     return {"text": out[0][:max_chars], "chars": len(out[0]), "reward": float(out[1]), "done": out[2]}
+
+
+async def _result_async(value):
+    """What a sync function returned, awaited if it returned an awaitable."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def _result(value):
