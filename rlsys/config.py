@@ -267,7 +267,7 @@ class LoraConfig(Section):
     alpha: float = Field(16.0, gt=0)  # the update is alpha / rank x B @ A
     # The trainer never runs dropout (its log-probs must match the engine's), so adapter dropout stays 0.
     dropout: float = Field(0.0, ge=0, le=0)
-    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    target_modules: list[str] = Field(LORA_TARGETS, min_length=1)  # peft matches these module names
 
     @property
     def enabled(self) -> bool:
