@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from rlsys.config import Config, TrainerConfig
 from rlsys.rollout.builtin_engine import CPUEngine
-from rlsys.trainer.backend import ADAPTER_EXPORT, TorchBackend
+from rlsys.trainer.backend import ADAPTER_EXPORT, TorchBackend, cpu_copy
 from rlsys.trainer.batching import build_samples, plan_step
 from rlsys.trainer.worker import TrainerGroup
 from rlsys.types import Group, Prompt, Request, SamplingParams, ScoredSample
@@ -100,8 +100,12 @@ def test_the_reference_is_the_base_model_with_the_adapters_off(model_dir):
 
 def test_the_engine_generates_with_the_trained_adapters(model_dir):
     backend = trained(TorchBackend(lora_config(), model_dir, SCORING))
-    engine = CPUEngine(model_dir, slots=4)
-    engine.load_weights(backend.state_dict_for_rollout(), version=2)
+    published = cpu_copy(backend.published_weights())  # the adapted layers' merged weights alone
+    assert len(published) == 2 * 7 and all(name.endswith("_proj.weight") for name in published)
+    assert {name: t.shape for name, t in backend.published_shapes().items()} == \
+        {name: t.shape for name, t in published.items()}
+    engine = CPUEngine(model_dir, slots=4)  # starts from the base weights, as a run's engines do
+    engine.load_weights(published, version=2)
     prompts = [[3, 9, 4], [7, 7, 12, 40, 2]]
     for i, prompt in enumerate(prompts):
         engine.add(Request(f"r{i}", f"p{i}", prompt, SamplingParams(max_new_tokens=10, temperature=TEMPERATURE,

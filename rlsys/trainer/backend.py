@@ -383,6 +383,13 @@ class TrainerBackend(ABC):
             return lora.merged_weights(self._hf_model(), self._weights_of)
         return self._weights_of(self._hf_model())
 
+    def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What each new version sends the engines, as `rollout_weights`: all of them, or with trainer.lora
+        the merged weights of the adapted layers alone (the engines loaded the rest, the frozen base, at start)."""
+        if self.cfg.lora.enabled:
+            return lora.merged_weights(self._hf_model(), self._weights_of, changed_only=True)
+        return self.rollout_weights()
+
     def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The reference's weights, as `rollout_weights`."""
         return self._weights_of(self._reference_module())
@@ -391,10 +398,11 @@ class TrainerBackend(ABC):
         for name, t in named_tensors(model):
             yield name, t.detach()
 
-    def rollout_shapes(self) -> dict[str, torch.Tensor]:
-        """The rollout weights' names, shapes and dtypes as "meta" tensors (no memory, no collective)."""
+    def published_shapes(self) -> dict[str, torch.Tensor]:
+        """The published weights' names, shapes and dtypes as "meta" tensors (no memory, no collective)."""
         model = self._hf_model()
-        tensors = lora.merged_shapes(model, named_tensors) if self.cfg.lora.enabled else dict(named_tensors(model))
+        tensors = (lora.merged_shapes(model, named_tensors, changed_only=True) if self.cfg.lora.enabled
+                   else dict(named_tensors(model)))
         return {name: torch.empty(getattr(t, "ds_shape", t.shape), dtype=t.dtype, device="meta")
                 for name, t in tensors.items()}
 

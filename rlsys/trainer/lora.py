@@ -51,27 +51,32 @@ class AdaptersOff(torch.nn.Module):
             return self.peft_model[0](**kwargs)
 
 
-def merged_weights(peft_model: PeftModel, named: Callable[[torch.nn.Module], Iterator[tuple[str, torch.Tensor]]]
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(peft_model: PeftModel, named: Callable[[torch.nn.Module], Iterator[tuple[str, torch.Tensor]]],
+                   changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(base model's HF name, merged tensor), in its state_dict order: an adapted layer's weight is
     base + its delta (peft's get_delta_weight: alpha / rank x B @ A), computed in the weight's dtype; the
-    adapters' own tensors are left out. `named(module)` reads a module's tensors (the backend's `_weights_of`)."""
+    adapters' own tensors are left out. `changed_only`: the adapted layers' weights alone, all that differs
+    from the base. `named(module)` reads a module's tensors (the backend's `_weights_of`)."""
+    for hf_name, tensor, layer in _base_tensors(peft_model, named, changed_only):
+        yield hf_name, tensor if layer is None else tensor + layer.get_delta_weight(ADAPTER).to(tensor.dtype)
+
+
+def merged_shapes(peft_model: PeftModel, named, changed_only: bool = False) -> dict[str, torch.Tensor]:
+    """`merged_weights`' names with the base tensors (their shapes and dtypes), without merging."""
+    return {hf_name: tensor for hf_name, tensor, _ in _base_tensors(peft_model, named, changed_only)}
+
+
+def _base_tensors(peft_model: PeftModel, named, changed_only: bool):
+    """(HF name, base tensor, the adapted layer whose delta it takes or None) of `merged_weights`."""
     hf = peft_model.get_base_model()
     adapted = {name: m for name, m in hf.named_modules() if isinstance(m, LoraLayer)}
     for name, tensor in named(hf):
         hf_name, layer = base_name(name, adapted)
         if hf_name is None:
             continue
-        if layer is not None and hf_name.endswith(".weight"):
-            tensor = tensor + layer.get_delta_weight(ADAPTER).to(tensor.dtype)
-        yield hf_name, tensor
-
-
-def merged_shapes(peft_model: PeftModel, named) -> dict[str, torch.Tensor]:
-    """`merged_weights`' names with the base tensors (their shapes and dtypes), without merging."""
-    hf = peft_model.get_base_model()
-    adapted = {name: m for name, m in hf.named_modules() if isinstance(m, LoraLayer)}
-    return {hf_name: t for name, t in named(hf) if (hf_name := base_name(name, adapted)[0]) is not None}
+        merged = layer if layer is not None and hf_name.endswith(".weight") else None  # a bias is not adapted
+        if merged is not None or not changed_only:
+            yield hf_name, tensor, merged
 
 
 def base_name(name: str, adapted: dict[str, LoraLayer]) -> tuple[str | None, LoraLayer | None]:
