@@ -265,6 +265,22 @@ class KLConfig(Section):
         return self
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the policy (peft; trainer/lora.py): only the adapters train, the base stays frozen."""
+    rank: int = Field(0, ge=0)  # 0: off, full fine-tuning
+    alpha: float = Field(16.0, gt=0)  # the update is alpha / rank x B @ A
+    # The trainer never runs dropout (its log-probs must match the engine's), so adapter dropout stays 0.
+    dropout: float = Field(0.0, ge=0, le=0)
+    target_modules: list[str] = Field(LORA_TARGETS, min_length=1)  # peft matches these module names
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class MismatchConfig(Section):
     """Rollout-trainer mismatch correction by rho = pi_old / pi_behav (rlsys/trainer/losses.py)."""
     mode: Literal["none", "tis", "mis"] = "none"  # tis: weight min(rho, threshold); mis: rho, 0 outside the bounds
@@ -379,6 +395,7 @@ class TrainerConfig(Section):
     loss_scale_tokens: Optional[int] = Field(None, ge=1)  # seq_mean_token_sum_norm's divisor; None: max_new_tokens
     mismatch: MismatchConfig = MismatchConfig()
     kl: KLConfig = KLConfig()
+    lora: LoraConfig = LoraConfig()
     seed: int = 0
 
     @model_validator(mode="after")
@@ -399,6 +416,18 @@ class TrainerConfig(Section):
                              "only ZeRO-3 partitions the weights")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("trainer.offload_optimizer needs trainer.zero_stage of 1, 2 or 3 (got 0)")
+        return self
+
+    @model_validator(mode="after")
+    def _lora(self):
+        if not self.lora.enabled:
+            return self
+        if self.kl.ref_sync_steps is not None:
+            raise ValueError("trainer.lora: the KL reference is the base model with the adapters off, which "
+                             "trainer.kl.ref_sync_steps cannot move: leave trainer.kl.ref_sync_steps out")
+        if self.backend == "deepspeed" and self.zero_stage == 3:
+            raise ValueError("trainer.lora needs trainer.zero_stage of 0, 1 or 2 (got 3): the adapters are merged "
+                             "into whole base weights, which ZeRO-3 partitions")
         return self
 
     @model_validator(mode="after")

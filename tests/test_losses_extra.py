@@ -333,10 +333,11 @@ RECIPE_EXPECTED = [
     ("reinforce_pp", {"loss": "grpo", "advantage": "reinforce_pp", "loss_aggregation": "token_mean"}),
     ("reinforce_pp_baseline", {"loss": "grpo", "advantage": "reinforce_pp_baseline"}),
     ("grpo_ref_sync", {"loss": "grpo", "advantage": "grpo"}),
+    ("lora_grpo", {"loss": "grpo", "advantage": "grpo", "lr": 1e-3}),
 ]
 # Their KL term (the others have none): estimator, coef, in_reward, ref_sync_steps
 RECIPE_KL = {"reinforce_pp": ("k1", 0.001, True, None), "reinforce_pp_baseline": ("k1", 0.001, True, None),
-             "grpo_ref_sync": ("k3", 0.04, False, 8)}
+             "grpo_ref_sync": ("k3", 0.04, False, 8), "lora_grpo": ("k3", 0.001, False, None)}
 
 
 def test_every_recipe_is_checked():

@@ -218,27 +218,27 @@ def two_buckets_and_a_tensor(plans) -> int:
 
 
 def test_publishing_by_object_store_never_holds_more_than_two_buckets_or_a_full_copy(trainer, ray_cluster):
-    plans = plan_buckets(trainer.rollout_shapes(), BUDGET)
+    plans = plan_buckets(trainer.published_shapes(), BUDGET)
     model_bytes = sum(p.nbytes for p in plans)
     assert len(plans) > 20 and model_bytes > 8 * two_buckets_and_a_tensor(plans)  # a full copy would show
     sender, sent = ObjectStoreSender("trainer rank 0", 60), []
     for version in (1, 2):  # the second version reuses the first one's buffer
-        peak = peak_new_bytes(lambda: sent.append(sender.send(plans, trainer.rollout_weights(), version)))
+        peak = peak_new_bytes(lambda: sent.append(sender.send(plans, trainer.published_weights(), version)))
         assert peak <= two_buckets_and_a_tensor(plans), (version, peak, model_bytes)
     got = dict(pair for pairs in WeightUpdate(2, plans, sent[-1]).buckets("engine 0") for pair in pairs)
-    assert all(torch.equal(got[name], t) for name, t in trainer.rollout_weights())
+    assert all(torch.equal(got[name], t) for name, t in trainer.published_weights())
 
 
 def test_publishing_by_broadcast_never_holds_more_than_two_buckets_or_a_full_copy(trainer):
-    plans = plan_buckets(trainer.rollout_shapes(), BUDGET, torch.bfloat16)  # cast on the way, as for vLLM
+    plans = plan_buckets(trainer.published_shapes(), BUDGET, torch.bfloat16)  # cast on the way, as for vLLM
     peaks = []
 
     def send(group):
         sender = BroadcastTransport(60).sender("trainer rank 0", group)
-        peaks.append(peak_new_bytes(lambda: sender.send(plans, trainer.rollout_weights(), version=1)))
+        peaks.append(peak_new_bytes(lambda: sender.send(plans, trainer.published_weights(), version=1)))
     got = broadcast_to_a_child(plans, send)
     assert peaks[0] <= two_buckets_and_a_tensor(plans), (peaks, sum(p.nbytes for p in plans))
-    assert got == [fingerprint(name, t.bfloat16()) for name, t in trainer.rollout_weights()]
+    assert got == [fingerprint(name, t.bfloat16()) for name, t in trainer.published_weights()]
 
 
 # --- cuda_ipc's double buffering, on the CPU -----------------------------------------------------------

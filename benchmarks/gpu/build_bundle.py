@@ -45,6 +45,8 @@ WHEELS = {
     "einops": "0.8.2", "hjson": "3.1.0", "ninja": "1.13.2", "psutil": "7.2.2", "py-cpuinfo": "9.0.0",
     # transformers builds a ZeRO-3 model under deepspeed.zero.Init only with accelerate (a core dependency)
     "accelerate": "1.15.0",
+    # trainer.lora's adapters (pure Python; accelerate, safetensors and the hub client are here already)
+    "peft": "0.21.2",
     # the config (pydantic) and reward.fn=math_verify
     "pydantic": "2.14.3", "pydantic-core": "2.50.4", "annotated-types": "0.8.0", "typing-inspection": "0.4.5",
     "math-verify": "0.9.0", "latex2sympy2-extended": "1.11.0", "antlr4-python3-runtime": "4.13.2",

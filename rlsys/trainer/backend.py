@@ -10,6 +10,8 @@ Checkpoint folder written by `save` (safetensors + JSON only, nothing pickled):
   state_rank{r}.safetensors/.json        RNG states and step counters of each rank
   trainer.json                           the layout it was written with, checked on load
   reference.safetensors                  with trainer.kl.ref_sync_steps: the refreshed reference (rank 0)
+With trainer.lora, adapter.safetensors (the adapters, peft's names) stands in for model.safetensors: the base
+weights are the model's own, never changed.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from rlsys import costs
 from rlsys.config import TrainerConfig
 from rlsys.emulate import TrainerPacer
+from rlsys.trainer import lora
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import Scoring, head_logprobs
 from rlsys.trainer.losses import (LOSS_STATS, REJECTED_SHARE, LossInputs, compute_loss, kept_share, kl_penalty,
@@ -36,6 +39,8 @@ from rlsys.trainer.losses import (LOSS_STATS, REJECTED_SHARE, LossInputs, comput
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
 
 LAYOUT_FILE = "trainer.json"
+ADAPTER_FILE = "adapter.safetensors"  # trainer.lora: the adapters, in place of model.safetensors
+ADAPTER_EXPORT = "adapter"  # trainer.lora: the export's subfolder with the adapters in peft's format
 REFERENCE_FILE = "reference.safetensors"  # trainer.kl.ref_sync_steps: the refreshed reference, HF names (rank 0)
 
 
@@ -47,6 +52,11 @@ def load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
     model.eval()  # no dropout, ever: training log-probs must match the engine's
     return model
+
+
+def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What the optimizer steps: every parameter, or with trainer.lora the adapters alone."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def scored_forward(model: torch.nn.Module, mb: MicroBatch, scoring: Scoring,
@@ -319,9 +329,12 @@ class TrainerBackend(ABC):
             return self._score(self.reference, mb)[0]
 
     def _make_reference(self) -> torch.nn.Module | None:
-        """The initial weights, frozen, in the training dtype, for the KL term (None without one)."""
+        """The initial weights, frozen, in the training dtype, for the KL term (None without one); with
+        trainer.lora the policy's own base weights, its adapters switched off for the reference's forward."""
         if not self.cfg.kl.enabled:
             return None
+        if self.cfg.lora.enabled:
+            return lora.AdaptersOff(self._hf_model())
         return self._frozen_initial_model()
 
     def _frozen_initial_model(self) -> torch.nn.Module:
@@ -360,12 +373,22 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def _hf_model(self) -> torch.nn.Module:
-        """The Hugging Face model itself (inside any wrapper), whose state_dict names the rollout weights."""
+        """The Hugging Face model itself (inside any wrapper; with trainer.lora, the PeftModel around it)."""
 
     def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor where it lives), one at a time, in state_dict order: use each before asking for
-        the next (under ZeRO-3 a parameter is gathered only meanwhile, a collective: every rank reads all)."""
+        the next (under ZeRO-3 a parameter is gathered only meanwhile, a collective: every rank reads all).
+        With trainer.lora, the merged weights under the base model's names (lora.py)."""
+        if self.cfg.lora.enabled:
+            return lora.merged_weights(self._hf_model(), self._weights_of)
         return self._weights_of(self._hf_model())
+
+    def published_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What each new version sends the engines, as `rollout_weights`: all of them, or with trainer.lora
+        the merged weights of the adapted layers alone (the engines loaded the rest, the frozen base, at start)."""
+        if self.cfg.lora.enabled:
+            return lora.merged_weights(self._hf_model(), self._weights_of, changed_only=True)
+        return self.rollout_weights()
 
     def reference_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The reference's weights, as `rollout_weights`."""
@@ -375,10 +398,13 @@ class TrainerBackend(ABC):
         for name, t in named_tensors(model):
             yield name, t.detach()
 
-    def rollout_shapes(self) -> dict[str, torch.Tensor]:
-        """The rollout weights' names, shapes and dtypes as "meta" tensors (no memory, no collective)."""
+    def published_shapes(self) -> dict[str, torch.Tensor]:
+        """The published weights' names, shapes and dtypes as "meta" tensors (no memory, no collective)."""
+        model = self._hf_model()
+        tensors = (lora.merged_shapes(model, named_tensors, changed_only=True) if self.cfg.lora.enabled
+                   else dict(named_tensors(model)))
         return {name: torch.empty(getattr(t, "ds_shape", t.shape), dtype=t.dtype, device="meta")
-                for name, t in named_tensors(self._hf_model())}
+                for name, t in tensors.items()}
 
     def state_dict_for_rollout(self, keep: bool = True) -> dict[str, torch.Tensor]:
         """Full weights, HF names, CPU float32, read one parameter at a time; only with `keep` does this rank
@@ -386,7 +412,17 @@ class TrainerBackend(ABC):
         return cpu_copy(self.rollout_weights(), keep)
 
     @abstractmethod
-    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None: ...
+    def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named weights (with trainer.lora: the adapters, by the PeftModel's names) into the model."""
+
+    def _weights_file(self) -> str:
+        return ADAPTER_FILE if self.cfg.lora.enabled else "model.safetensors"
+
+    def _checkpoint_weights(self, keep: bool) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the weights: all, or with trainer.lora the adapters alone."""
+        if self.cfg.lora.enabled:
+            return cpu_copy(lora.adapter_weights(self._hf_model()).items(), keep)
+        return self.state_dict_for_rollout(keep)
 
     def _layout(self) -> dict:
         return {"backend": self.name, "world_size": self.world_size}
@@ -407,9 +443,9 @@ class TrainerBackend(ABC):
     def save(self, folder: str) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        weights = self.state_dict_for_rollout(keep=self.rank == 0)
+        weights = self._checkpoint_weights(keep=self.rank == 0)
         if self.rank == 0:
-            save_tensors(weights, folder / "model.safetensors")
+            save_tensors(weights, folder / self._weights_file())
             (folder / LAYOUT_FILE).write_text(json.dumps(self._layout()))
         self._save_optimizer(folder)
         if self.cfg.kl.ref_sync_steps is not None:  # the reference has moved from the initial weights
@@ -423,7 +459,7 @@ class TrainerBackend(ABC):
         folder = Path(folder)
         layout = json.loads((folder / LAYOUT_FILE).read_text())
         self._check_layout(layout, folder)
-        self._load_weights(load_file(str(folder / "model.safetensors")))
+        self._load_weights(load_file(str(folder / self._weights_file())))
         self._load_optimizer(folder)
         # A rank the saving run did not have (a larger world) takes rank 0's RNG states and counters.
         own = folder / f"state_rank{self.rank}.json"
@@ -435,10 +471,13 @@ class TrainerBackend(ABC):
             self._load_reference(load_file(str(folder / REFERENCE_FILE)))
 
     def export_hf(self, folder: str) -> None:
-        """A standard HF model folder with the current weights (no tokenizer: the caller adds it)."""
+        """A standard HF model folder with the current weights (no tokenizer: the caller adds it); with
+        trainer.lora the merged weights, and the adapters in peft's format under ADAPTER_EXPORT."""
         weights = self.state_dict_for_rollout(keep=self.rank == 0)
         if self.rank == 0:
             write_hf_model(weights, self.model_dir, folder)
+            if self.cfg.lora.enabled:
+                self._hf_model().save_pretrained(str(Path(folder) / ADAPTER_EXPORT))
 
 
 class TorchBackend(TrainerBackend):
@@ -450,11 +489,14 @@ class TorchBackend(TrainerBackend):
         if world_size != 1:
             raise ValueError(f"TorchBackend runs on one rank, not {world_size}: use DeepSpeedBackend")
         super().__init__(cfg, model_dir, scoring, rank, world_size, local_device())
-        self.model = load_model(model_dir, DTYPES[cfg.dtype]).to(self.device)
+        self.model = load_model(model_dir, DTYPES[cfg.dtype])
+        if cfg.lora.enabled:
+            self.model = lora.add_adapters(self.model, cfg.lora)
+        self.model = self.model.to(self.device)
         self.reference = self._make_reference()
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(trained_parameters(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -472,5 +514,17 @@ class TorchBackend(TrainerBackend):
         return self.model
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(weights)
+        load_weights(self.model, weights, self.cfg.lora.enabled)
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], adapters_only: bool) -> None:
+    """`weights` into `model`: all of its tensors, or (`adapters_only`) exactly its trained ones."""
+    if not adapters_only:
+        model.load_state_dict(weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    wanted = set(lora.adapter_weights(model))
+    if unexpected or wanted & set(missing):
+        raise ValueError(f"the checkpoint's adapters do not fit trainer.lora (missing {sorted(wanted & set(missing))[:3]}, "
+                         f"unexpected {unexpected[:3]}): resume with the trainer.lora it was written with")
 

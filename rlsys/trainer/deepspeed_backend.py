@@ -21,7 +21,9 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
                              safe_set_full_optimizer_state)
 
 from rlsys.config import TrainerConfig
-from rlsys.trainer.backend import DTYPES, TrainerBackend, enable_gradient_checkpointing, load_model, named_tensors
+from rlsys.trainer import lora
+from rlsys.trainer.backend import (DTYPES, TrainerBackend, enable_gradient_checkpointing, load_model, load_weights,
+                                   named_tensors, trained_parameters)
 from rlsys.trainer.batching import StepTotals
 from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.logprobs import Scoring
@@ -44,12 +46,14 @@ class DeepSpeedBackend(TrainerBackend):
         deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
         self.stage, self.ds_config = cfg.zero_stage, deepspeed_config(cfg, world_size)
         model = self._load_partitioned()
+        if cfg.lora.enabled:  # ZeRO then partitions the adapters' gradients and optimizer state alone
+            model = lora.add_adapters(model, cfg.lora)
         if cfg.offload_optimizer:  # DeepSpeed's own CPU Adam (compiled on first use) steps the offloaded state
             from deepspeed.ops.adam import DeepSpeedCPUAdam
-            self.optimizer = DeepSpeedCPUAdam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+            self.optimizer = DeepSpeedCPUAdam(trained_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                               adamw_mode=True)
         else:  # a torch optimizer, so DeepSpeed neither compiles its CPU Adam nor needs a GPU one
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            self.optimizer = torch.optim.AdamW(trained_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
         self.engine.eval()  # no dropout (see load_model); gradients flow all the same
         if cfg.gradient_checkpointing:
@@ -155,7 +159,7 @@ class DeepSpeedBackend(TrainerBackend):
 
     def _load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         with self._parameters_gathered(modifier_rank=0):
-            self.engine.module.load_state_dict(weights)
+            load_weights(self.engine.module, weights, self.cfg.lora.enabled)
         if self.wrapped:  # DeepSpeed keeps its own fp32 master weights: copy the loaded weights in
             self.engine.optimizer.refresh_fp32_params()
 
@@ -184,6 +188,10 @@ class DeepSpeedBackend(TrainerBackend):
             raise ValueError(f"{folder} keeps its optimizer state per rank (an older rlsys): resume it with the "
                              "rlsys version that wrote it")
 
+    def _trained_named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters the optimizer steps, by name (with trainer.lora the adapters alone)."""
+        return {name: p for name, p in self.engine.module.named_parameters() if p.requires_grad}
+
     def _state_keys(self) -> list[str]:
         if not self.optimizer.state:  # no step taken yet: nothing but zeros to keep
             return []
@@ -194,7 +202,7 @@ class DeepSpeedBackend(TrainerBackend):
         return float(state["step"]) if state else 0.0
 
     def _save_optimizer(self, folder: Path) -> None:
-        params = dict(self.engine.module.named_parameters())
+        params = self._trained_named_parameters()
 
         def full(name: str, key: str) -> torch.Tensor:  # a collective under ZeRO: every rank gathers
             param = params[name]
@@ -211,7 +219,7 @@ class DeepSpeedBackend(TrainerBackend):
 
     @torch.no_grad()  # stage 0 bf16 writes into the fp32 masters, leaves that require grad
     def _load_optimizer(self, folder: Path) -> None:
-        params = dict(self.engine.module.named_parameters())
+        params = self._trained_named_parameters()
         with PerParameterState(folder) as saved:
             saved.check_names(params)
             self._reset_optimizer_state(saved.step, zero=not saved.keys)

@@ -145,12 +145,12 @@ class TrainerWorker:
 
     def weight_plans(self, budget_bytes: int, dtype) -> list[BucketPlan]:
         """The rollout weights' bucket plans, from their shapes alone."""
-        return plan_buckets(self.backend.rollout_shapes(), budget_bytes, dtype)
+        return plan_buckets(self.backend.published_shapes(), budget_bytes, dtype)
 
     def send_weights(self, plans: list[BucketPlan], version: int) -> Receiver | None:
         """Read the weights one parameter at a time (under ZeRO-3 every rank must, to gather them); a
         sending rank packs and ships them as they come. Returns the sender's receiver description, if any."""
-        weights = self.backend.rollout_weights()
+        weights = self.backend.published_weights()
         if self.sender is None:
             for _ in weights:
                 pass
