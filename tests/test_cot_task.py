@@ -1,0 +1,64 @@
+"""The cot_sum task (long-CoT RL's length shape): answers direct or worked, scored on their final value, lengths
+heavy-tailed with a stated share past the cap; and the length shape a run reports at its first and last step."""
+import statistics
+import string
+
+import pytest
+
+from rlsys.config import ConfigError
+from rlsys.data import filter_long_prompts
+from rlsys.data.cot_tasks import CHAIN_CAP_SHARE, CHAIN_SHARE, MAX_DIGITS, chain
+from rlsys.data.synthetic import make_split
+from rlsys.models.tiny import build_char_tokenizer
+from rlsys.reward.registry import final_value
+from rlsys.startup import load_config
+
+CAP = 128  # configs/emulated_h100_7b_cot.yaml's rollout.max_new_tokens
+
+
+def digits_of(text: str) -> list[int]:
+    """`cot a3b5c8=` -> [3, 5, 8], checking the tags run a, b, c, ..."""
+    body = text[len("cot "):-1]
+    assert body[0::2] == string.ascii_lowercase[:len(body) // 2], text
+    return [int(d) for d in body[1::2]]
+
+
+def worked(digits: list[int]) -> str:
+    """An independent worked answer: each tag, its digit, the running sum mod 10."""
+    return " ".join(f"{string.ascii_lowercase[i]}{d}={sum(digits[:i + 1]) % 10}" for i, d in enumerate(digits))
+
+
+def test_answers_are_direct_or_worked_and_either_is_right_on_its_final_value():
+    prompts = make_split("cot_sum", "train", 4000, seed=0)
+    chains = 0
+    for p in prompts:
+        digits = digits_of(p.text)
+        assert p.answer in (str(sum(digits) % 10), worked(digits)), p
+        chains += p.answer == worked(digits)
+        assert final_value(str(sum(digits) % 10), p.answer) == final_value(worked(digits), p.answer) == 1.0
+        assert final_value(str((sum(digits) + 1) % 10), p.answer) == 0.0
+        assert final_value(worked(digits)[:CAP], p.answer) == (len(worked(digits)) <= CAP)  # cut at the cap: wrong
+    assert abs(chains / len(prompts) - CHAIN_SHARE) < 0.03  # 4.7 standard errors of 4,000 draws
+
+
+def test_splits_are_seeded():
+    assert make_split("cot_sum", "train", 200, seed=1) == make_split("cot_sum", "train", 200, seed=1)
+    assert make_split("cot_sum", "train", 200, seed=1) != make_split("cot_sum", "train", 200, seed=2)
+
+
+def test_worked_lengths_have_a_long_tail_and_the_stated_share_past_the_cap():
+    prompts = make_split("cot_sum", "train", 4000, seed=0)
+    lengths = sorted(len(chain(digits_of(p.text))) for p in prompts)
+    median, p90 = statistics.median(lengths), lengths[int(0.9 * len(lengths))]
+    assert 15 <= median <= 35 and p90 >= 2.5 * median, (median, p90)
+    past_cap = sum(n > CAP for n in lengths) / len(lengths)
+    assert past_cap == sum(len(digits_of(p.text)) == MAX_DIGITS for p in prompts) / len(prompts)
+    assert abs(past_cap - CHAIN_CAP_SHARE) < 0.015  # 4.6 standard errors
+    kept, dropped = filter_long_prompts(prompts, build_char_tokenizer(), 64)  # data.max_prompt_tokens' default
+    assert dropped == 0
+
+
+def test_cot_sum_needs_the_final_value_reward():
+    with pytest.raises(ConfigError, match="reward.fn=final_value"):
+        load_config(None, ["data.task=cot_sum"])  # the default reward.fn=exact_match would score chains wrong
+    assert load_config(None, ["data.task=cot_sum", "reward.fn=final_value"]).data.task == "cot_sum"
