@@ -10,6 +10,7 @@ that did not emulate (its real compute overran, e.g. on a loaded machine) is kep
 run again.
 
     nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
+    nice -n 5 python benchmarks/emulated_budget.py --workloads longcot --budgets 2 --presets sync,tail --seeds 2
     python benchmarks/emulated_budget.py                     # the whole matrix, 5 seeds, skipping what is done
 """
 from __future__ import annotations
@@ -29,11 +30,13 @@ from rlsys.config import Config  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 # name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
 # interpolated between evals
-WORKLOADS = {"old": "configs/emulated_h100_7b.yaml"}
+# (old: the default task mix; longcot: cot_sum, whose answers lengthen as the policy learns, long-CoT RL's shape)
+WORKLOADS = {"old": "configs/emulated_h100_7b.yaml", "longcot": "configs/emulated_h100_7b_cot.yaml"}
 SHORT = ["trainer.total_steps=20", "control.eval_every=5", "data.eval_size=1000", "control.save_every=0"]
 TARGET = "+0.03"  # the stored table's
 COLOCATED = ["sync", "tail", "tail-streamed", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
 SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}
+CLOCK = "emulated H100s running Qwen2.5-7B (CPU: the tiny model's real tokens on this machine, paced by rlsys/costs.py)"
 
 
 def layout(preset: str, gpus: int) -> list[str]:
@@ -56,7 +59,7 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
     else:
         paired = kept
     results = {n: aggregate(v) for n, v in kept.items()}
-    return {"command": command, "workload": workload, "machine": machine(),
+    return {"command": command, "workload": workload, "machine": machine(), "clock": CLOCK,
             "equal_time_s": add_equal_time(kept) if kept else None,
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),

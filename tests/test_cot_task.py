@@ -5,10 +5,15 @@ import string
 
 import pytest
 
-from rlsys.config import ConfigError
+from helpers import SMALL
+from rlsys.bench import summarise_run
+from rlsys.cli import main
+from rlsys.config import DEFAULT_CONFIG, ConfigError
+from rlsys.control.metrics import percentile
 from rlsys.data import filter_long_prompts
 from rlsys.data.cot_tasks import CHAIN_CAP_SHARE, CHAIN_SHARE, MAX_DIGITS, chain
 from rlsys.data.synthetic import make_split
+from rlsys.logger import read_jsonl
 from rlsys.models.tiny import build_char_tokenizer
 from rlsys.reward.registry import final_value
 from rlsys.startup import load_config
@@ -62,3 +67,21 @@ def test_cot_sum_needs_the_final_value_reward():
     with pytest.raises(ConfigError, match="reward.fn=final_value"):
         load_config(None, ["data.task=cot_sum"])  # the default reward.fn=exact_match would score chains wrong
     assert load_config(None, ["data.task=cot_sum", "reward.fn=final_value"]).data.task == "cot_sum"
+
+
+@pytest.mark.slow
+def test_a_runs_length_shape_at_its_first_and_last_step_is_those_steps_samples(tmp_path, ray_cluster):
+    """A sync run on cot_sum: the bench's length shape at the first and the last step is the shape of the samples
+    that step trained (the timeline records each one's tokens and why it stopped)."""
+    out = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "data.task=cot_sum", "reward.fn=final_value", "trainer.total_steps=3",
+                 f"output_dir={out}", "control.eval_every=0", "control.save_every=0", *SMALL]) == 0
+    summary = summarise_run(read_jsonl(out / "metrics.jsonl"), target=1.0)
+    timeline = read_jsonl(out / "timeline.jsonl")
+    for when, step in (("first", 1), ("last", 3)):
+        samples = [r for r in timeline if r["step"] == step]
+        assert len(samples) == 16  # 4 prompts x 4 samples (SMALL), each trained
+        tokens = [r["tokens"] for r in samples]
+        for q in (50, 90, 99):
+            assert summary[f"length_p{q}_{when}"] == percentile(tokens, q)
+        assert summary[f"length_at_cap_{when}"] == statistics.mean(r["finish_reason"] == "length" for r in samples)
