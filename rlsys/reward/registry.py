@@ -80,8 +80,8 @@ def final_answer(response: str, answer: str) -> float:
 
 @register_reward("final_value")
 def final_value(response: str, answer: str) -> float:
-    """exact_match of the values after the last "=": a worked answer (`a3=3 b5=8`) and a direct one (`8`, no "=")
-    are right alike (data.task=cot_sum)."""
+    """exact_match of the values after the last "=": a worked answer (`x=a, k=b`) and a direct one (`b`, no "=")
+    are right alike (data.task=cot_count)."""
     return exact_match(response.rpartition("=")[2], answer.rpartition("=")[2])
 
 
