@@ -30,7 +30,7 @@ from rlsys.config import Config  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 # name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
 # interpolated between evals
-# (old: the default task mix; longcot: cot_count, whose answers lengthen as the policy learns, long-CoT RL's shape)
+# (old: the default task mix; longcot: cot_sum, whose answers lengthen as the policy learns, long-CoT RL's shape)
 WORKLOADS = {"old": "configs/emulated_h100_7b.yaml", "longcot": "configs/emulated_h100_7b_cot.yaml"}
 SHORT = ["trainer.total_steps=20", "control.eval_every=5", "data.eval_size=1000", "control.save_every=0"]
 TARGET = "+0.03"  # the stored table's

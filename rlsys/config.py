@@ -615,10 +615,10 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _cot_count_scored_on_its_value(self):
-        # cot_count's answers are direct or worked (rlsys/data/cot_tasks.py): only their final values compare
-        if self.data.task == "cot_count" and self.reward.fn != "final_value":
-            raise ValueError(f"data.task=cot_count is answered directly or as a worked chain, both right when the value "
+    def _cot_sum_scored_on_its_value(self):
+        # cot_sum's answers are direct or worked (rlsys/data/cot_tasks.py): only their final values compare
+        if self.data.task == "cot_sum" and self.reward.fn != "final_value":
+            raise ValueError(f"data.task=cot_sum is answered directly or as a worked chain, both right when the value "
                              f"after the last '=' is: it needs reward.fn=final_value (got {self.reward.fn})")
         return self
 

@@ -80,8 +80,8 @@ def final_answer(response: str, answer: str) -> float:
 
 @register_reward("final_value")
 def final_value(response: str, answer: str) -> float:
-    """exact_match of the values after the last "=": a worked answer (`x=a, k=b`) and a direct one (`b`, no "=")
-    are right alike (data.task=cot_count)."""
+    """exact_match of the values after the last "=": a worked answer (`x1=1, k2=0`) and a direct one (`0`, no "=")
+    are right alike (data.task=cot_sum)."""
     return exact_match(response.rpartition("=")[2], answer.rpartition("=")[2])
 
 
