@@ -31,8 +31,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
 # interpolated between evals
 # (old: the default task mix; longcot: cot_sum, whose answers lengthen as the policy learns, long-CoT RL's shape)
-WORKLOADS = {"old": "configs/emulated_h100_7b.yaml", "longcot": "configs/emulated_h100_7b_cot.yaml"}
 SHORT = ["trainer.total_steps=20", "control.eval_every=5", "data.eval_size=1000", "control.save_every=0"]
+# longcot's steps grow as its answers do: 10 steps and evals of 500 fit two seeds of two presets in half an hour
+LONGCOT_SHORT = ["trainer.total_steps=10", "control.eval_every=5", "data.eval_size=500", "control.save_every=0"]
+WORKLOADS = {"old": ("configs/emulated_h100_7b.yaml", SHORT),
+             "longcot": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT)}
 TARGET = "+0.03"  # the stored table's
 COLOCATED = ["sync", "tail", "tail-streamed", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
 SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}
@@ -89,17 +92,17 @@ def main() -> int:
     args = p.parse_args()
     command = "python benchmarks/emulated_budget.py " + " ".join(sys.argv[1:])
     for name in args.workloads.split(","):
-        config = WORKLOADS[name]
+        config, short = WORKLOADS[name]
         for gpus in map(int, args.budgets.split(",")):
             path = RESULTS / f"emulated_budget_{name}_{gpus}gpu.json"
-            workload = {"config": config, "overrides": SHORT, "target": TARGET, "gpus": gpus,
+            workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
                         "layouts": {preset: layout(preset, gpus) for preset in args.presets.split(",")}}
             runs = json.loads(path.read_text())["runs"] if path.exists() else {}
             for seed in range(args.seeds):  # seeds outermost: every preset's first seeds before anyone's fifth
                 for preset in args.presets.split(","):
                     if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
                         continue
-                    overrides = SHORT + layout(preset, gpus) + [f"seed={seed}"]
+                    overrides = short + layout(preset, gpus) + [f"seed={seed}"]
                     started = time.time()
                     run_dir = Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}"
                     run_cfg = run_config(config, overrides, run_dir)
