@@ -10,6 +10,7 @@ that did not emulate (its real compute overran, e.g. on a loaded machine) is kep
 run again.
 
     nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
+    nice -n 5 python benchmarks/emulated_budget.py --workloads longcot --budgets 2 --presets sync,tail --seeds 2
     python benchmarks/emulated_budget.py                     # the whole matrix, 5 seeds, skipping what is done
 """
 from __future__ import annotations
@@ -29,11 +30,16 @@ from rlsys.config import Config  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 # name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
 # interpolated between evals
-WORKLOADS = {"old": "configs/emulated_h100_7b.yaml"}
+# (old: the default task mix; longcot: cot_sum, whose answers lengthen as the policy learns, long-CoT RL's shape)
 SHORT = ["trainer.total_steps=20", "control.eval_every=5", "data.eval_size=1000", "control.save_every=0"]
+# longcot's steps grow as its answers do: 10 steps and evals of 500 fit two seeds of two presets in half an hour
+LONGCOT_SHORT = ["trainer.total_steps=10", "control.eval_every=5", "data.eval_size=500", "control.save_every=0"]
+WORKLOADS = {"old": ("configs/emulated_h100_7b.yaml", SHORT),
+             "longcot": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT)}
 TARGET = "+0.03"  # the stored table's
 COLOCATED = ["sync", "tail", "tail-streamed", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
 SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}
+CLOCK = "emulated H100s running Qwen2.5-7B (CPU: the tiny model's real tokens on this machine, paced by rlsys/costs.py)"
 
 
 def layout(preset: str, gpus: int) -> list[str]:
@@ -56,7 +62,7 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
     else:
         paired = kept
     results = {n: aggregate(v) for n, v in kept.items()}
-    return {"command": command, "workload": workload, "machine": machine(),
+    return {"command": command, "workload": workload, "machine": machine(), "clock": CLOCK,
             "equal_time_s": add_equal_time(kept) if kept else None,
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
@@ -86,17 +92,17 @@ def main() -> int:
     args = p.parse_args()
     command = "python benchmarks/emulated_budget.py " + " ".join(sys.argv[1:])
     for name in args.workloads.split(","):
-        config = WORKLOADS[name]
+        config, short = WORKLOADS[name]
         for gpus in map(int, args.budgets.split(",")):
             path = RESULTS / f"emulated_budget_{name}_{gpus}gpu.json"
-            workload = {"config": config, "overrides": SHORT, "target": TARGET, "gpus": gpus,
+            workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
                         "layouts": {preset: layout(preset, gpus) for preset in args.presets.split(",")}}
             runs = json.loads(path.read_text())["runs"] if path.exists() else {}
             for seed in range(args.seeds):  # seeds outermost: every preset's first seeds before anyone's fifth
                 for preset in args.presets.split(","):
                     if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
                         continue
-                    overrides = SHORT + layout(preset, gpus) + [f"seed={seed}"]
+                    overrides = short + layout(preset, gpus) + [f"seed={seed}"]
                     started = time.time()
                     run_dir = Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}"
                     run_cfg = run_config(config, overrides, run_dir)

@@ -140,12 +140,12 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
     to_target = crossing_time(evals, target)
     samples = sum(r["samples"] for r in steps)
     mean = lambda key: statistics.mean(r[key] for r in steps) if steps else 0.0  # noqa: E731
-    warm = steps[WARMUP_STEPS:] or steps
+    timed = timed_steps(steps)
     per_sample = steps[-1]["time_s"] / samples if samples else None
     gpu_s = lambda t: t * gpus if t is not None and gpus else None  # noqa: E731
     return {
         "eval_curve": [[r["time_s"], r["eval/accuracy"]] for r in evals],
-        "step_time_s": statistics.mean(r["timing/step_s"] for r in warm) if warm else 0.0,
+        "step_time_s": statistics.mean(r["timing/step_s"] for r in timed) if timed else 0.0,
         "time_per_sample_s": per_sample,
         "gpus": gpus,
         "gpu_s_per_sample": gpu_s(per_sample),
@@ -169,6 +169,24 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
            if k in rows[-1]},
         **tool_calls(steps),
     }
+
+
+def timed_steps(steps: list[dict]) -> list[dict]:
+    """The steps the step time is measured over: those after the warm-up window; for sorted, whose update times
+    alternate within a round (its short groups train first), the whole rounds that start after it (from the first
+    round where none does). A round ends at the step after which the next begins (sorted/round), or, at the run's
+    end, where none of its prompts is left (sorted/deferred_prompts 0)."""
+    warm = steps[WARMUP_STEPS:] or steps
+    if not steps or "sorted/round" not in steps[0]:
+        return warm
+    rounds = [r["sorted/round"] for r in steps] + [None]
+    ends = [i for i, r in enumerate(steps) if rounds[i + 1] != rounds[i] and (
+        rounds[i + 1] is not None or r["sorted/deferred_prompts"] == 0)]
+    if not ends:
+        return warm
+    starts = [0] + [i + 1 for i in ends[:-1]]
+    first = next((i for i in starts if i >= WARMUP_STEPS), 0)
+    return steps[first:ends[-1] + 1]
 
 
 def length_shape(steps: list[dict]) -> dict:

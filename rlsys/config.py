@@ -651,6 +651,14 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _cot_sum_scored_on_its_value(self):
+        # cot_sum's answers are direct or worked (rlsys/data/cot_tasks.py): only their final values compare
+        if self.data.task == "cot_sum" and self.reward.fn != "final_value":
+            raise ValueError(f"data.task=cot_sum is answered directly or as a worked chain, both right when the value "
+                             f"after the last '=' is: it needs reward.fn=final_value (got {self.reward.fn})")
+        return self
+
+    @model_validator(mode="after")
     def _streamed_under_tail(self):
         # Only tail announces the groups of its next Train while the round generates (Accumulate): under any other
         # scheduler nothing would stream and the step would train exactly as without trainer.streamed.

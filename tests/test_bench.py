@@ -4,20 +4,22 @@ from pathlib import Path
 
 import pytest
 
-from rlsys.bench import Target, add_equal_time, aggregate, changing_nothing, summarise_run
+from rlsys.bench import WARMUP_STEPS, Target, add_equal_time, aggregate, changing_nothing, summarise_run
 from rlsys.cli import build_parser
 from rlsys.startup import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+STEP = {"samples": 128, "rollout/bubble_ratio": 0.2, "rollout/straggler_rate": 0.1, "rollout/efficiency": 0.8,
+        "throughput/tokens_per_s": 100.0, "response_length/mean": 8.0, "group_size": 8}  # a step row's figures
+
+
 def rows(step_s, evals, samples=128):
     """A run's metrics rows: steps of `step_s` seconds, evals as (time, accuracy)."""
     out = [{"time_s": t, "eval/accuracy": acc} for t, acc in evals]
     for i in range(1, 5):
-        out.append({"time_s": i * step_s, "timing/step_s": step_s, "samples": samples,
-                    "rollout/bubble_ratio": 0.2, "rollout/straggler_rate": 0.1, "rollout/efficiency": 0.8,
-                    "throughput/tokens_per_s": 100.0, "response_length/mean": 8.0, "group_size": 8})
+        out.append({**STEP, "time_s": i * step_s, "timing/step_s": step_s, "samples": samples})
     return sorted(out, key=lambda r: r["time_s"])
 
 
@@ -205,3 +207,37 @@ def test_a_run_reports_its_length_shape_at_the_first_and_the_last_step():
     assert (out["length_p50_last"], out["length_at_cap_last"], out["length_at_cap_first"]) == (12, 0.05, 0.0)
     assert aggregate([out, out])["length_p50_last"] == 12
     assert "length_p50_first" not in summarise_run(rows(1.0, [(0, 0.2)]), target=0.3)  # a run that did not log it
+
+
+def sorted_rows(round_steps: list[int], step_s: list[float], last_round_whole: bool = True) -> list[dict]:
+    """A sorted run's step rows: rounds of `round_steps` updates each, the step times given in order; its
+    last round cut short by the run's end unless `last_round_whole`."""
+    out, i = [], 0
+    for number, n in enumerate(round_steps, start=1):
+        for k in range(n):
+            done = k == n - 1 and (number < len(round_steps) or last_round_whole)
+            out.append({**STEP, "time_s": sum(step_s[:i + 1]), "timing/step_s": step_s[i],
+                        "sorted/round": number, "sorted/deferred_prompts": 0 if done else 4 * (n - k)})
+            i += 1
+    return out
+
+
+def test_sorted_step_time_is_whole_rounds_after_the_warm_up_over_their_steps():
+    # short groups train first: each round's updates grow slower (1, 2, 3, 6 s); the third round is cut at the end
+    times = [9.0, 9.0, 9.0, 9.0] + [1.0, 2.0, 3.0, 6.0] + [1.0, 2.0, 3.0, 6.0] + [1.0, 2.0]
+    out = summarise_run(sorted_rows([4, 4, 4, 2], times, last_round_whole=False), target=0.3)
+    assert WARMUP_STEPS <= 4  # the first round holds the warm-up: rounds two and three are timed
+    assert out["step_time_s"] == pytest.approx(sum(times[4:12]) / 8)  # not the cut round's fast half
+    whole = summarise_run(sorted_rows([4, 4, 4, 2], times, last_round_whole=True), target=0.3)
+    assert whole["step_time_s"] == pytest.approx(sum(times[4:14]) / 10)  # a last round that ended counts
+    # a round ends where the next begins even if a prompt was left to drop: the round number says so
+    rows_ = sorted_rows([4, 4, 4, 2], times, last_round_whole=False)
+    rows_[7]["sorted/deferred_prompts"] = 1
+    assert summarise_run(rows_, target=0.3)["step_time_s"] == pytest.approx(sum(times[4:12]) / 8)
+    # one round, still going: no whole round to time, so the steps after the warm-up
+    partial = summarise_run(sorted_rows([6], [1.0, 2.0, 3.0, 6.0, 1.0, 2.0], last_round_whole=False), target=0.3)
+    assert partial["step_time_s"] == pytest.approx((3.0 + 6.0 + 1.0 + 2.0) / 4)
+    # a run of one whole round that starts within the warm-up: the round from its start
+    assert summarise_run(sorted_rows([4], [5.0, 1.0, 2.0, 4.0]), target=0.3)["step_time_s"] == pytest.approx(3.0)
+    # other schedulers: the steps after the warm-up
+    assert summarise_run(rows(1.0, [(0, 0.2)]), target=0.3)["step_time_s"] == pytest.approx(1.0)

@@ -1,6 +1,7 @@
 """`sorted` in both modes through the whole system: Ray actors, the CPU engine, rewards, DeepSpeed."""
 import pytest
 
+from rlsys.bench import summarise_run
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
 from test_end_to_end import SMALL, rows
@@ -21,6 +22,9 @@ def test_sorted_trains_each_prompt_once_in_finish_order_within_its_bounds(tmp_pa
     last = steps[-1]
     assert last["sorted/round"] == 1 and last["sorted/deferred_prompts"] == 0
     assert last["sorted/aborted"] > 0  # requests were cut at updates
+    # the bench times sorted over whole rounds: here its one round of four updates, the warm-up window included
+    step_time = summarise_run(rows(out), target=1.0)["step_time_s"]
+    assert step_time == pytest.approx(sum(r["timing/step_s"] for r in steps) / len(steps))
     if mode == "on_policy":
         assert last["staleness/max"] == 0  # never a token of older weights
     else:

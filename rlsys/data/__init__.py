@@ -10,6 +10,7 @@ from rlsys.config import DataConfig
 from rlsys.registry import Registry
 from rlsys.data.files import DataError, chat_text, read_prompts
 from rlsys.data import code_tasks  # noqa: F401  registers the `code` family
+from rlsys.data import cot_tasks  # noqa: F401  registers the `cot_sum` family
 from rlsys.data import long_tasks  # noqa: F401  registers the `rep_long` family
 from rlsys.data import math_tasks  # noqa: F401  registers the `math` family
 from rlsys.data import tool_tasks  # noqa: F401  registers the `tool_arith` family

@@ -78,6 +78,13 @@ def final_answer(response: str, answer: str) -> float:
     return exact_match(response.rpartition(RESPONSE_CLOSE)[2].rpartition(CALL_CLOSE)[2], answer)
 
 
+@register_reward("final_value")
+def final_value(response: str, answer: str) -> float:
+    """exact_match of the values after the last "=": a worked answer (`x1=1, k2=0`) and a direct one (`0`, no "=")
+    are right alike (data.task=cot_sum)."""
+    return exact_match(response.rpartition("=")[2], answer.rpartition("=")[2])
+
+
 @register_reward("math_verify")
 def math_verify(response: str, answer: str) -> float:
     """1.0 if the response's final answer is mathematically equal to `answer` ("\\boxed{0.5}" vs "1/2")."""
