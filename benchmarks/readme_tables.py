@@ -428,6 +428,24 @@ def emulated_budget_old_2gpu() -> str:
     return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_old_2gpu"))
 
 
+@table("emulated_budget_longcot_2gpu")
+def emulated_budget_longcot_2gpu() -> str:
+    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_longcot_2gpu"))
+
+
+def length_shape(name: str) -> str:
+    """Each preset's length shape at its first and last step: median, p90, p99 (tokens), share at the cap."""
+    return rows(["preset", "p50 first → last", "p90 first → last", "p99 first → last", "at the cap first → last"], [
+        [f"`{preset}`", *(f"{r[f'length_{k}_first']:.0f} → {r[f'length_{k}_last']:.0f}" for k in ("p50", "p90", "p99")),
+         f"{r['length_at_cap_first']:.1%} → {r['length_at_cap_last']:.1%}"]
+        for preset, r in load(name)["results"].items()])
+
+
+@table("emulated_budget_longcot_2gpu_lengths")
+def emulated_budget_longcot_2gpu_lengths() -> str:
+    return length_shape("emulated_budget_longcot_2gpu")
+
+
 @table("emulated_h100_7b_sagc")
 def emulated_h100_7b_sagc() -> str:
     """SAGC against static group sizes under `sorted`, on the drifting workload: every figure over seeds."""
@@ -679,14 +697,19 @@ def emulated_speeds() -> dict[str, float]:
 
 
 def budget_figures() -> list[str]:
-    """The equal-budget rerun as prose quotes it: tail against sync per GPU-second and to target, with intervals."""
+    """The equal-budget reruns as prose quotes them: tail against sync per GPU-second and to target, with
+    intervals, on the old workload and on the one whose answers lengthen."""
+    cell = "{:.2f}x [{:.2f}, {:.2f}]".format
     j = load("emulated_budget_old_2gpu")
     t, seeds = j["speedup_vs_sync"]["tail"], j["results"]["tail"]["repeats"]
-    cell = "{:.2f}x [{:.2f}, {:.2f}]".format
+    c = load("emulated_budget_longcot_2gpu")["speedup_vs_sync"]["tail"]
     return [f"`tail` is {cell(t['per_sample_gpu_s'], *t['per_sample_gpu_s_ci95'])} sync per GPU-second and reaches "
             f"the target accuracy {cell(t['time_to_target_gpu_s'], *t['time_to_target_gpu_s_ci95'])} sooner "
             f"({seeds} seeds, bootstrap 95% intervals)",
-            f"final accuracy {t['final_accuracy_vs_sync']['diff']:+.3f} ± {t['final_accuracy_vs_sync']['se']:.3f}"]
+            f"final accuracy {t['final_accuracy_vs_sync']['diff']:+.3f} ± {t['final_accuracy_vs_sync']['se']:.3f}",
+            f"`tail` is {cell(c['per_sample_gpu_s'], *c['per_sample_gpu_s_ci95'])} per GPU-second and "
+            f"{cell(c['time_to_target_gpu_s'], *c['time_to_target_gpu_s_ci95'])} sooner to target, final accuracy "
+            f"{c['final_accuracy_vs_sync']['diff']:+.3f} ± {c['final_accuracy_vs_sync']['se']:.3f}"]
 
 
 def emulated_comparison_figures() -> list[str]:
