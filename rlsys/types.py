@@ -76,8 +76,7 @@ def trajectory_return(reward: float, turns: list[ToolTurn], rule: str = "sum", g
     value R for the model's final turn, turn T:
     - "sum": R + sum_t r_t;
     - "discounted": sum_t gamma^t r_t + gamma^T R (gamma 1: the sum)."""
-    if rule == "sum":
-        return reward + sum(t.reward for t in turns)
+    gamma = gamma if rule == "discounted" else 1.0
     index, total = -1, 0.0
     for t in turns:
         index += t.call == 0  # a turn's first call opens it

@@ -127,7 +127,7 @@ class RolloutEngine(ABC):
         calls = text.count(self.call_close)
         if self.max_calls > 1 and not (calls >= self.max_calls or (at_eos and calls)):
             return None  # the model may write another call before its turn ends
-        first = text.rfind(self.call_open) if self.max_calls == 1 else text.split(self.call_close)[0].rfind(self.call_open)
+        first = text.split(self.call_close)[0].rfind(self.call_open)  # the first call's opening tag
         return text[first:] if first >= 0 else text
 
     @staticmethod

@@ -182,8 +182,7 @@ class ToolBox:
         default now); never raises."""
         start = time.monotonic()
         made_at = start if made_at is None else made_at
-        name, request = self._read(call_text, sample)
-        return self._result(name, start, lambda: self._do(name, request, conversation, self._time_left(start, made_at)))
+        return self._answer(*self._read(call_text, sample), conversation, start, made_at)
 
     def run_turn(self, turn_text: str, conversation: str | None = None, made_at: float | None = None,
                  sample: dict | None = None) -> list[ToolResult]:
@@ -201,9 +200,7 @@ class ToolBox:
         batched = [i for i, (name, request) in enumerate(read) if self._in_child(name, request)]
 
         def run_one(i: int) -> None:
-            name, request = read[i]
-            results[i] = self._result(name, start,
-                                      lambda: self._do(name, request, conversation, self._time_left(start, made_at)))
+            results[i] = self._answer(*read[i], conversation, start, made_at)
         threads = [threading.Thread(target=run_one, args=(i,), name="tool-call") for i in range(len(calls))
                    if i not in batched]
         for t in threads:
@@ -228,6 +225,10 @@ class ToolBox:
         except ToolCallError as e:
             return "", e
         return call.name, {"name": call.name, "arguments": call.arguments}
+
+    def _answer(self, name: str, request, conversation: str | None, start: float, made_at: float) -> ToolResult:
+        """The ToolResult of one read call, run within what is left of tools.timeout_s after `made_at`."""
+        return self._result(name, start, lambda: self._do(name, request, conversation, self._time_left(start, made_at)))
 
     def _in_child(self, name: str, request) -> bool:
         """Whether the request runs in the conversation's process of the user's code."""

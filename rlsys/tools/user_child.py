@@ -16,6 +16,7 @@ The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's te
 here, so a flood never crosses the socket. A tool, reset or step may be a function or an `async def`.
 """
 import asyncio
+import contextlib
 import ctypes
 import inspect
 import json
@@ -96,11 +97,9 @@ async def _batch(requests: list[dict], fns: dict, env, max_chars: int, timeout_s
         args, kwargs = ((request["step"],), {}) if step else ((), request["arguments"])
         if inspect.iscoroutinefunction(fn):
             value = await fn(*args, **kwargs)
-        elif step:
-            async with env_turn:
-                value = await _result_async(await loop.run_in_executor(threads, lambda: fn(*args, **kwargs)))
         else:
-            value = await _result_async(await loop.run_in_executor(threads, lambda: fn(*args, **kwargs)))
+            async with env_turn if step else contextlib.nullcontext():
+                value = await _result_async(await loop.run_in_executor(threads, lambda: fn(*args, **kwargs)))
         return _step_reply(value, max_chars) if step else _tool_reply(value, max_chars)
 
     async def timed(request: dict) -> dict:
