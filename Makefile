@@ -30,7 +30,7 @@ train: setup
 	$(VENV)/bin/rlsys train configs/tiny.yaml
 
 test: setup
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=30
 
 # Refresh the lock: resolve the newest versions the ranges in pyproject.toml admit, in a scratch
 # environment, and write them to $(LOCK). Run `make test` afterwards before committing it.
