@@ -127,6 +127,23 @@ def gpu_figures() -> list[tuple[str, str]]:
     ]
 
 
+def test_the_lora_figures_in_the_design_are_its_results_file():
+    """docs/design.md "LoRA": LoRA beside full fine-tuning on the CPU, each figure from lora_vs_full_cpu.json."""
+    import json
+
+    j = json.loads((ROOT / "benchmarks" / "results" / "lora_vs_full_cpu.json").read_text())
+    full, lora, ratio, mib = j["memory"]["full"], j["memory"]["lora"], j["full_over_lora"], 2 ** 20
+    phrase = (f"the same {full['all_parameters'] / 1e6:.0f}M-parameter Qwen2 of the bench presets' width and the same "
+              f"batches, rank {j['lora']['rank']} on every projection) LoRA trains "
+              f"{lora['trainable_parameters'] / 1e6:.2f}M parameters, holds {ratio['optimizer_state_bytes']:.0f}x less "
+              f"optimizer state ({lora['optimizer_state_bytes'] / mib:.1f} against "
+              f"{full['optimizer_state_bytes'] / mib:.0f} MiB), uses {ratio['trainer_peak']:.1f}x less memory at its "
+              f"peak beyond the process's imports ({lora['trainer_peak_mib']:.0f} against "
+              f"{full['trainer_peak_mib']:.0f} MiB of RSS) and takes {ratio['step_cpu_time']:.1f}x less CPU time a "
+              f"step ({ratio['step_wall_time']:.1f}x wall; medians of {j['settings']['rounds']} interleaved rounds)")
+    assert phrase in " ".join(DESIGN.read_text().split())
+
+
 def test_every_gpu_figure_in_the_docs_is_the_results_files():
     """The figures of docs/performance.md's "Measured on an H100", the README and docs/design.md, each rebuilt
     from benchmarks/results/gpu_*.json: a figure edited by hand, or a results file changed, fails here."""
