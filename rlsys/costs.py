@@ -1,7 +1,8 @@
 """Cost model of an H100-class cluster: vLLM decode and prefill, the trainer, and weight sync.
 
 One model, two users: the simulator (rlsys/sim/) and live runs on an emulated clock (rlsys/emulate.py),
-so both take their seconds from the functions and defaults here. It imports nothing of rlsys.
+so both take their seconds from the functions and defaults here. It imports nothing of rlsys but the built-in
+engine's shape buckets (rlsys/rollout/shapes.py, plain Python), by which its padded decode step is charged.
 
 Constants and formulas: docs/performance.md "Calibration sources" (decode with weights read
 at 75% of HBM bandwidth, KV reads at 90%, 90% of memory usable; prefill at about 45% of BF16 peak; weight
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from rlsys.rollout.shapes import KEYS_FINE, bucket, buckets
 
 BF16 = 2  # bytes
 
@@ -28,14 +31,16 @@ TRAIN_FLOPS = 6  # forward and backward
 LINK_GBPS = 25.0  # GB/s of full weights, trainer to engines
 SYNC_LATENCY_S = 0.2
 
-# The built-in engine (rlsys/rollout/builtin_engine.py) on CUDA instead of vLLM, its decode step as CUDA graphs:
-# fitted (minimax relative error, skewed points included) to its H100 grid at 0.47B, benchmarks/results/
-# gpu_engine_graph_h100.json, within -51% to +107% (RMS 52%): the measured step grows with the longest sequence's
-# keys (SDPA's masked kernel walked them in 2 thread blocks a sequence, 1.8 ms at 128 keys, 7.2 ms at 4096, one
-# sequence), which a cost summing the live KV cannot express. prefill_mfu: its two largest prefills (8 x 1024 and
-# 32 x 512) within 4%; a smaller one pays a fixed cost (7.4 ms for 128 tokens) that the model leaves out.
-# The eager engine's grid (gpu_engine_h100.json) had 7 ms, 0.05 and 0.35.
-BUILTIN_ENGINE = {"overhead_s": 3.3e-3, "decode_mfu": 0.059, "prefill_mfu": 0.30}
+# The built-in engine (rlsys/rollout/builtin_engine.py) on CUDA instead of vLLM, its decode step as CUDA graphs
+# over static shapes: every row attends over the longest sequence's key bucket (EngineCost.max_len). key_s is the
+# attention's walk over those keys, which barely depends on the batch (SDPA's masked kernel: 2 thread blocks a
+# sequence; 7.2 ms at 4096 keys for one sequence, 1.8 ms at 128). Least-squares fit of the relative error to every
+# point of its H100 grid at 0.47B, skewed ones included (benchmarks/results/gpu_engine_graph_h100.json), by
+# benchmarks/builtin_engine_fit.py: the fit and each point's error in builtin_engine_fit_h100.json.
+# prefill_mfu: its two largest prefills (8 x 1024 and 32 x 512) within 4%; a smaller one pays a fixed cost
+# (7.4 ms for 128 tokens) that the model leaves out. The eager engine's grid (gpu_engine_h100.json) had 7 ms,
+# 0.05 and 0.35, with a cost summing the live KV.
+BUILTIN_ENGINE = {"overhead_s": 1.46e-3, "decode_mfu": 0.143, "prefill_mfu": 0.30, "key_s": 1.26e-6}
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,10 @@ class EngineCost:
 
     per GPU: the weight read dominates small batches, the matmuls large ones (roofline), and KV
     reads grow with the live tokens of the batch, which is what makes long-CoT rollout slow.
+
+    An engine whose attention is padded to the longest sequence (the built-in engine's static step: `max_len` set)
+    reads K keys for every row instead, K the key bucket of the longest sequence (rlsys/rollout/shapes.py), and
+    walks them in `key_s` a key whatever the batch: the KV term is K * (key_s + n * kv_bytes / (0.9 BW)).
     """
     weight_s: float  # seconds per step to stream this GPU's weights
     compute_s_per_seq: float  # seconds per step per running sequence when compute-bound
@@ -98,11 +107,16 @@ class EngineCost:
     overhead_s: float
     prefill_s_per_token: float
     kv_capacity: float  # tokens of KV cache per engine
+    key_s: float = 0.0  # padded attention: seconds per step per key of the longest sequence's bucket
+    max_len: int = 0  # padded attention: the engine's max_len (its last key bucket); 0: paged, as vLLM
 
     @classmethod
     def build(cls, model: ModelShape, gpu: GPU, tp: int, memory_fraction: float = MEMORY_FRACTION,
               overhead_s: float = STEP_OVERHEAD_S, decode_mfu: float = DECODE_MFU, prefill_mfu: float = PREFILL_MFU,
-              allreduce_s: float = ALLREDUCE_S, tp_efficiency: float = TP_EFFICIENCY) -> "EngineCost":
+              allreduce_s: float = ALLREDUCE_S, tp_efficiency: float = TP_EFFICIENCY, key_s: float = 0.0,
+              max_len: int = 0) -> "EngineCost":
+        if key_s and not max_len:
+            raise ValueError("a padded engine's cost (key_s) needs its max_len, the last key bucket")
         weights = model.params * BF16 / tp
         kv_token = model.kv_bytes_per_token / tp
         free = memory_fraction * gpu.memory - weights
@@ -117,14 +131,24 @@ class EngineCost:
                    kv_s_per_token=slow * kv_token / (0.9 * gpu.bandwidth),
                    overhead_s=overhead_s + (2 * model.layers * allreduce_s if tp > 1 else 0.0),  # 2 per layer
                    prefill_s_per_token=flops_per_token / (gpu.peak_flops * prefill_mfu),
-                   kv_capacity=free / kv_token)
+                   kv_capacity=free / kv_token, key_s=key_s, max_len=max_len)
 
     def fixed_s(self, n: int) -> float:
         """The part of a decode step that does not depend on context length."""
         return max(self.weight_s, n * self.compute_s_per_seq) + self.overhead_s
 
-    def step_s(self, n: int, live_kv: float) -> float:
-        return self.fixed_s(n) + live_kv * self.kv_s_per_token
+    def step_s(self, n: int, live_kv: float, longest: float = 0) -> float:
+        """A decode step of n sequences over live_kv cached tokens, the longest of them holding `longest` keys
+        (read by a padded engine only)."""
+        if not self.max_len:
+            return self.fixed_s(n) + live_kv * self.kv_s_per_token
+        keys = min(math.ceil(longest), self.max_len)  # a fluid simulator's count may pass it by a hair
+        return self.fixed_s(n) + bucket(keys, buckets(self.max_len, KEYS_FINE)) * self.growth_s(n)
+
+    def growth_s(self, n: int) -> float:
+        """What a step costs more for each step its n sequences take: the live KV grows by n; the longest, which
+        a padded engine reads, by one (its bucket taken as growing with it)."""
+        return (self.key_s if self.max_len else 0.0) + n * self.kv_s_per_token
 
 
 def train_gpu_seconds(model: ModelShape, gpu: GPU, tokens: float, mfu: float, flops_per_param_token: float) -> float:

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from cuda_standin import FakeDriver, FakeGraphs, cuda_graphs  # noqa: F401 (a fixture)
 from rlsys.rollout import builtin_engine
 from rlsys.rollout.builtin_engine import CPUEngine
-from rlsys.rollout.graph_step import bucket, buckets
+from rlsys.rollout.shapes import bucket, buckets
 from test_multiturn import ANSWER, model_dir, run as run_tools, sampled, tags  # noqa: F401 (fixtures)
 from rlsys.rollout.registry import register_engine
 from rlsys.types import Request, SamplingParams
@@ -605,9 +605,9 @@ def test_engines_stepping_at_once_keep_cudnn_off_until_the_last_is_out(qwen, mon
 
 # --- the static decode step and its CUDA graphs (graph_step.py) ---------------------------------------------
 def test_shape_buckets_are_powers_of_two_then_steps_up_to_the_limit():
-    assert buckets(64, 8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert buckets(20, 8) == [1, 2, 4, 8, 16, 20] and buckets(3, 8) == [1, 2, 3] and buckets(1, 8) == [1]
-    assert buckets(640, 128) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640]
+    assert buckets(64, 8) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert buckets(20, 8) == (1, 2, 4, 8, 16, 20) and buckets(3, 8) == (1, 2, 3) and buckets(1, 8) == (1,)
+    assert buckets(640, 128) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 640)
     assert [bucket(n, buckets(20, 8)) for n in (1, 3, 8, 9, 17, 20)] == [1, 4, 8, 16, 20, 20]
 
 

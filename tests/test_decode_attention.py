@@ -9,8 +9,8 @@ import torch
 from helpers import float32_reorder_rel
 from rlsys.rollout.attention import (CHUNK_KEYS, DECODE_ATTENTION, SPLIT_BELOW_ROWS, default_attention, sdpa,
                                      split_kv)
-from rlsys.rollout.builtin_engine import KEYS_FINE, CPUEngine
-from rlsys.rollout.graph_step import buckets
+from rlsys.rollout.builtin_engine import CPUEngine
+from rlsys.rollout.shapes import KEYS_FINE, buckets
 from test_cpu_engine import FakeDriver, FakeGraphs, assert_same_completions, mixed_workload, qwen, run  # noqa: F401
 
 BF16_EPS = 2.0 ** -7  # bfloat16's spacing at 1.0

@@ -3,7 +3,6 @@ import re
 from pathlib import Path
 
 from rlsys.costs import BUILTIN_ENGINE
-from test_costs_gpu import grid as grid_of, relative_errors
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
@@ -87,7 +86,8 @@ def gpu_figures() -> list[tuple[str, str]]:
     long = [ms for (b, c), ms in graph_ms.items() if c in (4096, "skewed")]
     mid = [ms for (b, c), ms in graph_ms.items() if c == 1024]
     attention = json.loads((results / "decode_attention_cpu.json").read_text())["rows"]
-    fit = relative_errors(BUILTIN_ENGINE, *grid_of("gpu_engine_graph_h100.json"))
+    refit = json.loads((results / "builtin_engine_fit_h100.json").read_text())
+    fit, paged = refit["errors"], refit["paged_form"]["errors"]
     perf, readme, design = "docs/performance.md", "README.md", "docs/design.md"
     return [
         (perf, f"graph step costs {spread(short)} ms at 128 keys for 1 to 256 sequences, the target of about 3 ms "
@@ -102,8 +102,11 @@ def gpu_figures() -> list[tuple[str, str]]:
         (perf, f"bf16 {spread([r['split_kv_bfloat16_error_over_max_output'] for r in attention], '{:.4f}')} for "
                f"split_kv against {spread([r['sdpa_bfloat16_error_over_max_output'] for r in attention], '{:.4f}')}"),
         (perf, f"split_kv is {spread([r['split_kv_float32_ms'] / r['sdpa_float32_ms'] for r in attention])}x slower"),
-        (perf, f"{BUILTIN_ENGINE['overhead_s'] * 1e3:.1f} ms a step and a decode MFU of {BUILTIN_ENGINE['decode_mfu']} "
-               f"(was 7 ms and 0.05), within {min(fit):.0%} to +{max(fit):.0%} of every point"),
+        (perf, f"{refit['fit']['overhead_s'] * 1e3:.2f} ms a step, a decode MFU of {refit['fit']['decode_mfu']} and "
+               f"{refit['fit']['key_s'] * 1e6:.2f} us a key of that bucket whatever the batch (the attention's walk over "
+               f"the keys), within {fit['min']:.0%} to +{fit['max']:.0%} of every point, RMS {fit['rms']:.1%} (a cost "
+               f"summing the live KV, fitted the same way: {paged['min']:.0%} to +{paged['max']:.0%}, RMS "
+               f"{paged['rms']:.0%})"),
         (perf, f"a prefill MFU of {BUILTIN_ENGINE['prefill_mfu']} (was 0.35)"),
         (perf, f"step costs {spread([p['step_ms'] for p in grid if p['batch'] <= 128])} ms for 1 to 128 running"),
         (perf, f"and {spread([p['step_ms'] for p in grid if p['batch'] == 256])} ms at 256"),
@@ -122,6 +125,23 @@ def gpu_figures() -> list[tuple[str, str]]:
         (perf, f"decoded at {spread(before_fix, '{:.0f}')} ms a token**"),
         (design, f"but {spread(before_fix, '{:.0f}')} ms a token inside a run"),
     ]
+
+
+def test_the_lora_figures_in_the_design_are_its_results_file():
+    """docs/design.md "LoRA": LoRA beside full fine-tuning on the CPU, each figure from lora_vs_full_cpu.json."""
+    import json
+
+    j = json.loads((ROOT / "benchmarks" / "results" / "lora_vs_full_cpu.json").read_text())
+    full, lora, ratio, mib = j["memory"]["full"], j["memory"]["lora"], j["full_over_lora"], 2 ** 20
+    phrase = (f"the same {full['all_parameters'] / 1e6:.0f}M-parameter Qwen2 of the bench presets' width and the same "
+              f"batches, rank {j['lora']['rank']} on every projection) LoRA trains "
+              f"{lora['trainable_parameters'] / 1e6:.2f}M parameters, holds {ratio['optimizer_state_bytes']:.0f}x less "
+              f"optimizer state ({lora['optimizer_state_bytes'] / mib:.1f} against "
+              f"{full['optimizer_state_bytes'] / mib:.0f} MiB), uses {ratio['trainer_peak']:.1f}x less memory at its "
+              f"peak beyond the process's imports ({lora['trainer_peak_mib']:.0f} against "
+              f"{full['trainer_peak_mib']:.0f} MiB of RSS) and takes {ratio['step_cpu_time']:.1f}x less CPU time a "
+              f"step ({ratio['step_wall_time']:.1f}x wall; medians of {j['settings']['rounds']} interleaved rounds)")
+    assert phrase in " ".join(DESIGN.read_text().split())
 
 
 def test_every_gpu_figure_in_the_docs_is_the_results_files():

@@ -323,6 +323,9 @@ def test_a_replay_of_a_run_on_a_real_gpu_models_its_built_in_engine_and_compares
     assert cfg.shape().params == pytest.approx(0.4725e9, rel=1e-3) and cfg.shape().head_dim == 64
     assert cfg.engine.step_overhead_ms == costs.BUILTIN_ENGINE["overhead_s"] * 1e3
     assert cfg.engine.decode_mfu == costs.BUILTIN_ENGINE["decode_mfu"] and cfg.workload.max_tokens == 512  # k = 1
+    # its attention padded to the longest sequence, up to the run's prompt budget and response cap
+    assert cfg.engine.padded_key_us == pytest.approx(costs.BUILTIN_ENGINE["key_s"] * 1e6)
+    assert cfg.engine_cost(cfg.cluster).max_len == 128 + 512
     metrics = {"step": 1, "timing/step_s": 9.0, "timing/rollout_s": 6.0, "timing/reward_s": 0.1, "timing/train_s": 2.0,
                "timing/weight_sync_s": 0.03, "rollout/bubble_ratio": 0.5}
     (tmp_path / "metrics.jsonl").write_text(json.dumps(metrics) + "\n")
@@ -335,7 +338,8 @@ def test_a_replay_of_a_run_on_a_real_gpu_models_its_built_in_engine_and_compares
 
 def test_a_replay_with_the_runs_own_step_cost_charges_its_measured_decode_step(tmp_path):
     """benchmarks/gpu/sim_vs_gpu.py --step-cost-from-run: the profile's fixed cost moved so that a full batch at the
-    run's mean length costs the run's median rollout/decode_step_ms; the replay's rollout follows it."""
+    run's mean length (its longest halfway through the longest answer) costs the run's median
+    rollout/decode_step_ms; the replay's rollout follows it."""
     import importlib.util
     from pathlib import Path
 
@@ -348,12 +352,12 @@ def test_a_replay_with_the_runs_own_step_cost_charges_its_measured_decode_step(t
     cfg = gpu_run_folder(tmp_path)
     metrics = [{"step": s, "timing/step_s": 9.0, "timing/rollout_s": 6.0, "timing/reward_s": 0.1,
                 "timing/train_s": 2.0, "timing/weight_sync_s": 0.03, "rollout/bubble_ratio": 0.5,
-                "rollout/decode_step_ms": ms, "response_length/mean": 260.0}
+                "rollout/decode_step_ms": ms, "response_length/mean": 260.0, "response_length/max": 470.0}
                for s, ms in ((1, 14.0), (2, 15.0), (3, 30.0))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     engine = sim_vs_gpu.run_step_cost(tmp_path, "h100")
-    full = costs.EngineCost.build(built_model_shape(cfg), costs.GPUS["h100"], tp=1, **engine)
-    assert full.step_s(64, 64 * (260 / 2 + 128 / 2)) == pytest.approx(15e-3)  # the median, not the mean
+    full = costs.EngineCost.build(built_model_shape(cfg), costs.GPUS["h100"], tp=1, **engine, max_len=128 + 512)
+    assert full.step_s(64, 64 * (260 / 2 + 128 / 2), 470 / 2 + 128) == pytest.approx(15e-3)  # the median, not the mean
     builtin = live_vs_sim(tmp_path, gpu="h100")["rollout_time_s"]["sim"]
     measured = live_vs_sim(tmp_path, gpu="h100", engine=engine)["rollout_time_s"]["sim"]
     assert measured > 1.5 * builtin and 470 * 10e-3 < measured < 470 * 20e-3

@@ -87,6 +87,23 @@ def test_engine_generates_slower_with_longer_context():
     assert long > 1.5 * short
 
 
+def test_a_padded_engine_decodes_a_batch_at_its_longest_sequences_cost():
+    """The built-in engine's cost (attention padded to the longest sequence's key bucket): one long prompt among
+    short ones makes the batch as slow as all long; vLLM's paged cost charges the live KV, far less."""
+    def decode_s(cost, prompts):
+        engine = SimEngine(0, cost, max_seqs=8, watermark=0.0, slots=8)
+        for i, tokens in enumerate(prompts):
+            engine.enqueue(SimRequest(f"r{i}", Prompt("p", "", ""), tokens, SampleDraw(50, False, 1.0, 0.0), 0.0))
+        engine.settle(0.0)
+        return engine.next_event()[0] - engine.prefill_until  # the 50 decode steps, prefill left out
+
+    skewed, long, short = [4000] + [100] * 7, [4000] * 8, [100] * 8
+    padded = EngineCost.build(MODELS["qwen2.5-1.5b"], GPUS["h100"], 1, **costs.BUILTIN_ENGINE, max_len=4096 + 64)
+    assert decode_s(padded, skewed) == decode_s(padded, long) > 2 * decode_s(padded, short)
+    paged = EngineCost.build(MODELS["qwen2.5-1.5b"], GPUS["h100"], 1)
+    assert decode_s(paged, skewed) - decode_s(paged, short) < (decode_s(paged, long) - decode_s(paged, short)) / 4
+
+
 def test_kv_full_engine_preempts_and_still_finishes_everything():
     cfg = small(engine={"memory_fraction": 0.06}, workload={"max_tokens": 4096, "median_tokens": 2000},
                 control={"prompts_per_step": 32, "group_size": 8})

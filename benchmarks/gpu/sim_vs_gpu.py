@@ -25,14 +25,18 @@ from rlsys.sim.replay import FIGURES, built_model_shape, live_vs_sim  # noqa: E4
 
 def run_step_cost(run: Path, gpu: str) -> dict:
     """costs.BUILTIN_ENGINE with its fixed cost a step moved to what the run measured: the median of its steps'
-    rollout/decode_step_ms, against the profile's step for a full batch at the run's mean length."""
+    rollout/decode_step_ms, against the profile's step for a full batch at the run's mean length, its longest
+    sequence halfway through the longest response."""
     cfg = read_config(run / "config.yaml")[0]
     steps = [r for r in read_jsonl(run / "metrics.jsonl") if "rollout/decode_step_ms" in r]
     measured_s = statistics.median(r["rollout/decode_step_ms"] for r in steps) / 1e3
-    engine = costs.EngineCost.build(built_model_shape(cfg), costs.GPUS[gpu], tp=1, **costs.BUILTIN_ENGINE)
+    max_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    engine = costs.EngineCost.build(built_model_shape(cfg), costs.GPUS[gpu], tp=1, **costs.BUILTIN_ENGINE,
+                                    max_len=max_len)
     running = min(cfg.rollout.slots, cfg.control.prompts_per_step * cfg.control.group_size)
     context = statistics.mean(r["response_length/mean"] for r in steps) / 2 + cfg.data.max_prompt_tokens / 2
-    modelled_s = engine.step_s(running, running * context)
+    longest = statistics.mean(r["response_length/max"] for r in steps) / 2 + cfg.data.max_prompt_tokens
+    modelled_s = engine.step_s(running, running * context, longest)
     return dict(costs.BUILTIN_ENGINE, overhead_s=costs.BUILTIN_ENGINE["overhead_s"] + measured_s - modelled_s)
 
 

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from rlsys.emulate import EnginePacer
 from rlsys.rollout.attention import DECODE_ATTENTION, default_attention
-from rlsys.rollout.graph_step import DecodeGraphs, bucket, buckets
+from rlsys.rollout.graph_step import DecodeGraphs
+from rlsys.rollout.shapes import BATCH_FINE, KEYS_FINE, bucket, buckets
 from rlsys.rollout.engine import (EngineCounters, RolloutEngine, check_request, read_eos_ids, read_tokenizer,
                                   token_budget)
 from rlsys.types import Completion, Request
@@ -71,9 +72,6 @@ PREFILL_TOKENS = 16384
 # "static" runs the static-shape step of graph_step.py as plain torch (the CPU's way to test it); "graph"
 # replays it as CUDA graphs (the default on CUDA).
 DECODE_MODES = ("eager", "static", "graph")
-# Bucket steps: batches of 1, 2, 4, 8, 16, 24, ...; keys of 1, 2, 4, ..., 128, 256, 512, 768, ... Each shape a run
-# meets is captured once per wake; coarse key buckets keep that to a few dozen at 4k positions.
-BATCH_FINE, KEYS_FINE = 8, 256
 
 
 class _CudnnAttentionOff:

@@ -3,29 +3,16 @@
 On a GPU a decode step of a small model is bound by the host: hundreds of kernel launches at 15-20 us each
 against well under a millisecond of memory traffic (docs/performance.md, "Measured on an H100"). A CUDA graph
 launches the whole step at once, but replays fixed shapes and fixed memory. So the static step decodes slots
-0..B-1 in slot order, B a batch bucket, over K key positions, K a key-length bucket; a slot not decoding this
-step writes to its scratch cache column (never attended), and keys past a row's length are masked by the
-cache's mask. Its inputs are persistent buffers, filled by one copy from pinned host memory per step.
+0..B-1 in slot order, B a batch bucket, over K key positions, K a key-length bucket (shapes.py); a slot not
+decoding this step writes to its scratch cache column (never attended), and keys past a row's length are masked
+by the cache's mask. Its inputs are persistent buffers, filled by one copy from pinned host memory per step.
 The step is a plain torch function: on the CPU it runs as is (no capture), the same code path.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
 from typing import Callable
 
 import torch
-
-
-def buckets(limit: int, fine: int) -> list[int]:
-    """Powers of two below `fine`, then multiples of `fine`, up to `limit` (always included): few shapes to
-    capture, and little padding where padding costs most."""
-    small = [1 << k for k in range(fine.bit_length()) if 1 << k < min(fine, limit)]
-    return small + [n for n in range(fine, limit, fine)] + [limit]
-
-
-def bucket(n: int, sizes: list[int]) -> int:
-    """The smallest size that holds n."""
-    return sizes[bisect_left(sizes, n)]
 
 
 class DecodeGraphs:

@@ -78,6 +78,9 @@ class EngineSpec(Section):
     tp_efficiency: float = Field(costs.TP_EFFICIENCY, gt=0, le=1)  # per TP doubling, of the ideal split (costs.py)
     decode_mfu: float = Field(costs.DECODE_MFU, gt=0, le=1)
     prefill_mfu: float = Field(costs.PREFILL_MFU, gt=0, le=1)
+    # 0: paged attention (vLLM), a step reads the live KV; above 0: attention padded to the longest sequence's key
+    # bucket (the built-in engine), walked in this many us a key a step (costs.BUILTIN_ENGINE["key_s"])
+    padded_key_us: float = Field(0.0, ge=0)
 
 
 class WorkloadSpec(Section):
@@ -246,10 +249,12 @@ class SimConfig(Section):
         return SimControlConfig.model_validate({**self.control.model_dump(), **run.control, "scheduler": run.name})
 
     def engine_cost(self, cluster: ClusterSpec) -> EngineCost:
-        e = self.engine
+        e, w = self.engine, self.workload
+        padded = {"key_s": e.padded_key_us / 1e6, "max_len": w.max_prompt_tokens + w.max_tokens} \
+            if e.padded_key_us else {}
         return EngineCost.build(self.shape(), GPUS[cluster.gpu], cluster.tp, e.memory_fraction,
                                 e.step_overhead_ms / 1e3, e.decode_mfu, e.prefill_mfu, e.allreduce_us / 1e6,
-                                e.tp_efficiency)
+                                e.tp_efficiency, **padded)
 
 
 def load_sim_config(source: Union[str, Path, dict, SimConfig]) -> SimConfig:

@@ -5,7 +5,7 @@ token per step. A request admitted at progress D0 with r tokens to go finishes a
 finishing order is a heap, and the live KV tokens are `kv_offset + n * progress`. Between two events
 the batch is fixed, the step time grows linearly with progress, and the time to advance dD steps is
 
-    c0 * dD + c1 * dD**2 / 2,   c0 = step time now,  c1 = kv_s_per_token * n,
+    c0 * dD + c1 * dD**2 / 2,   c0 = step time now,  c1 = its growth a step (EngineCost.growth_s),
 
 so one event costs O(log n) whatever the number of tokens (the "fluid" view: progress is real-valued).
 When the KV cache is full the newest request is preempted and later recomputed (prefill of prompt
@@ -101,8 +101,7 @@ class SimEngine:
         dt = t - self.clock
         if self.n and dt > 0:
             if target is None:
-                c0 = self.cost.fixed_s(self.n) + self.cost.kv_s_per_token * kv0
-                c1 = self.cost.kv_s_per_token * self.n
+                c0, c1 = self.step_and_growth(kv0)
                 step = 2 * dt / (c0 + math.sqrt(c0 * c0 + 2 * c1 * dt))  # the stable root of the quadratic
             else:
                 step = target - self.progress
@@ -110,6 +109,15 @@ class SimEngine:
             self.generated += self.n * step
             self.kv_token_s += (kv0 + self.n * step / 2) * dt
         self.clock = t
+
+    def step_and_growth(self, kv: float) -> tuple[float, float]:
+        """A decode step's time now, over `kv` live tokens, and its growth a step; a padded engine reads the
+        longest running sequence's keys instead (rlsys/costs.py EngineCost.step_s)."""
+        longest = 0.0
+        if self.cost.max_len:
+            longest = max((r.prompt_tokens + r.done + self.progress - r.base for _, k, r in self.running
+                           if self._valid(k, r)), default=0.0)
+        return self.cost.step_s(self.n, kv, longest), self.cost.growth_s(self.n)
 
     def next_event(self) -> Optional[tuple[float, float]]:
         """(time, progress) of the next finish or KV-full moment, if anything runs."""
@@ -119,8 +127,7 @@ class SimEngine:
             heapq.heappop(self.running)
         kv = self.live_kv()
         step = max(0.0, min(self.running[0][0] - self.progress, (self.cost.kv_capacity - kv) / self.n))
-        c0 = self.cost.fixed_s(self.n) + self.cost.kv_s_per_token * kv
-        c1 = self.cost.kv_s_per_token * self.n
+        c0, c1 = self.step_and_growth(kv)
         start = max(self.clock, self.paused_until, self.prefill_until)
         return start + c0 * step + 0.5 * c1 * step * step, self.progress + step
 

@@ -94,7 +94,7 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         model = dataclasses.asdict(built_model_shape(live))
         profile = engine or costs.BUILTIN_ENGINE
         engine_spec = {"step_overhead_ms": profile["overhead_s"] * 1e3, "decode_mfu": profile["decode_mfu"],
-                       "prefill_mfu": profile["prefill_mfu"]}
+                       "prefill_mfu": profile["prefill_mfu"], "padded_key_us": profile.get("key_s", 0.0) * 1e6}
         e = e.model_copy(update={"gpu": gpu, "tp": 1, "gpus": live.rollout.num_workers, "layout": "colocated",
                                  "tokens_per_token": 1})
     elif not e.on:
