@@ -206,12 +206,16 @@ class TrainerPacer(Pacer):
     k: int = 1
     prompt_tokens: int | None = None  # as EnginePacer's
     own: tuple = ()  # (on_gpus, gpus) of the rank's own GPUs while it trains on lent ones
+    lent_held: int = 0  # micro-batches held on lent GPUs
 
     def lend(self, gpus: tuple[int, ...] | None) -> None:
         """Train on these modelled GPUs from the next micro-batch on, at their count (trainer.scale_down_at: the
         GPUs of the engines scaled down); None: on the rank's own again."""
         self.own = self.own or (self.on_gpus, self.gpus)
         self.on_gpus, self.gpus = (gpus, len(gpus)) if gpus else self.own
+
+    def counts(self) -> dict[str, float]:
+        return {**super().counts(), "lent_held": self.lent_held}
 
     def micro_batch_s(self, tokens: int, flops_per_param_token: float, prompts: int = 0,
                       prompt_tokens: int = 0) -> float:
@@ -221,6 +225,7 @@ class TrainerPacer(Pacer):
                                        flops_per_param_token) / self.gpus
 
     def micro_batch(self, started: float, tokens: int, flops_per_param_token: float, **prompt) -> tuple[float, float]:
+        self.lent_held += bool(self.own) and self.on_gpus != self.own[0]
         return self.hold(started, self.micro_batch_s(tokens, flops_per_param_token, **prompt))
 
 

@@ -104,6 +104,7 @@ class Controller:
         self.unstreamed: list = []  # trainer.scale_down_at: announced groups waiting for the scale-down's GPUs
         self.lent: list[int] = []  # the engines scaled down, until the step's Train
         self.scaled_down_at: float | None = None  # when (wall time)
+        self.lent_before = 0 if cfg.trainer.scale_down_at is not None else None  # micro-batches on lent GPUs so far
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
         self.paused_at: float | None = None  # when the running eval or checkpoint began
@@ -314,6 +315,9 @@ class Controller:
             metrics.update(self.friction.counts)
         if self.emulation:
             metrics.update(self.overruns.step(self.pacer_counts(train_metrics)))
+            if self.lent_before is not None:  # trainer.scale_down_at: the step's micro-batches on lent GPUs
+                lent = train_metrics.get("emulate_lent_held", 0)
+                metrics["emulate/lent_micro_batches"], self.lent_before = lent - self.lent_before, lent
         self.log.write(self.step, self.now(), self.emulated(metrics))
         every = self.cfg.control.save_every
         self.done = self.step >= self.cfg.trainer.total_steps or self.stop_requested
