@@ -94,16 +94,19 @@ def rows(path: Path) -> list[dict]:
 def test_a_run_scales_down_every_step_and_no_request_starts_on_a_freed_engine_before_the_train(tmp_path,
                                                                                                ray_cluster):
     """Emulated at a time scale far too small to hold anything (only the accounting is under test): every step
-    scales down at 40% of its groups and trains every group, the freed engine starts no request from then to the
+    scales down at its first of 4 groups and trains every group, the freed engine starts no request from then to the
     step's Train, and the streamed micro-batches stand on the lent GPU."""
     out = tmp_path / "run"
     assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
-                 *SCALE_DOWN, "trainer.mini_batches=2", "rollout.num_workers=2", *SMALL, "emulate.gpu=h100",
+                 *SCALE_DOWN, "trainer.scale_down_at=0.25", "trainer.mini_batches=2", "rollout.num_workers=2", *SMALL,
+                 "rollout.slots=4", "emulate.gpu=h100",
                  "emulate.gpus=2", "emulate.time_scale=0.001"]) == 0
     steps = [r for r in rows(out / "metrics.jsonl") if "timing/train_s" in r]
     assert [r["policy_version"] for r in steps] == [1, 2]
     assert all(r["train/sequences"] == 16 and "rollout/scaled_down_at_s" in r for r in steps)
-    assert steps[-1]["rollout/moved"] > 0  # worker 1 held requests at a scale-down
+    # At the first of 4 groups, of 25 requests on 2 engines of 4 slots, some wait or run on the freed one (how many
+    # depends on how soon the group's rewards come back: the engines are not held at this time scale)
+    assert steps[1]["rollout/moved"] > 0
     assert all(r["emulate/lent_micro_batches"] > 0 for r in steps)
     timeline = rows(out / "timeline.jsonl")
     for r in steps:
