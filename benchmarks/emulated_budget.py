@@ -37,7 +37,7 @@ LONGCOT_SHORT = ["trainer.total_steps=10", "control.eval_every=5", "data.eval_si
 WORKLOADS = {"old": ("configs/emulated_h100_7b.yaml", SHORT),
              "longcot": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT)}
 TARGET = "+0.03"  # the stored table's
-COLOCATED = ["sync", "tail", "tail-streamed", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
+COLOCATED = ["sync", "tail", "tail-streamed", "tail-scaledown", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
 SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}
 CLOCK = "emulated H100s running Qwen2.5-7B (CPU: the tiny model's real tokens on this machine, paced by rlsys/costs.py)"
 

@@ -29,6 +29,8 @@ PRESETS: dict[str, list[str]] = {
     "sync": [],
     "tail": ["control.scheduler=tail"],
     "tail-streamed": ["control.scheduler=tail", "trainer.streamed=true"],
+    # RollPacker's stream trainer: streamed on the GPUs of the engines scaled down at 40% of a round's groups
+    "tail-scaledown": ["control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4"],
     "sorted": ["control.scheduler=sorted"],
     "sorted-partial": ["control.scheduler=sorted", "control.sorted.mode=partial", "trainer.loss=decoupled_ppo"],
     "sagc": ["control.group_sizer=sagc"],

@@ -362,6 +362,10 @@ class TrainerConfig(Section):
     proximal: Literal["recompute", "loglinear"] = "recompute"
     # Gradients of completed prompts while the round generates (trainer/streamed.py); control.scheduler=tail only
     streamed: bool = False
+    # RollPacker's stream trainer, its artifact's gate (infer_scaling_down_progress_ratio 0.4): once this share of a
+    # streamed step's groups is complete, half the engines hand their requests (cut with their tokens, resumed) to
+    # the other half and lend their GPUs to the streamed trainer until the step's Train (rlsys/train.py). None: off
+    scale_down_at: Optional[float] = Field(None, gt=0, le=1)
     advantage: str = "grpo"
     loss: str = "dapo"
     eps_low: float = Field(0.2, ge=0)
@@ -666,6 +670,25 @@ class Config(Section):
             raise ValueError(f"trainer.streamed=true needs control.scheduler=tail (got control.scheduler="
                              f"{self.control.scheduler}): only tail batching hands its groups to the trainer as they "
                              "complete, so nothing would stream; set control.scheduler=tail or trainer.streamed=false")
+        return self
+
+    @model_validator(mode="after")
+    def _scale_down_lends_engines_to_the_streamed_trainer(self):
+        at, t, e = self.trainer.scale_down_at, self.trainer, self.emulate
+        if at is None:
+            return self
+        if not t.streamed or self.control.scheduler != "tail":
+            raise ValueError(f"trainer.scale_down_at={at} lends half the engines' GPUs to the streamed trainer: it "
+                             f"needs trainer.streamed=true and control.scheduler=tail (got trainer.streamed="
+                             f"{str(t.streamed).lower()}, control.scheduler={self.control.scheduler})")
+        if self.rollout.num_workers < 2:
+            raise ValueError(f"trainer.scale_down_at={at} moves half the engines' requests to the other half: it "
+                             f"needs rollout.num_workers >= 2 (got {self.rollout.num_workers})")
+        if self.cluster.layout == "separate" or (e.on and (e.gpus is None or e.layout == "separate")):
+            raise ValueError(f"trainer.scale_down_at={at} lends engines' GPUs to the trainer, so the trainer must "
+                             "stand on them: it needs cluster.layout=colocated and, emulated, emulate.gpus with "
+                             f"emulate.layout=colocated (got cluster.layout={self.cluster.layout}, emulate.gpus="
+                             f"{e.gpus}, emulate.layout={e.layout})")
         return self
 
     @model_validator(mode="after")

@@ -14,6 +14,12 @@ micro-batch reserves its GPUs' timeline (`GPUTimeline`) and begins only when the
 so an engine never steps while a trainer micro-batch runs on its GPU. (Whole steps rather than a share of the GPU:
 a decode step is bound by reading the weights and the KV cache, a micro-batch by the tensor cores, and neither
 leaves the other a share worth modelling.)
+
+RollPacker's stream trainer (`trainer.scale_down_at`): from the scale-down to the step's Train, the trainer's
+micro-batches reserve only the GPUs of the engines the scale-down freed, and run at those GPUs' count (half the
+trainer's: each takes twice as long), so the kept engines decode undisturbed beside them; this is how tail-streamed
+trains during the round without a GPU more than tail. After the Train every engine is idle, and the trainer has all
+its GPUs again (`TrainerPacer.lend`).
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 
 from rlsys import costs
 from rlsys.errors import UserError
-from rlsys.placement import PlacementError, plan_placement
+from rlsys.placement import PlacementError, lent_engines, plan_placement
 
 
 @dataclass(frozen=True)
@@ -60,12 +66,29 @@ class Budget:
     @classmethod
     def of_run(cls, run_cfg) -> "Budget":
         """The budget of a run's Config whose emulate section is on."""
-        return cls.of(run_cfg.emulate, run_cfg.rollout.num_workers, run_cfg.trainer.world_size)
+        engines, world = run_cfg.rollout.num_workers, run_cfg.trainer.world_size
+        budget = cls.of(run_cfg.emulate, engines, world)
+        lent = len(budget.gpus_of(lent_engines(engines)))
+        if run_cfg.trainer.scale_down_at is not None and lent % world:
+            raise PlacementError(f"trainer.scale_down_at lends the trainer the modelled GPUs of the engines it scales "
+                                 f"down, {lent} (rollout.num_workers={engines}, emulate.tp={run_cfg.emulate.tp}): "
+                                 f"trainer.world_size={world} must divide them")
+        return budget
 
     def trainer_rank(self, rank: int, world: int) -> tuple[int, ...]:
         """The modelled GPUs of live trainer rank `rank` of `world`: an equal slice of the trainer's."""
         share = len(self.trainer) // world
         return self.trainer[rank * share:(rank + 1) * share]
+
+    def gpus_of(self, engines: list[int]) -> tuple[int, ...]:
+        return tuple(g for i in engines for g in self.engines[i])
+
+    def lent(self, engines: list[int], world: int) -> list[tuple[int, ...]]:
+        """Each of `world` trainer ranks' modelled GPUs while `engines` lend theirs (trainer.scale_down_at): an
+        equal slice of those."""
+        gpus = self.gpus_of(engines)
+        share = len(gpus) // world
+        return [gpus[rank * share:(rank + 1) * share] for rank in range(world)]
 
 
 class GPUTimeline:
@@ -182,6 +205,17 @@ class TrainerPacer(Pacer):
     gpus: float = 1.0  # the emulated GPUs of this rank
     k: int = 1
     prompt_tokens: int | None = None  # as EnginePacer's
+    own: tuple = ()  # (on_gpus, gpus) of the rank's own GPUs while it trains on lent ones
+    lent_held: int = 0  # micro-batches held on lent GPUs
+
+    def lend(self, gpus: tuple[int, ...] | None) -> None:
+        """Train on these modelled GPUs from the next micro-batch on, at their count (trainer.scale_down_at: the
+        GPUs of the engines scaled down); None: on the rank's own again."""
+        self.own = self.own or (self.on_gpus, self.gpus)
+        self.on_gpus, self.gpus = (gpus, len(gpus)) if gpus else self.own
+
+    def counts(self) -> dict[str, float]:
+        return {**super().counts(), "lent_held": self.lent_held}
 
     def micro_batch_s(self, tokens: int, flops_per_param_token: float, prompts: int = 0,
                       prompt_tokens: int = 0) -> float:
@@ -191,6 +225,7 @@ class TrainerPacer(Pacer):
                                        flops_per_param_token) / self.gpus
 
     def micro_batch(self, started: float, tokens: int, flops_per_param_token: float, **prompt) -> tuple[float, float]:
+        self.lent_held += bool(self.own) and self.on_gpus != self.own[0]
         return self.hold(started, self.micro_batch_s(tokens, flops_per_param_token, **prompt))
 
 

@@ -43,6 +43,12 @@ class Plan:
         return len({(s.node, g) for s in self.engines + self.trainer for g in s.gpus})
 
 
+def lent_engines(engines: int) -> list[int]:
+    """The engines a scale-down frees (trainer.scale_down_at): the second half, which hand their requests to the
+    first and lend their GPUs to the streamed trainer."""
+    return list(range(max(1, engines // 2), engines))
+
+
 def plan_placement(nodes: int, gpus_per_node: int, engines: int, tp: int, trainer_world: int,
                    layout: Layout = "colocated") -> Plan:
     """Engines first-fit node by node, then trainer ranks on GPUs in order: the free ones (separate)

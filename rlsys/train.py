@@ -101,6 +101,10 @@ class Controller:
         self.training: RunningStep | None = None
         self.evaluation: Evaluation | None = None  # running: the pump routes its completions and rewards to it
         self.streamed_groups = 0  # groups whose gradients the trainer is accumulating (trainer.streamed)
+        self.unstreamed: list = []  # trainer.scale_down_at: announced groups waiting for the scale-down's GPUs
+        self.lent: list[int] = []  # the engines scaled down, until the step's Train
+        self.scaled_down_at: float | None = None  # when (wall time)
+        self.lent_before = 0 if cfg.trainer.scale_down_at is not None else None  # micro-batches on lent GPUs so far
         self.stop_requested, self.done = False, False
         self.paused_s = 0.0  # time spent in eval and checkpoints, kept out of the training clock
         self.paused_at: float | None = None  # when the running eval or checkpoint began
@@ -224,13 +228,37 @@ class Controller:
 
     def accumulate(self, action: Accumulate) -> None:
         """trainer.streamed: gradients of groups the next Train will hold, computed while generation goes on,
-        and the updates of the mini-batches they complete."""
+        and the updates of the mini-batches they complete. With trainer.scale_down_at they wait for the
+        scale-down, then train on the GPUs it frees (RollPacker's stream trainer; the simulator's alike)."""
         if not self.cfg.trainer.streamed:
             return
         if not self.streamed_groups:
             self.trainer.stream_begin(action.train_groups, self.version)
-        self.trainer.stream_groups(action.groups)
         self.streamed_groups += len(action.groups)
+        self.unstreamed += action.groups
+        at = self.cfg.trainer.scale_down_at
+        if at is not None and not self.lent:
+            if self.streamed_groups < at * action.train_groups:
+                return
+            self.scale_down()
+        groups, self.unstreamed = self.unstreamed, []
+        self.trainer.stream_groups(groups)
+
+    def scale_down(self) -> None:
+        """Half the engines hand their requests to the other half (each resumed there with its tokens) and take
+        none until the step's Train; emulated, the trainer's micro-batches meanwhile stand on their GPUs alone
+        (rlsys/emulate.py)."""
+        self.lent, self.scaled_down_at = self.rollout.scale_down(), time.time()
+        if self.emulation:
+            self.trainer.lend(self.emulation.budget.lent(self.lent, self.cfg.trainer.world_size))
+
+    def scale_up(self) -> None:
+        """At the Train, which has every request aborted or collected: every engine serves again, and the trainer's
+        last micro-batches of the step have its own GPUs."""
+        self.rollout.scale_up()
+        if self.emulation:
+            self.trainer.lend(None)
+        self.lent = []
 
     def start_training(self, groups) -> None:
         """Launch the train step; generation and scoring go on while it runs (sync simply has no work)."""
@@ -238,6 +266,10 @@ class Controller:
             raise RuntimeError(f"scheduler {self.cfg.control.scheduler!r} asked to train before the last "
                                "step's weights were published")
         rollout_metrics = self.stats.close_rollout(groups)
+        if self.lent:  # when, on the timeline's clock (the run's seconds since its start), and requests moved so far
+            self.scale_up()
+            at = (self.scaled_down_at - self.t0) / self.clock_scale
+            rollout_metrics.update({"rollout/scaled_down_at_s": round(at, 4), "rollout/moved": self.rollout.moved})
         if self.sleeps:  # the scheduler has aborted or collected every request: engines hold none
             self.rollout.sleep(SLEEP_LEVEL)
         if self.streamed_groups:  # the scheduler announced every group of this Train with Accumulate
@@ -283,6 +315,9 @@ class Controller:
             metrics.update(self.friction.counts)
         if self.emulation:
             metrics.update(self.overruns.step(self.pacer_counts(train_metrics)))
+            if self.lent_before is not None:  # trainer.scale_down_at: the step's micro-batches on lent GPUs
+                lent = train_metrics.get("emulate_lent_held", 0)
+                metrics["emulate/lent_micro_batches"], self.lent_before = lent - self.lent_before, lent
         self.log.write(self.step, self.now(), self.emulated(metrics))
         every = self.cfg.control.save_every
         self.done = self.step >= self.cfg.trainer.total_steps or self.stop_requested

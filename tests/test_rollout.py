@@ -263,6 +263,54 @@ def test_suspended_requests_make_no_progress_and_resume_where_they_stopped(manag
     assert all(c.finish_reason == "length" for c in done.values()) and manager.outstanding == [0, 0]
 
 
+def test_a_scale_down_moves_half_the_workers_requests_with_their_tokens_to_the_same_samples(manager):
+    """trainer.scale_down_at: worker 1's requests are cut with their tokens and resumed on worker 0, where each
+    ends as the same sample it gives unmoved (temperature 1: a request draws token i from uniform i of the run seed
+    and its id, on any worker). Worker 1 generates nothing more and takes no new request until scale_up."""
+    prompts = {"m0": (1, 2, 3), "m1": (4, 5), "m2": (6, 7, 8), "m3": (9, 10)}
+
+    def sampled():
+        return [Request(rid, "p", list(p), SamplingParams(max_new_tokens=150, temperature=1.0))
+                for rid, p in prompts.items()]
+
+    def tokens(worker):
+        return manager.stats()[worker]["generated_tokens"]
+
+    before = tokens(1)
+    manager.submit(sampled())
+    on_1 = sorted(rid for rid, i in manager.worker_of.items() if i == 1)
+    assert len(on_1) == 2
+    wait_for_tokens(lambda: {"generated_tokens": tokens(1)}, before + 20)
+    moved_before = manager.moved
+    assert manager.scale_down() == [1]
+    at_scale_down = tokens(1)
+    manager.submit([req("late0", 5), req("late1", 5)])  # least-loaded would give worker 1 one of them
+    assert manager.worker_of["late0"] == manager.worker_of["late1"] == 0  # worker 1 is lent: they go to the others
+    done = {c.request_id: c for c in collect(manager, 6)}
+    assert tokens(1) == at_scale_down  # not a token more on the freed worker
+    assert manager.moved - moved_before == 2 and manager.suspending == {} and manager.outstanding == [0, 0]
+    assert all(done[rid].worker == 0 and done[rid].finish_reason == "length" for rid in on_1)
+    manager.scale_up()
+    manager.submit(sampled())  # the same ids, unmoved, on both workers again
+    assert sorted(manager.worker_of.values()) == [0, 0, 1, 1]
+    unmoved = {c.request_id: c for c in collect(manager, 4)}
+    assert {rid: done[rid].token_ids for rid in prompts} == {rid: c.token_ids for rid, c in unmoved.items()}
+    assert all(done[rid].versions == unmoved[rid].versions for rid in prompts)
+
+
+def test_the_callers_abort_of_a_request_being_moved_comes_back_as_its_abort(manager):
+    """A request the scale-down cut, aborted by the scheduler before its partial came back: it is not resumed."""
+    manager.submit([req("a0", 300), req("a1", 300)])
+    assert manager.worker_of == {"a0": 0, "a1": 1}
+    wait_for_tokens(lambda: {"generated_tokens": manager.stats()[1]["generated_tokens"]}, 1)
+    manager.scale_down()
+    manager.abort(["a1"])
+    done = {c.request_id: c for c in collect(manager, 2)}
+    manager.scale_up()
+    assert done["a1"].finish_reason == "abort" and 0 < done["a1"].num_tokens < 300 and done["a1"].worker == 1
+    assert done["a0"].finish_reason == "length" and manager.worker_of == {} and manager.suspending == {}
+
+
 def test_profiling_a_workers_steps_writes_its_report_and_changes_no_completion(models, tmp_path, monkeypatch):
     """RLSYS_PROFILE_ENGINE: steps 50 to 70 profiled, every thread's frames sampled, one report."""
     path, _ = models

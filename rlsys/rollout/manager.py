@@ -26,7 +26,7 @@ from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 
 from rlsys.cluster import actor_id, death_reason
 from rlsys.emulate import Emulation
-from rlsys.placement import ROLLOUT
+from rlsys.placement import ROLLOUT, lent_engines
 from rlsys.rollout.engine import SLEEP_TAGS
 from rlsys.rollout.registry import engine_entry
 from rlsys.rollout.worker import RemoteRolloutWorker
@@ -95,6 +95,8 @@ class RolloutManager:
         self.suspending: dict[str, Request] = {}  # cut by suspend(): their partials are not delivered ...
         self.suspended: list[Request] = []  # ... but continue from there at resume()
         self.on_hold = False  # between suspend() and resume()
+        self.lent: list[int] = []  # between scale_down() and scale_up(): workers given no request
+        self.moved = 0  # requests scale_down() moved, over the run
 
     @property
     def capacity(self) -> int:
@@ -109,8 +111,9 @@ class RolloutManager:
             if r.request_id in self.worker_of or r.request_id in seen:
                 raise ValueError(f"request {r.request_id}: request_id already in flight")
             seen.add(r.request_id)
+        serving = [i for i in range(len(self.workers)) if i not in self.lent]
         for r in requests:
-            i = min(range(len(self.workers)), key=self.outstanding.__getitem__)
+            i = min(serving, key=self.outstanding.__getitem__)
             self.outstanding[i] += 1
             self.worker_of[r.request_id] = i
             self.requests[r.request_id] = r
@@ -134,6 +137,7 @@ class RolloutManager:
         (requests that already finished are not cut: their completions arrive as usual)."""
         by_worker: dict[int, list[str]] = defaultdict(list)
         for rid in request_ids:
+            self.suspending.pop(rid, None)  # the caller's abort wins over a resume: its partial comes back
             if rid in self.worker_of:
                 by_worker[self.worker_of[rid]].append(rid)
                 self.aborted.add(rid)
@@ -154,6 +158,21 @@ class RolloutManager:
         make progress off the clock (schedulers that generate across a step: sorted, async)."""
         self.on_hold = True
         self.suspending.update({rid: self.requests[rid] for rid in self.abort(self._training_in_flight())})
+
+    def scale_down(self) -> list[int]:
+        """RollPacker's stream trainer (trainer.scale_down_at): the second half of the workers hand training's
+        requests to the first half, each cut with its tokens and given again there at once (suspend's path, with
+        no hold), and take no new request until scale_up(). Returns the workers freed."""
+        self.lent = lent_engines(len(self.workers))
+        moving = [rid for rid in self._training_in_flight() if self.worker_of[rid] in self.lent]
+        cut = [rid for rid in self.abort(moving) if rid in self.requests]  # not: cut by a death, delivered as aborts
+        self.suspending.update({rid: self.requests[rid] for rid in cut})
+        self.moved += len(cut)
+        return self.lent
+
+    def scale_up(self) -> None:
+        """Every worker takes requests again."""
+        self.lent = []
 
     def drop_training(self) -> None:
         """Stop training's requests for good (the run is over): their partials come back as aborts."""

@@ -21,6 +21,7 @@ from rlsys.control.elastic_tp import ElasticTP, plan_tp
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
 from rlsys.costs import GPUS, TRAIN_FLOPS, sync_seconds, train_gpu_seconds
 from rlsys.data.cursor import PromptCursor
+from rlsys.placement import lent_engines
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_by_interval
@@ -284,13 +285,12 @@ class Simulation:
     def _scale_down(self, touched: dict) -> None:
         """Half the engines hand their requests to the other half (least loaded first) and, idle, lend their
         GPUs to the streamed trainer until the step's Train."""
-        keep = max(1, len(self.engines) // 2)
         moving = []
-        for engine in self.engines[keep:]:
+        for engine in (self.engines[i] for i in lent_engines(len(self.engines))):
             self._touch(engine, touched)
             moving += engine.evict_all()
             self.lent.add(engine.index)
-        loads = load_heap(self.engines[:keep])
+        loads = load_heap(e for e in self.engines if e.index not in self.lent)
         for req in moving:
             engine = self.engines[least_loaded(loads)]
             self._touch(engine, touched)

@@ -105,6 +105,11 @@ class TrainerWorker:
                                                       self.world_size)
         self.backend.pacer = pacer
 
+    def lend(self, gpus: tuple[int, ...] | None) -> None:
+        """emulate: pace the next micro-batches on these modelled GPUs (None: the rank's own); see TrainerPacer."""
+        if self.backend.pacer:
+            self.backend.pacer.lend(gpus)
+
     def stream_begin(self, version: int | None = None) -> None:
         if self.stream is not None:
             raise RuntimeError("stream_begin: the previous streamed step was never finished")
@@ -315,6 +320,14 @@ class TrainerGroup:
         if len(calls[0]) > 1 and not done_or_failed([mine[-1] for mine in calls]):
             return refs  # sent with the next part: one part of many groups costs less than many parts of one
         return refs + self._send_waiting()
+
+    def lend(self, per_rank: list[tuple[int, ...]] | None) -> None:
+        """Each rank's micro-batches from its next call on are paced on these modelled GPUs (None: their own); calls
+        to an actor run in order, so work sent before still runs where it was sent. In the open stream's calls, so a
+        failure fails the step."""
+        refs = [w.lend.remote(gpus) for w, gpus in zip(self.workers, per_rank or [None] * len(self.workers))]
+        for calls, ref in zip(self.stream.calls if self.stream else [], refs):
+            calls.append(ref)
 
     def _send_waiting(self) -> list[ray.ObjectRef]:
         groups, self.stream.waiting = self.stream.waiting, []

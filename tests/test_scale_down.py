@@ -1,0 +1,114 @@
+"""RollPacker's stream trainer live (trainer.scale_down_at): the config that may ask for it, the trainer on the
+lent GPUs alone under the emulated clock, and a run that scales down every step. The move itself (requests cut
+with their tokens, resumed elsewhere to the same samples) is tests/test_rollout.py's."""
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlsys import costs
+from rlsys.cli import main
+from rlsys.config import DEFAULT_CONFIG, ConfigError
+from rlsys.emulate import Emulation
+from rlsys.placement import lent_engines
+from rlsys.startup import load_config
+
+from helpers import SMALL
+
+EMULATED = Path(__file__).resolve().parent.parent / "configs" / "emulated_h100_7b.yaml"
+SCALE_DOWN = ["control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.scale_down_at=0.4"], r"trainer.scale_down_at=0.4 lends half the engines' GPUs to the streamed "
+                                    r"trainer: it needs trainer.streamed=true and control.scheduler=tail \(got "
+                                    r"trainer.streamed=false, control.scheduler=sync\)"),
+    (["control.scheduler=tail", "trainer.scale_down_at=0.4"], r"needs trainer.streamed=true"),
+    ([*SCALE_DOWN, "rollout.num_workers=1"], r"needs rollout.num_workers >= 2 \(got 1\)"),
+    ([*SCALE_DOWN, "emulate.layout=separate", "emulate.gpus=3"],
+     r"needs cluster.layout=colocated and, emulated, emulate.gpus with emulate.layout=colocated"),
+    ([*SCALE_DOWN, "trainer.scale_down_at=0"], r"trainer.scale_down_at: Input should be greater than 0"),
+    ([*SCALE_DOWN, "trainer.world_size=2"], r"the modelled GPUs of the engines it scales down, 1 \(rollout.num_workers"
+                                            r"=2, emulate.tp=1\): trainer.world_size=2 must divide them"),
+])
+def test_a_scale_down_the_run_cannot_do_is_refused_naming_the_fields(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(EMULATED, overrides)
+
+
+def test_the_scale_down_preset_loads_on_the_emulated_budget():
+    from rlsys.bench import PRESETS
+
+    cfg = load_config(EMULATED, PRESETS["tail-scaledown"])
+    assert cfg.trainer.scale_down_at == 0.4 and lent_engines(cfg.rollout.num_workers) == [1]
+    assert load_config(None, SCALE_DOWN + ["rollout.num_workers=2"]).trainer.scale_down_at == 0.4  # and on CPU
+
+
+def overlap(a: list, b: list) -> float:
+    return sum(max(0.0, min(e1, e2) - max(b1, b2)) for b1, e1 in a for b2, e2 in b)
+
+
+def test_after_a_scale_down_the_trainer_stands_on_the_lent_gpu_alone(tmp_path):
+    """Engine 0 kept, engine 1 scaled down: the trainer's micro-batches reserve GPU 1 alone, at one GPU's pace,
+    so engine 0 decodes beside them and engine 1 never steps while one runs; lent back, the trainer has both."""
+    cfg = load_config(EMULATED, [*SCALE_DOWN, "emulate.time_scale=1.0", "emulate.tokens_per_token=1",
+                                 f"output_dir={tmp_path}"])
+    emulation = Emulation.of(cfg)
+    kept, freed, trainer = emulation.engine_pacer(0), emulation.engine_pacer(1), emulation.trainer_pacer(1)
+    own_s = trainer.micro_batch_s(600, costs.TRAIN_FLOPS)
+    [lent] = emulation.budget.lent(lent_engines(2), 1)
+    assert lent == (1,)
+    trainer.lend(lent)
+    assert trainer.on_gpus == (1,) and trainer.micro_batch_s(600, costs.TRAIN_FLOPS) == pytest.approx(2 * own_s)
+    spans = {"kept": [], "freed": [], "trainer": []}
+
+    def steps(name, pacer):
+        for _ in range(30):
+            spans[name].append(pacer.step(time.perf_counter(), 0, 64, 64 * 40))  # ~8 ms modelled
+
+    def micro_batches():
+        for _ in range(6):
+            spans["trainer"].append(trainer.micro_batch(time.perf_counter(), 600, costs.TRAIN_FLOPS))  # ~40 ms
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=steps, args=("kept", kept)),
+               threading.Thread(target=steps, args=("freed", freed)), threading.Thread(target=micro_batches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlap(spans["freed"], spans["trainer"]) == 0.0  # one after the other on the lent GPU
+    assert overlap(spans["kept"], spans["trainer"]) > 0.05  # the kept engine decodes undisturbed beside
+    assert trainer.counts()["lent_held"] == 6
+    trainer.lend(None)
+    assert trainer.on_gpus == (0, 1) and trainer.micro_batch_s(600, costs.TRAIN_FLOPS) == own_s
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+@pytest.mark.slow
+def test_a_run_scales_down_every_step_and_no_request_starts_on_a_freed_engine_before_the_train(tmp_path,
+                                                                                               ray_cluster):
+    """Emulated at a time scale far too small to hold anything (only the accounting is under test): every step
+    scales down at its first of 4 groups and trains every group, the freed engine starts no request from then to the
+    step's Train, and the streamed micro-batches stand on the lent GPU."""
+    out = tmp_path / "run"
+    assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
+                 *SCALE_DOWN, "trainer.scale_down_at=0.25", "trainer.mini_batches=2", "rollout.num_workers=2", *SMALL,
+                 "rollout.slots=4", "emulate.gpu=h100",
+                 "emulate.gpus=2", "emulate.time_scale=0.001"]) == 0
+    steps = [r for r in rows(out / "metrics.jsonl") if "timing/train_s" in r]
+    assert [r["policy_version"] for r in steps] == [1, 2]
+    assert all(r["train/sequences"] == 16 and "rollout/scaled_down_at_s" in r for r in steps)
+    # At the first of 4 groups, of 25 requests on 2 engines of 4 slots, some wait or run on the freed one (how many
+    # depends on how soon the group's rewards come back: the engines are not held at this time scale)
+    assert steps[1]["rollout/moved"] > 0
+    assert all(r["emulate/lent_micro_batches"] > 0 for r in steps)
+    timeline = rows(out / "timeline.jsonl")
+    for r in steps:
+        on_freed = [c for c in timeline if c["step"] == r["step"] and c["worker"] == 1]
+        assert on_freed and all(c["start"] < r["rollout/scaled_down_at_s"] for c in on_freed)
