@@ -13,7 +13,7 @@ from rlsys.control.metrics import bubble_ratio
 from rlsys.control.scheduler import GroupBuilder, Scheduler
 from rlsys.costs import GPUS, MODELS, EngineCost
 from rlsys.sim.config import RewardSpec, WorkloadSpec, load_sim_config
-from rlsys.sim.engine import SimEngine, SimRequest
+from rlsys.sim.engine import SimEngine, SimRequest, slot_seconds_at
 from rlsys.sim.run import format_table, main, simulate
 from rlsys.sim.simulator import Simulation
 from rlsys.sim.workload import SampleDraw, Workload
@@ -102,6 +102,24 @@ def test_a_padded_engine_decodes_a_batch_at_its_longest_sequences_cost():
     assert decode_s(padded, skewed) == decode_s(padded, long) > 2 * decode_s(padded, short)
     paged = EngineCost.build(MODELS["qwen2.5-1.5b"], GPUS["h100"], 1)
     assert decode_s(paged, skewed) - decode_s(paged, short) < (decode_s(paged, long) - decode_s(paged, short)) / 4
+
+
+def test_slot_seconds_read_at_a_time_equal_running_the_engines_to_it():
+    """The read at every sample's finish counts what advance_to would: busy slots while running, none while the
+    trainer holds a paused engine, and adds to the totals it is given."""
+    cost = EngineCost.build(MODELS["qwen2.5-7b"], GPUS["h100"], 1)
+    engines = [SimEngine(i, cost, max_seqs=8, watermark=0.0, slots=4) for i in range(3)]
+    for engine, running in zip(engines, (2, 6, 0)):  # under, over and without the counted slots
+        for k in range(running):
+            engine.enqueue(SimRequest(f"r{k}", Prompt(f"p{k}", "", ""), 100, SampleDraw(5000, False, 1.0, 0.0), 0.0))
+        engine.settle(0.0)
+    engines[0].advance_to(0.5)
+    engines[2].pause(0.5, 3.0)  # training past the read
+    read = slot_seconds_at(engines, 2.0, 10.0, 20.0)
+    for engine in engines:
+        engine.advance_to(2.0)
+    assert read == (10.0 + sum(e.busy_slot_s for e in engines), 20.0 + sum(e.slots * e.alloc_s for e in engines))
+    assert read[0] == pytest.approx(10.0 + 2.0 * 2 + 4 * 2.0)  # min(running, slots) x seconds; the paused one idle
 
 
 def test_kv_full_engine_preempts_and_still_finishes_everything():

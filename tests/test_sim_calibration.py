@@ -51,6 +51,7 @@ def test_quick_calibration_writes_the_issue_schema(calibration, tmp_path):
     low, high = sweep["summary"]["best_speedup_range"]
     assert low == min(p["best"]["speedup_vs_sync"] for p in sweep["points"]) and high >= low
     assert {"cpus", "python", "load_average_at_start"} <= set(report["machine"]) and report["wall_s"] > 0
+    assert report["cpu_s"] > 0 and sweep["cpu_s"] == report["cpu_s"]  # the workers' time counted: load-free
 
 
 def test_calibrated_configs_share_the_constants(calibration):

@@ -71,11 +71,6 @@ class SimEngine:
         return self.kv_offset + self.n * self.progress
 
     # --- time --------------------------------------------------------------------------------
-    def slot_seconds_at(self, t: float) -> tuple[float, float]:
-        """(busy, allocated) slot-seconds up to t, as advance_to(t) would count them, without running to t."""
-        span = max(0.0, t - max(self.clock, self.paused_until))
-        return self.busy_slot_s + min(self.n, self.slots) * span, self.slots * (self.alloc_s + span)
-
     def advance_to(self, t: float, target: Optional[float] = None) -> None:
         """Run until time t with the current batch (no internal event may fall before t)."""
         if t <= self.clock:
@@ -260,6 +255,18 @@ class SimEngine:
             req.versions[-1] = (version, req.versions[-1][1] + tokens)
         else:
             req.versions.append((version, tokens))
+
+
+def slot_seconds_at(engines, t: float, busy: float = 0.0, allocated: float = 0.0) -> tuple[float, float]:
+    """(busy, allocated) slot-seconds of `engines` up to t, added to `busy` and `allocated`, as advance_to(t)
+    would count them, without running them to t. One loop without calls: it runs at every sample's finish."""
+    for e in engines:
+        span = t - (e.clock if e.clock >= e.paused_until else e.paused_until)
+        if span < 0.0:
+            span = 0.0
+        busy += e.busy_slot_s + (e.n if e.n < e.slots else e.slots) * span
+        allocated += e.slots * (e.alloc_s + span)
+    return busy, allocated
 
 
 def replica_idle_gpu_s(engines: list[SimEngine], since: float, until: float, replica_gpus: int) -> float:

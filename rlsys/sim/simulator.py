@@ -24,7 +24,8 @@ from rlsys.data.cursor import PromptCursor
 from rlsys.placement import lent_engines
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
-from rlsys.sim.engine import ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_by_interval
+from rlsys.sim.engine import (ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_by_interval,
+                              slot_seconds_at)
 from rlsys.sim.workload import Workload
 from rlsys.step_stats import rollout_opens
 from rlsys.types import Completion, ScoredSample
@@ -156,11 +157,7 @@ class Simulation:
     def _slot_seconds(self) -> tuple[float, float]:
         """Busy and allocated slot-seconds of every engine up to now: the live ones read to now, not run to it
         (no engine's batch changes between events), the retired ones as they were left."""
-        busy, allocated = self.retired_slot_s
-        for engine in self.engines:
-            b, a = engine.slot_seconds_at(self.now)
-            busy, allocated = busy + b, allocated + a
-        return busy, allocated
+        return slot_seconds_at(self.engines, self.now, *self.retired_slot_s)
 
     # --- the loop ------------------------------------------------------------------------
     def run(self, trace: Optional[list] = None) -> dict:
