@@ -22,9 +22,10 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 
 from rlsys.config import TrainerConfig
 from rlsys.trainer import lora
-from rlsys.trainer.backend import (DTYPES, TrainerBackend, enable_gradient_checkpointing, load_model, load_weights,
+from rlsys.trainer.backend import (TrainerBackend, enable_gradient_checkpointing, load_weights,
                                    named_tensors, trained_parameters)
 from rlsys.trainer.batching import StepTotals
+from rlsys.trainer.critic import Critic
 from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_parameter
@@ -68,7 +69,7 @@ class DeepSpeedBackend(TrainerBackend):
         """The model in the training dtype; at ZeRO-3 built and loaded partitioned (transformers' DeepSpeed
         integration runs from_pretrained inside zero.Init), so no rank ever holds it whole."""
         with zero3_construction(self.ds_config) if self.stage == 3 else nullcontext():
-            return load_model(self.model_dir, DTYPES[self.cfg.dtype])
+            return self._load_trained_model()
 
     def _frozen_initial_model(self) -> torch.nn.Module:
         if self.stage != 3:
@@ -264,6 +265,10 @@ class DeepSpeedBackend(TrainerBackend):
         link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:  # ZeRO 1-2 and bf16 map each parameter onto its state after the first step
             link()
+
+
+class DeepSpeedCritic(Critic, DeepSpeedBackend):
+    """The critic (critic.py) as its own DeepSpeed engine, with the policy's ZeRO settings."""
 
 
 @contextmanager
