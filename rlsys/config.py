@@ -343,16 +343,16 @@ class MismatchConfig(Section):
 
 class CriticConfig(Section):
     """PPO's value model (trainer.advantage=gae; trainer/critic.py); defaults as veRL's ppo_trainer critic."""
-    lr: float = Field(1e-5, gt=0)
-    grad_clip: float = Field(1.0, ge=0)
+    lr: float = Field(1e-5, gt=0)  # its own AdamW's (veRL's critic.optim.lr); weight decay is trainer.weight_decay
+    grad_clip: float = Field(1.0, ge=0)  # its gradient's norm clip, apart from the policy's trainer.grad_clip
     warmup_steps: int = Field(0, ge=0)  # the first this many steps train the critic alone (veRL's critic_warmup)
     value_clip: float = Field(0.5, gt=0)  # a value moves at most this far from the step's old value (cliprange_value)
 
 
 class GAEConfig(Section):
     """Generalised advantage estimation (Schulman et al., 2016) over each response's tokens (trainer/critic.py)."""
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(1.0, ge=0, le=1)  # discount per token (veRL's algorithm.gamma)
+    lam: float = Field(1.0, ge=0, le=1)  # GAE's lambda: 1 the Monte-Carlo return less the value, 0 one TD step
 
 
 class TrainerConfig(Section):
@@ -454,7 +454,8 @@ class TrainerConfig(Section):
                                  f"trainer.advantage=gae (got {self.advantage})")
             return self
         refused = {"trainer.lora": self.lora.enabled, "trainer.streamed": self.streamed,
-                   "trainer.loss=gmpo": self.loss == "gmpo", "trainer.off_policy_mask": self.off_policy_mask is not None}
+                   "trainer.loss=gmpo": self.loss == "gmpo",
+                   "trainer.off_policy_mask": self.off_policy_mask is not None}
         named = [name for name, on in refused.items() if on]
         if named:  # the critic is a full model; the rest read one advantage per sequence or per finished group
             raise ValueError(f"trainer.advantage=gae cannot run with {', '.join(named)}: the critic trains every "

@@ -172,8 +172,8 @@ def test_the_critic_learns_after_its_warm_up_resumes_exactly_and_stays_out_of_th
         assert {k: ours[k] for k in COMPARED if k in theirs} == {k: theirs[k] for k in COMPARED if k in theirs}
 
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
-    assert exported.keys() == load_file(str(tmp_path / "ckpt" / "model.safetensors")).keys()
-    assert not any(k.startswith("score") for k in exported)  # the critic's head is not in the policy's export
+    assert set(exported) <= set(load_file(str(tmp_path / "ckpt" / "model.safetensors")))  # the policy's alone
+    assert not any(k.startswith("score") for k in exported)  # the critic's head is not in the export
     assert "score.weight" in load_file(str(tmp_path / "ckpt" / CRITIC_DIR / "model.safetensors"))
     assert not (tmp_path / "export" / CRITIC_DIR).exists()
 

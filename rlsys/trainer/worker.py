@@ -41,7 +41,8 @@ from rlsys.weights import BucketPlan, Receiver, Sender, Transport, WeightGroup, 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
-SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps", "critic_grad_norm", "critic_skipped_steps")  # everything else a rank reports is its share of a sum
+# everything else a rank reports is its share of a sum
+SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps", "critic_grad_norm", "critic_skipped_steps")
 KL_COEF_FILE = "kl_in_reward.json"  # trainer.kl.in_reward's coefficient, beside the weights in a checkpoint
 DEATH_GRACE_S = 5.0  # a dead rank's peers may report the broken connection before Ray reports the death
 log = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ class TrainerWorker:
         return self.backend.sequence_kl(samples, micro_batches)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool,
-                           proximal_micro_batches: int, version: int | None = None, value_micro_batches: int = 0) -> dict:
+                           proximal_micro_batches: int, version: int | None = None,
+                           value_micro_batches: int = 0) -> dict:
         if self.critic is not None:
             return train_ppo_step(self.backend, self.critic, parts, fresh, proximal_micro_batches, version,
                                   value_micro_batches)
