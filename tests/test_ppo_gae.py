@@ -125,21 +125,22 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-PPO = dict(backend="deepspeed", zero_stage=2, world_size=2, advantage="gae", mini_batches=2,
+PPO = dict(backend="deepspeed", world_size=2, advantage="gae", mini_batches=2,
            critic={"lr": 1e-3, "warmup_steps": 2}, gae={"gamma": 0.9, "lam": 0.95})
 COMPARED = ("value_loss", "value_clip_fraction", "critic_grad_norm", "loss", "grad_norm")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
 def test_the_critic_learns_after_its_warm_up_resumes_exactly_and_stays_out_of_the_export(
-        model_dir, ray_cluster, tmp_path):  # noqa: F811
+        model_dir, ray_cluster, tmp_path, zero_stage):  # noqa: F811
     from helpers import train_step, trainer_weights
 
     from rlsys.config import Config
     from rlsys.trainer.worker import TrainerGroup
 
     def group():
-        return TrainerGroup(Config(trainer=trainer_config(**PPO)), model_dir, SCORING)
+        return TrainerGroup(Config(trainer=trainer_config(zero_stage=zero_stage, **PPO)), model_dir, SCORING)
 
     trainer = group()
     try:

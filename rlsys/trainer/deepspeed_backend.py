@@ -231,10 +231,23 @@ class DeepSpeedBackend(TrainerBackend):
                     value = saved.get(name, key)
                     if self.stage == 0:
                         self._stage0_state(param, key).copy_(value.view_as(param))
+                    elif self.stage == 3 and param.ds_numel % self.world_size:
+                        self._set_padded_partition(param, value, None if key == MASTER else key)
                     elif key == MASTER:  # the bf16 weights just loaded are these, rounded
                         safe_set_full_fp32_param(param, value)
                     else:
                         safe_set_full_optimizer_state(param, value, key)
+
+    def _set_padded_partition(self, param: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+        """This rank's ZeRO-3 partition of a parameter's fp32 master (key None) or optimizer state, from the full
+        tensor, where the parameter's size does not split evenly over the ranks: the last partition is padded, and
+        DeepSpeed's safe_set_full_* read past the tensor's end there (a critic's one-element head bias)."""
+        optimizer = self.engine.optimizer
+        partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+        start = partition.numel() * optimizer._get_param_partition_rank(param)
+        mine = value.flatten()[start:start + partition.numel()]
+        partition.data.zero_()
+        partition.data[:mine.numel()].copy_(mine)
 
     def _stage0_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
         """A parameter's optimizer state without ZeRO. In fp32 the torch optimizer steps the parameter itself;

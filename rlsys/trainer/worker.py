@@ -273,8 +273,8 @@ class TrainerGroup:
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
                                      for mine in parts)  # the first part needs none (backend.train_mini_batches)
-        value_micro_batches = max(len(pack_micro_batches([s for part, _ in mine for s in part], budget))
-                                  for mine in parts)  # trainer.advantage=gae: the critic values every sample
+        value_micro_batches = 0 if self.cfg.advantage != "gae" else max(  # the critic values every sample
+            len(pack_micro_batches([s for part, _ in mine for s in part], budget)) for mine in parts)
         return [w.train_mini_batches.remote(mine, fresh, proximal_micro_batches, version, value_micro_batches)
                 for w, mine in zip(self.workers, parts)]
 
