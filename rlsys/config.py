@@ -449,7 +449,8 @@ class TrainerConfig(Section):
     @model_validator(mode="after")
     def _gae(self):
         if self.advantage != "gae":
-            if {"critic", "gae"} & self.model_fields_set:
+            # set away from their defaults (a run's saved config.yaml holds every key, so set alone is not enough)
+            if self.critic != CriticConfig() or self.gae != GAEConfig():
                 raise ValueError(f"trainer.critic and trainer.gae configure PPO's value model: they need "
                                  f"trainer.advantage=gae (got {self.advantage})")
             return self

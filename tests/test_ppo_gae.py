@@ -226,3 +226,11 @@ def test_the_recipe_loads():
 
     cfg = load_config(Path(__file__).parent.parent / "configs" / "recipes" / "ppo_gae.yaml")
     assert cfg.trainer.advantage == "gae" and cfg.trainer.gae.gamma == 1.0 and cfg.trainer.critic.value_clip == 0.5
+
+
+def test_a_saved_config_holds_the_defaults_and_loads_again(tmp_path):
+    """A run's config.yaml holds every key, trainer.critic and trainer.gae at their defaults among them."""
+    from rlsys.config import save_config
+
+    save_config(load_config(None), tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml").trainer.advantage == "grpo"
