@@ -125,6 +125,24 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def torch_ppo_steps(model_dir, seeds, **overrides) -> list[dict]:  # noqa: F811
+    """The same steps on one torch rank, as TrainerGroup plans them (its mini-batches, micro-batch counts)."""
+    from rlsys.trainer.backend import TorchBackend
+    from rlsys.trainer.batching import pack_micro_batches, plan_step, split_mini_batches
+    from rlsys.trainer.critic import TorchCritic, critic_config, train_ppo_step
+
+    cfg = trainer_config(**overrides)
+    actor, critic = TorchBackend(cfg, model_dir, SCORING), TorchCritic(critic_config(cfg), model_dir, SCORING)
+    out = []
+    for seed in seeds:
+        samples = build_samples(make_groups(seed), "gae")
+        parts = [(per_rank[0], totals) for per_rank, totals in
+                 (plan_step(part, 1, cfg.micro_batch_tokens) for part in split_mini_batches(samples, cfg.mini_batches))]
+        out.append(train_ppo_step(actor, critic, parts, False, 0, None,
+                                  len(pack_micro_batches(samples, cfg.micro_batch_tokens))))
+    return out
+
+
 PPO = dict(backend="deepspeed", world_size=2, advantage="gae", mini_batches=2,
            critic={"lr": 1e-3, "warmup_steps": 2}, gae={"gamma": 0.9, "lam": 0.95})
 COMPARED = ("value_loss", "value_clip_fraction", "critic_grad_norm", "loss", "grad_norm")
@@ -153,6 +171,13 @@ def test_the_critic_learns_after_its_warm_up_resumes_exactly_and_stays_out_of_th
         trainer.export_hf(str(tmp_path / "export"), model_dir)
     finally:
         trainer.shutdown()
+    # Two ranks whiten over the whole step as one does: the same steps on one torch rank.
+    alone = torch_ppo_steps(model_dir, (0, 1, 2), **{**PPO, "backend": "torch", "world_size": 1})
+    for ours, theirs in zip(steps[:3], alone):
+        for key in COMPARED:
+            assert (key in ours) == (key in theirs)
+            if key in ours:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     # Warm-up: two steps train the critic alone; the third trains the policy too.
     assert "loss" not in steps[0] and "loss" not in steps[1] and "loss" in steps[2]
     assert all(s["value_loss"] > 0 and s["critic_grad_norm"] > 0 for s in steps)
