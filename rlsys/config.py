@@ -341,6 +341,20 @@ class MismatchConfig(Section):
         return self
 
 
+class CriticConfig(Section):
+    """PPO's value model (trainer.advantage=gae; trainer/critic.py); defaults as veRL's ppo_trainer critic."""
+    lr: float = Field(1e-5, gt=0)  # its own AdamW's (veRL's critic.optim.lr); weight decay is trainer.weight_decay
+    grad_clip: float = Field(1.0, ge=0)  # its gradient's norm clip, apart from the policy's trainer.grad_clip
+    warmup_steps: int = Field(0, ge=0)  # the first this many steps train the critic alone (veRL's critic_warmup)
+    value_clip: float = Field(0.5, gt=0)  # a value moves at most this far from the step's old value (cliprange_value)
+
+
+class GAEConfig(Section):
+    """Generalised advantage estimation (Schulman et al., 2016) over each response's tokens (trainer/critic.py)."""
+    gamma: float = Field(1.0, ge=0, le=1)  # discount per token (veRL's algorithm.gamma)
+    lam: float = Field(1.0, ge=0, le=1)  # GAE's lambda: 1 the Monte-Carlo return less the value, 0 one TD step
+
+
 class TrainerConfig(Section):
     backend: Literal["deepspeed", "torch"] = "deepspeed"
     world_size: int = Field(1, ge=1)
@@ -400,6 +414,8 @@ class TrainerConfig(Section):
     mismatch: MismatchConfig = MismatchConfig()
     kl: KLConfig = KLConfig()
     lora: LoraConfig = LoraConfig()
+    critic: CriticConfig = CriticConfig()  # trainer.advantage=gae only
+    gae: GAEConfig = GAEConfig()  # trainer.advantage=gae only
     seed: int = 0
 
     @model_validator(mode="after")
@@ -432,6 +448,24 @@ class TrainerConfig(Section):
         if self.backend == "deepspeed" and self.zero_stage == 3:
             raise ValueError("trainer.lora needs trainer.zero_stage of 0, 1 or 2 (got 3): the adapters are merged "
                              "into whole base weights, which ZeRO-3 partitions")
+        return self
+
+    @model_validator(mode="after")
+    def _gae(self):
+        if self.advantage != "gae":
+            # set away from their defaults (a run's saved config.yaml holds every key, so set alone is not enough)
+            if self.critic != CriticConfig() or self.gae != GAEConfig():
+                raise ValueError(f"trainer.critic and trainer.gae configure PPO's value model: they need "
+                                 f"trainer.advantage=gae (got {self.advantage})")
+            return self
+        refused = {"trainer.lora": self.lora.enabled, "trainer.streamed": self.streamed,
+                   "trainer.loss=gmpo": self.loss == "gmpo",
+                   "trainer.off_policy_mask": self.off_policy_mask is not None}
+        named = [name for name, on in refused.items() if on]
+        if named:  # the critic is a full model; the rest read one advantage per sequence or per finished group
+            raise ValueError(f"trainer.advantage=gae cannot run with {', '.join(named)}: the critic trains every "
+                             "weight (no LoRA), GAE whitens over the whole step (not streamed), and its advantages "
+                             "differ token by token (gmpo and off_policy_mask read one per sequence)")
         return self
 
     @model_validator(mode="after")

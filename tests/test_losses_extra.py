@@ -334,6 +334,7 @@ RECIPE_EXPECTED = [
     ("reinforce_pp_baseline", {"loss": "grpo", "advantage": "reinforce_pp_baseline"}),
     ("grpo_ref_sync", {"loss": "grpo", "advantage": "grpo"}),
     ("lora_grpo", {"loss": "grpo", "advantage": "grpo", "lr": 1e-3}),
+    ("ppo_gae", {"loss": "grpo", "advantage": "gae", "loss_aggregation": "token_mean"}),
 ]
 # Their KL term (the others have none): estimator, coef, in_reward, ref_sync_steps
 RECIPE_KL = {"reinforce_pp": ("k1", 0.001, True, None), "reinforce_pp_baseline": ("k1", 0.001, True, None),

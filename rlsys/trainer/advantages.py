@@ -52,6 +52,13 @@ def rloo(rewards: list[float]) -> list[float]:
     return [r - (total - r) / (n - 1) for r in rewards]
 
 
+@ADVANTAGES.register("gae")
+def gae(rewards: list[float]) -> list[float]:
+    """PPO's (veRL's adv_estimator=gae): each token's advantage comes from the critic's values when the step
+    trains (trainer/critic.py), so a sample's advantage here is unused: 0."""
+    return [0.0] * len(rewards)
+
+
 def batch_level(fn: BatchAdvantageFn) -> BatchAdvantageFn:
     fn.batch_level = True
     return fn

@@ -340,6 +340,10 @@ class TrainerBackend(ABC):
     def _frozen_initial_model(self) -> torch.nn.Module:
         return load_model(self.model_dir, DTYPES[self.cfg.dtype]).requires_grad_(False).to(self.device)
 
+    def _load_trained_model(self) -> torch.nn.Module:
+        """The model this backend trains, in the training dtype: the policy (a critic: its value model)."""
+        return load_model(self.model_dir, DTYPES[self.cfg.dtype])
+
     # --- the reference refreshed every trainer.kl.ref_sync_steps updates (TRL's sync_ref_model) ------------------
     def _reference_module(self) -> torch.nn.Module:
         return getattr(self.reference, "module", self.reference)  # the HF model inside a DeepSpeed engine
@@ -489,7 +493,7 @@ class TorchBackend(TrainerBackend):
         if world_size != 1:
             raise ValueError(f"TorchBackend runs on one rank, not {world_size}: use DeepSpeedBackend")
         super().__init__(cfg, model_dir, scoring, rank, world_size, local_device())
-        self.model = load_model(model_dir, DTYPES[cfg.dtype])
+        self.model = self._load_trained_model()
         if cfg.lora.enabled:
             self.model = lora.add_adapters(self.model, cfg.lora)
         self.model = self.model.to(self.device)

@@ -27,6 +27,12 @@ class TrainSample:
     # A conversation's (Completion.mask): 1 per model token, 0 per tool token; a tool's tokens are context only,
     # out of the loss, KL, entropy, the mismatch statistics and the token counts. None: every token is trained.
     mask: list[int] | None = None
+    reward: float = 0.0  # its return less any KL penalty: trainer.advantage=gae places it on its last trained token
+    # trainer.advantage=gae, set on the trainer rank when the step trains (critic.py), one per response token: the
+    # whitened advantages (in place of `advantage`), the returns and the critic's values the step started with
+    token_advantages: list[float] | None = None
+    returns: list[float] | None = None
+    values: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +77,9 @@ def build_samples(groups: list[Group], advantage: str, penalties: list[float] | 
         rewards.append(group_rewards)
         tokens.append(trained)
     samples = []
-    for group, advantages, trained in zip(groups, step_advantages(rewards, tokens, advantage), tokens):
-        for scored, adv, n in zip(group.samples, advantages, trained):
+    for group_rewards, advantages, trained, group in zip(rewards, step_advantages(rewards, tokens, advantage), tokens,
+                                                        groups):
+        for scored, adv, n, reward in zip(group.samples, advantages, trained, group_rewards):
             c = scored.completion
             if not n:
                 continue
@@ -84,7 +91,8 @@ def build_samples(groups: list[Group], advantage: str, penalties: list[float] | 
             if c.mask and len(c.mask) != len(c.token_ids):
                 raise ValueError(f"completion {c.request_id}: {len(c.token_ids)} tokens but a mask of {len(c.mask)}")
             samples.append(TrainSample(list(c.prompt_ids) + list(c.token_ids), len(c.prompt_ids), float(adv),
-                                       list(c.logprobs), list(c.versions), mask=list(c.mask) or None))
+                                       list(c.logprobs), list(c.versions), mask=list(c.mask) or None,
+                                       reward=float(reward)))
     return samples
 
 
@@ -151,6 +159,8 @@ class MicroBatch:
     behaviour_logprobs: torch.Tensor
     versions: torch.Tensor
     proximal_logprobs: torch.Tensor | None  # None: the weights have not moved since the step began
+    returns: torch.Tensor | None = None  # trainer.advantage=gae: the critic's targets ...
+    old_values: torch.Tensor | None = None  # ... and the values its clip is centred on
 
     def to(self, device) -> "MicroBatch":
         return MicroBatch(*(None if t is None else t.to(device) for t in vars(self).values()))
@@ -169,14 +179,19 @@ def collate(samples: list[TrainSample]) -> MicroBatch:
     versions = torch.zeros(len(rows), width - 1, dtype=torch.long)
     known = samples and all(s.proximal_logprobs is not None for s in samples)
     proximal = torch.zeros(len(rows), width - 1) if known else None
+    critic = samples and all(s.returns is not None for s in samples)
+    returns, old_values = (torch.zeros(len(rows), width - 1) for _ in range(2)) if critic else (None, None)
     for i, s in enumerate(rows):
         input_ids[i, :s.num_tokens] = torch.tensor(s.input_ids)
         attention_mask[i, :s.num_tokens] = 1  # even on the padding row: a fully masked row gives NaN
         response = slice(s.prompt_len - 1, s.num_tokens - 1)
         response_mask[i, response] = 1.0 if s.mask is None else torch.tensor(s.mask, dtype=torch.float)
-        advantages[i, response] = s.advantage
+        advantages[i, response] = s.advantage if s.token_advantages is None else torch.tensor(s.token_advantages)
         behaviour[i, response] = torch.tensor(s.logprobs)
         versions[i, response] = torch.tensor(s.versions, dtype=torch.long)
         if proximal is not None:
             proximal[i, response] = torch.tensor(s.proximal_logprobs)
-    return MicroBatch(input_ids, attention_mask, response_mask, advantages, behaviour, versions, proximal)
+        if returns is not None:
+            returns[i, response], old_values[i, response] = torch.tensor(s.returns), torch.tensor(s.values)
+    return MicroBatch(input_ids, attention_mask, response_mask, advantages, behaviour, versions, proximal, returns,
+                      old_values)

@@ -22,9 +22,10 @@ from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_s
 
 from rlsys.config import TrainerConfig
 from rlsys.trainer import lora
-from rlsys.trainer.backend import (DTYPES, TrainerBackend, enable_gradient_checkpointing, load_model, load_weights,
+from rlsys.trainer.backend import (TrainerBackend, enable_gradient_checkpointing, load_weights,
                                    named_tensors, trained_parameters)
 from rlsys.trainer.batching import StepTotals
+from rlsys.trainer.critic import Critic
 from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_parameter
@@ -68,7 +69,7 @@ class DeepSpeedBackend(TrainerBackend):
         """The model in the training dtype; at ZeRO-3 built and loaded partitioned (transformers' DeepSpeed
         integration runs from_pretrained inside zero.Init), so no rank ever holds it whole."""
         with zero3_construction(self.ds_config) if self.stage == 3 else nullcontext():
-            return load_model(self.model_dir, DTYPES[self.cfg.dtype])
+            return self._load_trained_model()
 
     def _frozen_initial_model(self) -> torch.nn.Module:
         if self.stage != 3:
@@ -230,10 +231,23 @@ class DeepSpeedBackend(TrainerBackend):
                     value = saved.get(name, key)
                     if self.stage == 0:
                         self._stage0_state(param, key).copy_(value.view_as(param))
+                    elif self.stage == 3 and param.ds_numel % self.world_size:
+                        self._set_padded_partition(param, value, None if key == MASTER else key)
                     elif key == MASTER:  # the bf16 weights just loaded are these, rounded
                         safe_set_full_fp32_param(param, value)
                     else:
                         safe_set_full_optimizer_state(param, value, key)
+
+    def _set_padded_partition(self, param: torch.nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+        """This rank's ZeRO-3 partition of a parameter's fp32 master (key None) or optimizer state, from the full
+        tensor, where the parameter's size does not split evenly over the ranks: the last partition is padded, and
+        DeepSpeed's safe_set_full_* read past the tensor's end there (a critic's one-element head bias)."""
+        optimizer = self.engine.optimizer
+        partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+        start = partition.numel() * optimizer._get_param_partition_rank(param)
+        mine = value.flatten()[start:start + partition.numel()]
+        partition.data.zero_()
+        partition.data[:mine.numel()].copy_(mine)
 
     def _stage0_state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor:
         """A parameter's optimizer state without ZeRO. In fp32 the torch optimizer steps the parameter itself;
@@ -264,6 +278,10 @@ class DeepSpeedBackend(TrainerBackend):
         link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:  # ZeRO 1-2 and bf16 map each parameter onto its state after the first step
             link()
+
+
+class DeepSpeedCritic(Critic, DeepSpeedBackend):
+    """The critic (critic.py) as its own DeepSpeed engine, with the policy's ZeRO settings."""
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from rlsys.placement import TRAINER
 from rlsys.registry import Registry
 from rlsys.trainer.advantages import KLController
 from rlsys.trainer.backend import TorchBackend, TrainerBackend
+from rlsys.trainer.critic import CRITIC_DIR, TorchCritic, critic_config, train_ppo_step
 from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, mini_batch_ends, pack_micro_batches,
                                    plan_step, sampled_by, split_mini_batches)
 from rlsys.trainer.logprobs import Scoring
@@ -40,7 +41,8 @@ from rlsys.weights import BucketPlan, Receiver, Sender, Transport, WeightGroup, 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
-SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps")  # everything else a rank reports is its share of a sum
+# everything else a rank reports is its share of a sum
+SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps", "critic_grad_norm", "critic_skipped_steps")
 KL_COEF_FILE = "kl_in_reward.json"  # trainer.kl.in_reward's coefficient, beside the weights in a checkpoint
 DEATH_GRACE_S = 5.0  # a dead rank's peers may report the broken connection before Ray reports the death
 log = logging.getLogger(__name__)
@@ -49,14 +51,14 @@ BACKENDS: Registry[Callable[..., TrainerBackend]] = Registry("trainer backend") 
 
 
 @BACKENDS.register("torch")
-def _torch_backend(*args) -> TrainerBackend:
-    return TorchBackend(*args)
+def _torch_backend(*args, critic: bool = False) -> TrainerBackend:
+    return (TorchCritic if critic else TorchBackend)(*args)
 
 
 @BACKENDS.register("deepspeed")
-def _deepspeed_backend(*args) -> TrainerBackend:
-    from rlsys.trainer.deepspeed_backend import DeepSpeedBackend  # imports deepspeed: only when chosen
-    return DeepSpeedBackend(*args)
+def _deepspeed_backend(*args, critic: bool = False) -> TrainerBackend:
+    from rlsys.trainer.deepspeed_backend import DeepSpeedBackend, DeepSpeedCritic  # imports deepspeed: if chosen
+    return (DeepSpeedCritic if critic else DeepSpeedBackend)(*args)
 
 
 class TrainerDied(RuntimeError):
@@ -72,6 +74,7 @@ class TrainerWorker:
     def __init__(self, cfg: TrainerConfig, model_dir: str, scoring: Scoring, rank: int, world_size: int):
         self.cfg, self.model_dir, self.scoring, self.rank, self.world_size = cfg, model_dir, scoring, rank, world_size
         self.backend = None
+        self.critic = None  # trainer.advantage=gae: PPO's value model, a second backend on this rank (critic.py)
         self.stream: StreamedGradients | None = None
         self.weight_group: WeightGroup | None = None  # a transport's own group (broadcast), on rank 0
         self.sender: Sender | None = None  # on the ranks that send the weights to the engines
@@ -104,6 +107,9 @@ class TrainerWorker:
         self.backend = BACKENDS.get(self.cfg.backend)(self.cfg, self.model_dir, self.scoring, self.rank,
                                                       self.world_size)
         self.backend.pacer = pacer
+        if self.cfg.advantage == "gae":
+            self.critic = BACKENDS.get(self.cfg.backend)(critic_config(self.cfg), self.model_dir, self.scoring,
+                                                         self.rank, self.world_size, critic=True)
 
     def lend(self, gpus: tuple[int, ...] | None) -> None:
         """emulate: pace the next micro-batches on these modelled GPUs (None: the rank's own); see TrainerPacer."""
@@ -136,7 +142,11 @@ class TrainerWorker:
         return self.backend.sequence_kl(samples, micro_batches)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool,
-                           proximal_micro_batches: int, version: int | None = None) -> dict:
+                           proximal_micro_batches: int, version: int | None = None,
+                           value_micro_batches: int = 0) -> dict:
+        if self.critic is not None:
+            return train_ppo_step(self.backend, self.critic, parts, fresh, proximal_micro_batches, version,
+                                  value_micro_batches)
         return self.backend.train_mini_batches(parts, fresh, proximal_micro_batches, version)
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
@@ -169,9 +179,13 @@ class TrainerWorker:
 
     def save(self, folder: str) -> None:
         self.backend.save(folder)
+        if self.critic is not None:
+            self.critic.save(str(Path(folder) / CRITIC_DIR))
 
     def load(self, folder: str) -> None:
         self.backend.load(folder)
+        if self.critic is not None:
+            self.critic.load(str(Path(folder) / CRITIC_DIR))
 
     def export_hf(self, folder: str) -> None:
         self.backend.export_hf(folder)
@@ -264,7 +278,9 @@ class TrainerGroup:
         # Every rank runs as many proximal forwards as the busiest one (ZeRO-3 gathers on each forward).
         proximal_micro_batches = max(len(pack_micro_batches([s for part, _ in mine[1:] for s in part], budget))
                                      for mine in parts)  # the first part needs none (backend.train_mini_batches)
-        return [w.train_mini_batches.remote(mine, fresh, proximal_micro_batches, version)
+        value_micro_batches = 0 if self.cfg.advantage != "gae" else max(  # the critic values every sample
+            len(pack_micro_batches([s for part, _ in mine for s in part], budget)) for mine in parts)
+        return [w.train_mini_batches.remote(mine, fresh, proximal_micro_batches, version, value_micro_batches)
                 for w, mine in zip(self.workers, parts)]
 
     def _build_samples(self, groups: list[Group], penalties: list[float] | None = None) -> list[TrainSample]:
