@@ -2,6 +2,8 @@
 and that a user's own answers are what it trains on."""
 import json
 
+import pytest
+
 from rlsys import models
 from rlsys.config import Config, DataConfig, ModelConfig, ToolsConfig, WarmStartConfig
 from rlsys.models import prepare_model
@@ -21,9 +23,10 @@ def test_the_warm_start_shows_its_steps_and_loss_as_training_does(tmp_path, caps
     assert "eval greedy accuracy " in captured.out and "%" in captured.out
 
 
-def test_a_task_answered_through_tools_gets_no_exact_match_accuracy_that_would_read_zero(tmp_path, capsys):
-    path = prepare_model(small(tmp_path, DataConfig(task="tool_arith", train_size=40, eval_size=4),
-                               tools=ToolsConfig(fns=["calculator"])))
+@pytest.mark.parametrize("task, tools", [("tool_arith", ToolsConfig(fns=["calculator"])),
+                                         ("guess_number", ToolsConfig(env="rlsys.data.tool_tasks:GuessNumber"))])
+def test_a_task_answered_through_tools_gets_no_exact_match_accuracy_that_would_read_zero(tmp_path, capsys, task, tools):
+    path = prepare_model(small(tmp_path, DataConfig(task=task, train_size=40, eval_size=4), tools=tools))
     out = capsys.readouterr().out
     assert "eval greedy accuracy not measured: answers come through tools (the run's step-0 eval has it)" in out
     assert json.loads((path / models.BUILD_INFO).read_text())["warm_start"]["eval_greedy_accuracy"] is None

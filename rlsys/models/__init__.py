@@ -94,7 +94,7 @@ def _build(cfg: Config, out: Path) -> None:
     t = time.time()
     # Exact match of the generated text: with tools the model's text is a call, answered only in a run, whose
     # step-0 eval measures the warm-started model instead (0% here would say nothing of it)
-    measured = not cfg.tools.fns
+    measured = not (cfg.tools.fns or cfg.tools.env)
     metrics["eval_greedy_accuracy"] = exact_match_accuracy(
         out, evals, max_new_tokens=cfg.rollout.max_new_tokens, device=ws.device) if measured else None
     metrics["eval_seconds"] = time.time() - t
