@@ -160,6 +160,12 @@ def live_vs_sim(run_dir: str | Path, **replay) -> dict:
         if figure == "bubble_ratio":  # the simulator's is over all windows together, so the steps' weighted by theirs
             live = sum(r[key] * r["timing/rollout_s"] for r in steps) / sum(r["timing/rollout_s"] for r in steps)
         out[figure] = {"live": live, "sim": sim[sim_key], "sim_over_live": sim[sim_key] / live if live else None}
+    # GPU-seconds per trained sample over the steps' time, on the run's budget (the same in both)
+    out["gpus"] = gpus = cfg.cluster.gpus
+    if all("samples" in r for r in steps):
+        live = gpus * sum(r["timing/step_s"] for r in steps) / sum(r["samples"] for r in steps)
+        simulated = gpus * sim["sim_time_s"] / sim["trained_samples"]
+        out["gpu_s_per_sample"] = {"live": live, "sim": simulated, "sim_over_live": simulated / live}
     final = rows[-1]
     out["overrun_share"] = final.get("emulate/overrun_share")
     out["emulating"] = final.get("emulate/emulating")

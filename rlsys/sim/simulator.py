@@ -577,6 +577,7 @@ class Simulation:
             "response_tokens": {"mean": mean(lengths), "p50": percentile(lengths, 50),
                                 "p99": percentile(lengths, 99), "max": max(lengths, default=0)},
             "trained_prompts": len(self.group_lengths),
+            "trained_samples": len(lengths),
             "preemptions_per_step": sum(e.preemptions for e in engines) / steps,
             "recomputed_tokens_per_step": sum(e.recomputed_tokens for e in engines) / steps,
             "preemptions_by_step": self.preemptions_by_step,
