@@ -6,6 +6,8 @@ after every preset, so a sweep cut short keeps what it measured.
     python benchmarks/emulated_vs_sim.py --presets sync,tail --steps 6
     python benchmarks/emulated_vs_sim.py --presets sorted,async --steps 6 --top-up   # more presets, same file
     python benchmarks/emulated_vs_sim.py --bench runs/bench --output FILE   # replay every run of an `rlsys bench`
+    python benchmarks/emulated_vs_sim.py --budget-runs runs/emulated_budget/longcot-2gpu --output FILE
+        # every complete run of benchmarks/emulated_budget.py's folders (PRESET-sSEED)
 """
 from __future__ import annotations
 
@@ -20,23 +22,59 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsys.bench import PRESETS, machine, run_preset, write_report  # noqa: E402
+from rlsys.config import read_config  # noqa: E402
+from rlsys.logger import read_jsonl  # noqa: E402
 from rlsys.sim.replay import FIGURES, live_vs_sim  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
 CONFIG = "configs/emulated_h100_7b.yaml"
+
+
 def replay_bench(bench_dir: Path, output: str, command: str) -> int:
-    """The simulator beside every run of an `rlsys bench` folder (PRESET-rN): per run, and per preset the median
-    and [min, max] of sim/live over its seeds (the live figures' mean beside them)."""
-    runs: dict[str, list[dict]] = {}
+    """The simulator beside every run of an `rlsys bench` folder (PRESET-rN)."""
+    found = {}
     for run_dir in sorted(bench_dir.iterdir()):
         preset = re.fullmatch(r"(.+)-r\d+", run_dir.name)
         if preset and (run_dir / "timeline.jsonl").exists():
-            runs.setdefault(preset[1], []).append(dict(live_vs_sim(run_dir), run=run_dir.name))
-    report = {"command": command, "bench": str(bench_dir), "machine": machine(), "runs": runs, "results": {}}
+            found[run_dir] = preset[1]
+    return replay_runs(found, {"bench": str(bench_dir)}, output, command)
+
+
+def complete(run_dir: Path) -> bool:
+    """A run with a timeline whose metrics reached its last step (trainer.total_steps)."""
+    if not (run_dir / "timeline.jsonl").exists() or not (run_dir / "config.yaml").exists():
+        return False
+    try:
+        steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "timing/step_s" in r]
+    except json.JSONDecodeError:  # a run still writing its last line
+        return False
+    return bool(steps) and max(steps) >= read_config(run_dir / "config.yaml")[0].trainer.total_steps
+
+
+def replay_budget_runs(folders: list[Path], output: str, command: str) -> int:
+    """The simulator beside every complete run of benchmarks/emulated_budget.py's folders (PRESET-sSEED); a run
+    complete in more than one folder is taken from the last."""
+    found = {}
+    for folder in folders:
+        for run_dir in sorted(folder.iterdir()):
+            preset = re.fullmatch(r"(.+)-s\d+", run_dir.name)
+            if preset and complete(run_dir):
+                found[run_dir.name] = (run_dir, preset[1])
+    return replay_runs(dict(sorted(found.values())), {"folders": [str(f) for f in folders]}, output, command)
+
+
+def replay_runs(found: dict[Path, str], where: dict, output: str, command: str) -> int:
+    """Per run (`found`: its folder and preset), and per preset the median and [min, max] of sim/live over its
+    seeds (the live figures' mean beside them)."""
+    runs: dict[str, list[dict]] = {}
+    for run_dir, preset in found.items():
+        row = dict(live_vs_sim(run_dir), run=run_dir.name, folder=str(run_dir.parent))
+        runs.setdefault(preset, []).append(row)
+    report = {"command": command, **where, "machine": machine(), "runs": runs, "results": {}}
     for preset, rs in runs.items():
         out = {"seeds": len(rs), "overrun_share": max(r["overrun_share"] for r in rs),
-               "emulating": all(r["emulating"] for r in rs)}
-        for figure in FIGURES:
+               "emulating": all(r["emulating"] for r in rs), "gpus": rs[0]["gpus"]}
+        for figure in [f for f in (*FIGURES, "gpu_s_per_sample") if all(f in r for r in rs)]:
             ratios = [r[figure]["sim_over_live"] for r in rs]
             out[figure] = {"live": statistics.fmean(r[figure]["live"] for r in rs),
                            "sim": statistics.fmean(r[figure]["sim"] for r in rs),
@@ -58,8 +96,13 @@ def main(argv=None) -> int:
     p.add_argument("--top-up", action="store_true", help="keep the output's other presets, rerun only these")
     p.add_argument("--replay-only", action="store_true", help="simulate the live runs already in --runs again")
     p.add_argument("--bench", help="instead: replay every run of this `rlsys bench` --out-dir")
+    p.add_argument("--budget-runs", nargs="+", help="instead: replay every complete run (PRESET-sSEED) of these "
+                   "benchmarks/emulated_budget.py folders, the last folder's where two hold one")
     p.add_argument("overrides", nargs="*", help="key=value on top of the config")
     args = p.parse_args(argv)
+    if args.budget_runs:
+        return replay_budget_runs([Path(f) for f in args.budget_runs], args.output,
+                                  "python benchmarks/emulated_vs_sim.py " + " ".join(argv or sys.argv[1:]))
     if args.bench:
         return replay_bench(Path(args.bench), args.output,
                             "python benchmarks/emulated_vs_sim.py " + " ".join(argv or sys.argv[1:]))

@@ -458,18 +458,32 @@ def emulated_h100_7b_sagc() -> str:
         for preset, r in j["results"].items()])
 
 
+def sim_cell(f: dict) -> str:
+    """A replayed figure: live and simulated means over the seeds, and the median [min, max] of the seeds'
+    sim/live."""
+    digits = 2 if f["live"] < 1 else 1
+    lo, hi = f["sim_over_live_spread"]
+    return f"{f['live']:.{digits}f} / {f['sim']:.{digits}f} ({f['sim_over_live']:.2f} [{lo:.2f}, {hi:.2f}])"
+
+
 @table("emulated_vs_sim_bench")
 def emulated_vs_sim_bench() -> str:
-    """The simulator replaying every run of the emulated comparison: live and simulated means over the seeds,
-    and the median [min, max] of the seeds' sim/live."""
-    def cell(f: dict) -> str:
-        digits = 2 if f["live"] < 1 else 1
-        lo, hi = f["sim_over_live_spread"]
-        return f"{f['live']:.{digits}f} / {f['sim']:.{digits}f} ({f['sim_over_live']:.2f} [{lo:.2f}, {hi:.2f}])"
+    """The simulator replaying every run of the emulated comparison."""
     return rows(["preset", "seeds", "worst overrun share", "step s, live / sim (sim/live [min, max])", "rollout s",
                  "bubble ratio"], [
-        [f"`{name}`", r["seeds"], f"{r['overrun_share']:.3f}", cell(r["step_time_s"]), cell(r["rollout_time_s"]),
-         cell(r["bubble_ratio"])] for name, r in load("emulated_vs_sim_bench_cpu")["results"].items()])
+        [f"`{name}`", r["seeds"], f"{r['overrun_share']:.3f}", sim_cell(r["step_time_s"]),
+         sim_cell(r["rollout_time_s"]), sim_cell(r["bubble_ratio"])]
+        for name, r in load("emulated_vs_sim_bench_cpu")["results"].items()])
+
+
+@table("emulated_budget_vs_sim_longcot_2gpu")
+def emulated_budget_vs_sim_longcot_2gpu() -> str:
+    """The simulator replaying the equal-budget runs on their own budget, GPU-seconds per sample beside time."""
+    return rows(["preset", "modelled GPUs", "seeds", "worst overrun share", "step s, live / sim (sim/live [min, max])",
+                 "rollout s", "bubble ratio", "GPU-s / sample"], [
+        [f"`{name}`", r["gpus"], r["seeds"], f"{r['overrun_share']:.3f}", sim_cell(r["step_time_s"]),
+         sim_cell(r["rollout_time_s"]), sim_cell(r["bubble_ratio"]), sim_cell(r["gpu_s_per_sample"])]
+        for name, r in sorted(load("emulated_budget_vs_sim_longcot_2gpu")["results"].items())])
 
 
 @table("sim_sagc")
@@ -728,6 +742,19 @@ def budget_figures() -> list[str]:
             f"{c['final_accuracy_vs_sync']['diff']:+.3f} ± {c['final_accuracy_vs_sync']['se']:.3f}"]
 
 
+def budget_replay_figures() -> list[str]:
+    """How far the simulator's replay of the equal-budget runs is from them: the presets' medians and the seeds'
+    range of sim/live step time, and the rollout time furthest off."""
+    r = load("emulated_budget_vs_sim_longcot_2gpu")["results"]
+    step = [v["step_time_s"] for v in r.values()]
+    worst = max(r, key=lambda name: abs(1 - r[name]["rollout_time_s"]["sim_over_live"]))
+    return [f"step time and GPU-seconds per sample within {max(abs(1 - f['sim_over_live']) for f in step):.0%} of "
+            f"the live runs' for every preset (its seeds' median; single seeds from "
+            f"{min(f['sim_over_live_spread'][0] for f in step):.2f}x to "
+            f"{max(f['sim_over_live_spread'][1] for f in step):.2f}x), rollout time furthest off for `{worst}` "
+            f"({r[worst]['rollout_time_s']['sim_over_live']:.2f}x)"]
+
+
 def emulated_comparison_figures() -> list[str]:
     """docs/performance.md's reading of the emulated scheduler comparison and its replay by the simulator."""
     j = load("emulated_h100_7b")
@@ -785,6 +812,7 @@ f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
             *sim.values(),
             *emulated_vs_sim_figures(),
             *emulated_comparison_figures(),
+            *budget_replay_figures(),
             *emulated_sagc_figures(),
             *loss_sweep_figures(),
             f"zero or upward in every draw ({dg_net('dg')}; PPO's {dg_net('ppo')})",

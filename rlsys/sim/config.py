@@ -133,6 +133,10 @@ class TrainerSpec(Section):
     # Gradients of the groups a scheduler streams (Accumulate) are computed on GPUs idle during the rollout
     # (RollPacker's stream trainer); only the rest is left for after the round.
     streamed: bool = False
+    # Colocated, without scale_down_at: each streamed batch takes every GPU and the engines wait for it, as an
+    # engine and a trainer micro-batch contend for a modelled GPU live (rlsys/emulate.py GPUTimeline); False: only
+    # GPUs with nothing to decode train it.
+    contend: bool = False
     # The scale-down of RollPacker's artifact, a fixed gate (not the paper's description of it): once this share
     # of a streamed step's groups is complete, half the engines move their requests (resumed with the tokens
     # they have, prefilled again) to the other half, and the streamed gradients run on the freed GPUs alone until

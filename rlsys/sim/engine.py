@@ -62,6 +62,7 @@ class SimEngine:
         self.idle_spans: list[tuple[float, float]] = []  # when it was so, for counting whole trainer replicas
         self.preemptions = 0
         self.recomputed_tokens = 0.0  # prompt + generated tokens of preempted sequences, prefilled again
+        self.decode_spans: Optional[list[tuple[float, float]]] = None  # a list: record when it decoded (tests)
 
     @property
     def load(self) -> int:
@@ -102,6 +103,8 @@ class SimEngine:
                 step = target - self.progress
             self.progress += step
             self.generated += self.n * step
+            if self.decode_spans is not None:
+                self.decode_spans.append((self.clock, t))
             self.kv_token_s += (kv0 + self.n * step / 2) * dt
         self.clock = t
 

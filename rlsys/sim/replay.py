@@ -106,16 +106,15 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         raise ValueError(f"{run_dir}: timeline.jsonl is empty or missing")
     k = e.tokens_per_token
     lengths, prompt_tokens = live_lengths(timeline, k)
-    # The run's GPU budget: colocated, the simulator pauses the engines while the trainer trains on all the GPUs and
-    # leaves that time out of the bubble, as the live metric does; separate, the trainer has the GPUs the engines
-    # leave. A colocated run that generates while it trains (async, streamed gradients) contends for its GPUs live,
-    # which the simulator does not model.
-    budget = Budget.of(e, live.rollout.num_workers, live.trainer.world_size)
-    overlaps = live.control.scheduler == "async" or live.trainer.streamed
-    if budget.layout == "colocated" and overlaps:
-        raise ValueError(f"{run_dir}: a colocated run that generates while it trains (control.scheduler="
-                         f"{live.control.scheduler}, trainer.streamed={live.trainer.streamed}) contends for its GPUs, "
-                         "which the simulator does not model; replay a run of emulate.layout=separate")
+    # The run's GPU budget, laid out as the live run's (rlsys/emulate.py Budget): colocated, the trainer holds every
+    # GPU while it trains and the engines wait (the simulator pauses them, as the live GPUTimeline makes them wait),
+    # and a streamed batch takes every GPU too (trainer.contend) unless trainer.scale_down_at lends it the GPUs of
+    # the engines scaled down; separate, the trainer has the GPUs the engines leave.
+    budget = Budget.of_run(live.model_copy(update={"emulate": e}))
+    if budget.layout == "colocated" and budget.gpus != e.tp * len(budget.engines):
+        raise ValueError(f"{run_dir}: emulate.gpus={budget.gpus} colocated with rollout.num_workers="
+                         f"{len(budget.engines)} x emulate.tp={e.tp} leaves GPUs without an engine, which the "
+                         "simulator (an engine on every colocated GPU) does not model")
     cluster = ({"gpus": budget.gpus} if budget.layout == "colocated"
                else {"gpus": budget.gpus, "trainer_gpus": len(budget.trainer)})
     # The live trainer's passes per token: forward and backward; a forward more against a KL reference; and where
@@ -134,7 +133,8 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         "engine": {"max_seqs": live.rollout.slots, **engine_spec},
         "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
                      "max_prompt_tokens": k * live.data.max_prompt_tokens, "dataset_size": len(lengths)},
-        "trainer": {"flops_per_param_token": flops, "overhead_s": 0.0, "streamed": live.trainer.streamed},
+        "trainer": {"flops_per_param_token": flops, "overhead_s": 0.0, "streamed": t.streamed,
+                    "scale_down_at": t.scale_down_at, "contend": budget.layout == "colocated"},
         "control": c.model_dump(),
     })
     return cfg, Replay(cfg, lengths)
@@ -160,6 +160,12 @@ def live_vs_sim(run_dir: str | Path, **replay) -> dict:
         if figure == "bubble_ratio":  # the simulator's is over all windows together, so the steps' weighted by theirs
             live = sum(r[key] * r["timing/rollout_s"] for r in steps) / sum(r["timing/rollout_s"] for r in steps)
         out[figure] = {"live": live, "sim": sim[sim_key], "sim_over_live": sim[sim_key] / live if live else None}
+    # GPU-seconds per trained sample over the steps' time, on the run's budget (the same in both)
+    out["gpus"] = gpus = cfg.cluster.gpus
+    if all("samples" in r for r in steps):
+        live = gpus * sum(r["timing/step_s"] for r in steps) / sum(r["samples"] for r in steps)
+        simulated = gpus * sim["sim_time_s"] / sim["trained_samples"]
+        out["gpu_s_per_sample"] = {"live": live, "sim": simulated, "sim_over_live": simulated / live}
     final = rows[-1]
     out["overrun_share"] = final.get("emulate/overrun_share")
     out["emulating"] = final.get("emulate/emulating")

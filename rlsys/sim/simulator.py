@@ -138,6 +138,10 @@ class Simulation:
         self._round_start = (0, 0)  # (preemptions, submitted requests) when the step's round began
         self.streamed_groups = 0  # groups the step has streamed so far
         self.lent: set[int] = set()  # engines scaled down for the trainer until the step's Train
+        # colocated streamed batches that take every GPU (trainer.contend): this step's (begin, end)
+        self.contending = self.colocated and self.trainer.contend and self.trainer.scale_down_at is None
+        self.stream_spans: list[tuple[float, float]] = []
+        self.trainer_spans: list[tuple[float, float]] = []  # colocated: when the trainer held every GPU
 
     def _build_engines(self, tp: int) -> list[SimEngine]:
         cost = self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}))
@@ -243,6 +247,8 @@ class Simulation:
             elif isinstance(action, Accumulate):
                 if self.trainer.streamed:
                     self.stream.add(self._tokens(action.groups), self.now, self._trainer_idle_s())
+                    if self.contending:
+                        self._contend(self._tokens(action.groups), touched)
                     self.streamed_groups += len(action.groups)
                     at = self.trainer.scale_down_at
                     if at is not None and not self.lent and self.streamed_groups >= at * action.train_groups:
@@ -278,6 +284,19 @@ class Simulation:
             engine.enqueue(req)
             self.requests[rid] = req
             self.counts["submitted"] += 1
+
+    def _contend(self, tokens: int, touched: dict) -> None:
+        """A streamed batch on every GPU, after the ones before it: the engines wait for it."""
+        begin = max([self.now] + [end for _, end in self.stream_spans])
+        end = begin + self._streamed_share() * self._gpu_s(tokens) / self.trainer_gpus
+        self.stream_spans.append((begin, end))
+        for engine in self.engines:
+            self._touch(engine, touched)
+            engine.pause(self.now, end)
+
+    def _streamed_share(self) -> float:
+        """The share of a group's trainer FLOPs that stream: its forward and backward."""
+        return min(1.0, TRAIN_FLOPS / self.trainer.flops_per_param_token)
 
     def _scale_down(self, touched: dict) -> None:
         """Half the engines hand their requests to the other half (least loaded first) and, idle, lend their
@@ -333,6 +352,11 @@ class Simulation:
         (trainer.replica_gpus); else the trainer's own GPUs while it had
         nothing to train."""
         arrivals = self.stream.take()
+        if self.contending:  # what of the batches' time on every GPU has passed by now
+            spans = [(begin, min(end, self.now)) for begin, end in self.stream_spans if begin < self.now]
+            self.trainer_spans += spans
+            self.stream_spans = []
+            return sum(end - begin for begin, end in spans) * self.trainer_gpus
         if not arrivals:
             return 0.0
         bounds = [t for t, _, _ in arrivals] + [self.now]
@@ -344,10 +368,9 @@ class Simulation:
         else:
             idle = [i for _, _, i in arrivals] + [self._trainer_idle_s()]
             room = [self.trainer_gpus * (b - a) for a, b in zip(idle, idle[1:])]
-        share = min(1.0, TRAIN_FLOPS / self.trainer.flops_per_param_token)  # forward and backward of the FLOPs
         backlog = done = 0.0
         for (_, tokens, _), free in zip(arrivals, room):
-            backlog += share * self._gpu_s(tokens)
+            backlog += self._streamed_share() * self._gpu_s(tokens)
             used = min(backlog, free)
             backlog, done = backlog - used, done + used
         return done
@@ -395,6 +418,7 @@ class Simulation:
             for engine in self.engines:
                 self._touch(engine, touched)
                 engine.pause(self.now, self.now + seconds + self.sync_s)
+            self.trainer_spans.append((self.now, self.now + seconds + self.sync_s))
             self._push(self.now + seconds + self.sync_s, TRAINED)
         else:
             self._push(self.now + seconds, SYNC)
@@ -553,6 +577,7 @@ class Simulation:
             "response_tokens": {"mean": mean(lengths), "p50": percentile(lengths, 50),
                                 "p99": percentile(lengths, 99), "max": max(lengths, default=0)},
             "trained_prompts": len(self.group_lengths),
+            "trained_samples": len(lengths),
             "preemptions_per_step": sum(e.preemptions for e in engines) / steps,
             "recomputed_tokens_per_step": sum(e.recomputed_tokens for e in engines) / steps,
             "preemptions_by_step": self.preemptions_by_step,
