@@ -520,12 +520,18 @@ def sim_per_setting() -> str:
     body = [[f"`workload.median_tokens` of `{c}`", f"{m['median_tokens']:,}",
              f"fitted to veRL's {m['target_rollout_s']} s rollout (bisection in the script)",
              f"`{c} rollout veRL s`; through the lengths, every `{c}` row"] for c, m in j["medians"].items()]
+    artifact = "RollPacker's artifact (github.com/Farrrrland/RollPacker, examples/stream_trainer_table3/" \
+               "rlvr_config_stream_trainer_7B.yaml), its setup, not fitted: "
     for c in j["medians"]:
         raw = yaml.safe_load((ROOT / "configs" / "sim" / f"{c}.yaml").read_text())
-        ours = {r["reward"].get("workers") for r in raw["schedulers"] if isinstance(r, dict) and "reward" in r}
-        body.append([f"`reward.workers` of `{c}`", f"veRL {raw['reward']['workers']}, reward scheduler "
-                     f"{', '.join(str(w) if w else 'unbounded' for w in ours)}",
-                     "set by hand against the tail and tail+reward rows", f"`{c} tail speedup`, `{c} tail+reward speedup`"])
+        pools = ", ".join(f"{name} {kind['workers']}" for name, kind in raw["reward"]["kinds"].items())
+        body.append([f"`reward.kinds.*.workers` of `{c}`", pools,
+                     artifact + "`rewards.math_rule.world_size` and `rewards.code_sandbox.world_size` 32, "
+                     "`llm_judge` on every GPU of the job (`device_mapping`)", f"every `{c}` row"])
+        engine = raw["engine"]
+        body.append([f"`engine.max_seqs`, `engine.memory_fraction` of `{c}`",
+                     f"{engine['max_seqs']}, {engine['memory_fraction']}",
+                     artifact + "vLLM's `max_num_seqs` and `gpu_memory_utilization`", f"every `{c}` row"])
     fit = j["tp_fit"]
     body.append(["`workload.median_tokens` of `qwen3_8b_32k_tp`", "7,500",
                  "set by hand to RollPacker's TP1 short round (1,029 s) under the earlier 2.9 ms step overhead",

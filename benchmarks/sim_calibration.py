@@ -6,13 +6,14 @@ paper predicted from the others; then the best schedule at 128 GPUs as a range o
 
 Every calibrated config shares one set of physical constants (CONSTANTS: the engine's step overhead and the
 trainer's MFU law, each from a published measurement that is none of the rows). What remains per setting is the
-median response length, fitted here to the setting's veRL rollout, the reward pools and the TP efficiency
-(fitted to RollPacker's TP rows); docs/performance.md "Per-setting values" lists each and the rows it touched.
+median response length, fitted here to the setting's veRL rollout, and the TP efficiency (fitted to
+RollPacker's TP rows); docs/performance.md "Per-setting values" lists each and the rows it touched. The reward
+pools and vLLM's limits are RollPacker's artifact's setup, inputs like its GPU count, kept both ways.
 In sample, every row is simulated with those values. Out of sample, each paper's rows are simulated with
-nothing set from that paper: for RollPacker, whose rows set all three, the median comes from another paper
-(HELD_OUT), the reward pools are unbounded and TP splits ideally. A row is within when it lands within +-15%.
-Then the 128-GPU sweep: RollPacker's 32B/32k setting on 128 H800 (the batch and both reward pools grown with the
-GPUs) over the runaway share and the trainer's MFU band, each schedule against veRL-style sync, async at every
+nothing set from that paper's rows: for RollPacker, whose rows set both, the median comes from another paper
+(HELD_OUT) and TP splits ideally. A row is within when it lands within +-15%.
+Then the 128-GPU sweep: RollPacker's 32B/32k setting on 128 H800 (the batch and the LLM judge's pool grown with
+the GPUs) over the runaway share and the trainer's MFU band, each schedule against veRL-style sync, async at every
 trainer split.
 """
 from __future__ import annotations
@@ -42,15 +43,15 @@ TOLERANCE = 0.15
 CONSTANTS = {"engine.step_overhead_ms": 1.0, "trainer.mfu": 0.40, "trainer.mfu_gpus": 8, "trainer.comm_per_gpu": 0.0134}
 CALIBRATED = ("qwen7b_8k", "qwen14b_16k", "qwen32b_32k", "qwen3_8b_32k_tp", "verl_async_7b_28k")
 # RollPacker held out: its lengths from TailSieve (arXiv 2608.22788 §4.1: median 1,160 tokens on DeepScaleR and
-# KodCode prompts at a 16k cap), reward pools unbounded, TP split ideally: nothing from RollPacker's rows.
-HELD_OUT = {"median_tokens": 1160, "reward_workers": None, "tp_efficiency": 1.0}
+# KodCode prompts at a 16k cap), TP split ideally: nothing from RollPacker's rows.
+HELD_OUT = {"median_tokens": 1160, "tp_efficiency": 1.0}
 STACK = ["tail", "tail+reward", "tail+reward+planner", "tail+reward+planner+stream"]
 ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
     "qwen7b_8k": ((82, 47), (1.30, 2.01, 2.01, 2.03)),
     "qwen14b_16k": ((277, 88), (1.48, 1.99, 2.02, 2.22)),
     "qwen32b_32k": ((673, 170), (2.21, 2.48, 2.52, 2.56)),
 }
-FITTED = {"rollout veRL", "tail", "tail+reward"}  # in sample: the median, and the reward pools set by hand
+FITTED = {"rollout veRL"}  # in sample: the median
 PLANNER = (  # the planner rows' shared reason, with this run's figures
     "the planner picks each round's TP before it starts: short rounds by the cost model, long rounds at most TP{base} "
     "(RollPacker measured its long rounds slower at the larger TP; see the TP2:TP1 rows); it ran the short rounds "
@@ -61,13 +62,13 @@ NOTES = {  # what each missing row's paper leaves unstated, and what we assumed 
         "the trainer runs at the shared MFU law ({mfu:.2f} on {gpus} GPUs), not fitted to these rows; RollPacker's "
         "Table 1 puts training at 21-23% of a 14B veRL step"),
     "held out": (
-        "RollPacker held out: median {median} tokens (TailSieve's), unbounded reward pools, ideal TP split; its "
+        "RollPacker held out: median {median} tokens (TailSieve's), ideal TP split; its "
         "veRL rollout here is {rollout:.0f} s against the published {published} s. That rollout is bound by its "
         "longest samples (1% run to the {cap:,}-token cap): {sim_ms:.1f} ms a token here against the {pub_ms:.1f} ms "
         "the published rollout implies, {gap_ms:.1f} ms a decode step missing"),
     "scaling": (
-        "RollPacker states batch and GPUs per point (weak scaling), not what it held fixed besides. We hold both "
-        "reward pools at their 32-GPU size and lose trainer MFU with the GPUs by the shared law. Then {who}'s step "
+        "RollPacker states batch and GPUs per point (weak scaling), not what it held fixed besides. We hold the "
+        "reward pools at the 32-GPU config's and lose trainer MFU with the GPUs by the shared law. Then {who}'s step "
         "grows {sim:.2f}x from 32 GPUs against the {published:.2f}x the paper's throughput implies; over the "
         "doublings {steps}. {missing}"),
     "verl trainer": (
@@ -155,14 +156,10 @@ def fit_median(config: str, steps: int | None, iterations: int = 8) -> dict:
 
 
 def setting(config: str, steps: int | None, median: int, held_out: bool = False, **changes) -> dict:
-    """A RollPacker config at this median; held out: its reward pools unbounded and TP split ideally."""
+    """A RollPacker config at this median; held out: its TP split ideally."""
     cfg = load(config, **_steps(steps), workload={"median_tokens": median}, **changes)
     if held_out:
-        cfg["reward"] = {**cfg["reward"], "workers": HELD_OUT["reward_workers"]}
         cfg["engine"] = {**cfg["engine"], "tp_efficiency": HELD_OUT["tp_efficiency"]}
-        cfg["schedulers"] = [r if isinstance(r, str) or "reward" not in r else
-                             {**r, "reward": {**r["reward"], "workers": HELD_OUT["reward_workers"]}}
-                             for r in cfg["schedulers"]]
     return cfg
 
 
@@ -375,7 +372,7 @@ def async_rows(steps: int | None) -> list[dict]:
 
 # --- the 128-GPU sweep ------------------------------------------------------------------------------------
 # RollPacker's 32B/32k setting on 128 H800: its batch grown with the GPUs to 256 prompts x 8 (weak scaling, as
-# RollPacker's), both reward pools grown with them from the 64-GPU config's 51 workers.
+# RollPacker's), the reward pools RollPacker's artifact's (32 math, 32 sandbox workers; the LLM judge on every GPU).
 SWEEP_CONFIG, SWEEP_GPUS, SWEEP_PROMPTS, SWEEP_STEPS = "qwen32b_32k", 128, 256, 5  # 5 steps: one tail period
 # Samples that loop to the cap: none, the configs' 1%, and TailSieve's ~3% truncated at a 16k cap on math prompts
 # (arXiv 2608.22788 §4.1; 0.1% on code), the one published figure near it.
@@ -403,8 +400,8 @@ def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str]
     """One point of the sweep at the setting's fitted median: every schedule against veRL-style sync (G 8),
     fastest first."""
     base = load(SWEEP_CONFIG)
-    scale = SWEEP_GPUS / base["cluster"]["gpus"]
-    pool = {"overlap": True, "workers": round(base["reward"]["workers"] * scale)}
+    pool = {"overlap": True}
+    kinds = {n: {**k, "workers": SWEEP_GPUS} if n == "judge" else k for n, k in base["reward"]["kinds"].items()}
     trainer = {} if MFU_128[mfu_label] is None else {"mfu": MFU_128[mfu_label], "mfu_gpus": SWEEP_GPUS}
     runs = [{"name": "sync", "label": "veRL-sync"}]
     for label in schedules:
@@ -413,7 +410,7 @@ def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str]
         runs.append({**run, "label": label, "control": control, "reward": pool})
     cfg = load(SWEEP_CONFIG, steps=steps, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
                control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway, "median_tokens": median},
-               reward={"workers": pool["workers"]}, trainer=trainer)
+               reward={"kinds": kinds}, trainer=trainer)
     results = simulate(cfg, quiet=True)["results"]
     reference = results["veRL-sync"]
     ranked = []

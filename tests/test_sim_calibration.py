@@ -68,9 +68,10 @@ def test_calibrated_configs_share_the_constants(calibration):
         calibration.check_constants("qwen14b_16k", drifted)
 
 
-def test_held_out_settings_take_nothing_from_rollpacker(calibration):
-    """RollPacker held out: the median from HELD_OUT, every reward pool unbounded, TP split ideally."""
+def test_held_out_settings_take_nothing_from_rollpackers_rows(calibration):
+    """RollPacker held out: the median from HELD_OUT, TP split ideally; the reward pools stay the artifact's
+    setup (32 math and 32 sandbox workers, the judge on every GPU), an input like the GPU count."""
     cfg = calibration.setting("qwen32b_32k", 1, calibration.HELD_OUT["median_tokens"], held_out=True)
-    assert cfg["workload"]["median_tokens"] == 1160 and cfg["reward"]["workers"] is None
-    assert cfg["engine"]["tp_efficiency"] == 1.0
-    assert all(r["reward"]["workers"] is None for r in cfg["schedulers"] if isinstance(r, dict) and "reward" in r)
+    assert cfg["workload"]["median_tokens"] == 1160 and cfg["engine"]["tp_efficiency"] == 1.0
+    pools = {name: kind["workers"] for name, kind in cfg["reward"]["kinds"].items()}
+    assert pools == {"rule": 32, "sandbox": 32, "judge": cfg["cluster"]["gpus"]}

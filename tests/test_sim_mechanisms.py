@@ -70,6 +70,18 @@ def test_batch_reward_waits_after_the_rollout_and_overlap_hides_it():
     assert batch["step_time_s"] > overlap["step_time_s"] + 5
 
 
+def test_kinds_with_their_own_pools_are_scored_in_parallel():
+    """Two equally slow kinds: each on its own 4 workers (ROLL's reward cluster per kind) takes about half the
+    batch scoring time of both sharing 4; a kind without its own pool uses the shared one."""
+    def wait(reward):
+        return one({"name": "sync", "reward": {"overlap": False}}, reward=reward)["reward_wait_s"]
+    slow = {"share": 1, "median_s": 2.0, "sigma": 0.5}
+    shared = wait({"kinds": {"a": slow, "b": slow}, "workers": 4})
+    own = wait({"kinds": {"a": {**slow, "workers": 4}, "b": {**slow, "workers": 4}}})
+    half_own = wait({"kinds": {"a": {**slow, "workers": 4}, "b": slow}, "workers": 4})
+    assert own < 0.75 * shared and own == pytest.approx(half_own)
+
+
 def test_makespan_of_a_bounded_pool():
     assert makespan([4, 3, 2, 1], 2) == 5 and makespan([1] * 6, 3) == 2 and makespan([5, 1], None) == 5 and makespan([], 4) == 0
 

@@ -102,11 +102,12 @@ class RewardKind(Section):
     median_s: float = Field(ge=0)
     sigma: float = Field(0.5, ge=0)
     timeout_s: Optional[float] = Field(None, gt=0)
+    workers: Optional[int] = Field(None, ge=1)  # this kind's own pool (ROLL: a reward cluster per kind); None: shared
 
 
 class RewardSpec(Section):
     kinds: dict[str, RewardKind] = {"rule": RewardKind(share=1.0, median_s=0.005)}
-    workers: Optional[int] = Field(None, ge=1)  # None: as many as needed
+    workers: Optional[int] = Field(None, ge=1)  # the pool of kinds without their own; None: as many as needed
     # True: each sample is scored as it finishes, overlapped with generation (RollPacker's reward scheduler).
     # False: a step's samples are scored after its rollout, before training starts (veRL).
     overlap: bool = True

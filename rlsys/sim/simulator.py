@@ -11,7 +11,7 @@ import gc
 import heapq
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from types import SimpleNamespace
 from typing import Optional
 
@@ -104,8 +104,10 @@ class Simulation:
         self.requests: dict[str, SimRequest] = {}  # not yet delivered to the scheduler
         self.known: set[str] = set()
         self.samples_drawn: Counter[str] = Counter()  # per prompt uid, to key the workload's draws
-        self.reward_free: Optional[list[float]] = [0.0] * self.reward.workers if self.reward.workers else None
-        self.reward_pending: list[float] = []  # without reward overlap: latencies of the step's samples
+        # Reward pools, "" the shared one: a kind with its own workers is scored on its own pool, in parallel.
+        self.pool_sizes = {"": self.reward.workers, **{n: k.workers for n, k in self.reward.kinds.items() if k.workers}}
+        self.reward_free = {pool: [0.0] * n for pool, n in self.pool_sizes.items() if n}  # bounded pools only
+        self.reward_pending: defaultdict[str, list[float]] = defaultdict(list)  # without overlap: the step's latencies
         self.reward_s: list[float] = []
         self.stream = Stream()
         self.trainer_free_at = self.trainer_idle_s = 0.0  # separate trainer GPUs: last finish, idle total
@@ -395,8 +397,9 @@ class Simulation:
         closed = self.at_last_finish if generating else self.opened
         self.in_windows = tuple(w + now - then for w, now, then in zip(self.in_windows, closed, self.opened))
         # Without overlap the step's rewards are scored now, on the reward pool, before its training.
-        reward_s = 0.0 if self.reward.overlap else makespan(self.reward_pending, self.reward.workers)
-        self.reward_pending = []
+        reward_s = 0.0 if self.reward.overlap else max(
+            (makespan(waiting, self.pool_sizes[pool]) for pool, waiting in self.reward_pending.items()), default=0.0)
+        self.reward_pending.clear()
         self.reward_s.append(reward_s)
         if self.trainer.streamed:
             for engine in self.engines:  # bring their idle time up to now
@@ -429,14 +432,19 @@ class Simulation:
         self.last_finish = self.now
         self.at_last_finish = self._slot_seconds()  # where a rollout window may close (_train)
         if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
-            self.reward_pending.append(req.reward_latency)
+            self.reward_pending[self._reward_pool(req)].append(req.reward_latency)
             self._push(self.now, SAMPLE, req)
             return
         start = self.now
-        if self.reward_free is not None:  # a bounded reward pool: wait for the first free worker
-            start = max(start, heapq.heappop(self.reward_free))
-            heapq.heappush(self.reward_free, start + req.reward_latency)
+        free = self.reward_free.get(self._reward_pool(req))
+        if free is not None:  # a bounded reward pool: wait for the first free worker
+            start = max(start, heapq.heappop(free))
+            heapq.heappush(free, start + req.reward_latency)
         self._push(start + req.reward_latency, SAMPLE, req)
+
+    def _reward_pool(self, req: SimRequest) -> str:
+        kind = self.workload.traits(req.prompt).reward_kind
+        return kind if kind in self.pool_sizes else ""
 
     def _deliver(self, req: SimRequest) -> None:
         self.requests.pop(req.rid, None)
