@@ -5,10 +5,8 @@ configs/tiny.yaml (sync, 16 prompts x 8 samples per step), several seeds, the fi
 
 Issue 51's methods run the same way, named by their recipes:
 
-    python benchmarks/losses_round2.py --steps 60 --repeats 1 --output benchmarks/results/losses_round3_cpu.json \
-        --losses dapo,sapo,reinforce_pp,reinforce_pp_baseline,grpo_ref_sync
-    python benchmarks/losses_round2.py --steps 60 --repeats 1 --output benchmarks/results/losses_ppo_cpu.json \
-        --losses dapo,ppo_gae
+    python benchmarks/losses_round2.py --steps 60 --repeats 3 --output benchmarks/results/losses_round3_cpu.json \
+        --losses dapo,sapo,reinforce_pp,reinforce_pp_baseline,grpo_ref_sync,ppo_gae,lora_grpo
 
 Run r uses `seed=r`: the same warm-started model, a different draw of samples. An existing --output is topped
 up: a loss runs only the seeds it lacks.
