@@ -145,11 +145,12 @@ def lift(r: dict) -> tuple[float, float]:
             (r["final_accuracy_se"] ** 2 + r["initial_accuracy_se"] ** 2) ** 0.5)
 
 
-@table("tool_arith")
-def tool_arith() -> str:
+def tool_lift(name: str) -> str:
+    """A tool bench's file: each preset's eval at step 0 and at its last step, the lift with its error, and the
+    tool calls per sample at the first and the last step."""
     from rlsys.bench import PRESETS
 
-    j = load("tool_arith_cpu")
+    j = load(name)
     steps = j["workload"]["total_steps"]
     body = []
     for preset, r in sorted(j["results"].items(), key=lambda item: list(PRESETS).index(item[0])):
@@ -159,6 +160,29 @@ def tool_arith() -> str:
                      f"{r['tool_calls_first']:.2f} / {r['tool_calls_last']:.2f}"])
     return rows(["preset", "runs", "avg@1 at step 0", f"avg@1 at step {steps}", "lift", "lift / its error",
                  "calls per sample, first / last step"], body)
+
+
+@table("tool_arith")
+def tool_arith() -> str:
+    return tool_lift("tool_arith_cpu")
+
+
+@table("tool_guess")
+def tool_guess() -> str:
+    return tool_lift("tool_guess_lift_cpu")
+
+
+def tool_guess_figures() -> list[str]:
+    """The multi-turn task's lift as README quotes it: lift over its error and calls per sample, per preset."""
+    j = load("tool_guess_lift_cpu")
+    steps = j["workload"]["total_steps"]
+    parts = []
+    for preset, r in j["results"].items():
+        gain, se = lift(r)
+        parts.append(f"`{preset}` {r['initial_accuracy']:.3f} -> {r['final_accuracy']:.3f} ({gain / se:.1f} times "
+                     f"the lift's error), {r['tool_calls_first']:.2f} -> {r['tool_calls_last']:.2f} calls per sample, "
+                     f"{r['length_at_cap_last']:.0%} of its last step's samples cut at the length cap")
+    return [f"in {steps} steps: " + "; ".join(parts)]
 
 
 def tool_arith_figures() -> list[str]:
@@ -847,6 +871,7 @@ def prose_figures() -> dict[str, list[str]]:
         "README.md": [
             *(sim[k] for k in ("in_sample", "held_out", "range", "runaway", "fast", "base", "tail")),
             *budget_figures(),
+            *tool_guess_figures(),
             "streamed `tail` {streamed:.2f}x and `async` with eta 2 {eta2:.2f}x sooner".format(**emulated_speeds()),
 f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
                       f"trained {fast['per_sample']:.2f}x faster per sample than `sync` and reached the "
@@ -872,6 +897,7 @@ f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
             f"zero or upward in every draw ({dg_net('dg')}; PPO's {dg_net('ppo')})",
             *async_profile_figures(),
             *tool_arith_figures(),
+            *tool_guess_figures(),
             f"reaches the target {fast['time_to_target']:.2f}x sooner with final accuracy within the error, but is "
             f"{fast['per_sample']:.2f}x per sample, {100 * (1 - fast['per_sample'] / 1.4):.0f}% short",
             f"is {plain['per_sample']:.2f}x per sample, {100 * (1 - plain['per_sample'] / 1.4):.0f}% short, and "
