@@ -37,7 +37,7 @@ def test_degenerate_groups_get_zero_advantage(name):
 
 
 def test_unknown_estimator_names_the_choices():
-    with pytest.raises(KeyError, match="drgrpo, grpo, grpo_batch_std, reinforce_pp, reinforce_pp_baseline, rloo"):
+    with pytest.raises(KeyError, match="drgrpo, gae, grpo, grpo_batch_std, reinforce_pp, reinforce_pp_baseline, rloo"):
         ADVANTAGES.get("ppo")
 
 
