@@ -77,8 +77,7 @@ class Budget:
 
     def trainer_rank(self, rank: int, world: int) -> tuple[int, ...]:
         """The modelled GPUs of live trainer rank `rank` of `world`: an equal slice of the trainer's."""
-        share = len(self.trainer) // world
-        return self.trainer[rank * share:(rank + 1) * share]
+        return equal_slices(self.trainer, world)[rank]
 
     def gpus_of(self, engines: list[int]) -> tuple[int, ...]:
         return tuple(g for i in engines for g in self.engines[i])
@@ -86,9 +85,13 @@ class Budget:
     def lent(self, engines: list[int], world: int) -> list[tuple[int, ...]]:
         """Each of `world` trainer ranks' modelled GPUs while `engines` lend theirs (trainer.scale_down_at): an
         equal slice of those."""
-        gpus = self.gpus_of(engines)
-        share = len(gpus) // world
-        return [gpus[rank * share:(rank + 1) * share] for rank in range(world)]
+        return equal_slices(self.gpus_of(engines), world)
+
+
+def equal_slices(gpus: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
+    """`gpus` split among `world` trainer ranks, an equal slice each, in order."""
+    share = len(gpus) // world
+    return [gpus[rank * share:(rank + 1) * share] for rank in range(world)]
 
 
 class GPUTimeline:
