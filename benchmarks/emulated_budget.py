@@ -34,8 +34,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHORT = ["trainer.total_steps=20", "control.eval_every=5", "data.eval_size=1000", "control.save_every=0"]
 # longcot's steps grow as its answers do: 10 steps and evals of 500 fit two seeds of two presets in half an hour
 LONGCOT_SHORT = ["trainer.total_steps=10", "control.eval_every=5", "data.eval_size=500", "control.save_every=0"]
+# longcot32: longcot as first run, before its engines got the slots their modelled KV holds
 WORKLOADS = {"old": ("configs/emulated_h100_7b.yaml", SHORT),
-             "longcot": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT)}
+             "longcot": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT),
+             "longcot32": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT + ["rollout.slots=32"])}
 TARGET = "+0.03"  # the stored table's
 COLOCATED = ["sync", "tail", "tail-streamed", "tail-scaledown", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
 SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}

@@ -6,7 +6,7 @@ after every preset, so a sweep cut short keeps what it measured.
     python benchmarks/emulated_vs_sim.py --presets sync,tail --steps 6
     python benchmarks/emulated_vs_sim.py --presets sorted,async --steps 6 --top-up   # more presets, same file
     python benchmarks/emulated_vs_sim.py --bench runs/bench --output FILE   # replay every run of an `rlsys bench`
-    python benchmarks/emulated_vs_sim.py --budget-runs runs/emulated_budget/longcot-2gpu --output FILE
+    python benchmarks/emulated_vs_sim.py --budget-runs runs/emulated_budget/longcot32-2gpu --output FILE
         # every complete run of benchmarks/emulated_budget.py's folders (PRESET-sSEED)
 """
 from __future__ import annotations

@@ -461,9 +461,9 @@ def emulated_budget_old_2gpu() -> str:
     return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_old_2gpu"))
 
 
-@table("emulated_budget_longcot_2gpu")
-def emulated_budget_longcot_2gpu() -> str:
-    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_longcot_2gpu"))
+@table("emulated_budget_longcot32_2gpu")
+def emulated_budget_longcot32_2gpu() -> str:
+    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_longcot32_2gpu"))
 
 
 def length_shape(name: str) -> str:
@@ -474,9 +474,9 @@ def length_shape(name: str) -> str:
         for preset, r in load(name)["results"].items()])
 
 
-@table("emulated_budget_longcot_2gpu_lengths")
-def emulated_budget_longcot_2gpu_lengths() -> str:
-    return length_shape("emulated_budget_longcot_2gpu")
+@table("emulated_budget_longcot32_2gpu_lengths")
+def emulated_budget_longcot32_2gpu_lengths() -> str:
+    return length_shape("emulated_budget_longcot32_2gpu")
 
 
 @table("emulated_h100_7b_sagc")
@@ -509,14 +509,14 @@ def emulated_vs_sim_bench() -> str:
         for name, r in load("emulated_vs_sim_bench_cpu")["results"].items()])
 
 
-@table("emulated_budget_vs_sim_longcot_2gpu")
-def emulated_budget_vs_sim_longcot_2gpu() -> str:
+@table("emulated_budget_vs_sim_longcot32_2gpu")
+def emulated_budget_vs_sim_longcot32_2gpu() -> str:
     """The simulator replaying the equal-budget runs on their own budget, GPU-seconds per sample beside time."""
     return rows(["preset", "modelled GPUs", "seeds", "worst overrun share", "step s, live / sim (sim/live [min, max])",
                  "rollout s", "bubble ratio", "GPU-s / sample"], [
         [f"`{name}`", r["gpus"], r["seeds"], f"{r['overrun_share']:.3f}", sim_cell(r["step_time_s"]),
          sim_cell(r["rollout_time_s"]), sim_cell(r["bubble_ratio"]), sim_cell(r["gpu_s_per_sample"])]
-        for name, r in sorted(load("emulated_budget_vs_sim_longcot_2gpu")["results"].items())])
+        for name, r in sorted(load("emulated_budget_vs_sim_longcot32_2gpu")["results"].items())])
 
 
 @table("sim_sagc")
@@ -778,19 +778,19 @@ def budget_figures() -> list[str]:
     intervals, on the old workload and on the one whose answers lengthen; the best presets on the latter."""
     j = load("emulated_budget_old_2gpu")
     t, seeds = j["speedup_vs_sync"]["tail"], j["results"]["tail"]["repeats"]
-    c = load("emulated_budget_longcot_2gpu")["speedup_vs_sync"]["tail"]
+    c = load("emulated_budget_longcot32_2gpu")["speedup_vs_sync"]["tail"]
     return [f"`tail` is {budget_ratio(t, 'per_sample_gpu_s')} sync per GPU-second and its time to the target "
             f"accuracy is {budget_ratio(t, 'time_to_target_gpu_s', 'sooner')} ({seeds} seeds, bootstrap 95% intervals)",
             f"final accuracy {t['final_accuracy_vs_sync']['diff']:+.3f} ± {t['final_accuracy_vs_sync']['se']:.3f}",
             f"`tail` is {budget_ratio(c, 'per_sample_gpu_s')} per GPU-second, its time to target "
             f"{budget_ratio(c, 'time_to_target_gpu_s', 'sooner')}, final accuracy "
             f"{c['final_accuracy_vs_sync']['diff']:+.3f} ± {c['final_accuracy_vs_sync']['se']:.3f}",
-            *best_on_budget("emulated_budget_longcot_2gpu")]
+            *best_on_budget("emulated_budget_longcot32_2gpu")]
 
 
 def longcot_budget_figures() -> list[str]:
     """docs/performance.md's reading of every preset on two modelled GPUs on cot_sum."""
-    s = load("emulated_budget_longcot_2gpu")["speedup_vs_sync"]
+    s = load("emulated_budget_longcot32_2gpu")["speedup_vs_sync"]
     tails = [-s[p]["final_accuracy_vs_sync"]["diff"] for p in ("tail", "tail-streamed", "tail-scaledown")]
     sorted_ = s["sorted"]
     return [f"`tail` is {s['tail']['per_sample_gpu_s']:.2f}x sync",
@@ -822,7 +822,7 @@ def best_on_budget(name: str) -> list[str]:
 def budget_replay_figures() -> list[str]:
     """How far the simulator's replay of the equal-budget runs is from them: the presets' medians and the seeds'
     range of sim/live step time, and the rollout time furthest off."""
-    r = load("emulated_budget_vs_sim_longcot_2gpu")["results"]
+    r = load("emulated_budget_vs_sim_longcot32_2gpu")["results"]
     step = [v["step_time_s"] for v in r.values()]
     worst = max(r, key=lambda name: abs(1 - r[name]["rollout_time_s"]["sim_over_live"]))
     return [f"step time and GPU-seconds per sample within {max(abs(1 - f['sim_over_live']) for f in step):.0%} of "

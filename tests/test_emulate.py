@@ -436,3 +436,13 @@ def test_an_engines_slots_are_what_its_modelled_kv_cache_holds_and_check_prints_
     report = check_report(cfg)
     assert "emulated: 2 modelled h100 GPUs, colocated: engine 0 on GPU 0; engine 1 on GPU 1; trainer on GPUs 0,1" \
         in report and f"KV holds {int(free / per_token // longest)} sequences" in report
+
+
+def test_the_long_cot_configs_engines_run_the_slots_their_modelled_kv_holds():
+    """The long-CoT workload is the equal-budget headline: its engines hold as many sequences as vLLM would on the
+    modelled GPU, not a fixed 32 that queues half a step's requests (issue 45)."""
+    cfg = load_config(str(Path(__file__).resolve().parent.parent / "configs" / "emulated_h100_7b_cot.yaml"))
+    kv = Emulation.of(cfg).kv_slots(cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
+    assert cfg.rollout.slots == kv
+    per_engine = cfg.control.prompts_per_step * cfg.control.group_size / cfg.rollout.num_workers
+    assert kv >= per_engine  # a sync step's requests all decode at once
