@@ -5,16 +5,17 @@ paper predicted from the others; then the best schedule at 128 GPUs as a range o
         --sweep-output benchmarks/results/sim_128_sweep.json
 
 Every calibrated config shares one set of physical constants (CONSTANTS: the engine's step overhead and the
-trainer's MFU law, each from a published measurement that is none of the rows). What remains per setting is the
-median response length, fitted here to the setting's veRL rollout, and the TP efficiency (fitted to
-RollPacker's TP rows); docs/performance.md "Per-setting values" lists each and the rows it touched. The reward
-pools and vLLM's limits are RollPacker's artifact's setup, inputs like its GPU count, kept both ways.
-In sample, every row is simulated with those values. Out of sample, each paper's rows are simulated with
-nothing set from that paper's rows: for RollPacker, whose rows set both, the median comes from another paper
-(HELD_OUT) and TP splits ideally. A row is within when it lands within +-15%.
+trainer's MFU law, each from a published measurement that is none of the rows), and RollPacker's settings take
+their median response length from another paper (CITED_MEDIAN). In sample, two values are fitted: per RollPacker
+setting the engine's step overhead, to its veRL rollout (fit_overhead; the one departure from CONSTANTS, made only
+by `setting`), and the TP efficiency, to RollPacker's TP rows; docs/performance.md "Per-setting values" lists each
+and the rows it touched. The reward pools and vLLM's limits are RollPacker's artifact's setup, inputs like its
+GPU count, kept both ways. Out of sample, each paper's rows are simulated with nothing set from that paper's rows:
+for RollPacker, the shared step overhead and an ideal TP split (HELD_OUT). A row is within when it lands within
++-15%.
 Then the 128-GPU sweep: RollPacker's 32B/32k setting on 128 H800 (the batch and the LLM judge's pool grown with
-the GPUs) over the runaway share and the trainer's MFU band, each schedule against veRL-style sync, async at every
-trainer split.
+the GPUs) at the 32B setting's fitted step overhead, over the runaway share, the trainer's MFU band and the step
+overhead (fitted or shared), each schedule against veRL-style sync, async at every trainer split.
 """
 from __future__ import annotations
 
@@ -42,16 +43,21 @@ TOLERANCE = 0.15
 # falling with data-parallel GPUs (0.40 / 0.37 / 0.31 on 8 / 16 / 32, veRL's docs/perf/dpsk.md).
 CONSTANTS = {"engine.step_overhead_ms": 1.0, "trainer.mfu": 0.40, "trainer.mfu_gpus": 8, "trainer.comm_per_gpu": 0.0134}
 CALIBRATED = ("qwen7b_8k", "qwen14b_16k", "qwen32b_32k", "qwen3_8b_32k_tp", "verl_async_7b_28k")
-# RollPacker held out: its lengths from TailSieve (arXiv 2608.22788 §4.1: median 1,160 tokens on DeepScaleR and
-# KodCode prompts at a 16k cap), TP split ideally: nothing from RollPacker's rows.
-HELD_OUT = {"median_tokens": 1160, "tp_efficiency": 1.0}
+# RollPacker's settings' median response length, in sample and held out: TailSieve's (arXiv 2608.22788 §4.1: 1,160
+# tokens on DeepScaleR and KodCode prompts at a 16k cap). Fitting the median to veRL's rollout instead drove it to
+# 4,061-7,490 tokens and missed every tail row: the rollout is bound by its longest samples, so what the cost model
+# lacks is a cost per decode step, and that is what is fitted in sample (fit_overhead).
+CITED_MEDIAN = 1160
+# RollPacker held out: the shared step overhead (nothing fitted) and TP split ideally: nothing from its rows.
+HELD_OUT = {"median_tokens": CITED_MEDIAN, "tp_efficiency": 1.0}
+OVERHEAD_MS = (0.5, 40.0)  # the range fit_overhead searches: from below the shared 1 ms to 40x it
 STACK = ["tail", "tail+reward", "tail+reward+planner", "tail+reward+planner+stream"]
 ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
     "qwen7b_8k": ((82, 47), (1.30, 2.01, 2.01, 2.03)),
     "qwen14b_16k": ((277, 88), (1.48, 1.99, 2.02, 2.22)),
     "qwen32b_32k": ((673, 170), (2.21, 2.48, 2.52, 2.56)),
 }
-FITTED = {"rollout veRL"}  # in sample: the median
+FITTED = {"rollout veRL"}  # in sample: the step overhead
 PLANNER = (  # the planner rows' shared reason, with this run's figures
     "the planner picks each round's TP before it starts: short rounds by the cost model, long rounds at most TP{base} "
     "(RollPacker measured its long rounds slower at the larger TP; see the TP2:TP1 rows); it ran the short rounds "
@@ -90,17 +96,22 @@ NOTES = {  # what each missing row's paper leaves unstated, and what we assumed 
 
 
 def load(name: str, **changes) -> dict:
-    """A config as a dict, `changes` merged into its sections; a calibrated config must hold the shared constants."""
+    """A config as a dict, `changes` merged into its sections; a calibrated config must hold the shared constants,
+    and its step overhead departs from them only as a setting's listed fit (`setting`), never as a change here."""
     raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
     if name in CALIBRATED:
         check_constants(name, raw)
+        if "step_overhead_ms" in changes.get("engine", {}):
+            raise ValueError(f"{name}: the step overhead departs from CONSTANTS only as a RollPacker setting's "
+                             "fitted value, through setting(overhead_ms=...)")
     for key, value in changes.items():
         raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
     return raw
 
 
 def check_constants(name: str, raw: dict) -> None:
-    """Every run of a calibrated config holds CONSTANTS: the configs cannot drift apart."""
+    """Every run of a calibrated config holds CONSTANTS, and RollPacker's settings the cited median: the configs
+    cannot drift apart, nor carry a fitted value."""
     cfg = load_sim_config(raw)
     for run in cfg.runs():
         trainer = cfg.trainer_for(run)
@@ -109,6 +120,9 @@ def check_constants(name: str, raw: dict) -> None:
         if held != CONSTANTS:
             raise ValueError(f"configs/sim/{name}.yaml run {run.label}: {held} departs from the shared constants "
                              f"{CONSTANTS} (benchmarks/sim_calibration.py CONSTANTS)")
+    if name in ROLLPACKER and cfg.workload.median_tokens != CITED_MEDIAN:
+        raise ValueError(f"configs/sim/{name}.yaml: median_tokens {cfg.workload.median_tokens} departs from the "
+                         f"cited {CITED_MEDIAN} (benchmarks/sim_calibration.py CITED_MEDIAN)")
 
 
 def row(name: str, paper: str, published: float, simulated: float, fitted: bool = False, note: str | None = None,
@@ -141,34 +155,40 @@ def hit_rate(rows: list[dict]) -> dict:
                              "within": sum(r["within"] for r in ahead if r["paper"] == p)} for p in papers}}
 
 
-def fit_median(config: str, steps: int | None, iterations: int = 8) -> dict:
-    """workload.median_tokens that gives the config's sync run its published veRL rollout: bisection in log
-    between 50 tokens and half the cap (the rollout grows with the median; the runaway samples set its floor)."""
+def fit_overhead(config: str, steps: int | None, iterations: int = 8) -> dict:
+    """engine.step_overhead_ms that gives the setting's sync run its published veRL rollout, at the cited median:
+    bisection in log over OVERHEAD_MS (the rollout, bound by the samples that decode to the cap, grows with the
+    cost of every decode step)."""
     target = ROLLPACKER[config][0][0]
-    lo, hi = math.log(50), math.log(load(config)["workload"]["max_tokens"] / 2)
+    lo, hi = map(math.log, OVERHEAD_MS)
     for _ in range(iterations):
         mid = (lo + hi) / 2
-        cfg = load(config, **_steps(steps), schedulers=["sync"], workload={"median_tokens": round(math.exp(mid))})
+        cfg = setting(config, steps, round(math.exp(mid), 2), schedulers=["sync"])
         rollout = simulate(cfg, quiet=True)["results"]["sync"]["rollout_time_s"]
         lo, hi = (mid, hi) if rollout < target else (lo, mid)
-    return {"median_tokens": round(math.exp((lo + hi) / 2)), "target_rollout_s": target,
-            "in_config": load(config)["workload"]["median_tokens"]}
+    return {"step_overhead_ms": round(math.exp((lo + hi) / 2), 2), "target_rollout_s": target,
+            "median_tokens": CITED_MEDIAN, "searched_ms": list(OVERHEAD_MS)}
 
 
-def setting(config: str, steps: int | None, median: int, held_out: bool = False, **changes) -> dict:
-    """A RollPacker config at this median; held out: its TP split ideally."""
-    cfg = load(config, **_steps(steps), workload={"median_tokens": median}, **changes)
+def setting(config: str, steps: int | None, overhead_ms: float | None = None, held_out: bool = False,
+            **changes) -> dict:
+    """A RollPacker config: in sample at its fitted step overhead (fit_overhead), the one departure from CONSTANTS
+    allowed; `overhead_ms` None keeps the shared one. Held out: its TP split ideally too."""
+    cfg = load(config, **_steps(steps), **changes)
+    if overhead_ms is not None:
+        cfg["engine"] = {**cfg["engine"], "step_overhead_ms": overhead_ms}
     if held_out:
         cfg["engine"] = {**cfg["engine"], "tp_efficiency": HELD_OUT["tp_efficiency"]}
     return cfg
 
 
-def rollpacker_rows(steps: int | None, medians: dict, held_out: bool = False) -> list[dict]:
-    """RollPacker's stack rows (and SortedRL's, in sample: nothing is set from SortedRL's row)."""
-    rows = []
+def rollpacker_rows(steps: int | None, overheads: dict | None) -> list[dict]:
+    """RollPacker's stack rows (and SortedRL's, in sample: nothing is set from SortedRL's row); `overheads`: each
+    setting's fitted step overhead in sample, None held out."""
+    rows, held_out = [], overheads is None
     for config, ((verl_s, tail_s), speedups) in ROLLPACKER.items():
         needed = {"sync", *STACK} | ({"sorted"} if config == "qwen7b_8k" and not held_out else set())
-        cfg = setting(config, steps, medians[config], held_out)
+        cfg = setting(config, steps, None if held_out else overheads[config], held_out)
         cfg["schedulers"] = [r for r in cfg["schedulers"] if _label(r) in needed]  # not the configs' others
         r = simulate(cfg, quiet=True)["results"]
         fitted = lambda label: not held_out and label in FITTED  # noqa: E731
@@ -176,7 +196,7 @@ def rollpacker_rows(steps: int | None, medians: dict, held_out: bool = False) ->
         cap = cfg["workload"]["max_tokens"]  # the longest samples decode this many steps
         per_token = {"ms_per_token": 1e3 * r["sync"]["rollout_time_s"] / cap,
                      "published_ms_per_token": 1e3 * verl_s / cap}
-        default = (NOTES["held out"].format(median=medians[config], rollout=r["sync"]["rollout_time_s"],
+        default = (NOTES["held out"].format(median=CITED_MEDIAN, rollout=r["sync"]["rollout_time_s"],
                                             published=verl_s, cap=cap, sim_ms=per_token["ms_per_token"],
                                             pub_ms=per_token["published_ms_per_token"],
                                             gap_ms=per_token["published_ms_per_token"] - per_token["ms_per_token"])
@@ -286,12 +306,14 @@ def tp_rows_held_out(steps: int | None) -> list[dict]:
 SCALING = {32: (1.0, 2.22), 64: (1.42, 3.37), 128: (2.18, 4.81)}  # GPUs: veRL / RollPacker throughput, vs veRL at 32
 
 
-def scaling_rows(steps: int | None, medians: dict, held_out: bool = False) -> list[dict]:
+def scaling_rows(steps: int | None, overheads: dict | None) -> list[dict]:
     """14B/16k, batch 128 -> 512 on 32 -> 128 GPUs; throughput in trained prompts/s relative to veRL at 32. The
-    32-GPU RollPacker point is the 14B stream row on the same config, so it is no row of its own here."""
+    32-GPU RollPacker point is the 14B stream row on the same config, so it is no row of its own here. `overheads`
+    as rollpacker_rows'."""
     points, base, verl = [], None, {}
+    held_out = overheads is None
     for gpus, prompts in ((32, 128), (64, 256), (128, 512)):
-        cfg = setting("qwen14b_16k", steps or 10, medians["qwen14b_16k"], held_out,
+        cfg = setting("qwen14b_16k", steps or 10, None if held_out else overheads["qwen14b_16k"], held_out,
                       cluster={"gpus": gpus}, control={"prompts_per_step": prompts})
         stack = next(r for r in cfg["schedulers"] if isinstance(r, dict) and r.get("label") == STACK[-1])
         cfg["schedulers"] = ["sync", {**stack, "label": "rollpacker"}]
@@ -382,8 +404,15 @@ RUNAWAY = [0.0, 0.005, 0.01, 0.02, 0.03]
 # arXiv 2104.04473 Table 1: 7.5B on 128 A100 at 46% of peak counting activation recomputation's extra forward,
 # 0.35 of model FLOPs). Smaller async trainers scale from it by the law.
 MFU_128 = {"law": None, "megatron-lm pretraining": 0.35}
-# One at a time: every runaway share at the law's MFU, and the band's top at no runaway and the configs' 1%.
-POINTS = [(x, "law") for x in RUNAWAY] + [(0.0, "megatron-lm pretraining"), (0.01, "megatron-lm pretraining")]
+# The engine's step overhead: the 32B setting's fitted one (its veRL rollout, on the same model, H800s and TP2
+# engines: a cost per engine step, which more GPUs do not change), or the shared constant measured on another
+# stack (vLLM 0.11, an 8B model on an H100), which decodes veRL's rollout faster than RollPacker measured it.
+OVERHEAD_128 = {"fitted 32B": None, "shared": CONSTANTS["engine.step_overhead_ms"]}
+# One at a time: every runaway share at the law's MFU, the band's top at no runaway and the configs' 1%, and the
+# shared step overhead at both; the rest at the fitted overhead.
+POINTS = ([(x, "law", "fitted 32B") for x in RUNAWAY]
+          + [(x, "megatron-lm pretraining", "fitted 32B") for x in (0.0, 0.01)]
+          + [(x, "law", "shared") for x in (0.0, 0.01)])
 SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as they come (the reward scheduler)
     "tail/G4": {"name": "tail", "trainer": {"streamed": True}},  # the stream trainer on idle engines
     # RollPacker's artifact's fixed gate: at 40% of a step's groups complete, half the engines hand their requests
@@ -393,12 +422,14 @@ SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as
     **{f"async-eta2-T{gpus}/G4": {"name": "async", "cluster": {"trainer_gpus": gpus},
                                   "control": {"staleness": {"eta": 2}}} for gpus in (32, 48, 64)},
 }
-QUICK = {"points": [(0.0, "law"), (0.01, "law")], "schedules": ["tail/G4", "async-eta2-T48/G4"]}
+QUICK = {"points": [(0.0, "law", "fitted 32B"), (0.01, "law", "shared")], "schedules": ["tail/G4", "async-eta2-T48/G4"]}
 
 
-def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str], median: int) -> dict:
-    """One point of the sweep at the setting's fitted median: every schedule against veRL-style sync (G 8),
-    fastest first."""
+def sweep_point(runaway: float, mfu_label: str, overhead_label: str, steps: int, schedules: list[str],
+                fitted_ms: float) -> dict:
+    """One point of the sweep at the cited median and this step overhead (`fitted_ms`: the 32B setting's fit):
+    every schedule against veRL-style sync (G 8), fastest first."""
+    overhead = OVERHEAD_128[overhead_label] or fitted_ms
     base = load(SWEEP_CONFIG)
     pool = {"overlap": True}
     kinds = {n: {**k, "workers": SWEEP_GPUS} if n == "judge" else k for n, k in base["reward"]["kinds"].items()}
@@ -408,9 +439,9 @@ def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str]
         run = SWEEP_SCHEDULES[label]
         control = {**run.get("control", {}), "group_size": 4, "prompts_per_step": 2 * SWEEP_PROMPTS}  # equal samples
         runs.append({**run, "label": label, "control": control, "reward": pool})
-    cfg = load(SWEEP_CONFIG, steps=steps, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
-               control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway, "median_tokens": median},
-               reward={"kinds": kinds}, trainer=trainer)
+    cfg = setting(SWEEP_CONFIG, steps, overhead, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
+                  control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway},
+                  reward={"kinds": kinds}, trainer=trainer)
     results = simulate(cfg, quiet=True)["results"]
     reference = results["veRL-sync"]
     ranked = []
@@ -429,7 +460,8 @@ def sweep_point(runaway: float, mfu_label: str, steps: int, schedules: list[str]
     mfu = load_sim_config(cfg).trainer.mfu_on(SWEEP_GPUS)
     best = next(e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"])
     asyncs = [e for e in ranked if e["schedule"].startswith("async") and e["equal_utility"]]
-    return {"runaway_share": runaway, "mfu": mfu_label, "trainer_mfu_128": round(mfu, 3), "median_tokens": median,
+    return {"runaway_share": runaway, "mfu": mfu_label, "trainer_mfu_128": round(mfu, 3),
+            "step_overhead": overhead_label, "step_overhead_ms": overhead, "median_tokens": CITED_MEDIAN,
             "best": {k: best[k] for k in ("schedule", "speedup_vs_sync")},
             "best_async": {k: asyncs[0][k] for k in ("schedule", "speedup_vs_sync")} if asyncs else None,
             "ranked": ranked}
@@ -450,7 +482,9 @@ def summarise(points: list[dict]) -> dict:
             "by_runaway": {str(x): [p["best"]["speedup_vs_sync"] for p in points if p["runaway_share"] == x]
                            for x in dict.fromkeys(p["runaway_share"] for p in points)},
             "by_mfu": {m: [p["best"]["speedup_vs_sync"] for p in points if p["mfu"] == m]
-                       for m in dict.fromkeys(p["mfu"] for p in points)}}
+                       for m in dict.fromkeys(p["mfu"] for p in points)},
+            "by_step_overhead": {o: [p["best"]["speedup_vs_sync"] for p in points if p["step_overhead"] == o]
+                                 for o in dict.fromkeys(p["step_overhead"] for p in points)}}
 
 
 def cpu_seconds() -> float:
@@ -467,18 +501,17 @@ def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = F
     steps = 1 if quick else steps
     grid = QUICK if quick else {"points": POINTS, "schedules": list(SWEEP_SCHEDULES)}
     with ProcessPoolExecutor(os.cpu_count()) as pool:
-        medians = {c: pool.submit(fit_median, c, steps, 2 if quick else 8) for c in ROLLPACKER}
+        overheads = {c: pool.submit(fit_overhead, c, steps, 2 if quick else 8) for c in ROLLPACKER}
         fit = pool.submit(tp_fit, 5, TP_GRID[::5]) if quick else pool.submit(tp_fit, steps)  # a long round every 5th
-        held = {c: HELD_OUT["median_tokens"] for c in ROLLPACKER}
-        out_parts = [pool.submit(rollpacker_rows, steps, held, True), pool.submit(scaling_rows, steps, held, True),
+        out_parts = [pool.submit(rollpacker_rows, steps, None), pool.submit(scaling_rows, steps, None),
                      pool.submit(tp_rows_held_out, 5 if quick else steps)]
         verl = pool.submit(async_rows, steps)
-        fitted = {c: job.result() for c, job in medians.items()}
-        chosen = {c: f["median_tokens"] for c, f in fitted.items()}
-        sweep = [pool.submit(sweep_point, x, m, steps or SWEEP_STEPS, grid["schedules"], chosen[SWEEP_CONFIG])
-                 for x, m in grid["points"]] if with_sweep else []
+        fitted = {c: job.result() for c, job in overheads.items()}
+        chosen = {c: f["step_overhead_ms"] for c, f in fitted.items()}
+        sweep = [pool.submit(sweep_point, *point, steps or SWEEP_STEPS, grid["schedules"], chosen[SWEEP_CONFIG])
+                 for point in grid["points"]] if with_sweep else []
         in_parts = [pool.submit(rollpacker_rows, steps, chosen), pool.submit(scaling_rows, steps, chosen)]
-        report = {"machine": host, "constants": CONSTANTS, "held_out": HELD_OUT, "medians": fitted,
+        report = {"machine": host, "constants": CONSTANTS, "held_out": HELD_OUT, "step_overheads": fitted,
                   "tp_fit": fit.result()}
         others = verl.result()
         report["rows"] = tp_rows(report["tp_fit"]) + [r for part in in_parts for r in part.result()] + others
@@ -494,6 +527,8 @@ def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = F
     if points:
         found = {"machine": report["machine"], "config": SWEEP_CONFIG, "gpus": SWEEP_GPUS,
                  "prompts_per_step": SWEEP_PROMPTS, "steps": steps or SWEEP_STEPS, "mfu_128": MFU_128,
+                 "median_tokens": CITED_MEDIAN,
+                 "step_overhead_128_ms": {k: v or chosen[SWEEP_CONFIG] for k, v in OVERHEAD_128.items()},
                  "summary": summarise(points), "points": points,
                  "wall_s": report["wall_s"], "cpu_s": report["cpu_s"]}
     return report, found
@@ -501,8 +536,9 @@ def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = F
 
 def print_report(report: dict, found: dict | None) -> None:
     fit = report["tp_fit"]
-    print(f"tp_efficiency fitted {fit['tp_efficiency']} (rlsys/costs.py: {fit['in_costs']}); medians fitted "
-          + ", ".join(f"{c} {m['median_tokens']}" for c, m in report["medians"].items()))
+    print(f"tp_efficiency fitted {fit['tp_efficiency']} (rlsys/costs.py: {fit['in_costs']}); step overheads "
+          f"fitted at the cited median ({CITED_MEDIAN} tokens) "
+          + ", ".join(f"{c} {m['step_overhead_ms']} ms" for c, m in report["step_overheads"].items()))
     for key, rows in (("in_sample", report["rows"]), ("out_of_sample", report["rows_out_of_sample"])):
         hits = report["hit_rate"][key]
         print(f"\n{key}: {hits['within']} of {hits['rows']} counted rows within 15% "
@@ -517,7 +553,8 @@ def print_report(report: dict, found: dict | None) -> None:
               f"{s['best_speedup_range'][1]:.2f}x sync ({', '.join(s['best_schedules'])})")
         for p in found["points"]:
             asy = p["best_async"]
-            print(f"runaway {p['runaway_share']:.3f} mfu {p['trainer_mfu_128']:.2f}: best {p['best']['schedule']} "
+            print(f"runaway {p['runaway_share']:.3f} mfu {p['trainer_mfu_128']:.2f} overhead "
+                  f"{p['step_overhead_ms']} ms: best {p['best']['schedule']} "
                   f"{p['best']['speedup_vs_sync']:.2f}x"
                   + (f", async {asy['schedule']} {asy['speedup_vs_sync']:.2f}x" if asy else ""))
     print(f"\n{report['wall_s']} s ({report['cpu_s']} CPU s)")
