@@ -1,5 +1,6 @@
-"""benchmarks/sim_calibration.py on a reduced run: the JSON has the issue's schema (figures are not checked), and
-every calibrated config holds the one set of constants."""
+"""benchmarks/sim_calibration.py on a reduced run: the JSON has the issue's schema (figures are not checked), every
+calibrated config holds the one set of constants, and in sample only each RollPacker setting's step overhead is
+fitted, to its veRL rollout."""
 import copy
 import importlib.util
 import json
@@ -8,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from rlsys.sim.run import simulate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sim_calibration.py"
 
@@ -39,9 +42,15 @@ def test_quick_calibration_writes_the_issue_schema(calibration, tmp_path):
         assert hits["rows"] == len(counted) and hits["within"] == sum(r["within"] for r in counted)
         assert sum(h["rows"] for h in hits["by_paper"].values()) == hits["rows"]
     assert report["constants"] == calibration.CONSTANTS
-    assert set(report["medians"]) == set(calibration.ROLLPACKER)
-    # the sweep: every point ranks veRL and the schedules, its best at equal utility
-    assert [(p["runaway_share"], p["mfu"]) for p in sweep["points"]] == [(0.0, "law"), (0.01, "law")]
+    assert set(report["step_overheads"]) == set(calibration.ROLLPACKER)
+    assert all(f["median_tokens"] == calibration.CITED_MEDIAN for f in report["step_overheads"].values())
+    # the sweep: every point ranks veRL and the schedules, its best at equal utility, at the cited median and the
+    # 32B setting's fitted step overhead or the shared one
+    assert [(p["runaway_share"], p["mfu"], p["step_overhead"]) for p in sweep["points"]] == calibration.QUICK["points"]
+    fitted_32b = report["step_overheads"][calibration.SWEEP_CONFIG]["step_overhead_ms"]
+    shared = calibration.CONSTANTS["engine.step_overhead_ms"]
+    assert [p["step_overhead_ms"] for p in sweep["points"]] == [fitted_32b, shared]
+    assert all(p["median_tokens"] == calibration.CITED_MEDIAN for p in sweep["points"])
     for p in sweep["points"]:
         ranked = p["ranked"]
         assert [e["speedup_vs_sync"] for e in ranked] == sorted((e["speedup_vs_sync"] for e in ranked), reverse=True)
@@ -66,12 +75,35 @@ def test_calibrated_configs_share_the_constants(calibration):
     drifted["engine"]["step_overhead_ms"] = 8.81
     with pytest.raises(ValueError, match="departs from the shared constants"):
         calibration.check_constants("qwen14b_16k", drifted)
+    drifted = copy.deepcopy(raw)
+    drifted["workload"]["median_tokens"] = 7490  # the median the earlier design fitted
+    with pytest.raises(ValueError, match="departs from the cited 1160"):
+        calibration.check_constants("qwen14b_16k", drifted)
+    # a run's step overhead departs only as a setting's fit, never as a change to a loaded config
+    with pytest.raises(ValueError, match="only as a RollPacker setting's fitted value"):
+        calibration.load("qwen14b_16k", engine={"step_overhead_ms": 8.81})
+
+
+def test_in_sample_fit_moves_only_the_step_overhead(calibration):
+    """In sample a RollPacker setting departs from its config only in its fitted step overhead, its median held at
+    the cited figure, and the fit puts its sync run's rollout on the published veRL one."""
+    fit = calibration.fit_overhead("qwen7b_8k", 1)
+    overhead = fit["step_overhead_ms"]
+    low, high = calibration.OVERHEAD_MS
+    assert fit["median_tokens"] == calibration.CITED_MEDIAN and low < overhead < high
+    fitted, kept = calibration.setting("qwen7b_8k", 1, overhead), calibration.setting("qwen7b_8k", 1)
+    assert fitted["engine"].pop("step_overhead_ms") == overhead
+    assert fitted == kept and kept["workload"]["median_tokens"] == calibration.CITED_MEDIAN
+    run = calibration.setting("qwen7b_8k", 1, overhead, schedulers=["sync"])
+    rollout = simulate(run, quiet=True)["results"]["sync"]["rollout_time_s"]
+    assert abs(rollout / fit["target_rollout_s"] - 1) < 0.03, (rollout, fit)
 
 
 def test_held_out_settings_take_nothing_from_rollpackers_rows(calibration):
-    """RollPacker held out: the median from HELD_OUT, TP split ideally; the reward pools stay the artifact's
-    setup (32 math and 32 sandbox workers, the judge on every GPU), an input like the GPU count."""
-    cfg = calibration.setting("qwen32b_32k", 1, calibration.HELD_OUT["median_tokens"], held_out=True)
+    """RollPacker held out: the cited median, the shared step overhead, TP split ideally; the reward pools stay the
+    artifact's setup (32 math and 32 sandbox workers, the judge on every GPU), an input like the GPU count."""
+    cfg = calibration.setting("qwen32b_32k", 1, held_out=True)
     assert cfg["workload"]["median_tokens"] == 1160 and cfg["engine"]["tp_efficiency"] == 1.0
+    assert "step_overhead_ms" not in cfg["engine"]  # the default: the shared constant (check_constants holds it)
     pools = {name: kind["workers"] for name, kind in cfg["reward"]["kinds"].items()}
     assert pools == {"rule": 32, "sandbox": 32, "judge": cfg["cluster"]["gpus"]}
