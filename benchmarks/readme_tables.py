@@ -699,9 +699,9 @@ def sim_figures() -> dict[str, str]:
                    + " over runaway shares of " + ", ".join(f"{100 * p['runaway_share']:g}%" for p in law),
         "findings": findings(j),
         "fast": f"at Megatron-LM's pretraining MFU (0.35) and 1% runaway it is {fast['best']['speedup_vs_sync']:.2f}x",
-        "overhead": f"at the 32B setting's fitted step overhead ({base['step_overhead_ms']} ms); at the shared "
+        "overhead": f"at the 32B setting's fitted step overhead ({base['step_overhead_ms']} ms; at the shared "
                     f"{shared[0]['step_overhead_ms']} ms the best is "
-                    + " and ".join(f"{p['best']['speedup_vs_sync']:.2f}x" for p in shared) + " (no runaway, 1%)",
+                    + " and ".join(f"{p['best']['speedup_vs_sync']:.2f}x" for p in shared) + " at no runaway and 1%)",
         "async": "async's best split is " + (
             "`{schedule}` at {speedup_vs_sync:.2f}x".format(**base["best_async"]) if base["best_async"] else "none"),
         "wall": f"the JSON's run took {j['wall_s']:.0f} s on the 2-core machine at load "
