@@ -174,15 +174,30 @@ def tool_guess() -> str:
 
 def tool_guess_figures() -> list[str]:
     """The multi-turn task's lift as README quotes it: lift over its error and calls per sample, per preset."""
-    j = load("tool_guess_lift_cpu")
-    steps = j["workload"]["total_steps"]
+    return [lift_figures("tool_guess_lift_cpu")]
+
+
+def lift_figures(name: str) -> str:
+    j = load(name)
     parts = []
     for preset, r in j["results"].items():
         gain, se = lift(r)
         parts.append(f"`{preset}` {r['initial_accuracy']:.3f} -> {r['final_accuracy']:.3f} ({gain / se:.1f} times "
                      f"the lift's error), {r['tool_calls_first']:.2f} -> {r['tool_calls_last']:.2f} calls per sample, "
                      f"{r['length_at_cap_last']:.0%} of its last step's samples cut at the length cap")
-    return [f"in {steps} steps: " + "; ".join(parts)]
+    return f"in {j['workload']['total_steps']} steps: " + "; ".join(parts)
+
+
+def tool_guess_peaks() -> str:
+    """Each preset's best eval on the way and where it ended: the curve, not only its ends."""
+    j = load("tool_guess_lift_cpu")
+    peaks = []
+    for preset, runs in j["runs"].items():
+        curve = runs[0]["eval_curve"]  # (time, accuracy) at step 0 and every eval_every steps to the last
+        best = max(range(len(curve)), key=lambda i: curve[i][1])
+        step = best * j["workload"]["total_steps"] // (len(curve) - 1)
+        peaks.append(f"`{preset}` peaked at {curve[best][1]:.3f} at step {step} and ended at {curve[-1][1]:.3f}")
+    return "; ".join(peaks)
 
 
 def tool_arith_figures() -> list[str]:
@@ -931,6 +946,8 @@ f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
             *async_profile_figures(),
             *tool_arith_figures(),
             *tool_guess_figures(),
+            tool_guess_peaks(),
+            lift_figures("tool_guess_lift_cap200_cpu"),
             f"reaches the target {fast['time_to_target']:.2f}x sooner with final accuracy within the error, but is "
             f"{fast['per_sample']:.2f}x per sample, {100 * (1 - fast['per_sample'] / 1.4):.0f}% short",
             f"is {plain['per_sample']:.2f}x per sample, {100 * (1 - plain['per_sample'] / 1.4):.0f}% short, and "
