@@ -44,12 +44,17 @@ SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}
 CLOCK = "emulated H100s running Qwen2.5-7B (CPU: the tiny model's real tokens on this machine, paced by rlsys/costs.py)"
 
 
+# Wall seconds per emulated second, per modelled GPU: this machine's two cores do every modelled GPU's work, so the
+# clock slows as the budget grows (0.25 at two GPUs, the configs' own scale)
+TIME_SCALE_PER_GPU = 0.125
+
+
 def layout(preset: str, gpus: int) -> list[str]:
     """The overrides that put a preset on `gpus` modelled GPUs: colocated one engine each, or split in halves."""
+    budget = [f"emulate.gpus={gpus}", f"emulate.time_scale={TIME_SCALE_PER_GPU * gpus:g}"]
     if preset in SPLIT:
-        return PRESETS[SPLIT[preset]] + [f"emulate.gpus={gpus}", "emulate.layout=separate",
-                                         f"rollout.num_workers={gpus // 2}"]
-    return PRESETS[preset] + [f"emulate.gpus={gpus}", "emulate.layout=colocated", f"rollout.num_workers={gpus}"]
+        return PRESETS[SPLIT[preset]] + budget + ["emulate.layout=separate", f"rollout.num_workers={gpus // 2}"]
+    return PRESETS[preset] + budget + ["emulate.layout=colocated", f"rollout.num_workers={gpus}"]
 
 
 def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict:
