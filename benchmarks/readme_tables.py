@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -471,31 +472,11 @@ EMULATED_BUDGET_HEADER = ["preset", "modelled GPUs", "seeds", "worst overrun sha
                           "sooner to target (GPU-s) vs sync [95% CI]"]
 
 
-@table("emulated_budget_old_2gpu")
-def emulated_budget_old_2gpu() -> str:
-    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_old_2gpu"))
-
-
-@table("emulated_budget_longcot_2gpu")
-def emulated_budget_longcot_2gpu() -> str:
-    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_longcot_2gpu"))
-
-
-@table("emulated_budget_longcot_4gpu")
-def emulated_budget_longcot_4gpu() -> str:
-    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_longcot_4gpu"))
-
-
 def four_gpu_figures() -> list[str]:
     """The four-GPU budget beside the two-GPU one: each preset's ratio to sync per GPU-second on both."""
     two, four = (load(f"emulated_budget_longcot_{b}gpu")["speedup_vs_sync"] for b in (2, 4))
     return ["; ".join(f"`{p}` {budget_ratio(four[p], 'per_sample_gpu_s')} per GPU-second on four against "
                       f"{two[p]['per_sample_gpu_s']:.2f}x on two" for p in four if p != "sync")]
-
-
-@table("emulated_budget_longcot32_2gpu")
-def emulated_budget_longcot32_2gpu() -> str:
-    return rows(EMULATED_BUDGET_HEADER, emulated_budget_rows("emulated_budget_longcot32_2gpu"))
 
 
 def length_shape(name: str) -> str:
@@ -506,14 +487,12 @@ def length_shape(name: str) -> str:
         for preset, r in load(name)["results"].items()])
 
 
-@table("emulated_budget_longcot_2gpu_lengths")
-def emulated_budget_longcot_2gpu_lengths() -> str:
-    return length_shape("emulated_budget_longcot_2gpu")
-
-
-@table("emulated_budget_longcot32_2gpu_lengths")
-def emulated_budget_longcot32_2gpu_lengths() -> str:
-    return length_shape("emulated_budget_longcot32_2gpu")
+# Each equal-budget file renders its table under its own name; the cot_sum ones at two GPUs their length shapes too
+for _name in ("emulated_budget_old_2gpu", "emulated_budget_longcot_2gpu", "emulated_budget_longcot_4gpu",
+              "emulated_budget_longcot32_2gpu"):
+    table(_name)(partial(lambda name: rows(EMULATED_BUDGET_HEADER, emulated_budget_rows(name)), _name))
+for _name in ("emulated_budget_longcot_2gpu", "emulated_budget_longcot32_2gpu"):
+    table(f"{_name}_lengths")(partial(length_shape, _name))
 
 
 @table("emulated_h100_7b_sagc")
@@ -651,14 +630,19 @@ def sim_128_sweep() -> str:
          f"`{p['best']['schedule']}` {p['best']['speedup_vs_sync']:.2f}x"] for p in j["points"]])
 
 
-def sweep_range() -> str:
-    low, high = load("sim_128_sweep")["summary"]["best_speedup_range"]
+def sweep_range(sweep: dict) -> str:
+    low, high = sweep["summary"]["best_speedup_range"]
     return f"{low:.2f}x to {high:.2f}x"
 
 
-def sweep_point(runaway: float, mfu: str = "law", overhead: str = "fitted 32B") -> dict:
-    return next(p for p in load("sim_128_sweep")["points"]
+def sweep_point(sweep: dict, runaway: float, mfu: str = "law", overhead: str = "fitted 32B") -> dict:
+    return next(p for p in sweep["points"]
                 if (p["runaway_share"], p["mfu"], p["step_overhead"]) == (runaway, mfu, overhead))
+
+
+def span(xs: list[float], unit: str = "") -> str:
+    """The least and the most of some ratios, as prose quotes a range."""
+    return f"{min(xs):.2f}{unit}-{max(xs):.2f}{unit}"
 
 
 def findings(j: dict) -> str:
@@ -670,7 +654,6 @@ def findings(j: dict) -> str:
     old = {r["name"]: r for r in before["rows"]}
     settings = list(j["step_overheads"])
     ratios = lambda rows, label: [rows[f"{c} {label}"]["ratio"] for c in settings]  # noqa: E731
-    span = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"  # noqa: E731
     overheads = " / ".join(f"{f['step_overhead_ms']}" for f in j["step_overheads"].values())
     medians = " / ".join(f"{m['median_tokens']:,}" for m in before["medians"].values())
     stack = "tail+reward+planner+stream speedup"
@@ -712,17 +695,13 @@ def findings(j: dict) -> str:
             f"then be in sample")
 
 
-def _span(xs: list[float]) -> str:
-    return f"{min(xs):.2f}x-{max(xs):.2f}x"
-
-
 def sim_figures() -> dict[str, str]:
     """The simulator's figures as README.md and docs/performance.md quote them, from the calibration and the sweep."""
     j, sweep = load("sim_calibration"), load("sim_128_sweep")
     hits, held = j["hit_rate"]["in_sample"], j["hit_rate"]["out_of_sample"]
-    base, bare = sweep_point(0.01), sweep_point(0.0)
-    fast = sweep_point(0.01, "megatron-lm pretraining")
-    shared = [sweep_point(x, "law", "shared") for x in (0.0, 0.01)]
+    base, bare = sweep_point(sweep, 0.01), sweep_point(sweep, 0.0)
+    fast = sweep_point(sweep, 0.01, "megatron-lm pretraining")
+    shared = [sweep_point(sweep, x, "law", "shared") for x in (0.0, 0.01)]
     tail = lambda p: next(e for e in p["ranked"] if e["schedule"] == "tail/G4")  # noqa: E731
     verl = lambda p: next(e for e in p["ranked"] if e["schedule"] == "veRL-sync")  # noqa: E731
     law = [p for p in sweep["points"] if (p["mfu"], p["step_overhead"]) == ("law", "fitted 32B")]
@@ -731,7 +710,7 @@ def sim_figures() -> dict[str, str]:
                      f"({sum(r['fitted'] for r in j['rows'])} more were fitted)",
         "held_out": f"{held['within']} of {held['rows']} with each paper held out ("
                     + ", ".join(f"{p} {h['within']} of {h['rows']}" for p, h in held["by_paper"].items()) + ")",
-        "range": f"the best schedule is {sweep_range()} sync",
+        "range": f"the best schedule is {sweep_range(sweep)} sync",
         "base": "{speedup_vs_sync:.2f}x (`{schedule}`)".format(**base["best"]),
         "tail": f"tail batching with the stream trainer on idle engines is {tail(base)['speedup_vs_sync']:.2f}x",
         "bare": f"without runaway samples the best is {bare['best']['speedup_vs_sync']:.2f}x, veRL's step "
@@ -746,8 +725,8 @@ def sim_figures() -> dict[str, str]:
         "async": "async's best split is " + (
             "`{schedule}` at {speedup_vs_sync:.2f}x".format(**base["best_async"]) if base["best_async"] else "none"),
         "high": "in sample the simulator puts the 32B setting's stack at {} the published speed-ups, so the range "
-                "likely runs high by as much".format(_span(
-                    [r["ratio"] for r in j["rows"] if r["name"].startswith("qwen32b_32k tail") and not r["fitted"]])),
+                "likely runs high by as much".format(span(
+                    [r["ratio"] for r in j["rows"] if r["name"].startswith("qwen32b_32k tail") and not r["fitted"]], "x")),
         "wall": f"the JSON's run took {j['wall_s']:.0f} s on the 2-core machine at load "
                 f"{j['machine']['load_average_at_start']:.1f}, {j['cpu_s']:.0f} CPU seconds in all",
     }
