@@ -5,18 +5,22 @@ on all of them, contending with the engines where they overlap): sync, tail, tai
 sorted-partial, sagc, async, async-eta2. Split (B/2 engine GPUs, the trainer on the other B/2): async-split and
 async-eta2-split. Per (workload, budget) one results file, benchmarks/results/emulated_budget_<workload>_<B>gpu.json,
 rewritten after every run in `rlsys bench`'s report format (GPU-seconds, ratios with bootstrap 95% intervals).
-Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions; one
-that did not emulate (its real compute overran, e.g. on a loaded machine) is kept, left out of the figures, and
+Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions, and
+several processes may fill one file side by side (give each its own seeds: each run is added to the file as it is
+then, under a lock); one that did not emulate (its real compute overran, e.g. on a loaded machine) is kept, left out of the figures, and
 run again.
 
     nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
     nice -n 5 python benchmarks/emulated_budget.py --workloads longcot --budgets 2 --presets sync,tail --seeds 2
     python benchmarks/emulated_budget.py                     # the whole matrix, 5 seeds, skipping what is done
+    python benchmarks/emulated_budget.py --seeds 5 --first-seed 3   # seeds 3 and 4 only, beside another process
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -77,6 +81,19 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
             "runs": runs}
 
 
+def record(path: Path, workload: dict, preset: str, run: dict, command: str) -> None:
+    """Adds one run to the results file as the file is now, under a lock on its folder: another process filling
+    other seeds of the same matrix may have written since this one began."""
+    lock = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+        runs.setdefault(preset, []).append(run)
+        write_report(str(path), report_of(workload, runs, command))
+    finally:
+        os.close(lock)  # closing releases the lock
+
+
 def started_run(cfg: Config, tries: int = 5) -> list[dict]:
     """run_loaded, tried again where Ray did not start: on a loaded machine its node can miss Ray's fixed 30 s."""
     for attempt in range(tries):
@@ -94,7 +111,8 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--budgets", default="2,4")
     p.add_argument("--presets", default=",".join(COLOCATED + list(SPLIT)))
-    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seeds", type=int, default=5, help="seeds first-seed .. seeds-1")
+    p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/emulated_budget")
     args = p.parse_args()
     command = "python benchmarks/emulated_budget.py " + " ".join(sys.argv[1:])
@@ -105,7 +123,7 @@ def main() -> int:
             workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
                         "layouts": {preset: layout(preset, gpus) for preset in args.presets.split(",")}}
             runs = json.loads(path.read_text())["runs"] if path.exists() else {}
-            for seed in range(args.seeds):  # seeds outermost: every preset's first seeds before anyone's fifth
+            for seed in range(args.first_seed, args.seeds):  # seeds outermost: every preset's first seeds before anyone's fifth
                 for preset in args.presets.split(","):
                     if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
                         continue
@@ -114,8 +132,9 @@ def main() -> int:
                     run_dir = Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}"
                     run_cfg = run_config(config, overrides, run_dir)
                     summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
-                    runs.setdefault(preset, []).append({**summary, "seed": seed, "wall_clock_s": time.time() - started})
-                    write_report(str(path), report_of(workload, runs, command))
+                    run = {**summary, "seed": seed, "wall_clock_s": time.time() - started}
+                    runs.setdefault(preset, []).append(run)
+                    record(path, workload, preset, run, command)
                     print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
                           f"final accuracy {summary['final_accuracy']}", flush=True)
     return 0
