@@ -482,6 +482,26 @@ def four_gpu_figures() -> list[str]:
                       f"{two[p]['per_sample_gpu_s']:.2f}x on two" for p in four if p != "sync")]
 
 
+@table("emulated_budget_summary")
+def emulated_budget_summary() -> str:
+    """The README's headline of the equal-budget reruns: cot_sum on two and on four modelled GPUs, each preset's
+    ratios to sync per GPU-second and to target (bootstrap 95% intervals over the seeds' pairs) and its final
+    accuracy against sync's."""
+    budgets = {b: load(f"emulated_budget_longcot_{b}gpu") for b in (2, 4)}
+    presets = list(dict.fromkeys(p for j in budgets.values() for p in j["speedup_vs_sync"] if p != "sync"))
+
+    def cells(j: dict, preset: str) -> list[str]:
+        s = j["speedup_vs_sync"].get(preset)
+        if s is None:
+            return ["not run"] * 3
+        d = s["final_accuracy_vs_sync"]
+        return [f"{budget_ratio(s, 'per_sample_gpu_s')} ({j['results'][preset]['repeats']} seeds)",
+                budget_ratio(s, "time_to_target_gpu_s"), f"{d['diff']:+.3f} ± {d['se']:.3f}"]
+    return rows(["preset", *(f"{b} GPUs: {what}" for b in budgets
+                             for what in ("per GPU-second vs sync", "sooner to target", "final vs sync"))],
+                [[f"`{p}`", *(c for j in budgets.values() for c in cells(j, p))] for p in presets])
+
+
 def length_shape(name: str) -> str:
     """Each preset's length shape at its first and last step: median, p90, p99 (tokens), share at the cap."""
     return rows(["preset", "p50 first → last", "p90 first → last", "p99 first → last", "at the cap first → last"], [
@@ -528,14 +548,18 @@ def emulated_vs_sim_bench() -> str:
         for name, r in load("emulated_vs_sim_bench_cpu")["results"].items()])
 
 
-@table("emulated_budget_vs_sim_longcot32_2gpu")
-def emulated_budget_vs_sim_longcot32_2gpu() -> str:
+def emulated_budget_vs_sim(name: str) -> str:
     """The simulator replaying the equal-budget runs on their own budget, GPU-seconds per sample beside time."""
     return rows(["preset", "modelled GPUs", "seeds", "worst overrun share", "step s, live / sim (sim/live [min, max])",
                  "rollout s", "bubble ratio", "GPU-s / sample"], [
-        [f"`{name}`", r["gpus"], r["seeds"], f"{r['overrun_share']:.3f}", sim_cell(r["step_time_s"]),
+        [f"`{preset}`", r["gpus"], r["seeds"], f"{r['overrun_share']:.3f}", sim_cell(r["step_time_s"]),
          sim_cell(r["rollout_time_s"]), sim_cell(r["bubble_ratio"]), sim_cell(r["gpu_s_per_sample"])]
-        for name, r in sorted(load("emulated_budget_vs_sim_longcot32_2gpu")["results"].items())])
+        for preset, r in sorted(load(name)["results"].items())])
+
+
+for _name in ("emulated_budget_vs_sim_longcot32_2gpu", "emulated_budget_vs_sim_longcot_2gpu",
+              "emulated_budget_vs_sim_longcot_4gpu"):
+    table(_name)(partial(emulated_budget_vs_sim, _name))
 
 
 @table("sim_sagc")
@@ -826,18 +850,14 @@ def budget_ratio(s: dict, key: str, what: str = "") -> str:
 
 
 def budget_figures() -> list[str]:
-    """The equal-budget reruns as prose quotes them: tail against sync per GPU-second and to target, with
-    intervals, on the old workload and on the one whose answers lengthen; the best presets on the latter."""
+    """The equal-budget reruns as the README quotes them: tail against sync per GPU-second and to target, with
+    intervals, on the old workload; the best presets on cot_sum, whose answers lengthen, at two and four GPUs."""
     j = load("emulated_budget_old_2gpu")
     t, seeds = j["speedup_vs_sync"]["tail"], j["results"]["tail"]["repeats"]
-    c = load("emulated_budget_longcot_2gpu")["speedup_vs_sync"]["tail"]
     return [f"`tail` is {budget_ratio(t, 'per_sample_gpu_s')} sync per GPU-second and its time to the target "
             f"accuracy is {budget_ratio(t, 'time_to_target_gpu_s', 'sooner')} ({seeds} seeds, bootstrap 95% intervals)",
             f"final accuracy {t['final_accuracy_vs_sync']['diff']:+.3f} ± {t['final_accuracy_vs_sync']['se']:.3f}",
-            f"`tail` is {budget_ratio(c, 'per_sample_gpu_s')} per GPU-second, its time to target "
-            f"{budget_ratio(c, 'time_to_target_gpu_s', 'sooner')}, final accuracy "
-            f"{c['final_accuracy_vs_sync']['diff']:+.3f} ± {c['final_accuracy_vs_sync']['se']:.3f}",
-            *best_on_budget("emulated_budget_longcot_2gpu")]
+            *best_on_budget("emulated_budget_longcot_2gpu"), *best_on_budget("emulated_budget_longcot_4gpu")]
 
 
 def longcot_budget_figures() -> list[str]:
@@ -892,12 +912,12 @@ def best_on_budget(name: str) -> list[str]:
     return out
 
 
-def budget_replay_figures() -> list[str]:
-    """How far the simulator's replay of the equal-budget runs is from them: the presets' medians and the seeds'
-    range of sim/live step time, and the rollout time furthest off."""
-    r = load("emulated_budget_vs_sim_longcot32_2gpu")["results"]
+def budget_replay_figures(name: str) -> list[str]:
+    """How far the simulator's replay of one file of equal-budget runs is from them: the presets' medians and the
+    seeds' range of sim/live step time, and the rollout time furthest off."""
+    r = load(name)["results"]
     step = [v["step_time_s"] for v in r.values()]
-    worst = max(r, key=lambda name: abs(1 - r[name]["rollout_time_s"]["sim_over_live"]))
+    worst = max(r, key=lambda preset: abs(1 - r[preset]["rollout_time_s"]["sim_over_live"]))
     return [f"step time and GPU-seconds per sample within {max(abs(1 - f['sim_over_live']) for f in step):.0%} of "
             f"the live runs' for every preset (its seeds' median; single seeds from "
             f"{min(f['sim_over_live_spread'][0] for f in step):.2f}x to "
@@ -963,7 +983,8 @@ f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
             *sim.values(),
             *emulated_vs_sim_figures(),
             *emulated_comparison_figures(),
-            *budget_replay_figures(),
+            *(f for name in ("longcot32_2gpu", "longcot_2gpu", "longcot_4gpu")
+              for f in budget_replay_figures(f"emulated_budget_vs_sim_{name}")),
             *longcot_budget_figures(),
             *four_gpu_figures(),
             *longcot32_budget_figures(),
