@@ -914,15 +914,17 @@ def best_on_budget(name: str) -> list[str]:
 
 def budget_replay_figures(name: str) -> list[str]:
     """How far the simulator's replay of one file of equal-budget runs is from them: the presets' medians and the
-    seeds' range of sim/live step time, and the rollout time furthest off."""
+    seeds' range of sim/live step time, and the rollout time and bubble ratio furthest off."""
     r = load(name)["results"]
     step = [v["step_time_s"] for v in r.values()]
     worst = max(r, key=lambda preset: abs(1 - r[preset]["rollout_time_s"]["sim_over_live"]))
+    bubble = max(r, key=lambda preset: abs(1 - r[preset]["bubble_ratio"]["sim_over_live"]))
     return [f"step time and GPU-seconds per sample within {max(abs(1 - f['sim_over_live']) for f in step):.0%} of "
             f"the live runs' for every preset (its seeds' median; single seeds from "
             f"{min(f['sim_over_live_spread'][0] for f in step):.2f}x to "
             f"{max(f['sim_over_live_spread'][1] for f in step):.2f}x), rollout time furthest off for `{worst}` "
-            f"({r[worst]['rollout_time_s']['sim_over_live']:.2f}x)"]
+            f"({r[worst]['rollout_time_s']['sim_over_live']:.2f}x) and the bubble ratio for `{bubble}` "
+            f"({r[bubble]['bubble_ratio']['sim_over_live']:.2f}x)"]
 
 
 def emulated_comparison_figures() -> list[str]:
