@@ -988,6 +988,7 @@ f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
             *(f for name in ("longcot32_2gpu", "longcot_2gpu", "longcot_4gpu")
               for f in budget_replay_figures(f"emulated_budget_vs_sim_{name}")),
             *longcot_budget_figures(),
+            *best_on_budget("emulated_budget_old_2gpu"),
             *four_gpu_figures(),
             *longcot32_budget_figures(),
             *emulated_sagc_figures(),
