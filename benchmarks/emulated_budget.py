@@ -6,9 +6,9 @@ sorted-partial, sagc, async, async-eta2. Split (B/2 engine GPUs, the trainer on 
 async-eta2-split. Per (workload, budget) one results file, benchmarks/results/emulated_budget_<workload>_<B>gpu.json,
 rewritten after every run in `rlsys bench`'s report format (GPU-seconds, ratios with bootstrap 95% intervals).
 Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions, and
-several processes may fill one file side by side (give each its own seeds: each run is added to the file as it is
-then, under a lock); one that did not emulate (its real compute overran, e.g. on a loaded machine) is kept, left out of the figures, and
-run again.
+several processes may fill one file side by side (give each its own seeds or presets: each run is added to the
+file as it is then, under a lock); one that did not emulate (its real compute overran, e.g. on a loaded machine)
+is kept, left out of the figures, and run again.
 
     nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
     nice -n 5 python benchmarks/emulated_budget.py --workloads longcot --budgets 2 --presets sync,tail --seeds 2
@@ -81,15 +81,16 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
             "runs": runs}
 
 
-def record(path: Path, workload: dict, preset: str, run: dict, command: str) -> None:
-    """Adds one run to the results file as the file is now, under a lock on its folder: another process filling
-    other seeds of the same matrix may have written since this one began."""
+def record(path: Path, workload: dict, preset: str, run: dict, command: str) -> dict[str, list[dict]]:
+    """Adds one run to the results file as the file is now, under a lock on its folder (another process filling
+    other seeds of the same matrix may have written since this one began); the file's runs after it."""
     lock = os.open(path.parent, os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         runs = json.loads(path.read_text())["runs"] if path.exists() else {}
         runs.setdefault(preset, []).append(run)
         write_report(str(path), report_of(workload, runs, command))
+        return runs
     finally:
         os.close(lock)  # closing releases the lock
 
@@ -123,7 +124,8 @@ def main() -> int:
             workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
                         "layouts": {preset: layout(preset, gpus) for preset in args.presets.split(",")}}
             runs = json.loads(path.read_text())["runs"] if path.exists() else {}
-            for seed in range(args.first_seed, args.seeds):  # seeds outermost: every preset's first seeds before anyone's fifth
+            # seeds outermost: every preset's first seeds before anyone's fifth
+            for seed in range(args.first_seed, args.seeds):
                 for preset in args.presets.split(","):
                     if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
                         continue
@@ -132,9 +134,8 @@ def main() -> int:
                     run_dir = Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}"
                     run_cfg = run_config(config, overrides, run_dir)
                     summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
-                    run = {**summary, "seed": seed, "wall_clock_s": time.time() - started}
-                    runs.setdefault(preset, []).append(run)
-                    record(path, workload, preset, run, command)
+                    runs = record(path, workload, preset,
+                                  {**summary, "seed": seed, "wall_clock_s": time.time() - started}, command)
                     print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
                           f"final accuracy {summary['final_accuracy']}", flush=True)
     return 0
