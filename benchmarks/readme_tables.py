@@ -559,7 +559,7 @@ def emulated_budget_vs_sim(name: str) -> str:
 
 # the simulator's replays of the equal-budget files: each renders its table and is quoted in docs/performance.md
 BUDGET_REPLAYS = ("emulated_budget_vs_sim_longcot32_2gpu", "emulated_budget_vs_sim_longcot_2gpu",
-                  "emulated_budget_vs_sim_longcot_4gpu")
+                  "emulated_budget_vs_sim_longcot_4gpu", "emulated_budget_vs_sim_old_2gpu")
 for _name in BUDGET_REPLAYS:
     table(_name)(partial(emulated_budget_vs_sim, _name))
 

@@ -73,3 +73,17 @@ def test_a_colocated_budget_with_gpus_no_engine_stands_on_is_refused(tmp_path):
     run = run_folder(tmp_path, ["emulate.gpus=4"])
     with pytest.raises(ValueError, match="leaves GPUs without an engine"):
         replay_config(run)
+
+
+def test_a_replay_counts_every_slot_of_every_engine_in_its_bubble_as_the_live_run_does(tmp_path):
+    """The live bubble ratio's capacity is rollout.slots per engine (rlsys/rollout/manager.py); at 4 engines of 80
+    slots a step's 128 requests fill 32 a engine, which the simulator alone would count as full."""
+    run = run_folder(tmp_path, ["emulate.gpus=4", "rollout.num_workers=4", "rollout.slots=80"])
+    live = read_config(run / "config.yaml")[0]
+    sim, result = replayed(run)
+    assert [e.slots for e in sim.engines] == [live.rollout.slots] * live.rollout.num_workers
+    busy = sum(e.busy_slot_s for e in sim.engines)
+    assert result["bubble_ratio"] == pytest.approx(1 - busy / sum(80 * e.alloc_s for e in sim.engines))
+    nominal = replay_config(run)[0].model_copy(deep=True)
+    nominal.engine.bubble_slots = None  # the simulator's own capacity: a nominal step's requests per engine
+    assert [e.slots for e in Simulation(nominal, nominal.runs()[0], replay_config(run)[1]).engines] == [32] * 4

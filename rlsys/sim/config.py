@@ -70,6 +70,9 @@ class ClusterSpec(Section):
 
 class EngineSpec(Section):
     max_seqs: int = Field(256, ge=1)  # vLLM max_num_seqs
+    # the slots an engine counts as full in the bubble ratio; unset: a nominal step's requests per engine, at most
+    # max_seqs (a replay sets the live run's rollout.slots, since the live ratio counts every slot the engine holds)
+    bubble_slots: Optional[int] = Field(None, ge=1)
     dispatch: Literal["request", "prompt"] = "request"  # least-loaded engine per request or per prompt
     memory_fraction: float = Field(costs.MEMORY_FRACTION, gt=0, le=1)  # vLLM gpu_memory_utilization
     kv_watermark: float = Field(0.01, ge=0, lt=1)  # KV share kept free when admitting

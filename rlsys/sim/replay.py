@@ -130,7 +130,8 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         "steps": steps or max(r["step"] for r in timeline),
         "schedulers": [live.control.scheduler], "model": model,
         "cluster": {"gpu": e.gpu, "tp": e.tp, **cluster},
-        "engine": {"max_seqs": live.rollout.slots, **engine_spec},
+        # the live bubble ratio's capacity is every slot of every engine (rlsys/rollout/manager.py), so the replay's too
+        "engine": {"max_seqs": live.rollout.slots, "bubble_slots": live.rollout.slots, **engine_spec},
         "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
                      "max_prompt_tokens": k * live.data.max_prompt_tokens, "dataset_size": len(lengths)},
         "trainer": {"flops_per_param_token": flops, "overhead_s": 0.0, "streamed": t.streamed,

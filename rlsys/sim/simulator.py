@@ -149,8 +149,8 @@ class Simulation:
         cost = self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}))
         count = self.cluster.rollout_gpus // tp
         # Bubble capacity: the concurrency a nominal step can fill, the same for every scheduler.
-        slots = min(self.cfg.engine.max_seqs,
-                    math.ceil(self.control.prompts_per_step * self.control.group_size / count))
+        slots = self.cfg.engine.bubble_slots or min(
+            self.cfg.engine.max_seqs, math.ceil(self.control.prompts_per_step * self.control.group_size / count))
         engines = [SimEngine(i, cost, self.cfg.engine.max_seqs, self.cfg.engine.kv_watermark, slots)
                    for i in range(count)]
         for engine in engines:  # born now, serving the current weights
