@@ -84,6 +84,6 @@ def test_a_replay_counts_every_slot_of_every_engine_in_its_bubble_as_the_live_ru
     assert [e.slots for e in sim.engines] == [live.rollout.slots] * live.rollout.num_workers
     busy = sum(e.busy_slot_s for e in sim.engines)
     assert result["bubble_ratio"] == pytest.approx(1 - busy / sum(80 * e.alloc_s for e in sim.engines))
-    nominal = replay_config(run)[0].model_copy(deep=True)
-    nominal.engine.bubble_slots = None  # the simulator's own capacity: a nominal step's requests per engine
-    assert [e.slots for e in Simulation(nominal, nominal.runs()[0], replay_config(run)[1]).engines] == [32] * 4
+    cfg, workload = replay_config(run)
+    cfg.engine.bubble_slots = None  # the simulator's own capacity: a nominal step's requests per engine
+    assert [e.slots for e in Simulation(cfg, cfg.runs()[0], workload).engines] == [32] * 4

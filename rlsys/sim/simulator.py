@@ -148,7 +148,8 @@ class Simulation:
     def _build_engines(self, tp: int) -> list[SimEngine]:
         cost = self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}))
         count = self.cluster.rollout_gpus // tp
-        # Bubble capacity: the concurrency a nominal step can fill, the same for every scheduler.
+        # Bubble capacity: the concurrency a nominal step can fill, the same for every scheduler (a replay sets the
+        # live run's instead: engine.bubble_slots).
         slots = self.cfg.engine.bubble_slots or min(
             self.cfg.engine.max_seqs, math.ceil(self.control.prompts_per_step * self.control.group_size / count))
         engines = [SimEngine(i, cost, self.cfg.engine.max_seqs, self.cfg.engine.kv_watermark, slots)
