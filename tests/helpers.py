@@ -1,5 +1,6 @@
 """What several test files do the way a driver does it."""
 import math
+import time
 
 # A run's overrides small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
 SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=16", "rollout.slots=16",
@@ -61,3 +62,19 @@ def compute_logprobs(trainer, samples) -> list[list[float]]:
     results = ray.get([w.__ray_call__.remote(score, mine) for w, mine in zip(trainer.workers, per_rank)])
     found = {id(s): lp for part, lps in zip(per_rank, results) for s, lp in zip(part, lps)}
     return [found[id(s)] for s in samples]
+
+
+def kill_and_wait(actor, timeout_s: float = 60.0):
+    """ray.kill, waited for until the actor is dead: the kill lands asynchronously, so a call made just after
+    it may still be served. `actor` must have a `ready` method."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, f"{actor} still answers {timeout_s:.0f} s after ray.kill"
+        time.sleep(0.01)

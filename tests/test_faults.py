@@ -7,6 +7,7 @@ import zlib
 
 import pytest
 import ray
+from helpers import kill_and_wait
 
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
@@ -41,17 +42,6 @@ def collect(manager, n, timeout_s=60):
     return {c.request_id: c for c in out}
 
 
-def kill(worker):
-    """ray.kill, waited for: it lands asynchronously."""
-    ray.kill(worker)
-    while True:
-        try:
-            ray.get(worker.ready.remote())
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.01)
-
-
 def generating(manager, worker):
     deadline = time.time() + 30
     while manager.stats()[worker]["generated_tokens"] == 0:
@@ -66,7 +56,7 @@ def test_a_killed_rollout_worker_is_replaced_and_its_requests_run_again(manager,
     manager.submit(requests)
     victim, restarts = manager.workers[0], manager.restarts
     generating(manager, 0)
-    kill(victim)
+    kill_and_wait(victim)
     done = collect(manager, 4)
     assert sorted(done) == ["k0", "k1", "k2", "k3"] and manager.worker_of == {}  # each once, nothing more to come
     assert manager.restarts - restarts == 1 and manager.workers[0] != victim
@@ -85,7 +75,7 @@ def test_requests_aborted_on_a_dead_worker_come_back_cut_and_do_not_run_again(ma
     manager.submit([sampled(f"a{i}") for i in range(4)])
     lost = sorted(rid for rid, i in manager.worker_of.items() if i == 0)
     generating(manager, 0)
-    kill(manager.workers[0])
+    kill_and_wait(manager.workers[0])
     assert manager.abort([lost[0]]) == [lost[0]]  # the abort finds the worker dead
     done = collect(manager, 4)
     assert sorted(done) == ["a0", "a1", "a2", "a3"] and manager.worker_of == {}
@@ -96,7 +86,7 @@ def test_requests_aborted_on_a_dead_worker_come_back_cut_and_do_not_run_again(ma
 def kill_and_collect(manager):
     """Kill worker 0 and collect until it is replaced (nothing can finish in between)."""
     restarts = manager.restarts
-    kill(manager.workers[0])
+    kill_and_wait(manager.workers[0])
     while manager.restarts == restarts:
         ready, _ = ray.wait(manager.refs(), num_returns=1)
         manager.collect(ready)
