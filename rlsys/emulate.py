@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from rlsys import costs
 from rlsys.errors import UserError
@@ -134,6 +135,39 @@ class GPUTimeline:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
         return start
 
+    def shorten(self, gpus: tuple[int, ...], until: float, to: float) -> None:
+        """Work that reserved `gpus` until `until` ended at `to` instead: each of them nothing has reserved since
+        is free from `to` (a later reservation was timed from `until` already and keeps its place)."""
+        size = self.SLOT.size
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                for g in gpus:
+                    end = os.pread(self._fd, size, g * size)
+                    if len(end) == size and self.SLOT.unpack(end)[0] == until:
+                        os.pwrite(self._fd, self.SLOT.pack(to), g * size)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+
+class Interrupt:
+    """Wakes a paced hold from another thread. A real engine takes an abort between two decode steps, but a paced
+    step of the run's model stands for k of them: so the hold, woken, waits one emulated decode step and calls
+    `land` on its own thread (the engine applies the queued aborts there); `land` says whether anything is left
+    to hold for. Nothing left (a round's end, a scale-down) ends the work there and frees its GPUs."""
+
+    def __init__(self, land: Callable[[], bool]):
+        self.land = land
+        self._event = threading.Event()
+
+    def wake(self) -> None:
+        self._event.set()  # a wake between two holds wakes the next one, which finds nothing to land: harmless
+
+    def wait(self, seconds: float) -> bool:
+        woken = self._event.wait(seconds)
+        self._event.clear()
+        return woken
+
 
 @dataclass
 class Pacer:
@@ -145,9 +179,11 @@ class Pacer:
     timeline: GPUTimeline | None = None  # where the work contends for its modelled GPUs (colocated)
     on_gpus: tuple[int, ...] = ()  # the modelled GPUs the work runs on
 
-    def hold(self, started: float, modelled_s: float) -> tuple[float, float]:
+    def hold(self, started: float, modelled_s: float, interrupt: Interrupt | None = None,
+             grain: int = 1) -> tuple[float, float]:
         """`started`: time.perf_counter() when the work began. Waiting for a GPU another part holds is not an
-        overrun; real compute longer than the modelled time is. Returns the work's modelled (begin, end)."""
+        overrun; real compute longer than the modelled time is. Returns the work's modelled (begin, end). The work
+        is `grain` steps: an `interrupt` lands after the one it woke in, and may end the work there."""
         seconds = modelled_s * self.time_scale
         now = time.perf_counter()
         self.held += 1
@@ -159,7 +195,16 @@ class Pacer:
             begin = self.timeline.reserve(self.on_gpus, started, seconds)
         deadline = begin + seconds
         while (left := deadline - time.perf_counter()) > 0:  # sleep may wake a hair early
-            time.sleep(left)
+            if interrupt is None or not interrupt.wait(left):
+                time.sleep(max(0.0, deadline - time.perf_counter()))
+                continue
+            at = min(deadline, max(time.perf_counter(), begin) + seconds / grain)
+            while (left := at - time.perf_counter()) > 0:
+                time.sleep(left)
+            if not interrupt.land():
+                if self.timeline:
+                    self.timeline.shorten(self.on_gpus, deadline, at)
+                deadline = at
         return begin, deadline
 
     def counts(self) -> dict[str, float]:
@@ -189,8 +234,9 @@ class EnginePacer(Pacer):
             seconds += k * cost.step_s(running, kv + running * (k - 1) / 2)  # the k steps' mean KV
         return seconds
 
-    def step(self, started: float, prefill_tokens: int, running: int, live_kv: int, **prompt) -> tuple[float, float]:
-        return self.hold(started, self.step_s(prefill_tokens, running, live_kv, **prompt))
+    def step(self, started: float, prefill_tokens: int, running: int, live_kv: int,
+             interrupt: Interrupt | None = None, **prompt) -> tuple[float, float]:
+        return self.hold(started, self.step_s(prefill_tokens, running, live_kv, **prompt), interrupt, grain=self.k)
 
 
 def emulated_tokens(k: int, per_prompt: int | None, tokens: float, prompts: int, prompt_tokens: float) -> float:

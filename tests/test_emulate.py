@@ -12,8 +12,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rlsys import costs
 from rlsys.config import ConfigError, EmulateConfig
-from rlsys.emulate import Budget, Emulation, EnginePacer, Overruns, Pacer
+from rlsys.emulate import Budget, Emulation, EnginePacer, GPUTimeline, Overruns, Pacer
 from rlsys.rollout.builtin_engine import CPUEngine
+from rlsys.rollout.worker import RolloutWorker
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.simulator import Simulation
 from rlsys.startup import load_config
@@ -147,7 +148,8 @@ def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engi
     pacer.time_scale = 1.0  # modelled seconds far beyond this machine's step, so holding would show
     held = []
     real_step = pacer.step
-    pacer.step = lambda *args, **prompt: (held.append((*args[1:], prompt)), real_step(*args, **prompt))  # the real hold
+    pacer.step = lambda *args, interrupt=None, **prompt: (held.append((*args[1:], prompt)),  # then the real hold
+                                                          real_step(*args, interrupt=interrupt, **prompt))
     engine = CPUEngine(engine_dir, slots=4, pacer=pacer)
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     engine.add(Request("eval/a", "p", [1, 2, 3], greedy, on_clock=False))
@@ -170,6 +172,65 @@ def test_requests_off_the_clock_are_not_held_and_cost_a_shared_step_nothing(engi
                     (0, 1, 3, {"prompts": 0, "prompt_prefill": 0, "prompt_kv": 2})]
     assert engine.stats()["emulate"]["held"] == 2
     assert time.perf_counter() - started >= pacer.step_s(2, 1, 2) + pacer.step_s(0, 1, 3)
+
+
+def test_work_cut_short_frees_its_gpus_but_not_a_place_reserved_after_it(tmp_path):
+    timeline = GPUTimeline(str(tmp_path / "gpus.bin"))
+    assert timeline.reserve((0, 1), 100.0, 10.0) == 100.0  # until 110 on both
+    assert timeline.reserve((1,), 101.0, 5.0) == 110.0  # GPU 1 next: 110 to 115, timed from the first's end
+    timeline.shorten((0, 1), until=110.0, to=104.0)
+    assert timeline.reserve((0,), 100.0, 1.0) == 104.0  # GPU 0 free from the cut
+    assert timeline.reserve((1,), 100.0, 1.0) == 115.0  # GPU 1's later work keeps its place
+
+
+def test_an_abort_lands_one_emulated_decode_step_into_a_held_step_and_ends_it_if_nothing_is_left(engine_dir, tmp_path):
+    """A paced step stands for k decode steps of the emulated model, and a real engine takes an abort between two
+    of them: the aborted requests leave the step 1/k into its hold with none of its tokens. The others hold to its
+    end; if none is left (a tail round's end) the step ends there and its GPU is free from then."""
+    timeline = GPUTimeline(str(tmp_path / "gpus.bin"))
+    pacer = Emulation(H100_7B).engine_pacer()
+    pacer.k, pacer.timeline, pacer.on_gpus = 64, timeline, (0,)
+    hold_s = 1.5
+    pacer.time_scale = hold_s / pacer.step_s(0, 1, 10)  # every step holds 1.5 s or more
+    worker = RolloutWorker(engine_dir, slots=2, torch_threads=1, engine_kwargs={"pacer": pacer})
+    params = SamplingParams(max_new_tokens=50, temperature=0.0)
+
+    def mid_hold_after(tokens):
+        """Inside the hold of the step after the one that gave the running requests `tokens` tokens in all."""
+        deadline = time.monotonic() + 60
+        while sum(len(e.tokens) for e in list(worker.engine.running.values())) < tokens:
+            assert time.monotonic() < deadline, "the engine made no tokens"
+            time.sleep(0.01)
+        time.sleep(hold_s / 3)  # past the step's compute, well inside its hold
+
+    def abort(rid):
+        """The abort's seconds; the GPU's reservation after it."""
+        began = time.perf_counter()
+        assert worker.abort([rid]) == [rid]
+        return time.perf_counter() - began, timeline.reserve((0,), 0.0, 0.0)
+
+    try:
+        worker.submit([Request(rid, "p", [1, 2, 3], params) for rid in ("a", "b")])
+        mid_hold_after(2)  # step 2's: a and b have a token each
+        # the rest of the hold is at least hold_s / 3; one emulated decode step of it, hold_s / 64, plus the call
+        seconds, taken_until = abort("a")
+        assert seconds < hold_s / 6 and taken_until > time.perf_counter() + hold_s / 6  # b holds the GPU on
+        [a] = worker.drain()
+        assert a.request_id == "a" and a.finish_reason == "abort" and len(a.token_ids) == 1  # none of step 2's
+
+        mid_hold_after(2)  # b alone, its 2 tokens, in step 3's hold
+        seconds, taken_until = abort("b")
+        assert seconds < hold_s / 6 and taken_until <= time.perf_counter()  # free from the cut, not the hold's end
+        [b] = worker.drain()
+        assert b.finish_reason == "abort" and len(b.token_ids) == 2
+
+        worker.submit([Request("c", "p", [1, 2, 3], params)])
+        mid_hold_after(1)  # c's step 2
+        worker.submit([Request("d", "p", [1, 2, 3], params)])  # an op that must not land inside a step
+        seconds, _ = abort("c")
+        assert seconds > hold_s / 6  # queued behind the submit, the abort waits for the step's end with it
+    finally:
+        worker.stop()
 
 
 def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F811

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
 
-from rlsys.emulate import EnginePacer
+from rlsys.emulate import EnginePacer, Interrupt
 from rlsys.rollout.attention import DECODE_ATTENTION, default_attention
 from rlsys.rollout.graph_step import DecodeGraphs
 from rlsys.rollout.shapes import BATCH_FINE, KEYS_FINE, bucket, buckets
@@ -404,6 +404,8 @@ class CPUEngine(RolloutEngine):
         self.graphs = DecodeGraphs()
         self.counters = EngineCounters()
         self.pacer = pacer  # emulate: each step held until its modelled time on the emulated GPU
+        self._interrupt = Interrupt(self._land)  # emulate: aborts land inside a held step (interrupt_step)
+        self._pacing: list[_Running] = []  # what the held step decodes on the run's clock
         self._prefilled_on_clock = 0  # this step's prefilled tokens of requests on the run's clock, for the pacer
         self._prompts_on_clock = [0, 0]  # ...of which prompts: how many, and their tokens
 
@@ -466,12 +468,12 @@ class CPUEngine(RolloutEngine):
         if batches:
             entries = [e for b in batches for e in b[0]]
             tokens, logprobs = self._fetch(torch.cat([b[1] for b in batches]), torch.cat([b[2] for b in batches]))
+            if self.pacer:  # its tokens exist once its time has passed; one aborted meanwhile keeps none of them
+                self._pace(t0, decoding + prefilled)
             for e, token, logprob in zip(entries, tokens, logprobs):
                 if self.slot_owner[e.slot] is e and not e.held:
                     new_tokens += 1
                     self._record(e, token, logprob, done)
-        if self.pacer and batches:
-            self._pace(t0, decoding + prefilled)
         generating = len(decoding) + sum(id(e) in fresh for e in prefilled)  # slots this step kept busy
         self.counters.record(generating, self.slots, new_tokens, time.perf_counter() - t0)
         return done
@@ -487,8 +489,24 @@ class CPUEngine(RolloutEngine):
         prompt_kv = sum(len(e.request.prompt_ids) for e in decoding_on)
         read_kv = prompt_kv + sum(e.sampled - 1 for e in decoding_on)
         prompts, prompt_prefill = self._prompts_on_clock
-        self.pacer.step(t0, self._prefilled_on_clock, len(decoding_on), read_kv, prompts=prompts,
-                        prompt_prefill=prompt_prefill, prompt_kv=prompt_kv)
+        self._pacing = decoding_on
+        try:
+            self.pacer.step(t0, self._prefilled_on_clock, len(decoding_on), read_kv, interrupt=self._interrupt,
+                            prompts=prompts, prompt_prefill=prompt_prefill, prompt_kv=prompt_kv)
+        finally:
+            self._pacing = []
+
+    def interrupt_step(self) -> None:
+        if self.pacer:
+            self._interrupt.wake()
+
+    def _land(self) -> bool:
+        """Inside a held step, one emulated decode step after a wake: the aborts waiting (`between_decode_steps`)
+        applied now, their requests out of the step with the tokens they had before it; whether any of its
+        requests on the run's clock is left to hold for. (The rest hold to the step's end, its time unchanged.)"""
+        if self.between_decode_steps:
+            self.between_decode_steps()
+        return any(self.slot_owner[e.slot] is e for e in self._pacing)
 
     def stats(self) -> dict:
         out = super().stats()

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from rlsys.types import Completion, Request, ToolTurn
 
@@ -39,6 +39,8 @@ class RolloutEngine(ABC):
     call_close: str | None = None
     max_turns: int = 0
     max_calls: int = 1  # per model turn
+    # The worker's queued aborts, applied now: for `interrupt_step`, on the generation thread inside a step
+    between_decode_steps: Callable[[], None] | None = None
 
     def _decode(self, tokens: list[int]) -> str:
         """The completion's text: what reward functions read."""
@@ -193,6 +195,11 @@ class RolloutEngine(ABC):
 
         Ids the engine does not hold (already finished, never added) are ignored.
         """
+
+    def interrupt_step(self) -> None:
+        """Called from another thread once an abort is queued: an engine whose step stands for many decode steps
+        (the built-in one, emulated) calls `between_decode_steps` after the one it is in, on its own thread, to
+        apply it. Like `validate`, safe to call off the generation thread."""
 
     @abstractmethod
     def has_work(self) -> bool:

@@ -1,8 +1,9 @@
 """A rollout worker: one engine driven by a background generation thread, served as a Ray actor.
 
-Only the generation thread touches the engine. Calls from the driver (submit, abort, new weights)
-are queued and applied by that thread between two steps, in the order they arrived, so a weight
-update lands between decode steps and in-flight requests simply continue under the new weights.
+Only the generation thread touches the engine (but for `interrupt_step`, made for other threads). Calls from the
+driver (submit, abort, new weights) are queued and applied by that thread between two steps, in the order they
+arrived, so a weight update lands between decode steps and in-flight requests simply continue under the new
+weights.
 Finished completions pile up until `drain` takes them. An error on the generation thread stops
 the worker and is raised from the next call, never swallowed. While its engine sleeps (colocated
 layout) no step runs: requests submitted meanwhile wait for it to wake.
@@ -63,6 +64,7 @@ class RolloutWorker:
             self.tools = ToolBox.from_config(tools, fmt)
             self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns, tools.max_calls_per_turn)
             self._tool_pool = ThreadPoolExecutor(tools.max_workers, thread_name_prefix=f"rollout-worker-{index}-tool")
+        self.engine.between_decode_steps = self._aborts_now
         self._thread = threading.Thread(target=self._loop, name=f"rollout-worker-{index}", daemon=True)
         self._thread.start()
 
@@ -97,7 +99,11 @@ class RolloutWorker:
             done = self.engine.abort([rid for rid in request_ids if rid not in later])
             self._publish(done)
             return [c.request_id for c in done] + sorted(later)
-        return self._call(cut)
+        cut.between_decode_steps = True  # it may land inside a step that stands for many (_aborts_now)
+        future: Future = Future()
+        self._enqueue(cut, future)
+        self.engine.interrupt_step()
+        return future.result()
 
     def update_weights(self, update: WeightUpdate) -> None:
         """A version whose buckets are loaded as they arrive, in one go between two decode steps, so no step
@@ -201,6 +207,16 @@ class RolloutWorker:
                 if future is not None:
                     future.set_exception(self._error or WorkerStopped(f"rollout worker {self.index} stopped"))
             self._ops = []
+
+    def _aborts_now(self) -> None:
+        """On the generation thread, inside a step (RolloutEngine.interrupt_step): the aborts queued ahead of
+        any other op, applied in their order; an op behind another kind waits for the step's end with it."""
+        with self._cond:
+            n = next((i for i, (fn, _) in enumerate(self._ops) if not getattr(fn, "between_decode_steps", False)),
+                     len(self._ops))
+            ops, self._ops = self._ops[:n], self._ops[n:]
+        for fn, future in ops:
+            self._run_op(fn, future)
 
     def _can_step(self) -> bool:
         return self.engine.can_step() and not self.engine.asleep
