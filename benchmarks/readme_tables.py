@@ -985,6 +985,18 @@ def emulated_comparison_figures() -> list[str]:
             "within {bubble_ratio:.0%} for every preset".format(**off)]
 
 
+def abort_landing_figures() -> list[str]:
+    """`tail`'s seed 0 on the old workload at four modelled GPUs, before and after aborts landed inside a paced
+    step (docs/design.md "Emulated clock"): its live step against the simulator's replay of the same run."""
+    before = next(r for r in load("emulated_budget_vs_sim_old_4gpu")["runs"]["tail"] if r["run"] == "tail-s0")
+    [after] = load("emulated_budget_vs_sim_old_4gpu_landing")["runs"]["tail"]
+    step = lambda r: (f"{r['step_time_s']['live']:.2f} s a step live against the simulator's "  # noqa: E731
+                      f"{r['step_time_s']['sim']:.2f} s ({r['step_time_s']['sim_over_live']:.2f}x)")
+    return [f"before the change {step(before)}; with it {step(after)}",
+            f"rollout time {after['rollout_time_s']['sim_over_live']:.2f}x and bubble ratio "
+            f"{after['bubble_ratio']['sim_over_live']:.2f}x"]
+
+
 def prose_figures() -> dict[str, list[str]]:
     """Figures quoted in prose, as each document must spell them: a changed file or a changed digit fails."""
     s, speed = load("bench_schedulers_cpu")["results"], load("bench_schedulers_cpu")["speedup_vs_sync"]
@@ -1020,6 +1032,7 @@ f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
             *emulated_vs_sim_figures(),
             *emulated_comparison_figures(),
             *(f for name in BUDGET_REPLAYS for f in budget_replay_figures(name)),
+            *abort_landing_figures(),
             *longcot_budget_figures(),
             *best_on_budget("emulated_budget_old_2gpu"),
             *(f for gpus in (2, 4) for f in (old_tail(gpus), old_tail_vs_rollpacker(gpus))),
