@@ -17,10 +17,10 @@ from rlsys.weights import WeightTransferTimeout, WeightUpdate, plan_buckets
 from rlsys.weights.transfer import ObjectStoreReceiver, ObjectStoreSender
 from rlsys.weights.sync import GRACE_S, WeightSync
 
-from helpers import trainer_weights
+from helpers import kill_and_wait, trainer_weights
 from test_cpu_engine import build
 from test_end_to_end import SMALL, rows
-from test_faults import QUICK_EVAL, kill
+from test_faults import QUICK_EVAL
 
 # Overlong shaping makes rewards differ within groups (by length), so the trainer's weights move every step.
 RUN = [str(DEFAULT_CONFIG), "trainer.total_steps=2", "control.eval_every=0", "rollout.num_workers=2", *SMALL,
@@ -120,7 +120,7 @@ def test_an_engine_that_never_joins_or_receives_fails_within_the_deadline(broadc
 
 def test_a_dead_rollout_worker_stops_a_broadcast_run(broadcast_run):
     controller = broadcast_run[0]
-    kill(controller.rollout.workers[0])
+    kill_and_wait(controller.rollout.workers[0])
     with pytest.raises(RuntimeError, match=r"rollout worker 0 died \(.*\); weights.transfer=broadcast cannot replace "
                                            r"a rollout worker yet .*--resume continues from the last checkpoint"):
         controller.rollout.stats()
