@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -117,37 +118,46 @@ class GPUTimeline:
     def __repr__(self) -> str:
         return f"GPUTimeline({self.path!r})"
 
-    def reserve(self, gpus: tuple[int, ...], began: float, seconds: float) -> float:
-        """Take `gpus` for `seconds` from `began` or, if later, from when the work reserved before on any of them
-        ends. Returns when this work's time there begins."""
-        size = self.SLOT.size
+    @contextmanager
+    def _locked(self):
+        """The file, opened once, under this process's lock and every process's flock."""
         with self._lock:
             if self._fd is None:
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:  # a slot never written (past the end, or a hole) reads as free: 0.0 or nothing
-                ends = [os.pread(self._fd, size, g * size) for g in gpus]
-                start = max([began] + [self.SLOT.unpack(e)[0] for e in ends if len(e) == size])
-                for g in gpus:
-                    os.pwrite(self._fd, self.SLOT.pack(start + seconds), g * size)
+            try:
+                yield self._fd
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _ends(self, fd: int, gpus: tuple[int, ...]) -> list[float]:
+        """Until when each GPU is taken: a slot never written (past the end, or a hole) reads as free, 0.0."""
+        size = self.SLOT.size
+        return [self.SLOT.unpack(e)[0] if len(e := os.pread(fd, size, g * size)) == size else 0.0 for g in gpus]
+
+    def reserve(self, gpus: tuple[int, ...], began: float, seconds: float) -> float:
+        """Take `gpus` for `seconds` from `began` or, if later, from when the work reserved before on any of them
+        ends. Returns when this work's time there begins."""
+        with self._locked() as fd:
+            start = max([began, *self._ends(fd, gpus)])
+            for g in gpus:
+                os.pwrite(fd, self.SLOT.pack(start + seconds), g * self.SLOT.size)
         return start
 
     def shorten(self, gpus: tuple[int, ...], until: float, to: float) -> None:
         """Work that reserved `gpus` until `until` ended at `to` instead: each of them nothing has reserved since
         is free from `to` (a later reservation was timed from `until` already and keeps its place)."""
-        size = self.SLOT.size
-        with self._lock:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                for g in gpus:
-                    end = os.pread(self._fd, size, g * size)
-                    if len(end) == size and self.SLOT.unpack(end)[0] == until:
-                        os.pwrite(self._fd, self.SLOT.pack(to), g * size)
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._locked() as fd:
+            for g, end in zip(gpus, self._ends(fd, gpus)):
+                if end == until:
+                    os.pwrite(fd, self.SLOT.pack(to), g * self.SLOT.size)
+
+
+def sleep_until(t: float) -> None:
+    """Until time.perf_counter() reaches t (sleep may wake a hair early)."""
+    while (left := t - time.perf_counter()) > 0:
+        time.sleep(left)
 
 
 class Interrupt:
@@ -195,16 +205,15 @@ class Pacer:
             begin = self.timeline.reserve(self.on_gpus, started, seconds)
         deadline = begin + seconds
         while (left := deadline - time.perf_counter()) > 0:  # sleep may wake a hair early
-            if interrupt is None or not interrupt.wait(left):
-                time.sleep(max(0.0, deadline - time.perf_counter()))
-                continue
-            at = min(deadline, max(time.perf_counter(), begin) + seconds / grain)
-            while (left := at - time.perf_counter()) > 0:
+            if interrupt is None:
                 time.sleep(left)
-            if not interrupt.land():
-                if self.timeline:
-                    self.timeline.shorten(self.on_gpus, deadline, at)
-                deadline = at
+            elif interrupt.wait(left):
+                at = min(deadline, max(time.perf_counter(), begin) + seconds / grain)
+                sleep_until(at)
+                if not interrupt.land():
+                    if self.timeline:
+                        self.timeline.shorten(self.on_gpus, deadline, at)
+                    deadline = at
         return begin, deadline
 
     def counts(self) -> dict[str, float]:
