@@ -8,6 +8,8 @@ after every preset, so a sweep cut short keeps what it measured.
     python benchmarks/emulated_vs_sim.py --bench runs/bench --output FILE   # replay every run of an `rlsys bench`
     python benchmarks/emulated_vs_sim.py --budget-runs runs/emulated_budget/longcot32-2gpu --output FILE
         # every complete run of benchmarks/emulated_budget.py's folders (PRESET-sSEED)
+    python benchmarks/emulated_vs_sim.py --budget-runs runs/emulated_budget/old-2gpu --output FILE --top-up
+        # the presets run again there replace theirs in FILE; the other presets' replays are kept
 """
 from __future__ import annotations
 
@@ -51,25 +53,33 @@ def complete(run_dir: Path) -> bool:
     return bool(steps) and max(steps) >= read_config(run_dir / "config.yaml")[0].trainer.total_steps
 
 
-def replay_budget_runs(folders: list[Path], output: str, command: str) -> int:
+def replay_budget_runs(folders: list[Path], output: str, command: str, top_up: bool = False) -> int:
     """The simulator beside every complete run of benchmarks/emulated_budget.py's folders (PRESET-sSEED); a run
-    complete in more than one folder is taken from the last."""
+    complete in more than one folder is taken from the last. `top_up`: a preset found there replaces all of its
+    seeds in the output, whose other presets are kept (their folders may be gone)."""
     found = {}
     for folder in folders:
         for run_dir in sorted(folder.iterdir()):
             preset = re.fullmatch(r"(.+)-s\d+", run_dir.name)
             if preset and complete(run_dir):
                 found[run_dir.name] = (run_dir, preset[1])
-    return replay_runs(dict(sorted(found.values())), {"folders": [str(f) for f in folders]}, output, command)
+    before = json.loads(Path(output).read_text()) if top_up and Path(output).exists() else None
+    return replay_runs(dict(sorted(found.values())), {"folders": [str(f) for f in folders]}, output, command,
+                       before)
 
 
-def replay_runs(found: dict[Path, str], where: dict, output: str, command: str) -> int:
+def replay_runs(found: dict[Path, str], where: dict, output: str, command: str, before: dict | None = None) -> int:
     """Per run (`found`: its folder and preset), and per preset the median and [min, max] of sim/live over its
-    seeds (the live figures' mean beside them)."""
+    seeds (the live figures' mean beside them). `before`: a report whose presets not in `found` are kept, in its
+    order."""
     runs: dict[str, list[dict]] = {}
     for run_dir, preset in found.items():
         row = dict(live_vs_sim(run_dir), run=run_dir.name, folder=str(run_dir.parent))
         runs.setdefault(preset, []).append(row)
+    if before:
+        runs = {**{p: runs.get(p, rs) for p, rs in before["runs"].items()}, **runs}
+        where = {k: list(dict.fromkeys(before.get(k, []) + v)) for k, v in where.items()}
+        command = before["command"] + "; then " + command
     report = {"command": command, **where, "machine": machine(), "runs": runs, "results": {}}
     for preset, rs in runs.items():
         out = {"seeds": len(rs), "overrun_share": max(r["overrun_share"] for r in rs),
@@ -93,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--runs", default="runs/emulated_vs_sim", help="folder for the live runs")
     p.add_argument("--output", default="benchmarks/results/emulated_vs_sim_cpu.json")
-    p.add_argument("--top-up", action="store_true", help="keep the output's other presets, rerun only these")
+    p.add_argument("--top-up", action="store_true",
+                   help="keep the output's other presets: rerun (with --budget-runs, replay) only these")
     p.add_argument("--replay-only", action="store_true", help="simulate the live runs already in --runs again")
     p.add_argument("--bench", help="instead: replay every run of this `rlsys bench` --out-dir")
     p.add_argument("--budget-runs", nargs="+", help="instead: replay every complete run (PRESET-sSEED) of these "
@@ -102,7 +113,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.budget_runs:
         return replay_budget_runs([Path(f) for f in args.budget_runs], args.output,
-                                  "python benchmarks/emulated_vs_sim.py " + " ".join(argv or sys.argv[1:]))
+                                  "python benchmarks/emulated_vs_sim.py " + " ".join(argv or sys.argv[1:]),
+                                  args.top_up)
     if args.bench:
         return replay_bench(Path(args.bench), args.output,
                             "python benchmarks/emulated_vs_sim.py " + " ".join(argv or sys.argv[1:]))

@@ -1,4 +1,5 @@
 """The simulator replays a live emulated run on the run's own GPU budget (rlsys/sim/replay.py, rlsys/emulate.py)."""
+import importlib.util
 import json
 from pathlib import Path
 
@@ -10,7 +11,8 @@ from rlsys.sim.replay import replay_config
 from rlsys.sim.simulator import Simulation
 from rlsys.startup import load_config
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "emulated_h100_7b.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "emulated_h100_7b.yaml"
 STEPS, PROMPTS, GROUP = 3, 16, 8
 
 
@@ -87,3 +89,38 @@ def test_a_replay_counts_every_slot_of_every_engine_in_its_bubble_as_the_live_ru
     cfg, workload = replay_config(run)
     cfg.engine.bubble_slots = None  # the simulator's own capacity: a nominal step's requests per engine
     assert [e.slots for e in Simulation(cfg, cfg.runs()[0], workload).engines] == [32] * 4
+
+
+def complete_run(path: Path, overrides: list[str]) -> Path:
+    """run_folder with the metrics of a run that reached its last step, as benchmarks/emulated_budget.py leaves it."""
+    path.mkdir(parents=True)
+    run_folder(path, overrides)
+    step = {"timing/step_s": 2.0, "timing/rollout_s": 1.5, "timing/reward_s": 0.0, "timing/train_s": 0.4,
+            "timing/weight_sync_s": 0.1, "rollout/bubble_ratio": 0.2, "samples": PROMPTS * GROUP}
+    rows = [{"step": s, **step} for s in range(1, STEPS + 1)]
+    rows[-1] |= {"emulate/overrun_share": 0.01, "emulate/emulating": True}
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_topped_up_budget_replay_replaces_the_presets_run_again_and_keeps_the_others(tmp_path):
+    spec = importlib.util.spec_from_file_location("emulated_vs_sim", ROOT / "benchmarks" / "emulated_vs_sim.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    first, again, out = tmp_path / "first", tmp_path / "again", tmp_path / "replay.json"
+    for seed in (0, 1):
+        complete_run(first / f"sync-s{seed}", ["control.scheduler=sync", f"seed={seed}"])
+        complete_run(first / f"tail-s{seed}", ["control.scheduler=tail", f"seed={seed}"])
+    complete_run(again / "tail-s0", ["control.scheduler=tail", "seed=0"])
+    (again / "sync-s0").mkdir()
+    run_folder(again / "sync-s0", ["control.scheduler=sync"])  # no metrics: not complete, not replayed
+    assert script.main(["--budget-runs", str(first), "--output", str(out)]) == 0
+    before = json.loads(out.read_text())
+    assert script.main(["--budget-runs", str(again), "--output", str(out), "--top-up"]) == 0
+    after = json.loads(out.read_text())
+    assert list(after["runs"]) == ["sync", "tail"] and after["runs"]["sync"] == before["runs"]["sync"]
+    assert [r["folder"] for r in after["runs"]["tail"]] == [str(again)]  # every seed of tail replaced
+    assert after["results"]["tail"]["seeds"] == 1 and after["results"]["sync"] == before["results"]["sync"]
+    assert after["folders"] == [str(first), str(again)] and "; then " in after["command"]
+    assert script.main(["--budget-runs", str(again), "--output", str(out)]) == 0  # without --top-up: only these
+    assert list(json.loads(out.read_text())["runs"]) == ["tail"]
