@@ -28,8 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlsys.bench import (PRESETS, Target, add_equal_time, aggregate, budget_gpus, machine, median_of,  # noqa: E402
-                         run_config, run_loaded, speedups, summarise_run, write_report)
+                         run_config, run_loaded, same_start, speedups, started_elsewhere, summarise_run,
+                         write_report)
 from rlsys.config import Config  # noqa: E402
+from rlsys.startup import load_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
@@ -61,10 +63,19 @@ def layout(preset: str, gpus: int) -> list[str]:
     return PRESETS[preset] + budget + ["emulate.layout=colocated", f"rollout.num_workers={gpus}"]
 
 
+def first_run(runs: dict[str, list[dict]]) -> dict | None:
+    """The run the file's others must start alike with (same_start): sync's first, else the file's first."""
+    return next(iter(runs.get("sync") or [r for v in runs.values() for r in v]), None)
+
+
 def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict:
     """The bench report over the runs that emulated (overrun share within emulate.overrun_limit), paired with
-    sync by seed; a run that did not emulate stays in `runs`, is named in `not_emulating`, and is run again."""
-    kept = {n: sorted((r for r in v if r.get("emulating", True)), key=lambda r: r["seed"]) for n, v in runs.items()}
+    sync by seed; a run that did not emulate stays in `runs`, is named in `not_emulating`, and is run again. A
+    run that started from another model than the file's first (same_start) stays in `runs`, is named in
+    `other_start`, and is left out: the file is to be measured again whole, on one machine."""
+    first = first_run(runs)
+    alike = {n: [r for r in v if same_start(r, first)] for n, v in runs.items()}
+    kept = {n: sorted((r for r in v if r.get("emulating", True)), key=lambda r: r["seed"]) for n, v in alike.items()}
     kept = {n: v for n, v in kept.items() if v}
     if "sync" in kept:  # pairs only where both ran that seed
         seeds = {r["seed"] for r in kept["sync"]}
@@ -78,6 +89,7 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
             "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],
+            "other_start": [[n, r["seed"]] for n, v in runs.items() for r in v if not same_start(r, first)],
             "runs": runs}
 
 
@@ -124,6 +136,11 @@ def main() -> int:
             workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
                         "layouts": {preset: layout(preset, gpus) for preset in args.presets.split(",")}}
             runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+            why = started_elsewhere([first_run(runs)] if runs else [], load_config(config, short))
+            if why:
+                print(f"[budget] {path}: {why}. Measure the file again whole here (move it aside first), or add to "
+                      "it on the machine that measured it.", file=sys.stderr, flush=True)
+                return 2
             # seeds outermost: every preset's first seeds before anyone's fifth
             for seed in range(args.first_seed, args.seeds):
                 for preset in args.presets.split(","):
@@ -136,6 +153,11 @@ def main() -> int:
                     summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
                     runs = record(path, workload, preset,
                                   {**summary, "seed": seed, "wall_clock_s": time.time() - started}, command)
+                    if not same_start(summary, first_run(runs)):
+                        print(f"[budget] {path.name}: {preset} seed {seed} started from another model than the "
+                              f"file's first run (step-0 accuracy {summary['initial_accuracy']} against "
+                              f"{first_run(runs)['initial_accuracy']}): kept under other_start, left out of the "
+                              "figures; measure the file again whole on one machine", file=sys.stderr, flush=True)
                     print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
                           f"final accuracy {summary['final_accuracy']}", flush=True)
     return 0

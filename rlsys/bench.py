@@ -20,6 +20,7 @@ from rlsys.emulate import Budget, clock_label
 from rlsys.errors import UserError
 from rlsys.evaluate import mean_and_se
 from rlsys.logger import read_jsonl
+from rlsys.models import prepare_model, weights_fingerprint
 from rlsys.placement import plan_from_config
 from rlsys.startup import load_config
 
@@ -160,6 +161,7 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
         "time_to_target_s": to_target,
         "final_accuracy": evals[-1]["eval/accuracy"] if evals else None,
         "final_accuracy_se": evals[-1].get("eval/accuracy_se") if evals else None,
+        "model_fingerprint": next((r["model/fingerprint"] for r in rows if "model/fingerprint" in r), None),
         "initial_accuracy": evals[0]["eval/accuracy"] if evals else None,
         "initial_accuracy_se": evals[0].get("eval/accuracy_se") if evals else None,
         "samples": samples,
@@ -221,6 +223,30 @@ def add_equal_time(runs: dict[str, list[dict]]) -> float:
         for r in rs:
             r["accuracy_at_equal_time"] = accuracy_at(r, t)
     return t
+
+
+def same_start(a: dict, b: dict) -> bool:
+    """Two runs' summaries began from the same model: their weights' fingerprints agree where both logged one
+    (rlsys.models.weights_fingerprint), else their step-0 eval accuracies do. A tiny model rebuilt on another
+    CPU warm-starts to other weights, scores differently at step 0 and trains differently: its runs measure
+    another starting point, not the schedule."""
+    if a.get("model_fingerprint") and b.get("model_fingerprint"):
+        return a["model_fingerprint"] == b["model_fingerprint"]
+    return a.get("initial_accuracy") == b.get("initial_accuracy")
+
+
+def started_elsewhere(runs: list[dict], cfg: Config) -> str | None:
+    """Why a run of `cfg` on this machine may not join `runs` (None if it may): they logged the fingerprint of
+    another model than the one this machine builds for `cfg`. Runs from before fingerprints pass; same_start
+    tells them apart after the run, by their step-0 accuracy."""
+    logged = next((r["model_fingerprint"] for r in runs if r.get("model_fingerprint")), None)
+    if not logged or cfg.model.path:
+        return None
+    here = weights_fingerprint(prepare_model(cfg))
+    if here == logged:
+        return None
+    return (f"its runs started from the model {logged}, and this machine builds {here} for this workload: the "
+            "tiny model's warm start trains on the CPU, whose floating-point results differ between CPU models")
 
 
 def median_of(runs: list[dict], key: str):
@@ -360,8 +386,9 @@ def claim_out_dir(out_dir: Path, top_up: bool) -> None:
                         "--out-dir DIR, or remove it (--top-up adds to it, replacing only the presets run now)")
 
 
-def kept_runs(output: str | None, workload: dict, presets: list[str]) -> dict[str, list[dict]]:
-    """--top-up: the runs of `output`'s other presets, measured on the same workload (else a UserError)."""
+def kept_runs(output: str | None, workload: dict, presets: list[str], cfg: Config) -> dict[str, list[dict]]:
+    """--top-up: the runs of `output`'s other presets, measured on the same workload from the model this
+    machine builds for `cfg` (else a UserError)."""
     if not output or not Path(output).exists():
         return {}
     before = json.loads(Path(output).read_text())
@@ -369,7 +396,11 @@ def kept_runs(output: str | None, workload: dict, presets: list[str]) -> dict[st
     if differs:
         raise UserError(f"--top-up: {output} was measured on another workload ({', '.join(differs)}: "
                         f"{', '.join(repr(before['workload'].get(k)) for k in differs)}); give the same, or another --output")
-    return {name: rs for name, rs in before["runs"].items() if name not in presets}
+    kept = {name: rs for name, rs in before["runs"].items() if name not in presets}
+    why = started_elsewhere([r for rs in kept.values() for r in rs], cfg)
+    if why:
+        raise UserError(f"--top-up: {output}: {why}; give another --output, or top it up where it was measured")
+    return kept
 
 
 def bench(config: str, overrides: list[str], presets: list[str], repeats: int, target: Target,
@@ -390,7 +421,8 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
         print(f"skipping presets that change nothing on this workload: {', '.join(same)}")
         names = [p for p in names if p not in same]
     workload = {"config": os.path.relpath(config or DEFAULT_CONFIG), "overrides": overrides, "target": str(target)}
-    runs: dict[str, list[dict]] = {**(kept_runs(output, workload, names) if top_up else {}), **{n: [] for n in names}}
+    kept = kept_runs(output, workload, names, cfg) if top_up else {}
+    runs: dict[str, list[dict]] = {**kept, **{n: [] for n in names}}
     cut: dict[str, dict] = {}  # the run a Ctrl-C stopped, by its folder's name
 
     def report() -> dict:

@@ -33,7 +33,7 @@ from rlsys.evaluate import RUN_CONFIG, Evaluation
 from rlsys.friction import Friction
 from rlsys.logger import RunLogger
 from rlsys.placement import Placement, format_plan, idle_warning, plan_from_config
-from rlsys.models import load_tokenizer, prepare_model
+from rlsys.models import load_tokenizer, prepare_model, weights_fingerprint
 from rlsys.reward.pool import RewardPool
 from rlsys.rollout.manager import RolloutManager
 from rlsys.startup import start_problems, stale_loss_warning
@@ -82,6 +82,7 @@ class Controller:
             self.placement = Placement(plan, may_grow=bool(cfg.cluster.address))  # a Ray we started: fixed
             print(format_plan(plan, self.placement.node_addresses()), flush=True)
         self.model_dir = prepare_model(cfg)
+        self.fingerprint = weights_fingerprint(self.model_dir)  # what the run starts from, where rlsys built it
         self.tokenizer = load_tokenizer(self.model_dir)
         train, self.eval_prompts, _ = load_prompts(cfg.data, self.tokenizer, tool_schemas(cfg.tools))  # logs drops
         self.scheduler = build_scheduler(cfg, PromptCursor(train, seed=cfg.data.seed))
@@ -423,7 +424,9 @@ class Controller:
         return out
 
     def describe(self) -> dict:
-        return self.emulation.describe() if self.emulation else {}
+        """The step-0 and final rows' account of the run: its emulated clock, and the model it started from."""
+        return {**(self.emulation.describe() if self.emulation else {}),
+                **({"model/fingerprint": self.fingerprint} if self.fingerprint else {})}
 
     def pacer_counts(self, train_metrics: dict) -> list[dict]:
         """Every pacer's cumulative counts: the engines', the trainer ranks' (summed) and the publish's."""

@@ -141,13 +141,19 @@ def test_top_up_keeps_the_other_presets_runs_of_the_same_workload_only(tmp_path)
     from rlsys.errors import UserError
 
     workload = {"config": "configs/tiny.yaml", "overrides": ["trainer.total_steps=4"], "target": "+0.03"}
+    cfg = load_config(None, [f"model.cache_dir={tmp_path / 'cache'}", "model.warm_start.steps=0"])
     output = tmp_path / "report.json"
-    assert kept_runs(str(output), workload, ["sync"]) == {}  # nothing measured yet
+    assert kept_runs(str(output), workload, ["sync"], cfg) == {}  # nothing measured yet
     output.write_text(json.dumps({"workload": dict(workload, target_accuracy=0.2),
                                   "runs": {"sync": [{"wall_s": 1.0}], "tail": [{"wall_s": 2.0}]}}))
-    assert kept_runs(str(output), workload, ["sync", "async"]) == {"tail": [{"wall_s": 2.0}]}  # sync is run again
+    assert kept_runs(str(output), workload, ["sync", "async"], cfg) == {"tail": [{"wall_s": 2.0}]}  # sync run again
     with pytest.raises(UserError, match=r"--top-up: .* another workload \(overrides: \['trainer.total_steps=4'\]\)"):
-        kept_runs(str(output), dict(workload, overrides=["trainer.total_steps=8"]), ["async"])
+        kept_runs(str(output), dict(workload, overrides=["trainer.total_steps=8"]), ["async"], cfg)
+    # measured from another machine's model: not topped up here
+    output.write_text(json.dumps({"workload": dict(workload, target_accuracy=0.2),
+                                  "runs": {"tail": [{"wall_s": 2.0, "model_fingerprint": "0" * 16}]}}))
+    with pytest.raises(UserError, match=r"--top-up: .*report.json: its runs started from the model 0{16}"):
+        kept_runs(str(output), workload, ["sync"], cfg)
 
 
 def test_a_preset_that_changes_nothing_on_the_workload_is_skipped_as_the_baseline_again():

@@ -36,3 +36,50 @@ def test_two_processes_recording_other_seeds_of_one_file_keep_every_run(tmp_path
     report = json.loads(path.read_text())
     assert sorted(r["seed"] for r in report["runs"]["sync"]) == [0, 1, 2, 3, 4]
     assert report["results"]["sync"]["repeats"] == 5
+
+
+def with_start(run: dict, **start) -> dict:
+    return {**run, **start}
+
+
+def test_a_run_from_another_starting_model_is_kept_but_left_out_of_the_figures(tmp_path):
+    """Rows started from another warm-started model (another machine's CPU built other weights) would compare
+    two starting points, not two schedules: the file keeps them under other_start, outside every figure."""
+    module, path = budget_module(), tmp_path / "emulated_budget_x_2gpu.json"
+    sync = sorted(STORED, key=lambda r: r["seed"])[:2]
+    for run in sync:
+        module.record(path, {"gpus": 2}, "sync", run, "cmd")
+    moved = with_start(sync[0], initial_accuracy=sync[0]["initial_accuracy"] + 0.014)
+    report_runs = module.record(path, {"gpus": 2}, "tail", moved, "cmd")
+    report = json.loads(path.read_text())
+    assert report["other_start"] == [["tail", sync[0]["seed"]]] and len(report_runs["tail"]) == 1
+    assert "tail" not in report["results"] and "tail" not in report["speedup_vs_sync"]
+    alike = with_start(sync[1], model_fingerprint=None)
+    module.record(path, {"gpus": 2}, "tail", alike, "cmd")
+    report = json.loads(path.read_text())
+    assert report["results"]["tail"]["repeats"] == 1 and report["other_start"] == [["tail", sync[0]["seed"]]]
+
+
+def test_fingerprints_decide_where_both_runs_logged_one():
+    module = budget_module()
+    a = {"model_fingerprint": "a" * 16, "initial_accuracy": 0.4}
+    assert module.same_start(a, {**a, "initial_accuracy": 0.5})  # one model, scored on another CPU
+    assert not module.same_start(a, {**a, "model_fingerprint": "b" * 16})
+    assert module.same_start(a, {"initial_accuracy": 0.4}) and not module.same_start(a, {"initial_accuracy": 0.5})
+
+
+def test_runs_from_another_machines_model_are_refused_before_any_run(tmp_path):
+    from rlsys.bench import started_elsewhere
+    from rlsys.models import prepare_model, weights_fingerprint
+    from rlsys.startup import load_config
+
+    cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [
+        "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
+        "model.max_position_embeddings=128", "model.warm_start.steps=0", f"model.cache_dir={tmp_path / 'cache'}"])
+    here = weights_fingerprint(prepare_model(cfg))
+    why = started_elsewhere([with_start(STORED[0], model_fingerprint="0" * 16)], cfg)
+    assert why and "0" * 16 in why and here in why and "CPU models" in why
+    assert started_elsewhere([with_start(STORED[0], model_fingerprint=here)], cfg) is None
+    assert started_elsewhere([STORED[0]], cfg) is None and started_elsewhere([], cfg) is None  # before fingerprints
+    user = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(prepare_model(cfg))})})
+    assert started_elsewhere([with_start(STORED[0], model_fingerprint="0" * 16)], user) is None  # its path names it

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlsys.bench import summarise_run
 from rlsys.cli import main
 from rlsys.config import DEFAULT_CONFIG
 from rlsys.rollout.builtin_engine import CPUEngine
@@ -130,6 +131,9 @@ def test_tail_with_streamed_training_trains_every_announced_group(tmp_path, ray_
     # control.eval_every=0: no eval at all, not even before and after training; the first and final rows remain
     logged = rows(out)
     assert logged[0]["step"] == 0 and logged[-1]["final"] and not any("eval/accuracy" in r for r in logged)
+    # the built model the run started from, for a results file to tell runs of one start from another's
+    assert logged[0]["model/fingerprint"] == logged[-1]["model/fingerprint"] == summarise_run(logged, 0.5)[
+        "model_fingerprint"] and len(logged[0]["model/fingerprint"]) == 16
 
 
 def test_async_generates_while_the_trainer_trains(tmp_path, ray_cluster):

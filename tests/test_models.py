@@ -1,5 +1,7 @@
 import json
 import random
+import re
+import shutil
 
 import pytest
 import torch
@@ -9,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import rlsys.models as models
 from rlsys.config import Config, DataConfig, ModelConfig, WarmStartConfig
 from rlsys.data.synthetic import make_split
-from rlsys.models import ModelDirError, cache_key, load_tokenizer, prepare_model, validate_model_dir
+from rlsys.models import (ModelDirError, cache_key, load_tokenizer, prepare_model, validate_model_dir,
+                          weights_fingerprint)
 from rlsys.models.tiny import build_char_tokenizer, build_tiny_model
 from rlsys.models.warm_start import draw_batch, encode_examples, guess, near_miss, warm_start
 
@@ -77,6 +80,21 @@ def test_prepare_model_builds_once_then_reuses_the_cache(tmp_path, monkeypatch):
     assert prepare_model(cfg) == path
     other = small_config(tmp_path, steps=4)
     assert cache_key(other) != cache_key(cfg)
+
+
+def test_a_built_models_fingerprint_is_of_its_weights_and_a_users_model_has_none(tmp_path):
+    path = prepare_model(small_config(tmp_path, steps=0))
+    fingerprint = weights_fingerprint(path)
+    assert re.fullmatch(r"[0-9a-f]{16}", fingerprint) and weights_fingerprint(path) == fingerprint
+    user = tmp_path / "user"
+    shutil.copytree(path, user)
+    (user / models.BUILD_INFO).unlink()
+    assert weights_fingerprint(user) is None  # its path names it
+    weights = path / "model.safetensors"
+    changed = bytearray(weights.read_bytes())
+    changed[-1] ^= 1
+    weights.write_bytes(bytes(changed))
+    assert weights_fingerprint(path) != fingerprint
 
 
 def test_a_failed_build_leaves_no_cache_entry(tmp_path, monkeypatch):

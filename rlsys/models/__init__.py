@@ -107,6 +107,22 @@ def _build(cfg: Config, out: Path) -> None:
           f"-> {metrics['loss_last']:.2f}, {accuracy}", flush=True)
 
 
+def weights_fingerprint(model_dir: str | Path) -> str | None:
+    """The first 16 hex digits of the sha256 of a model rlsys built (its BUILD_INFO present), over its weight
+    files. One config can build other weights on another machine: the warm start trains on the CPU, whose
+    floating-point results differ between CPU models, so runs are comparable only from one fingerprint. None for
+    a user's model, which its path names."""
+    model_dir = Path(model_dir)
+    if not (model_dir / BUILD_INFO).is_file():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def cache_key(cfg: Config) -> str:
     """Hash of what the built model depends on: model config, the data its warm start sees, builder code."""
     data = cfg.data
