@@ -101,11 +101,23 @@ def changing_nothing(workload: Config, config: str | None, overrides: list[str],
 
 
 def machine() -> dict:
+    """Where a report was measured. The CPU's model and torch's kernel set for it are named because CPU runs
+    round differently under other kernels: the same config warm-starts the tiny model to other weights."""
     import torch
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": cpu_model(), "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "load_average_at_start": os.getloadavg()[0]}
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as Linux reports it (None elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
 def write_report(path: str | None, report: dict) -> None:
