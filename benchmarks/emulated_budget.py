@@ -8,7 +8,10 @@ rewritten after every run in `rlsys bench`'s report format (GPU-seconds, ratios 
 Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions, and
 several processes may fill one file side by side (give each its own seeds or presets: each run is added to the
 file as it is then, under a lock); one that did not emulate (its real compute overran, e.g. on a loaded machine)
-is kept, left out of the figures, and run again.
+is kept, left out of the figures, and run again. Every run must start from the file's model: the tiny model is
+built once per machine, and another CPU can warm-start it to other weights (benchmarks/warm_start_cpu_kernels.py).
+A machine that builds another model than the file's runs logged is refused before it runs; a run from before
+fingerprints whose step-0 accuracy differs from the file's first run's is kept under `other_start`, left out.
 
     nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
     nice -n 5 python benchmarks/emulated_budget.py --workloads longcot --budgets 2 --presets sync,tail --seeds 2

@@ -996,6 +996,20 @@ def abort_landing_figures() -> list[str]:
                       f"{after[p]['step_time_s']['sim_over_live']:.2f}x after" for p in ABORTING)]
 
 
+def starting_model_figures() -> list[str]:
+    """The models cot_sum's two budget files started from (their sync runs' step-0 accuracy), and the tiny model
+    built again on one machine under its own CPU kernels and under AVX2's: one config, other weights."""
+    start = {b: load(f"emulated_budget_longcot_{b}gpu")["runs"]["sync"][0]["initial_accuracy"] for b in (2, 4)}
+    builds = load("warm_start_cpu_kernels_cpu")["builds"]
+    own = [b for b in builds if b["kernels"] == "default"]
+    other = next(b for b in builds if b["kernels"] != "default")
+    same = "bit for bit the same" if len({b["fingerprint"] for b in own}) == 1 else "different each time"
+    return [f"step-0 accuracy {start[4]:.3f} against {start[2]:.3f}",
+            f"built {len(own)} times with its own kernels ({own[0]['capability']}) the model came out {same} "
+            f"(fingerprint {own[0]['fingerprint']}, greedy exact match {own[0]['eval_greedy_accuracy']:.3f}); with "
+            f"{other['capability']}'s, other weights ({other['fingerprint']}, {other['eval_greedy_accuracy']:.3f})"]
+
+
 def prose_figures() -> dict[str, list[str]]:
     """Figures quoted in prose, as each document must spell them: a changed file or a changed digit fails."""
     s, speed = load("bench_schedulers_cpu")["results"], load("bench_schedulers_cpu")["speedup_vs_sync"]
@@ -1011,6 +1025,7 @@ def prose_figures() -> dict[str, list[str]]:
         "README.md": [
             *(sim[k] for k in ("in_sample", "held_out", "range", "high", "runaway", "fast", "overhead", "base", "tail")),
             *budget_figures(),
+            starting_model_figures()[0],
             *tool_guess_figures(),
             "streamed `tail` {streamed:.2f}x and `async` with eta 2 {eta2:.2f}x sooner".format(**emulated_speeds()),
 f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
@@ -1032,6 +1047,7 @@ f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
             *emulated_comparison_figures(),
             *(f for name in BUDGET_REPLAYS for f in budget_replay_figures(name)),
             *abort_landing_figures(),
+            *starting_model_figures(),
             *longcot_budget_figures(),
             *best_on_budget("emulated_budget_old_2gpu"),
             *(f for gpus in (2, 4) for f in (old_tail(gpus), old_tail_vs_rollpacker(gpus))),
