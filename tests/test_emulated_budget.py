@@ -83,3 +83,14 @@ def test_runs_from_another_machines_model_are_refused_before_any_run(tmp_path):
     assert started_elsewhere([STORED[0]], cfg) is None and started_elsewhere([], cfg) is None  # before fingerprints
     user = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(prepare_model(cfg))})})
     assert started_elsewhere([with_start(STORED[0], model_fingerprint="0" * 16)], user) is None  # its path names it
+
+
+def test_every_stored_budget_file_measured_one_starting_model():
+    """A file's ratios compare schedules only if its runs began alike; its sync is the reference (report_of)."""
+    module = budget_module()
+    for path in sorted((ROOT / "benchmarks" / "results").glob("emulated_budget_*gpu.json")):
+        if "_vs_sim_" in path.name:
+            continue
+        runs = json.loads(path.read_text())["runs"]
+        first = module.first_run(runs)
+        assert all(module.same_start(r, first) for v in runs.values() for r in v), path.name
