@@ -77,8 +77,9 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
     run that started from another model than the file's first (same_start) stays in `runs`, is named in
     `other_start`, and is left out: the file is to be measured again whole, on one machine."""
     first = first_run(runs)
-    alike = {n: [r for r in v if same_start(r, first)] for n, v in runs.items()}
-    kept = {n: sorted((r for r in v if r.get("emulating", True)), key=lambda r: r["seed"]) for n, v in alike.items()}
+    unlike = [[n, r["seed"]] for n, v in runs.items() for r in v if not same_start(r, first)]
+    kept = {n: sorted((r for r in v if r.get("emulating", True) and [n, r["seed"]] not in unlike),
+                      key=lambda r: r["seed"]) for n, v in runs.items()}
     kept = {n: v for n, v in kept.items() if v}
     if "sync" in kept:  # pairs only where both ran that seed
         seeds = {r["seed"] for r in kept["sync"]}
@@ -92,7 +93,7 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
             "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],
-            "other_start": [[n, r["seed"]] for n, v in runs.items() for r in v if not same_start(r, first)],
+            "other_start": unlike,
             "runs": runs}
 
 
@@ -156,10 +157,11 @@ def main() -> int:
                     summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
                     runs = record(path, workload, preset,
                                   {**summary, "seed": seed, "wall_clock_s": time.time() - started}, command)
-                    if not same_start(summary, first_run(runs)):
+                    first = first_run(runs)
+                    if not same_start(summary, first):
                         print(f"[budget] {path.name}: {preset} seed {seed} started from another model than the "
                               f"file's first run (step-0 accuracy {summary['initial_accuracy']} against "
-                              f"{first_run(runs)['initial_accuracy']}): kept under other_start, left out of the "
+                              f"{first['initial_accuracy']}): kept under other_start, left out of the "
                               "figures; measure the file again whole on one machine", file=sys.stderr, flush=True)
                     print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
                           f"final accuracy {summary['final_accuracy']}", flush=True)

@@ -4,6 +4,8 @@ import json
 import multiprocessing
 from pathlib import Path
 
+from helpers import SMALL_MODEL_OVERRIDES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -74,8 +76,7 @@ def test_runs_from_another_machines_model_are_refused_before_any_run(tmp_path):
     from rlsys.startup import load_config
 
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [
-        "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
-        "model.max_position_embeddings=128", "model.warm_start.steps=0", f"model.cache_dir={tmp_path / 'cache'}"])
+        *SMALL_MODEL_OVERRIDES, "model.warm_start.steps=0", f"model.cache_dir={tmp_path / 'cache'}"])
     here = weights_fingerprint(prepare_model(cfg))
     why = started_elsewhere([with_start(STORED[0], model_fingerprint="0" * 16)], cfg)
     assert why and "0" * 16 in why and here in why and "CPU models" in why

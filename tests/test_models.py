@@ -16,7 +16,7 @@ from rlsys.models import (ModelDirError, cache_key, load_tokenizer, prepare_mode
 from rlsys.models.tiny import build_char_tokenizer, build_tiny_model
 from rlsys.models.warm_start import draw_batch, encode_examples, guess, near_miss, warm_start
 
-SMALL = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=128)
+from helpers import SMALL_MODEL as SMALL
 
 
 def small_config(tmp_path, steps=3) -> Config:

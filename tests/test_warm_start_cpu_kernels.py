@@ -4,6 +4,8 @@ import json
 import re
 from pathlib import Path
 
+from helpers import SMALL_MODEL_OVERRIDES
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -12,9 +14,8 @@ def test_two_builds_with_the_same_kernels_give_the_same_weights(tmp_path):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "report.json"
-    small = ["model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64",
-             "model.max_position_embeddings=128", "model.warm_start.steps=3", "model.warm_start.batch_size=8",
-             "data.train_size=40", "data.eval_size=4"]
+    small = [*SMALL_MODEL_OVERRIDES, "model.warm_start.steps=3", "model.warm_start.batch_size=8", "data.train_size=40",
+             "data.eval_size=4"]
     assert script.main(["--config", str(ROOT / "configs" / "tiny.yaml"), "--kernels", "default,default",
                         "--output", str(out), *small]) == 0
     builds = json.loads(out.read_text())["builds"]
