@@ -48,7 +48,8 @@ def test_a_run_from_another_starting_model_is_kept_but_left_out_of_the_figures(t
     """Rows started from another warm-started model (another machine's CPU built other weights) would compare
     two starting points, not two schedules: the file keeps them under other_start, outside every figure."""
     module, path = budget_module(), tmp_path / "emulated_budget_x_2gpu.json"
-    sync = sorted(STORED, key=lambda r: r["seed"])[:2]
+    # as runs from before fingerprints, which only their step-0 accuracy tells apart
+    sync = [with_start(r, model_fingerprint=None) for r in sorted(STORED, key=lambda r: r["seed"])[:2]]
     for run in sync:
         module.record(path, {"gpus": 2}, "sync", run, "cmd")
     moved = with_start(sync[0], initial_accuracy=sync[0]["initial_accuracy"] + 0.014)
@@ -56,8 +57,7 @@ def test_a_run_from_another_starting_model_is_kept_but_left_out_of_the_figures(t
     report = json.loads(path.read_text())
     assert report["other_start"] == [["tail", sync[0]["seed"]]] and len(report_runs["tail"]) == 1
     assert "tail" not in report["results"] and "tail" not in report["speedup_vs_sync"]
-    alike = with_start(sync[1], model_fingerprint=None)
-    module.record(path, {"gpus": 2}, "tail", alike, "cmd")
+    module.record(path, {"gpus": 2}, "tail", sync[1], "cmd")
     report = json.loads(path.read_text())
     assert report["results"]["tail"]["repeats"] == 1 and report["other_start"] == [["tail", sync[0]["seed"]]]
 
@@ -81,7 +81,8 @@ def test_runs_from_another_machines_model_are_refused_before_any_run(tmp_path):
     why = started_elsewhere([with_start(STORED[0], model_fingerprint="0" * 16)], cfg)
     assert why and "0" * 16 in why and here in why and "CPU models" in why
     assert started_elsewhere([with_start(STORED[0], model_fingerprint=here)], cfg) is None
-    assert started_elsewhere([STORED[0]], cfg) is None and started_elsewhere([], cfg) is None  # before fingerprints
+    before_fingerprints = with_start(STORED[0], model_fingerprint=None)
+    assert started_elsewhere([before_fingerprints], cfg) is None and started_elsewhere([], cfg) is None
     user = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(prepare_model(cfg))})})
     assert started_elsewhere([with_start(STORED[0], model_fingerprint="0" * 16)], user) is None  # its path names it
 
