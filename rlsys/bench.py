@@ -286,8 +286,12 @@ def aggregate(runs: list[dict]) -> dict:
     out: dict = {"repeats": len(runs)}
     keys = dict.fromkeys(k for r in runs for k in r)  # a run stopped early lacks its final row's keys
     for key in (k for k in keys if k not in ("eval_curve", "final_accuracy_se")):
-        out[key] = median_of(runs, key)
         values = [r[key] for r in runs if r.get(key) is not None]
+        if any(isinstance(v, str) for v in values):  # a label (the model's fingerprint): one, or each one seen
+            labels = sorted(set(values))
+            out[key] = labels[0] if len(labels) == 1 else labels
+            continue
+        out[key] = median_of(runs, key)
         if len(values) > 1:
             out[f"{key}_spread"] = [min(values), max(values)]
     out["final_accuracy_se"] = None

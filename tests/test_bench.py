@@ -57,6 +57,14 @@ def test_aggregate_reports_the_median_and_spread_and_no_time_to_target_unless_ev
     assert aggregate([dict(b, overrun_share=0.01), stopped])["overrun_share"] == 0.01
 
 
+def test_aggregate_keeps_a_label_whole_over_an_even_count_of_repeats():
+    """The model's fingerprint has no median: two repeats of one start give it once, of two starts give both."""
+    a = dict(summarise_run(rows(1.0, [(0, 0.2), (4, 0.35)]), target=0.3), model_fingerprint="a" * 16)
+    assert aggregate([a, a])["model_fingerprint"] == "a" * 16 and "model_fingerprint_spread" not in aggregate([a, a])
+    assert aggregate([a, dict(a, model_fingerprint="b" * 16)])["model_fingerprint"] == ["a" * 16, "b" * 16]
+    assert aggregate([a, dict(a, model_fingerprint=None)])["model_fingerprint"] == "a" * 16
+
+
 def test_speed_up_is_the_median_of_each_repeats_pair_not_a_ratio_of_medians():
     """Repeat 1 ran on a quieter machine for both presets: its pair still reads 1.25x, while the medians of
     each preset alone (sync 4.0, other 3.5 ms) would mix repeats and read 1.14x."""
