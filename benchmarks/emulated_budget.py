@@ -76,6 +76,8 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
     sync by seed; a run that did not emulate stays in `runs`, is named in `not_emulating`, and is run again. A
     run that started from another model than the file's first (same_start) stays in `runs`, is named in
     `other_start`, and is left out: the file is to be measured again whole, on one machine."""
+    order = COLOCATED + list(SPLIT)  # one order whichever process wrote first: a preset's row stays in its place
+    runs = dict(sorted(runs.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
     first = first_run(runs)
     unlike = [[n, r["seed"]] for n, v in runs.items() for r in v if not same_start(r, first)]
     kept = {n: sorted((r for r in v if r.get("emulating", True) and [n, r["seed"]] not in unlike),

@@ -40,6 +40,14 @@ def test_two_processes_recording_other_seeds_of_one_file_keep_every_run(tmp_path
     assert report["results"]["sync"]["repeats"] == 5
 
 
+def test_the_file_keeps_one_order_of_presets_whichever_was_recorded_first(tmp_path):
+    module, path = budget_module(), tmp_path / "emulated_budget_x_2gpu.json"
+    for preset in ("async-split", "sagc", "sync", "tail"):
+        module.record(path, {"gpus": 2}, preset, STORED[0], "cmd")
+    report = json.loads(path.read_text())
+    assert list(report["runs"]) == list(report["results"]) == ["sync", "tail", "sagc", "async-split"]
+
+
 def with_start(run: dict, **start) -> dict:
     return {**run, **start}
 
