@@ -79,19 +79,23 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
     order = COLOCATED + list(SPLIT)  # one order whichever process wrote first: a preset's row stays in its place
     runs = dict(sorted(runs.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
     first = first_run(runs)
-    unlike = [[n, r["seed"]] for n, v in runs.items() for r in v if not same_start(r, first)]
-    kept = {n: sorted((r for r in v if r.get("emulating", True) and [n, r["seed"]] not in unlike),
-                      key=lambda r: r["seed"]) for n, v in runs.items()}
-    kept = {n: v for n, v in kept.items() if v}
+    kept, unlike = {}, []
+    for n, v in runs.items():  # each run tested itself: a preset may hold two runs of one seed (one not emulating)
+        for r in sorted(v, key=lambda r: r["seed"]):
+            if not same_start(r, first):
+                unlike.append([n, r["seed"]])
+            elif r.get("emulating", True):
+                kept.setdefault(n, []).append(r)
     if "sync" in kept:  # pairs only where both ran that seed
         seeds = {r["seed"] for r in kept["sync"]}
         paired = {n: [r for r in v if r["seed"] in seeds] for n, v in kept.items()}
         paired = {n: v for n, v in paired.items() if v}
     else:
         paired = kept
+    equal_time_s = add_equal_time(kept) if kept else None  # before aggregating: it adds each run's accuracy at it
     results = {n: aggregate(v) for n, v in kept.items()}
     return {"command": command, "workload": workload, "machine": machine(), "clock": CLOCK,
-            "equal_time_s": add_equal_time(kept) if kept else None,
+            "equal_time_s": equal_time_s,
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
             "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
             "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],

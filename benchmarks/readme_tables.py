@@ -1000,14 +1000,15 @@ def starting_model_figures() -> list[str]:
     """The model cot_sum's two budget files started from (their sync runs' step-0 accuracy: one for both) against
     the first measurement's, which the 32-slot file keeps; and the tiny model built again on one machine under its
     own CPU kernels and under AVX2's: one config, other weights."""
-    start = {load(f"emulated_budget_longcot_{b}gpu")["runs"]["sync"][0]["initial_accuracy"] for b in (2, 4)}
-    assert len(start) == 1, f"cot_sum's two budget files started from other models: step-0 accuracy {start}"
+    starts = {load(f"emulated_budget_longcot_{b}gpu")["runs"]["sync"][0]["initial_accuracy"] for b in (2, 4)}
+    assert len(starts) == 1, f"cot_sum's two budget files started from other models: step-0 accuracy {starts}"
+    (start,) = starts
     first = load("emulated_budget_longcot32_2gpu")["runs"]["sync"][0]["initial_accuracy"]
     builds = load("warm_start_cpu_kernels_cpu")["builds"]
     own = [b for b in builds if b["kernels"] == "default"]
     other = next(b for b in builds if b["kernels"] != "default")
     same = "bit for bit the same" if len({b["fingerprint"] for b in own}) == 1 else "different each time"
-    return [f"step-0 accuracy {start.pop():.3f} against {first:.3f}",
+    return [f"step-0 accuracy {start:.3f} against {first:.3f}",
             f"built {len(own)} times with its own kernels ({own[0]['capability']}) the model came out {same} "
             f"(fingerprint {own[0]['fingerprint']}, greedy exact match {own[0]['eval_greedy_accuracy']:.3f}); with "
             f"{other['capability']}'s, other weights ({other['fingerprint']}, {other['eval_greedy_accuracy']:.3f})"]

@@ -2,10 +2,10 @@
 import math
 import time
 
-# A run's overrides small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
-# a model small enough to build in seconds: ModelConfig's fields, and the same as key=value overrides
+# A model small enough to build in seconds: ModelConfig's fields, and the same as key=value overrides.
 SMALL_MODEL = dict(hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=128)
 SMALL_MODEL_OVERRIDES = [f"model.{k}={v}" for k, v in SMALL_MODEL.items()]
+# A run's overrides small enough to take seconds per step; the tiny model's cache entry is shared by the tests.
 SMALL = ["control.prompts_per_step=4", "control.group_size=4", "data.eval_size=16", "rollout.slots=16",
          "rollout.max_new_tokens=48", "model.warm_start.steps=30", "logging.progress=false"]
 

@@ -48,6 +48,18 @@ def test_the_file_keeps_one_order_of_presets_whichever_was_recorded_first(tmp_pa
     assert list(report["runs"]) == list(report["results"]) == ["sync", "tail", "sagc", "async-split"]
 
 
+def test_every_preset_reports_its_accuracy_at_the_equal_time_the_file_now_has(tmp_path):
+    """The run just added is scored at the file's equal time before its preset is aggregated, as `rlsys bench` does."""
+    module, path = budget_module(), tmp_path / "emulated_budget_x_2gpu.json"
+    fresh = [{k: v for k, v in r.items() if k != "accuracy_at_equal_time"} for r in STORED[:2]]
+    module.record(path, {"gpus": 2}, "sync", fresh[0], "cmd")
+    module.record(path, {"gpus": 2}, "tail", dict(fresh[1], seed=fresh[0]["seed"]), "cmd")
+    report = json.loads(path.read_text())
+    for preset in ("sync", "tail"):
+        [run] = report["runs"][preset]
+        assert report["results"][preset]["accuracy_at_equal_time"] == run["accuracy_at_equal_time"] is not None
+
+
 def with_start(run: dict, **start) -> dict:
     return {**run, **start}
 
