@@ -258,8 +258,10 @@ def test_suspended_requests_make_no_progress_and_resume_where_they_stopped(manag
     done = {c.request_id: c for c in collect(manager, 2)}
     # The same greedy requests uninterrupted, on the same workers (whatever weights earlier tests gave them)
     manager.submit([req("u0", 120), req("u1", 120, (4, 5))])
-    expected = {"t" + c.request_id[1:]: c.token_ids for c in collect(manager, 2)}
-    assert {rid: c.token_ids for rid, c in done.items()} == expected
+    unmoved = {"t" + c.request_id[1:]: c for c in collect(manager, 2)}
+    assert {rid: c.token_ids for rid, c in done.items()} == {rid: c.token_ids for rid, c in unmoved.items()}
+    for rid, c in done.items():  # the log-probs of the tokens before the suspend came back with them
+        assert c.logprobs == pytest.approx(unmoved[rid].logprobs, abs=1e-4), rid
     assert all(c.finish_reason == "length" for c in done.values()) and manager.outstanding == [0, 0]
 
 
@@ -296,6 +298,10 @@ def test_a_scale_down_moves_half_the_workers_requests_with_their_tokens_to_the_s
     unmoved = {c.request_id: c for c in collect(manager, 4)}
     assert {rid: done[rid].token_ids for rid in prompts} == {rid: c.token_ids for rid, c in unmoved.items()}
     assert all(done[rid].versions == unmoved[rid].versions for rid in prompts)
+    # The moved ones' log-probs too: the tokens before the move came with the request, not recomputed (the
+    # trainer's importance ratios read them); float tolerance, as the batches the steps ran in differ.
+    for rid in prompts:
+        assert done[rid].logprobs == pytest.approx(unmoved[rid].logprobs, abs=1e-4), rid
 
 
 def test_the_callers_abort_of_a_request_being_moved_comes_back_as_its_abort(manager):
