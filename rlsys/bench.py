@@ -7,7 +7,6 @@ import json
 import math
 import os
 import platform
-import random
 import statistics
 import sys
 import time
@@ -134,16 +133,31 @@ def read_metrics(run_dir: Path) -> list[dict]:
 WARMUP_STEPS = 2  # left out of the step time: the first steps pay for starting (caches, the first compile)
 
 
-def crossing_time(evals: list[dict], target: float) -> float | None:
-    """When the eval curve first reaches `target`, interpolated linearly between the eval before and the eval
-    at or past it: one eval's time alone would make every run that crosses between two evals tie."""
-    for before, at in zip([None] + evals, evals):
-        if at["eval/accuracy"] >= target:
-            if before is None or at["eval/accuracy"] == before["eval/accuracy"]:
-                return at["time_s"]
-            share = (target - before["eval/accuracy"]) / (at["eval/accuracy"] - before["eval/accuracy"])
-            return before["time_s"] + share * (at["time_s"] - before["time_s"])
+def crossing(curve: list[list[float]], target: float) -> float | None:
+    """Where an eval curve of (cost, accuracy) points first reaches `target`, interpolated linearly between the
+    eval before and the eval at or past it: one eval's cost alone would make every run that crosses between two
+    evals tie. None if it never does."""
+    for before, at in zip([None] + curve, curve):
+        if at[1] >= target:
+            if before is None or at[1] == before[1]:
+                return at[0]
+            return before[0] + (target - before[1]) / (at[1] - before[1]) * (at[0] - before[0])
     return None
+
+
+def crossing_time(evals: list[dict], target: float) -> float | None:
+    """When the eval rows' accuracy first reaches `target` (crossing)."""
+    return crossing([[r["time_s"], r["eval/accuracy"]] for r in evals], target)
+
+
+def samples_at_evals(rows: list[dict]) -> list[int]:
+    """The samples trained before each eval row (an eval logged in a step's row comes after that step's samples)."""
+    out, total = [], 0
+    for r in rows:
+        total += r.get("samples", 0) if "timing/step_s" in r else 0
+        if "eval/accuracy" in r:
+            out.append(total)
+    return out
 
 
 def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = None) -> dict:
@@ -157,13 +171,22 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
     mean = lambda key: statistics.mean(r[key] for r in steps) if steps else 0.0  # noqa: E731
     timed = timed_steps(steps)
     per_sample = steps[-1]["time_s"] / samples if samples else None
+    trained_tokens = sum(r["samples"] * r.get("response_length/mean", 0.0) for r in steps)
+    per_token = steps[-1]["time_s"] / trained_tokens if trained_tokens else None
     gpu_s = lambda t: t * gpus if t is not None and gpus else None  # noqa: E731
+    selection = [r["length/selection"] for r in steps if r.get("length/selection") is not None]
     return {
         "eval_curve": [[r["time_s"], r["eval/accuracy"]] for r in evals],
+        "eval_samples": samples_at_evals(rows),
         "step_time_s": statistics.mean(r["timing/step_s"] for r in timed) if timed else 0.0,
         "time_per_sample_s": per_sample,
         "gpus": gpus,
         "gpu_s_per_sample": gpu_s(per_sample),
+        # a sample's cost depends on its length: per trained token beside per sample, and the length that links them
+        "trained_tokens": trained_tokens,
+        "trained_length": trained_tokens / samples if samples else None,
+        "time_per_token_s": per_token,
+        "gpu_s_per_token": gpu_s(per_token),
         "gpu_s_to_target": gpu_s(to_target),
         "bubble_ratio": mean("rollout/bubble_ratio"),
         "straggler_rate": mean("rollout/straggler_rate"),
@@ -181,6 +204,7 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
         "response_length": mean("response_length/mean"),
         **length_shape(steps),
         "group_size": mean("group_size"),
+        "length_selection": statistics.mean(selection) if selection else None,
         **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/overrun_s", "emulate/emulating")
            if k in rows[-1]},
         **tool_calls(steps),
@@ -221,9 +245,9 @@ def tool_calls(steps: list[dict]) -> dict:
     return {"tool_calls_first": turns[0], "tool_calls_last": turns[-1]} if turns else {}
 
 
-def accuracy_at(run: dict, t: float) -> float | None:
-    """The run's last eval accuracy at or before training wall time t."""
-    before = [acc for time_s, acc in run["eval_curve"] if time_s <= t]
+def accuracy_at(run: dict, t: float, gpu_s: bool = False) -> float | None:
+    """The run's last eval accuracy at or before training wall time t (`gpu_s`: at or before t GPU-seconds)."""
+    before = [acc for time_s, acc in (gpu_s_curve(run) if gpu_s else run["eval_curve"]) if time_s <= t]
     return before[-1] if before else None
 
 
@@ -264,7 +288,7 @@ def started_elsewhere(runs: list[dict], cfg: Config) -> str | None:
 def median_of(runs: list[dict], key: str):
     """The median of `key` over repeats that have it; time to target only if every repeat reached it."""
     values = [r[key] for r in runs if r.get(key) is not None]
-    if key in ("time_to_target_s", "gpu_s_to_target") and len(values) < len(runs):
+    if (key == "time_to_target_s" or key.startswith(("gpu_s_to_", "samples_to_"))) and len(values) < len(runs):
         return None
     return statistics.median(values) if values else None
 
@@ -285,8 +309,10 @@ def aggregate(runs: list[dict]) -> dict:
     mean over repeats with its standard error (`repeated_accuracy`)."""
     out: dict = {"repeats": len(runs)}
     keys = dict.fromkeys(k for r in runs for k in r)  # a run stopped early lacks its final row's keys
-    for key in (k for k in keys if k not in ("eval_curve", "final_accuracy_se")):
+    for key in (k for k in keys if k != "final_accuracy_se"):
         values = [r[key] for r in runs if r.get(key) is not None]
+        if any(isinstance(v, (list, dict)) for v in values):  # a run's curve: no median
+            continue
         if any(isinstance(v, str) for v in values):  # a label (the model's fingerprint): one, or each one seen
             labels = sorted(set(values))
             out[key] = labels[0] if len(labels) == 1 else labels
@@ -310,40 +336,158 @@ def accuracy_difference(a: dict, b: dict) -> dict | None:
     return {"diff": diff, "se": se, "beyond_error": abs(diff) > 2 * se}
 
 
+def paired(base: list[dict], other: list[dict]) -> list[tuple[dict, dict]]:
+    """The (base, other) pairs of runs: by seed where every run names its seed (a preset may have run fewer seeds
+    than sync), else repeat by repeat; the repeats ran interleaved, so the machine's load in one cancels in its pair."""
+    if all("seed" in r for r in base + other):
+        by_seed = {r["seed"]: r for r in base}
+        return [(by_seed[o["seed"]], o) for o in other if o["seed"] in by_seed]
+    return list(zip(base, other))
+
+
 def pair_ratios(base: list[dict], other: list[dict], key: str) -> list[float | None]:
-    """base / other for each repeat: the repeats ran interleaved, so the machine's load in one cancels in its pair."""
-    return [b[key] / o[key] if b.get(key) and o.get(key) else None for b, o in zip(base, other)]
+    """base / other for each pair (`paired`)."""
+    return [b[key] / o[key] if b.get(key) and o.get(key) else None for b, o in paired(base, other)]
 
 
-def bootstrap_interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> list[float]:
-    """A 95% percentile-bootstrap interval of the median of paired ratios: the pairs resampled with replacement."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return [medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]]
+# t's 97.5% quantile for 1 to 30 degrees of freedom: a few seeds give a wider interval than the normal's 1.96
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-RATIOS = (("per_sample", "time_per_sample_s"), ("time_to_target", "time_to_target_s"),
-          ("per_sample_gpu_s", "gpu_s_per_sample"), ("time_to_target_gpu_s", "gpu_s_to_target"))
+def t975(dof: int) -> float:
+    """t's 97.5% quantile: the table to 30 degrees of freedom, beyond it the normal's with two Cornish-Fisher terms
+    (within 0.001)."""
+    if dof <= len(T975):
+        return T975[dof - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
 
 
-def speedups(runs: dict[str, list[dict]], results: dict) -> dict:
-    """Each preset against sync: the median, [min, max] and bootstrap 95% interval of the per-repeat ratios, in
-    wall time and in GPU-seconds (time to target only if every repeat of both reached it), the final accuracy's
-    difference with its error, and whether the two ran on different GPU budgets (a wall-time ratio between
-    budgets is not a like-for-like speedup)."""
+def t_interval(values: list[float]) -> tuple[float, list[float] | None]:
+    """The mean of paired figures and its 95% t interval (mean ± t(n-1) x standard error); no interval of one."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, [mean - half, mean + half]
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, list[float] | None]:
+    """The geometric mean of paired ratios and its 95% interval: the t interval of their logs, back-transformed (a
+    ratio's noise is multiplicative: 2x and 0.5x are equally far from 1x)."""
+    mean, interval = t_interval([math.log(r) for r in ratios])
+    return math.exp(mean), [math.exp(x) for x in interval] if interval else None
+
+
+INTERVALS = ("paired t, 95%: a ratio is the geometric mean of its per-seed ratios to sync, its interval a t interval "
+             "(n-1 degrees of freedom) on their logs, back-transformed; an accuracy difference is the mean of its "
+             "per-seed differences to sync ± t x their standard error. Not a percentile bootstrap: over n pairs its "
+             "percentiles lie within the pairs' min and max, which cover the median with probability 1 - 2 x 0.5^n "
+             "(94% at 5 seeds, 75% at 3), so it cannot give 95% with the few seeds a run of these costs")
+
+
+def ratio_figures(pairs: list[tuple[dict, dict]], key: str, label: str) -> dict:
+    """sync / this over the pairs (`ratio_interval`) under `label`, with the pairs' [min, max] and how many pairs
+    both have the figure; None unless every pair has it (a time to target only if both reached it in every seed)."""
+    ratios = [b[key] / o[key] if b.get(key) and o.get(key) else None for b, o in pairs]
+    whole = bool(ratios) and None not in ratios
+    mean, interval = ratio_interval(ratios) if whole else (None, None)
+    return {label: mean, f"{label}_ci95": interval, f"{label}_spread": [min(ratios), max(ratios)] if whole else None,
+            f"{label}_pairs": sum(r is not None for r in ratios)}
+
+
+def difference_figures(pairs: list[tuple[dict, dict]], key: str) -> dict | None:
+    """this - sync of `key` over the pairs: the mean, its 95% t interval, the pairs (None unless every pair has it)."""
+    diffs = [o[key] - b[key] for b, o in pairs if o.get(key) is not None and b.get(key) is not None]
+    if not diffs or len(diffs) < len(pairs):
+        return None
+    mean, interval = t_interval(diffs)
+    return {"diff": mean, "ci95": interval, "pairs": len(diffs)}
+
+
+# name: (key, label) of each ratio to sync; a per-sample one always beside the per-token one and the trained lengths
+RATIOS = (("per_sample", "time_per_sample_s"), ("per_token", "time_per_token_s"),
+          ("time_to_target", "time_to_target_s"), ("per_sample_gpu_s", "gpu_s_per_sample"),
+          ("per_token_gpu_s", "gpu_s_per_token"), ("time_to_target_gpu_s", "gpu_s_to_target"))
+TARGET_SHARES = (0.25, 0.5, 0.75)  # of sync's gain over the run
+
+
+def sync_targets(sync: list[dict]) -> dict[str, float | None]:
+    """Targets set from sync's own runs. Its gain: per seed, its eval curve's last accuracy less its first; the
+    median over seeds. gain_25, gain_50, gain_75: sync's median first accuracy plus 25, 50 and 75% of that gain
+    (None where sync gained nothing). final_less_se: sync's final accuracy (the mean of its seeds' last evals) less
+    one standard error (repeated_accuracy)."""
+    curved = [r for r in sync if r.get("eval_curve")]
+    if not curved:
+        return {}
+    start = statistics.median(r["eval_curve"][0][1] for r in curved)
+    gain = statistics.median(r["eval_curve"][-1][1] - r["eval_curve"][0][1] for r in curved)
+    final, se = repeated_accuracy([{**r, "final_accuracy": r["eval_curve"][-1][1]} for r in curved])
+    return {**{f"gain_{round(100 * f)}": start + f * gain if gain > 0 else None for f in TARGET_SHARES},
+            "final_less_se": final - se}
+
+
+TARGETS_HOW = ("set from sync's runs (rlsys.bench.sync_targets): gain_25/50/75 = sync's median first eval accuracy "
+               "+ 25/50/75% of its median gain (per seed: last eval accuracy - first); final_less_se = the mean of "
+               "sync's last eval accuracies - their standard error. GPU-seconds and samples to a target: where the "
+               "eval curve first reaches it, interpolated linearly between evals")
+
+
+def gpu_s_curve(run: dict) -> list[list[float]]:
+    """The run's eval curve against GPU-seconds (its time x its GPU budget; its time where it had no budget)."""
+    return [[t * (run.get("gpus") or 1), acc] for t, acc in run["eval_curve"]]
+
+
+def add_targets(runs: dict[str, list[dict]]) -> dict[str, float | None]:
+    """With sync among `runs`: its targets (sync_targets), and added to each run the GPU-seconds and the samples it
+    took to reach each (gpu_s_to_<target>, samples_to_<target>: crossing on its eval curve, None if never), and its
+    accuracy at the GPU-seconds its seed's sync run used to its last eval (accuracy_at_sync_gpu_s; None for a seed
+    sync did not run). Before aggregating; {} without sync."""
+    if not runs.get("sync"):
+        return {}
+    targets = sync_targets(runs["sync"])
+    for rs in runs.values():
+        for r in rs:
+            cost = gpu_s_curve(r)
+            samples = [[n, acc] for n, (_, acc) in zip(r.get("eval_samples") or [], r["eval_curve"])]
+            for name, accuracy in targets.items():
+                reachable = accuracy is not None
+                r[f"gpu_s_to_{name}"] = crossing(cost, accuracy) if reachable else None
+                r[f"samples_to_{name}"] = crossing(samples, accuracy) if reachable and samples else None
+            r["accuracy_at_sync_gpu_s"] = None
+        for b, o in paired(runs["sync"], rs):
+            o["accuracy_at_sync_gpu_s"] = accuracy_at(o, gpu_s_curve(b)[-1][0], gpu_s=True) if b["eval_curve"] else None
+    return targets
+
+
+def speedups(runs: dict[str, list[dict]], results: dict, targets: dict | None = None) -> dict:
+    """Each preset against sync, paired by seed (`paired`): ratios sync / this (`ratio_figures`, paired t intervals)
+    per sample and per trained token, beside both presets' trained lengths (a per-sample ratio mixes speed with
+    answer length), to the fixed target and to each of sync's targets in GPU-seconds and in samples; this - sync
+    (`difference_figures`) of the final accuracy and of the accuracy at sync's GPU-seconds; the bubble ratio beside
+    sync's; and whether the two ran on different GPU budgets (a wall-time ratio between budgets is not a
+    like-for-like speedup). The final accuracy's difference of means (accuracy_difference) stays beside."""
     if "sync" not in runs:
         return {}
 
     out = {}
+    keyed = RATIOS + tuple((f"{what}_to_{name}", f"{what}_to_{name}") for name in targets or {}
+                           for what in ("gpu_s", "samples"))
     for name in runs:
-        out[name] = {"final_accuracy_vs_sync": accuracy_difference(results[name], results["sync"])}
-        for label, key in RATIOS:
-            ratios = pair_ratios(runs["sync"], runs[name], key)
-            whole = ratios and None not in ratios
-            out[name][label] = statistics.median(ratios) if whole else None
-            out[name][f"{label}_spread"] = [min(ratios), max(ratios)] if whole else None
-            out[name][f"{label}_ci95"] = bootstrap_interval(ratios) if whole else None
-        gpus = [results["sync"].get("gpus"), results[name].get("gpus")]
+        pairs = paired(runs["sync"], runs[name])
+        mine, base = results[name], results["sync"]
+        out[name] = {"pairs": len(pairs), "final_accuracy_vs_sync": accuracy_difference(mine, base),
+                     "trained_length_sync_and_this": [base.get("trained_length"), mine.get("trained_length")]}
+        for label, key in keyed:
+            out[name].update(ratio_figures(pairs, key, label))
+        out[name]["final_accuracy_paired"] = difference_figures(pairs, "final_accuracy")
+        out[name]["accuracy_at_sync_gpu_s"] = difference_figures(pairs, "accuracy_at_sync_gpu_s")
+        bubbles = [base.get("bubble_ratio"), mine.get("bubble_ratio")]
+        out[name]["bubble_ratio_vs_sync"] = {  # SortedRL's measure: the medians' ratio, and the paired difference
+            "sync_and_this": bubbles, "ratio": bubbles[1] / bubbles[0] if bubbles[0] and bubbles[1] is not None
+            else None, "paired": difference_figures(pairs, "bubble_ratio")}
+        gpus = [base.get("gpus"), mine.get("gpus")]
         out[name]["gpus_sync_and_this"] = gpus
         out[name]["budgets_differ"] = gpus[0] != gpus[1]
     return out
@@ -444,6 +588,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     def report() -> dict:
         done = {n: v for n, v in runs.items() if v}
         equal_time_s = add_equal_time(done) if done else None
+        targets = add_targets(done)
         results = {n: aggregate(v) for n, v in done.items()}
         return {
             "workload": {**workload,
@@ -456,8 +601,9 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
                          **({"emulate": cfg.emulate.model_dump()} if cfg.emulate.on else {})},
             "machine": machine(),
             "equal_time_s": equal_time_s,
+            "targets": targets, "targets_how": TARGETS_HOW, "intervals": INTERVALS,
             "results": results,
-            "speedup_vs_sync": speedups(done, results),
+            "speedup_vs_sync": speedups(done, results, targets),
             "runs": done,
             **({"interrupted": True, "cut_runs": cut} if cut else {}),
         }
@@ -495,29 +641,64 @@ def cell(result: dict, key: str, fmt: str) -> str:
     return fmt.format(result[key]) + (f"±{se:.3f}" if se is not None else "")
 
 
+def times(x: float | None, interval: list[float] | None = None) -> str:
+    """A ratio as 1.23x, with its 95% interval where there is one."""
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
+
+
 def print_table(report: dict) -> None:
     print(f"times in {report['workload'].get('clock', 'wall')} seconds; GPU-s: time x the run's GPU budget")
     cols = [("gpus", "GPUs", "{:.0f}"), ("step_time_s", "step s", "{:.2f}"), ("time_per_sample_s", "s/sample", "{:.4f}"),
-            ("gpu_s_per_sample", "GPU-s/smp", "{:.4f}"),
+            ("gpu_s_per_sample", "GPU-s/smp", "{:.4f}"), ("trained_length", "trained len", "{:.1f}"),
+            ("gpu_s_per_token", "GPU-s/tok", "{:.2e}"),
             ("bubble_ratio", "bubble", "{:.3f}"), ("straggler_rate", "straggler", "{:.2f}"),
             ("efficiency", "effic.", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.0f}"),
             ("time_to_target_s", "to target s", "{:.0f}"), ("gpu_s_to_target", "GPU-s to tgt", "{:.0f}"),
             ("final_accuracy", "final acc", "{:.3f}"),
-            ("accuracy_at_equal_time", "acc @ T", "{:.3f}"), ("response_length", "length", "{:.1f}"),
-            ("group_size", "G", "{:.1f}")]
-    print(f"{'preset':<12}" + "".join(f"{h:>13}" for _, h, _ in cols) + f"{'speedup':>10}{'per GPU-s':>11}")
+            ("accuracy_at_equal_time", "acc @ T", "{:.3f}"), ("group_size", "G", "{:.1f}")]
+    # a per-sample speedup is printed beside the per-token one and the two presets' trained lengths
+    print(f"{'preset':<12}" + "".join(f"{h:>13}" for _, h, _ in cols)
+          + f"{'speedup':>10}{'per GPU-s':>11}{'per tok GPU-s':>15}{'len sync/this':>15}")
     marked = False
     for name, r in report["results"].items():
         cells = "".join(f"{cell(r, k, f):>13}" for k, _, f in cols)
         versus = report["speedup_vs_sync"].get(name, {})
         mark = " *" if versus.get("budgets_differ") else ""
         marked |= bool(mark)
-        s, g = versus.get("per_sample"), versus.get("per_sample_gpu_s")
-        print(f"{name:<12}{cells}{(f'{s:.2f}x' if s else '-') + mark:>10}{(f'{g:.2f}x' if g else '-'):>11}")
+        s, g, t = versus.get("per_sample"), versus.get("per_sample_gpu_s"), versus.get("per_token_gpu_s")
+        lengths = "/".join(f"{x:.1f}" if x is not None else "-" for x in versus.get("trained_length_sync_and_this", []))
+        print(f"{name:<12}{cells}{times(s) + mark:>10}{times(g):>11}{times(t):>15}{lengths or '-':>15}")
     if marked:
         print("* on a different GPU budget than sync: its wall-time speedup is not at equal GPUs; see per GPU-s")
     if report.get("equal_time_s"):
         print(f"acc @ T: eval accuracy at T = {report['equal_time_s']:.0f} s of training (the shortest run)")
+    print_targets(report)
+
+
+def print_targets(report: dict) -> None:
+    """Each preset against sync's own targets: GPU-seconds to each (sync's / this, paired by seed), samples to its
+    final accuracy, accuracy at sync's GPU-seconds and the bubble ratio against sync's."""
+    targets = {k: v for k, v in (report.get("targets") or {}).items() if v is not None}
+    if not targets:
+        return
+    print("\nsync's targets: " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items())
+          + "; ratios sync / this with 95% paired t intervals (>1x: this is cheaper)")
+    heads = [f"GPU-s to {k}" for k in targets] + ["samples to final_less_se", "acc @ sync GPU-s", "bubble / sync"]
+    print(f"{'preset':<16}{'pairs':>6}" + "".join(f"{h:>26}" for h in heads))
+    for name, v in report["speedup_vs_sync"].items():
+        if name == "sync":
+            continue
+        at = v.get("accuracy_at_sync_gpu_s")
+        gap = "-" if not at else f"{at['diff']:+.3f}" + (f" [{at['ci95'][0]:+.3f}, {at['ci95'][1]:+.3f}]"
+                                                         if at["ci95"] else "")
+        bubble = v.get("bubble_ratio_vs_sync", {}).get("ratio")
+        cells = [times(v.get(f"gpu_s_to_{k}"), v.get(f"gpu_s_to_{k}_ci95")) for k in targets]
+        cells += [times(v.get("samples_to_final_less_se"), v.get("samples_to_final_less_se_ci95")), gap,
+                  f"{bubble:.2f}" if bubble is not None else "-"]
+        print(f"{name:<16}{v['pairs']:>6}" + "".join(f"{c:>26}" for c in cells))
+    print(f"intervals: {report.get('intervals', INTERVALS)}")
 
 
 def plot_bench(report: dict, out_dir: Path) -> list[Path]:

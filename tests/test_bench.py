@@ -1,5 +1,8 @@
 """`rlsys bench` figures from metrics rows: per-run summaries, equal-time accuracy, medians with spreads."""
 import json
+import math
+import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -65,7 +68,7 @@ def test_aggregate_keeps_a_label_whole_over_an_even_count_of_repeats():
     assert aggregate([a, dict(a, model_fingerprint=None)])["model_fingerprint"] == "a" * 16
 
 
-def test_speed_up_is_the_median_of_each_repeats_pair_not_a_ratio_of_medians():
+def test_speed_up_is_the_geometric_mean_of_each_repeats_pair_not_a_ratio_of_medians():
     """Repeat 1 ran on a quieter machine for both presets: its pair still reads 1.25x, while the medians of
     each preset alone (sync 4.0, other 3.5 ms) would mix repeats and read 1.14x."""
     from rlsys.bench import speedups
@@ -77,7 +80,7 @@ def test_speed_up_is_the_median_of_each_repeats_pair_not_a_ratio_of_medians():
     runs = {"sync": [run(4.0, 40), run(2.5, 25), run(5.0, 50)],
             "other": [run(3.5, 30), run(2.0, None), run(4.0, 40)]}
     out = speedups(runs, {name: aggregate(rs) for name, rs in runs.items()})["other"]
-    assert out["per_sample"] == pytest.approx(1.25) and out["per_sample_spread"] == pytest.approx([1.1429, 1.25], abs=1e-4)
+    assert out["per_sample"] == pytest.approx((4 / 3.5 * 1.25 * 1.25) ** (1 / 3)) and out["per_sample_spread"] == pytest.approx([1.1429, 1.25], abs=1e-4)
     assert out["time_to_target"] is None and out["time_to_target_spread"] is None  # one repeat never reached it
     assert out["final_accuracy_vs_sync"]["diff"] == 0
 
@@ -193,23 +196,6 @@ def test_every_run_reports_gpu_seconds_and_a_comparison_across_gpu_budgets_is_ma
     assert any(line.startswith("* on a different GPU budget") for line in lines)
 
 
-def test_every_ratio_carries_a_bootstrap_95_interval_of_its_pairs():
-    from rlsys.bench import bootstrap_interval, speedups
-
-    def run(ms):
-        return {"time_per_sample_s": ms / 1000, "gpu_s_per_sample": 2 * ms / 1000, "time_to_target_s": ms,
-                "final_accuracy": 0.3, "gpus": 2}
-
-    runs = {"sync": [run(4.0), run(4.0), run(4.0), run(4.0), run(4.0)],
-            "other": [run(4.0), run(3.2), run(2.0), run(2.5), run(3.0)]}  # ratios 1.0, 1.25, 2.0, 1.6, 1.33
-    out = speedups(runs, {name: aggregate(rs) for name, rs in runs.items()})["other"]
-    for label in ("per_sample", "time_to_target", "per_sample_gpu_s"):
-        low, high = out[f"{label}_ci95"]
-        assert 1.0 <= low <= out[label] <= high <= 2.0  # within the pairs' range, around their median
-    assert out["per_sample_ci95"][0] < out["per_sample_ci95"][1]  # the pairs differ: so does the interval's ends
-    assert bootstrap_interval([1.5, 1.5, 1.5]) == [1.5, 1.5]
-
-
 def test_a_run_reports_its_length_shape_at_the_first_and_the_last_step():
     run = rows(1.0, [(0, 0.2), (4, 0.35)])
     steps = [r for r in run if "timing/step_s" in r]
@@ -255,3 +241,154 @@ def test_sorted_step_time_is_whole_rounds_after_the_warm_up_over_their_steps():
     assert summarise_run(sorted_rows([4], [5.0, 1.0, 2.0, 4.0]), target=0.3)["step_time_s"] == pytest.approx(3.0)
     # other schedulers: the steps after the warm-up
     assert summarise_run(rows(1.0, [(0, 0.2)]), target=0.3)["step_time_s"] == pytest.approx(1.0)
+
+
+def dense(step_s, accs, gpus=2, seed=0, samples=128, length=8.0):
+    """A run's summary from metrics rows as the controller logs them: an eval at step 0 and in every step's row."""
+    out = [{"step": 0, "time_s": 0.0, "eval/accuracy": accs[0]}]
+    out += [{**STEP, "step": i, "time_s": i * step_s, "timing/step_s": step_s, "samples": samples,
+             "response_length/mean": length, "eval/accuracy": acc} for i, acc in enumerate(accs[1:], start=1)]
+    return {**summarise_run(out, target=1.0, gpus=gpus), "seed": seed}
+
+
+def test_targets_are_set_from_syncs_own_gain_and_final_accuracy():
+    from rlsys.bench import repeated_accuracy, sync_targets
+
+    sync = [dense(1.0, [0.40, 0.45, 0.52, 0.56], seed=0), dense(1.0, [0.40, 0.50, 0.55, 0.60], seed=1),
+            dense(1.0, [0.40, 0.44, 0.50, 0.52], seed=2)]  # gains 0.16, 0.20, 0.12: median 0.16
+    targets = sync_targets(sync)
+    assert targets["gain_25"] == pytest.approx(0.44) and targets["gain_50"] == pytest.approx(0.48)
+    assert targets["gain_75"] == pytest.approx(0.52)
+    mean, se = repeated_accuracy(sync)
+    assert mean == pytest.approx(0.56) and targets["final_less_se"] == pytest.approx(0.56 - se)
+    assert se == pytest.approx(0.04 / 3 ** 0.5)  # finals 0.56, 0.60, 0.52: stdev 0.04 over sqrt(3), no eval se
+    flat = sync_targets([dense(1.0, [0.40, 0.39, 0.40, 0.38])])
+    assert flat["gain_25"] is None and flat["final_less_se"] == pytest.approx(0.38)  # sync gained nothing
+
+
+def test_gpu_seconds_and_samples_to_each_target_cross_between_dense_evals():
+    from rlsys.bench import add_targets
+
+    sync = [dense(1.0, [0.40, 0.44, 0.48, 0.52, 0.56])]  # gain 0.16: targets 0.44, 0.48, 0.52 and 0.56
+    fast = [dense(0.5, [0.40, 0.42, 0.50, 0.54, 0.55])]  # never reaches sync's final 0.56
+    targets = add_targets({"sync": sync, "fast": fast})
+    assert sync[0]["gpu_s_to_gain_25"] == pytest.approx(2.0) and sync[0]["gpu_s_to_final_less_se"] == pytest.approx(8)
+    # 0.44: a quarter of the way from 0.42 (step 1: 0.5 s, 128 samples) to 0.50 (step 2: 1 s, 256 samples)
+    assert fast[0]["gpu_s_to_gain_25"] == pytest.approx(2 * 0.625)
+    assert fast[0]["samples_to_gain_25"] == pytest.approx(160)
+    # 0.52: half way from 0.50 (step 2) to 0.54 (step 3: 1.5 s, 384 samples)
+    assert fast[0]["gpu_s_to_gain_75"] == pytest.approx(2 * 1.25)
+    assert fast[0]["samples_to_gain_75"] == pytest.approx(320)
+    assert fast[0]["gpu_s_to_final_less_se"] is None and fast[0]["samples_to_final_less_se"] is None
+    assert targets["final_less_se"] == pytest.approx(0.56)  # one seed, no eval error logged
+
+
+def test_accuracy_at_equal_gpu_seconds_is_at_the_gpu_seconds_syncs_run_of_the_same_seed_used():
+    from rlsys.bench import add_targets, speedups
+
+    sync = [dense(1.0, [0.40, 0.44, 0.48, 0.52, 0.56], seed=s) for s in (0, 1)]  # 4 s on 2 GPUs: 8 GPU-s
+    wide = [dense(0.5, [0.40, 0.45, 0.50, 0.60, 0.62], gpus=4, seed=0),  # 8 GPU-s: its step-4 eval (0.62)
+            dense(0.6, [0.40, 0.45, 0.50, 0.55, 0.60], gpus=4, seed=1)]  # at 8 GPU-s its step 3 (7.2 GPU-s)
+    runs = {"sync": sync, "wide": wide}
+    targets = add_targets(runs)
+    assert [r["accuracy_at_sync_gpu_s"] for r in wide] == [0.62, 0.55]
+    out = speedups(runs, {n: aggregate(v) for n, v in runs.items()}, targets)["wide"]
+    assert out["accuracy_at_sync_gpu_s"]["diff"] == pytest.approx(((0.62 - 0.56) + (0.55 - 0.56)) / 2)
+    half = 12.706 * statistics.stdev([0.06, -0.01]) / 2 ** 0.5  # t's 97.5% quantile at one degree of freedom
+    assert out["accuracy_at_sync_gpu_s"]["ci95"] == pytest.approx([0.025 - half, 0.025 + half])
+
+
+def test_pairs_are_matched_by_seed_when_a_preset_ran_fewer_seeds_than_sync():
+    from rlsys.bench import pair_ratios
+
+    sync = [{"seed": s, "x": float(s + 1)} for s in range(8)]
+    other = [{"seed": 5, "x": 3.0}, {"seed": 2, "x": 1.5}]
+    assert pair_ratios(sync, other, "x") == [2.0, 2.0]  # seed 5's sync (6.0) and seed 2's (3.0), not the first two
+
+
+def test_a_ratios_interval_is_a_paired_t_interval_on_the_logs():
+    """By hand: ratios 1, 1, 1, 2, 2 have logs of mean 0.27726 and standard deviation 0.37965; t(4) = 2.776, so
+    the interval is exp(0.27726 ± 2.776 x 0.37965 / sqrt(5)) = [0.8236, 2.1140]. The pairs split in two: their mean
+    is uncertain beyond their min and max, which a percentile bootstrap would give at most."""
+    from rlsys.bench import ratio_interval, t975
+
+    mean, interval = ratio_interval([1.0, 1.0, 1.0, 2.0, 2.0])
+    assert mean == pytest.approx(2 ** 0.4) and interval == pytest.approx([0.8236, 2.1140], abs=2e-4)
+    assert interval[0] < 1.0 and interval[1] > 2.0  # wider than the pairs' min and max
+    _, alike = ratio_interval([1.5, 1.5, 1.5])
+    assert alike == pytest.approx([1.5, 1.5])
+    assert ratio_interval([1.3]) == (pytest.approx(1.3), None)  # one pair: no interval
+    assert t975(4) == 2.776 and t975(40) == pytest.approx(2.021, abs=1e-3)  # past the table: Cornish-Fisher's
+    assert t975(1000) == pytest.approx(1.962, abs=1e-3)
+
+
+def test_the_t_interval_covers_the_true_ratio_95_percent_of_the_time_where_min_max_covers_less():
+    """5 and 3 seeds of log-normal ratios around 1.3x: the t interval holds 1.3 in 95% of draws; the pairs'
+    [min, max] (the widest a percentile bootstrap gives) in 1 - 2 x 0.5^n: 94% and 75%."""
+    from rlsys.bench import ratio_interval
+
+    rng = random.Random(0)
+    for n, min_max_cover in ((5, 0.9375), (3, 0.75)):
+        draws = [[1.3 * math.exp(rng.gauss(0, 0.2)) for _ in range(n)] for _ in range(20000)]
+        t_cover = statistics.fmean(lo <= 1.3 <= hi for lo, hi in (ratio_interval(d)[1] for d in draws))
+        spread_cover = statistics.fmean(min(d) <= 1.3 <= max(d) for d in draws)
+        assert t_cover == pytest.approx(0.95, abs=0.005)
+        assert spread_cover == pytest.approx(min_max_cover, abs=0.01) and spread_cover < t_cover - 0.005
+
+
+def per_sample_without_length(report: dict) -> list[str]:
+    """The presets whose per-sample ratios to sync stand without the per-token ratio and both trained lengths."""
+    bare = []
+    for name, versus in report["speedup_vs_sync"].items():
+        for key in (k for k, v in versus.items() if k.startswith("per_sample") and v is not None):
+            beside = versus.get(key.replace("per_sample", "per_token"))
+            lengths = versus.get("trained_length_sync_and_this") or [None]
+            if beside is None or None in lengths:
+                bare.append(f"{name}: {key}")
+    return bare
+
+
+def test_no_report_gives_a_per_sample_ratio_without_the_trained_length_and_the_per_token_ratio_beside_it(capsys):
+    from rlsys.bench import add_targets, print_table, speedups
+
+    runs = {"sync": [dense(1.0, [0.40, 0.45, 0.50], seed=s, length=8.0) for s in range(3)],
+            "long": [dense(1.5, [0.40, 0.46, 0.52], seed=s, length=16.0) for s in range(3)]}
+    targets = add_targets(runs)
+    results = {n: aggregate(v) for n, v in runs.items()}
+    report = {"workload": {}, "results": results, "speedup_vs_sync": speedups(runs, results, targets),
+              "targets": targets, "equal_time_s": None}
+    assert per_sample_without_length(report) == []
+    long = report["speedup_vs_sync"]["long"]
+    # 1.5x slower per sample, but its samples are twice as long: 1.33x faster per trained token
+    assert long["per_sample_gpu_s"] == pytest.approx(1 / 1.5) and long["per_token_gpu_s"] == pytest.approx(2 / 1.5)
+    assert long["trained_length_sync_and_this"] == [8.0, 16.0]
+    print_table(report)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("long "))
+    assert "0.67x" in line and "1.33x" in line and "8.0/16.0" in line
+    broken = {"speedup_vs_sync": {"long": {k: v for k, v in long.items() if not k.startswith("per_token")}}}
+    assert {"long: per_sample", "long: per_sample_gpu_s"} <= set(per_sample_without_length(broken))
+    for path in sorted((REPO / "benchmarks" / "results").glob("emulated_budget2_*.json")):  # the instrument's files
+        assert per_sample_without_length(json.loads(path.read_text())) == [], path.name
+
+
+def test_a_run_carries_its_trained_length_its_cost_per_token_and_its_length_selection():
+    run = [{"step": 0, "time_s": 0.0, "eval/accuracy": 0.4}]
+    run += [{**STEP, "step": i, "time_s": float(i), "timing/step_s": 1.0, "samples": n, "response_length/mean": m,
+             "length/selection": sel} for i, (n, m, sel) in enumerate([(100, 10.0, 0.1), (300, 20.0, 0.3)], 1)]
+    out = summarise_run(run, target=0.5, gpus=2)
+    assert out["trained_tokens"] == 7000 and out["trained_length"] == pytest.approx(17.5)  # token-weighted
+    assert out["gpu_s_per_token"] == pytest.approx(2 * 2.0 / 7000) and out["length_selection"] == pytest.approx(0.2)
+    assert out["eval_samples"] == [0]
+    assert summarise_run(rows(1.0, [(0, 0.2)]), target=0.3)["length_selection"] is None  # not logged
+
+
+def test_the_bubble_ratio_stands_beside_syncs_as_a_ratio_of_medians_and_a_paired_difference():
+    from rlsys.bench import speedups
+
+    def run(seed, bubble):
+        return {**dense(1.0, [0.4, 0.5], seed=seed), "bubble_ratio": bubble}
+
+    runs = {"sync": [run(0, 0.4), run(1, 0.5), run(2, 0.6)], "sorted": [run(0, 0.1), run(1, 0.3), run(2, 0.2)]}
+    out = speedups(runs, {n: aggregate(v) for n, v in runs.items()})["sorted"]["bubble_ratio_vs_sync"]
+    assert out["sync_and_this"] == [0.5, 0.2] and out["ratio"] == pytest.approx(0.4)
+    assert out["paired"]["diff"] == pytest.approx(-0.3) and out["paired"]["pairs"] == 3
