@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rlsys.config import DEFAULT_CONFIG, Config, split_config_and_overrides
 from rlsys.control import GROUP_SIZERS, SCHEDULERS
-from rlsys.emulate import Budget, clock_label
+from rlsys.emulate import Budget, clock_label, emulated_tokens
 from rlsys.errors import UserError
 from rlsys.evaluate import mean_and_se
 from rlsys.logger import read_jsonl
@@ -202,7 +202,7 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
         "response_length": mean("response_length/mean"),
-        **length_shape(steps),
+        **length_shape(steps, next((r for r in rows if "emulate/tokens_per_token" in r), None)),
         "group_size": mean("group_size"),
         "length_selection": statistics.mean(selection) if selection else None,
         **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/overrun_s", "emulate/emulating")
@@ -229,14 +229,23 @@ def timed_steps(steps: list[dict]) -> list[dict]:
     return steps[first:ends[-1] + 1]
 
 
-def length_shape(steps: list[dict]) -> dict:
+def length_shape(steps: list[dict], clock: dict | None = None) -> dict:
     """The responses' length shape (tokens of the run's model) at the first and the last step: median, p90, p99,
-    the share cut at the cap; none for runs that did not log it."""
+    the share cut at the cap, and the prompts' share of the tokens trained; none for runs that did not log it.
+    `clock`: the row describing the run's emulated clock (emulate/*), under which the share is the emulated
+    model's: a token stands for k, a prompt for emulate.prompt_tokens where that is set."""
     keys = ("p50", "p90", "p99", "at_cap")
     if not steps or any(f"response_length/{k}" not in steps[0] for k in keys):
         return {}
-    return {f"length_{k}_{when}": row[f"response_length/{k}"] for when, row in (("first", steps[0]), ("last", steps[-1]))
-            for k in keys}
+    ends = (("first", steps[0]), ("last", steps[-1]))
+    out = {f"length_{k}_{when}": row[f"response_length/{k}"] for when, row in ends for k in keys}
+    if "prompt_length/mean" in steps[0]:
+        k, per_prompt = (clock or {}).get("emulate/tokens_per_token", 1), (clock or {}).get("emulate/prompt_tokens")
+        for when, row in ends:
+            prompt, response = row["prompt_length/mean"], row["response_length/mean"]
+            emulated_prompt = emulated_tokens(k, per_prompt, prompt, 1, prompt)
+            out[f"prompt_share_{when}"] = emulated_prompt / (emulated_prompt + k * response)
+    return out
 
 
 def tool_calls(steps: list[dict]) -> dict:

@@ -690,10 +690,11 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _cot_sum_scored_on_its_value(self):
-        # cot_sum's answers are direct or worked (rlsys/data/cot_tasks.py): only their final values compare
-        if self.data.task == "cot_sum" and self.reward.fn != "final_value":
-            raise ValueError(f"data.task=cot_sum is answered directly or as a worked chain, both right when the value "
-                             f"after the last '=' is: it needs reward.fn=final_value (got {self.reward.fn})")
+        # cot_sum's and reason's answers are direct or worked (rlsys/data/cot_tasks.py, reason_tasks.py): only their
+        # final values compare
+        if self.data.task in ("cot_sum", "reason") and self.reward.fn != "final_value":
+            raise ValueError(f"data.task={self.data.task} is answered directly or as a worked chain, both right when "
+                             f"the value after the last '=' is: it needs reward.fn=final_value (got {self.reward.fn})")
         return self
 
     @model_validator(mode="after")

@@ -76,6 +76,9 @@ class StepStats:
             "response_length/p90": percentile(lengths, 90),
             "response_length/at_cap": (statistics.mean(s.completion.finish_reason == "length" for g in groups
                                                        for s in g.samples) if lengths else 0.0),
+            # beside the responses' tokens: the prompts' share of what trains (rlsys.bench.length_shape)
+            "prompt_length/mean": (statistics.mean(len(s.completion.prompt_ids) for g in groups for s in g.samples)
+                                   if lengths else 0.0),
             "rollout/bubble_ratio": idle_share(occupied, self.capacity * engine_window),
             "rollout/straggler_rate": straggler_rate([g.lengths for g in groups], self.kappa),
             "rollout/efficiency": (in_window / (saturated_tokens_per_s * engine_window)

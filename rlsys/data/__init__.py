@@ -13,6 +13,7 @@ from rlsys.data import code_tasks  # noqa: F401  registers the `code` family
 from rlsys.data import cot_tasks  # noqa: F401  registers the `cot_sum` family
 from rlsys.data import long_tasks  # noqa: F401  registers the `rep_long` family
 from rlsys.data import math_tasks  # noqa: F401  registers the `math` family
+from rlsys.data import reason_tasks  # noqa: F401  registers the `reason` family
 from rlsys.data import tool_tasks  # noqa: F401  registers the `tool_arith` family
 from rlsys.data import word_problems  # noqa: F401  registers the `word_problems` family
 from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
