@@ -8,16 +8,14 @@ drive the very same classes.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 from rlsys.config import ControlConfig
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.events import Aborted, Scored
 from rlsys.control.ledger import Ledger
+from rlsys.control.selection import LengthSelection, version_counts  # noqa: F401 (schedulers import it from here)
 from rlsys.control.sizing import GroupSizer
 from rlsys.data.cursor import PromptCursor
 from rlsys.registry import Registry
-from rlsys.runs import run_lengths
 from rlsys.types import Completion, Group, Prompt, ScoredSample
 
 Action = Submit | Abort | Accumulate | Train
@@ -26,14 +24,6 @@ Action = Submit | Abort | Accumulate | Train
 def informative(group: Group) -> bool:
     """Not every reward of the group is the same: DAPO dynamic sampling keeps only such groups."""
     return len(set(group.rewards)) > 1
-
-
-def version_counts(versions) -> Counter:
-    """{policy version: tokens} of a sample's per-token versions (a list, or Runs as the simulator's are)."""
-    counts: Counter = Counter()
-    for version, n in run_lengths(versions):
-        counts[version] += n
-    return counts
 
 
 class GroupBuilder:
@@ -58,6 +48,7 @@ class Scheduler:
     def __init__(self, cfg: ControlConfig, cursor: PromptCursor, sizer: GroupSizer):
         self.cfg, self.cursor, self.sizer = cfg, cursor, sizer
         self.ledger = Ledger()
+        self.selection = LengthSelection()  # what it trains against what its policy generates
         self.version = 0
         self._next_request = 0
         self.prompt_of: dict[str, str] = {}  # request id -> prompt uid, for requests in flight
@@ -74,6 +65,7 @@ class Scheduler:
         the step and the ledger must balance. A driver logs and checkpoints here; `start` begins the next step,
         as it does after a restore, so a resumed run goes on exactly as an uninterrupted one."""
         self.sizer.observe(groups)
+        self.selection.trained(groups, version)
         self.version = version
         self.ledger.check(self.in_flight_prompts())
 
@@ -83,10 +75,13 @@ class Scheduler:
         return []
 
     def handle(self, event: Scored | Aborted, now: float) -> list[Action]:
-        """A driver's event pump hands its events here."""
+        """A driver's event pump hands its events here; every sample that comes back is seen by the length
+        selection's accounting, whatever the scheduler does with it."""
         if isinstance(event, Scored):
+            self.selection.seen(event.sample.completion, self.version)
             return self.on_sample(event.sample, now)
         if isinstance(event, Aborted):
+            self.selection.seen(event.completion, self.version)
             return self.on_abort(event.completion, now)
         raise TypeError(f"a scheduler handles Scored and Aborted events, not {event!r}")
 
@@ -118,20 +113,22 @@ class Scheduler:
         return False
 
     def metrics(self) -> dict[str, float]:
-        return {**self.ledger.metrics(), **self.sizer.metrics()}
+        return {**self.ledger.metrics(), **self.sizer.metrics(), **self.selection.metrics()}
 
     # --- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Schedulers are checkpointed at step boundaries, with nothing in flight."""
         return {"ledger": self.ledger.state_dict(), "version": self.version,
                 "next_request": self._next_request, "cursor": self.cursor.state_dict(),
-                "sizer": self.sizer.state_dict()}
+                "sizer": self.sizer.state_dict(), "selection": self.selection.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.ledger.load_state_dict(state["ledger"])
         self.version, self._next_request = state["version"], state["next_request"]
         self.cursor.load_state_dict(state["cursor"])
         self.sizer.load_state_dict(state["sizer"])
+        if "selection" in state:  # checkpoints from before it have none
+            self.selection.load_state_dict(state["selection"])
 
 
 SCHEDULERS: Registry[type[Scheduler]] = Registry("scheduler")
