@@ -4,12 +4,13 @@ Each budget B runs every preset on B modelled H100s (emulate.gpus=B). Colocated 
 on all of them, contending with the engines where they overlap): sync, tail, tail-streamed, sorted,
 sorted-partial, sagc, async, async-eta2. Split (B/2 engine GPUs, the trainer on the other B/2): async-split and
 async-eta2-split. Per (workload, budget) one results file, benchmarks/results/emulated_budget_<workload>_<B>gpu.json,
-rewritten after every run in `rlsys bench`'s report format (GPU-seconds, ratios with bootstrap 95% intervals).
+rewritten after every run in `rlsys bench`'s report format (GPU-seconds, ratios with paired t 95% intervals).
 Resumable: a (preset, seed) already in the file is not run again, so the matrix grows over several sessions, and
-several processes may fill one file side by side (give each its own seeds or presets: each run is added to the
-file as it is then, under a lock); one that did not emulate (its real compute overran, e.g. on a loaded machine)
-is kept, left out of the figures, and run again. Every run must start from the file's model: the tiny model is
-built once per machine, and another CPU can warm-start it to other weights (benchmarks/warm_start_cpu_kernels.py).
+several processes may fill one file side by side (each run is claimed before it starts and added to the file as it
+is then, under a lock, so two processes given the same command share the matrix); one that did not emulate (its
+real compute overran, e.g. on a loaded machine) is kept, left out of the figures, and run again. Every run must
+start from the file's model: the tiny model is built once per machine, and another CPU can warm-start it to other
+weights (benchmarks/warm_start_cpu_kernels.py).
 A machine that builds another model than the file's runs logged is refused before it runs; a run from before
 fingerprints whose step-0 accuracy differs from the file's first run's is kept under `other_start`, left out.
 
@@ -17,22 +18,32 @@ fingerprints whose step-0 accuracy differs from the file's first run's is kept u
     nice -n 5 python benchmarks/emulated_budget.py --workloads longcot --budgets 2 --presets sync,tail --seeds 2
     python benchmarks/emulated_budget.py                     # the whole matrix, 5 seeds, skipping what is done
     python benchmarks/emulated_budget.py --seeds 5 --first-seed 3   # seeds 3 and 4 only, beside another process
+
+--instrument: the long runs that judge every schedule by the accuracy it reaches per GPU-second. Each run trains
+--steps (40) steps with an eval every 2 on --eval-size prompts (by default the size whose standard error is a third
+of the smallest target's gap, from the stored sync runs), against targets set from sync's own curve
+(rlsys.bench.sync_targets); --seeds (3) per preset, 8 for sync and the two best (--preset-seeds). Its files are new:
+benchmarks/results/emulated_budget2_<workload>_<B>gpu.json. A plan of the CPU-hours is printed before any run.
+
+    nice -n 5 python benchmarks/emulated_budget.py --instrument --workloads longcot,reason --budgets 2  # run twice
 """
 from __future__ import annotations
 
 import argparse
 import fcntl
 import json
+import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rlsys.bench import (PRESETS, Target, add_equal_time, aggregate, budget_gpus, machine, median_of,  # noqa: E402
-                         run_config, run_loaded, same_start, speedups, started_elsewhere, summarise_run,
-                         write_report)
+from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time, add_targets,  # noqa: E402
+                         aggregate, budget_gpus, machine, median_of, run_config, run_loaded, same_start, speedups,
+                         started_elsewhere, summarise_run, sync_targets, write_report)
 from rlsys.config import Config  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
@@ -46,7 +57,9 @@ LONGCOT_SHORT = ["trainer.total_steps=10", "control.eval_every=5", "data.eval_si
 # longcot32: longcot as first run, before its engines got the slots their modelled KV holds
 WORKLOADS = {"old": ("configs/emulated_h100_7b.yaml", SHORT),
              "longcot": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT),
-             "longcot32": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT + ["rollout.slots=32"])}
+             "longcot32": ("configs/emulated_h100_7b_cot.yaml", LONGCOT_SHORT + ["rollout.slots=32"]),
+             # reason: a reasoning model's shape (right-skewed lengths that grow with difficulty and with training)
+             "reason": ("configs/emulated_h100_7b_reason.yaml", LONGCOT_SHORT)}
 TARGET = "+0.03"  # the stored table's
 COLOCATED = ["sync", "tail", "tail-streamed", "tail-scaledown", "sorted", "sorted-partial", "sagc", "async", "async-eta2"]
 SPLIT = {"async-split": "async", "async-eta2-split": "async-eta2"}
@@ -64,6 +77,132 @@ def layout(preset: str, gpus: int) -> list[str]:
     if preset in SPLIT:
         return PRESETS[SPLIT[preset]] + budget + ["emulate.layout=separate", f"rollout.num_workers={gpus // 2}"]
     return PRESETS[preset] + budget + ["emulate.layout=colocated", f"rollout.num_workers={gpus}"]
+
+
+# The instrument (--instrument): runs long enough for sync's curve to flatten, an eval every EVAL_EVERY steps
+EVAL_EVERY = 2
+SEEDS = 3
+# sync and the two presets that reached the fixed target in the fewest GPU-seconds in both stored long-CoT files
+# (emulated_budget_longcot_{2,4}gpu.json): 8 seeds, for intervals narrow enough to rank them
+PRESET_SEEDS = "sync=8,sorted-partial=8,async-eta2=8"
+EVAL_SIZES = (1000, 2000)  # the eval's bounds: evals are not paced (the emulated clock stops) but cost CPU time
+EVAL_S_PER_PROMPT = 0.0  # wall seconds per eval prompt on this machine's CPUs (set from the smoke run)
+
+
+def instrument_overrides(steps: int, eval_size: int) -> list[str]:
+    return [f"trainer.total_steps={steps}", f"control.eval_every={EVAL_EVERY}", f"data.eval_size={eval_size}",
+            "control.save_every=0"]
+
+
+def stored_file(name: str, gpus: int) -> Path | None:
+    """The stored (pre-instrument) budget file of a workload: at this budget, else at any."""
+    paths = [RESULTS / f"emulated_budget_{name}_{gpus}gpu.json",
+             *sorted(RESULTS.glob(f"emulated_budget_{name}_*gpu.json"))]
+    return next((p for p in paths if p.exists()), None)
+
+
+def eval_size_for(name: str, gpus: int) -> tuple[int, str]:
+    """An eval size whose standard error, sqrt(p(1-p)/n) at sync's final accuracy p, is at most a third of the
+    smallest target's gap (25% of sync's gain: sync_targets), from the workload's stored sync runs, within
+    EVAL_SIZES; and how it was set. The stored runs are shorter and gained less than a long run will: the size
+    errs large."""
+    path = stored_file(name, gpus)
+    sync = json.loads(path.read_text())["runs"].get("sync") if path else None
+    if not sync:
+        return EVAL_SIZES[1], f"{name}: no stored sync run, the largest eval ({EVAL_SIZES[1]})"
+    targets = sync_targets(sync)
+    start = statistics.median(r["eval_curve"][0][1] for r in sync)
+    p = statistics.median(r["eval_curve"][-1][1] for r in sync)
+    if targets["gain_25"] is None:
+        return EVAL_SIZES[1], f"{name}: sync gained nothing in {path.name}, the largest eval ({EVAL_SIZES[1]})"
+    gap = targets["gain_25"] - start
+    needed = math.ceil(9 * p * (1 - p) / gap ** 2)
+    size = min(max(needed, EVAL_SIZES[0]), EVAL_SIZES[1])
+    se = math.sqrt(p * (1 - p) / size)
+    return size, (f"{name}: sync's gain in {path.name} {4 * gap:.3f}, the smallest target's gap {gap:.3f}; "
+                  f"se <= gap/3 needs {needed} eval prompts at accuracy {p:.3f}; {size} give se {se:.4f} "
+                  f"= gap/{gap / se:.1f}")
+
+
+def seed_counts(presets: list[str], seeds: int, overrides: str) -> dict[str, int]:
+    """Seeds per preset: `seeds`, or the count --preset-seeds gives it ("sync=8,tail=5")."""
+    counts = dict.fromkeys(presets, seeds)
+    for item in filter(None, overrides.split(",")):
+        preset, _, count = item.partition("=")
+        if not count.isdigit():
+            raise SystemExit(f"--preset-seeds: {item!r} is not PRESET=COUNT")
+        if preset in counts:
+            counts[preset] = int(count)
+    return counts
+
+
+def estimated_s(name: str, gpus: int, preset: str, steps: int, evals: int, eval_size: int) -> float:
+    """A run's wall seconds: its preset's median stored run (wall_clock_s) scaled to `steps` (per step; a long-CoT
+    run's later steps are longer, so this errs short), plus its evals at EVAL_S_PER_PROMPT."""
+    path = stored_file(name, gpus) or stored_file("longcot", gpus)
+    stored = json.loads(path.read_text()) if path else {"runs": {}}
+    runs = stored["runs"].get(preset) or [r for v in stored["runs"].values() for r in v]
+    per_step = [r["wall_clock_s"] / steps_of(stored) for r in runs if r.get("wall_clock_s")]
+    return (statistics.median(per_step) if per_step else 30.0) * steps + evals * eval_size * EVAL_S_PER_PROMPT
+
+
+def steps_of(report: dict) -> int:
+    return next(int(o.split("=")[1]) for o in report["workload"]["overrides"] if o.startswith("trainer.total_steps="))
+
+
+def claimed(path: Path, preset: str, seed: int) -> bool:
+    """Claims (preset, seed) for this process, under the folder's lock (record's): False if the file holds an
+    emulating run of it or another live process claimed it. A claim lives in <file>.claims until record drops it;
+    a dead process's claim is taken over."""
+    with locked(path.parent):
+        runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+        if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
+            return False
+        claims = read_claims(path)
+        pid = claims.get(f"{preset}/{seed}")
+        if pid and pid != os.getpid() and alive(pid):
+            return False
+        write_claims(path, {**claims, f"{preset}/{seed}": os.getpid()})
+        return True
+
+
+def claims_path(path: Path) -> Path:
+    return path.with_name(path.name + ".claims")
+
+
+def read_claims(path: Path) -> dict[str, int]:
+    return json.loads(claims_path(path).read_text()) if claims_path(path).exists() else {}
+
+
+def write_claims(path: Path, claims: dict[str, int]) -> None:
+    if claims:
+        claims_path(path).write_text(json.dumps(claims) + "\n")
+    else:
+        claims_path(path).unlink(missing_ok=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class locked:
+    """An exclusive lock on a folder while the block runs: processes filling one file take turns."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def __enter__(self):
+        self.fd = os.open(self.folder, os.O_RDONLY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        os.close(self.fd)  # closing releases the lock
 
 
 def first_run(runs: dict[str, list[dict]]) -> dict | None:
@@ -93,11 +232,14 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
     else:
         paired = kept
     equal_time_s = add_equal_time(kept) if kept else None  # before aggregating: it adds each run's accuracy at it
+    targets = add_targets(kept)  # so does this, its GPU-seconds and samples to sync's targets
     results = {n: aggregate(v) for n, v in kept.items()}
     return {"command": command, "workload": workload, "machine": machine(), "clock": CLOCK,
             "equal_time_s": equal_time_s,
             "target_accuracy": median_of([r for rs in kept.values() for r in rs], "target_accuracy"),
-            "results": results, "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}),
+            "targets": targets, "targets_how": TARGETS_HOW, "intervals": INTERVALS,
+            "results": results,
+            "speedup_vs_sync": speedups(paired, {n: aggregate(v) for n, v in paired.items()}, targets),
             "not_emulating": [[n, r["seed"]] for n, v in runs.items() for r in v if not r.get("emulating", True)],
             "other_start": unlike,
             "runs": runs}
@@ -106,15 +248,14 @@ def report_of(workload: dict, runs: dict[str, list[dict]], command: str) -> dict
 def record(path: Path, workload: dict, preset: str, run: dict, command: str) -> dict[str, list[dict]]:
     """Adds one run to the results file as the file is now, under a lock on its folder (another process filling
     other seeds of the same matrix may have written since this one began); the file's runs after it."""
-    lock = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(path.parent):
         runs = json.loads(path.read_text())["runs"] if path.exists() else {}
         runs.setdefault(preset, []).append(run)
         write_report(str(path), report_of(workload, runs, command))
+        claims = read_claims(path)
+        claims.pop(f"{preset}/{run['seed']}", None)
+        write_claims(path, claims)
         return runs
-    finally:
-        os.close(lock)  # closing releases the lock
 
 
 def started_run(cfg: Config, tries: int = 5) -> list[dict]:
@@ -134,44 +275,87 @@ def main() -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--budgets", default="2,4")
     p.add_argument("--presets", default=",".join(COLOCATED + list(SPLIT)))
-    p.add_argument("--seeds", type=int, default=5, help="seeds first-seed .. seeds-1")
+    p.add_argument("--seeds", type=int, help=f"seeds first-seed .. seeds-1 (default 5; --instrument: {SEEDS})")
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/emulated_budget")
+    p.add_argument("--instrument", action="store_true", help="the long runs against sync's own targets: new files "
+                   "emulated_budget2_<workload>_<B>gpu.json")
+    p.add_argument("--steps", type=int, default=40, help="--instrument: steps per run (default 40)")
+    p.add_argument("--eval-size", type=int, help="--instrument: eval prompts (default: eval_size_for's)")
+    p.add_argument("--preset-seeds", default=PRESET_SEEDS,
+                   help=f"--instrument: seeds of the presets that run more than --seeds (default {PRESET_SEEDS})")
+    p.add_argument("--results-dir", default=str(RESULTS), help="where the results files are (default: the stored)")
+    p.add_argument("--plan-only", action="store_true", help="print the plan and run nothing")
     args = p.parse_args()
     command = "python benchmarks/emulated_budget.py " + " ".join(sys.argv[1:])
+    presets = args.presets.split(",")
+    seeds = args.seeds or (SEEDS if args.instrument else 5)
+    counts = seed_counts(presets, seeds, args.preset_seeds if args.instrument else "")
+    matrix = []  # (workload, budget, its file, its overrides)
     for name in args.workloads.split(","):
         config, short = WORKLOADS[name]
         for gpus in map(int, args.budgets.split(",")):
-            path = RESULTS / f"emulated_budget_{name}_{gpus}gpu.json"
-            workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
-                        "layouts": {preset: layout(preset, gpus) for preset in args.presets.split(",")}}
-            runs = json.loads(path.read_text())["runs"] if path.exists() else {}
-            why = started_elsewhere([first_run(runs)] if runs else [], load_config(config, short))
-            if why:
-                print(f"[budget] {path}: {why}. Measure the file again whole here (move it aside first), or add to "
-                      "it on the machine that measured it.", file=sys.stderr, flush=True)
-                return 2
-            # seeds outermost: every preset's first seeds before anyone's fifth
-            for seed in range(args.first_seed, args.seeds):
-                for preset in args.presets.split(","):
-                    if any(r["seed"] == seed and r.get("emulating", True) for r in runs.get(preset, [])):
-                        continue
-                    overrides = short + layout(preset, gpus) + [f"seed={seed}"]
-                    started = time.time()
-                    run_dir = Path(args.out_dir) / f"{name}-{gpus}gpu" / f"{preset}-s{seed}"
-                    run_cfg = run_config(config, overrides, run_dir)
-                    summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
-                    runs = record(path, workload, preset,
-                                  {**summary, "seed": seed, "wall_clock_s": time.time() - started}, command)
-                    first = first_run(runs)
-                    if not same_start(summary, first):
-                        print(f"[budget] {path.name}: {preset} seed {seed} started from another model than the "
-                              f"file's first run (step-0 accuracy {summary['initial_accuracy']} against "
-                              f"{first['initial_accuracy']}): kept under other_start, left out of the "
-                              "figures; measure the file again whole on one machine", file=sys.stderr, flush=True)
-                    print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
-                          f"final accuracy {summary['final_accuracy']}", flush=True)
+            if args.instrument:
+                size, how = (args.eval_size, f"{name}: --eval-size {args.eval_size}") if args.eval_size else \
+                    eval_size_for(name, gpus)
+                print(f"[budget] eval size {how}", flush=True)
+                short = instrument_overrides(args.steps, size)
+            prefix = "emulated_budget2" if args.instrument else "emulated_budget"
+            matrix.append((name, gpus, Path(args.results_dir) / f"{prefix}_{name}_{gpus}gpu.json", short))
+    print_plan(matrix, presets, counts, args.first_seed)
+    if args.plan_only:
+        return 0
+    for name, gpus, path, short in matrix:
+        config = WORKLOADS[name][0]
+        workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
+                    "layouts": {preset: layout(preset, gpus) for preset in presets}}
+        runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+        why = started_elsewhere([first_run(runs)] if runs else [], load_config(config, short))
+        if why:
+            print(f"[budget] {path}: {why}. Measure the file again whole here (move it aside first), or add to "
+                  "it on the machine that measured it.", file=sys.stderr, flush=True)
+            return 2
+        # seeds outermost: every preset's first seeds before anyone's fifth
+        for seed in range(args.first_seed, max(counts.values())):
+            for preset in (p for p in presets if seed < counts[p]):
+                if not claimed(path, preset, seed):  # done, or another process runs it
+                    continue
+                overrides = short + layout(preset, gpus) + [f"seed={seed}"]
+                started = time.time()
+                run_dir = Path(args.out_dir) / f"{path.stem}" / f"{preset}-s{seed}"
+                run_cfg = run_config(config, overrides, run_dir)
+                summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
+                runs = record(path, workload, preset,
+                              {**summary, "seed": seed, "wall_clock_s": time.time() - started}, command)
+                first = first_run(runs)
+                if not same_start(summary, first):
+                    print(f"[budget] {path.name}: {preset} seed {seed} started from another model than the "
+                          f"file's first run (step-0 accuracy {summary['initial_accuracy']} against "
+                          f"{first['initial_accuracy']}): kept under other_start, left out of the "
+                          "figures; measure the file again whole on one machine", file=sys.stderr, flush=True)
+                print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
+                      f"final accuracy {summary['final_accuracy']}", flush=True)
     return 0
+
+
+def print_plan(matrix: list[tuple], presets: list[str], counts: dict[str, int], first_seed: int) -> None:
+    """The runs still to do and their CPU-hours (estimated_s), before any starts."""
+    total, n = 0.0, 0
+    for name, gpus, path, short in matrix:
+        done = json.loads(path.read_text())["runs"] if path.exists() else {}
+        steps = int(next(o for o in short if o.startswith("trainer.total_steps=")).split("=")[1])
+        every = int(next(o for o in short if o.startswith("control.eval_every=")).split("=")[1])
+        size = int(next(o for o in short if o.startswith("data.eval_size=")).split("=")[1])
+        todo = {p: [s for s in range(first_seed, counts[p]) if not any(
+            r["seed"] == s and r.get("emulating", True) for r in done.get(p, []))] for p in presets}
+        seconds = {p: estimated_s(name, gpus, p, steps, steps // every + 1, size) for p in presets}
+        hours = sum(len(s) * seconds[p] for p, s in todo.items()) / 3600
+        total, n = total + hours, n + sum(map(len, todo.values()))
+        print(f"[budget] plan {path.name}: " + ", ".join(f"{p} {len(s)} x {seconds[p] / 60:.0f} min"
+                                                         for p, s in todo.items() if s) + f": {hours:.1f} CPU-hours",
+              flush=True)
+    print(f"[budget] plan: {n} runs, {total:.1f} hours of one process ({total / 2:.1f} h with two side by side; "
+          "each run paces its modelled GPUs on this machine's cores, so two processes share them)", flush=True)
 
 
 if __name__ == "__main__":

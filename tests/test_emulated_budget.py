@@ -116,3 +116,63 @@ def test_every_stored_budget_file_measured_one_starting_model():
         runs = json.loads(path.read_text())["runs"]
         first = module.first_run(runs)
         assert all(module.same_start(r, first) for v in runs.values() for r in v), path.name
+
+
+def test_a_run_is_claimed_by_one_process_until_recorded_and_a_dead_processs_claim_is_taken_over(tmp_path):
+    """Two processes given the same --instrument command share the matrix: neither starts a run the other holds."""
+    module, path = budget_module(), tmp_path / "emulated_budget2_x_2gpu.json"
+    assert module.claimed(path, "sync", 0)
+    other = multiprocessing.get_context("spawn").Process(target=claim_in_another_process, args=(str(path),))
+    other.start()
+    other.join(timeout=120)
+    assert other.exitcode == 0  # it found sync seed 0 held by this live process, and took seed 1
+    assert module.read_claims(path) == {"sync/0": __import__("os").getpid(), "sync/1": other.pid}
+    assert module.claimed(path, "sync", 1)  # its process has ended: the claim is free again
+    module.record(path, {"gpus": 2}, "sync", dict(STORED[0], seed=0), "cmd")
+    assert not module.claimed(path, "sync", 0) and "sync/0" not in module.read_claims(path)  # done, claim dropped
+
+
+def claim_in_another_process(path: str) -> None:
+    module = budget_module()
+    assert not module.claimed(Path(path), "sync", 0) and module.claimed(Path(path), "sync", 1)
+
+
+def test_the_instrument_runs_more_seeds_of_the_presets_named_and_pairs_by_seed(tmp_path):
+    module, path = budget_module(), tmp_path / "emulated_budget2_x_2gpu.json"
+    assert module.seed_counts(["sync", "tail", "sorted-partial"], 3, module.PRESET_SEEDS) == {
+        "sync": 8, "tail": 3, "sorted-partial": 8}
+    for run in STORED:  # sync's five seeds, and tail's on two of them, recorded out of order
+        module.record(path, {"gpus": 2}, "sync", run, "cmd")
+    for seed in (3, 1):
+        module.record(path, {"gpus": 2}, "tail", next(r for r in STORED if r["seed"] == seed), "cmd")
+    report = json.loads(path.read_text())
+    tail = report["speedup_vs_sync"]["tail"]
+    assert tail["pairs"] == 2 and tail["per_sample"] == 1.0  # each tail run met its own seed's sync run
+    assert tail["per_sample_ci95"] == [1.0, 1.0] and "t interval" in report["intervals"]
+    assert set(report["targets"]) == {"gain_25", "gain_50", "gain_75", "final_less_se"}
+
+
+def test_the_instruments_eval_size_resolves_the_smallest_target_to_a_third_of_its_gap():
+    import math
+    import statistics
+
+    from rlsys.bench import sync_targets
+
+    module = budget_module()
+    size, how = module.eval_size_for("longcot", 2)
+    start = statistics.median(r["eval_curve"][0][1] for r in STORED)
+    p = statistics.median(r["eval_curve"][-1][1] for r in STORED)
+    gap = sync_targets(STORED)["gain_25"] - start
+    assert module.EVAL_SIZES[0] <= size <= module.EVAL_SIZES[1] and math.sqrt(p * (1 - p) / size) <= gap / 3
+    assert math.sqrt(p * (1 - p) / (size - 1)) > gap / 3 or size == module.EVAL_SIZES[0]  # no larger than needed
+    assert "emulated_budget_longcot_2gpu.json" in how
+
+
+def test_the_plan_counts_the_runs_left_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    module = budget_module()
+    monkeypatch.setattr("sys.argv", ["emulated_budget.py", "--instrument", "--workloads", "longcot", "--budgets", "2",
+                                     "--presets", "sync,tail", "--results-dir", str(tmp_path), "--plan-only"])
+    assert module.main() == 0
+    out = capsys.readouterr().out
+    assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "tail 3 x" in out
+    assert "[budget] plan: 11 runs" in out and list(tmp_path.iterdir()) == []
