@@ -555,6 +555,13 @@ def claim_out_dir(out_dir: Path, top_up: bool) -> None:
                         "--out-dir DIR, or remove it (--top-up adds to it, replacing only the presets run now)")
 
 
+def claim_output(output: str | None, top_up: bool) -> None:
+    """A report is rewritten after every run: refuse to replace an earlier bench's unless --top-up adds to it."""
+    if output and not top_up and Path(output).exists():
+        raise UserError(f"--output {output} holds an earlier bench's report; give another --output, or remove it "
+                        "(--top-up adds to it, replacing only the presets run now)")
+
+
 def kept_runs(output: str | None, workload: dict, presets: list[str], cfg: Config) -> dict[str, list[dict]]:
     """--top-up: the runs of `output`'s other presets, measured on the same workload from the model this
     machine builds for `cfg` (else a UserError)."""
@@ -580,6 +587,7 @@ def bench(config: str, overrides: list[str], presets: list[str], repeats: int, t
     stops the bench: the report keeps the runs that finished and lists the cut one under "cut_runs", compared
     with nothing, and says "interrupted"."""
     claim_out_dir(out_dir, top_up)
+    claim_output(output, top_up)
     names = [p for p in presets if available(p)]
     skipped = [p for p in presets if p not in names]
     if skipped:

@@ -28,6 +28,17 @@ def _fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
+def open_to_umask(folder: Path) -> None:
+    """Every file under `folder` given the mode the umask leaves (0644 under 022), as a file written with open()
+    has: safetensors writes its files 0600, which would keep an exported model or a checkpoint from the others
+    who share a run folder."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in folder.rglob("*"):
+        if p.is_file() and p.stat().st_mode & 0o777 != 0o666 & ~mask:
+            p.chmod(0o666 & ~mask)
+
+
 def write_json_atomic(path: Path, data) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -47,6 +58,7 @@ class CheckpointManager:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         write(tmp)
+        open_to_umask(tmp)
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)

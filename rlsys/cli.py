@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -21,40 +25,75 @@ EPILOG = """examples:
 """
 
 
-def check(items: list[str]):
+def quiet_libraries() -> None:
+    """Ray's and DeepSpeed's notices off, set before they are imported (and so in the Ray a run starts here,
+    whose processes inherit this environment): the token-authentication notice of every local Ray start,
+    DeepSpeed's "Setting accelerator to CPU" on a machine without a GPU (told so instead of guessing), and
+    the colour codes of Ray's worker-line prefixes when the output is a file. Errors and the user's own settings
+    are left as they are."""
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    if sys.platform == "linux" and not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+def rlsys_command() -> str:
+    """How to run rlsys again as this process was run: `rlsys` where that name finds this program on PATH, else
+    the path it was started by (`.venv/bin/rlsys` after `make setup`, no environment activated), else this
+    Python with -m rlsys.cli."""
+    started_by = Path(sys.argv[0])
+    if started_by.name == "rlsys":
+        on_path = shutil.which("rlsys")
+        return "rlsys" if on_path and Path(on_path).resolve() == started_by.resolve() else shlex.quote(sys.argv[0])
+    python = Path(sys.executable)
+    if python.is_relative_to(Path.cwd()):
+        python = python.relative_to(Path.cwd())
+    return f"{shlex.quote(str(python))} -m rlsys.cli"
+
+OTHER_MACHINE = ("the config is for another machine: name the model and data files missing here after the plan, "
+                 "instead of refusing (exit 2)")
+
+
+def check(items: list[str], other_machine: bool = False):
     """`[CONFIG] [key=value ...]` loaded as a run loads it, and what it would start printed; nothing is started.
-    What a run started here would fail on (files this machine lacks) is named, not refused: the config may be
-    meant for another machine's disks."""
+    What a run started here would fail on (files this machine lacks) is refused, first; `other_machine` (a config
+    meant for another machine's disks) names it after the plan instead."""
     from rlsys.startup import check_report, load_config, start_problems
 
     path, overrides = split_config_and_overrides(items)
     cfg = load_config(path, overrides)
+    problems = start_problems(cfg)
+    if problems and not other_machine:
+        raise UserError("on this machine, a run would fail at start-up:\n  " + "\n  ".join(problems)
+                        + "\n(--other-machine checks a config meant for another machine's files)")
     print(f"{' '.join([path, *overrides])}: a valid config")
     print(check_report(cfg), flush=True)
-    for problem in start_problems(cfg):
-        print(f"on this machine, a run would fail at start-up: {problem}", file=sys.stderr, flush=True)
+    for problem in problems:
+        print(f"--other-machine: a run here would fail at start-up: {problem}", file=sys.stderr, flush=True)
     return cfg
 
 
 def cmd_check(args) -> int:
-    check(args.items)
+    check(args.items, args.other_machine)
     return 0
 
 
 def cmd_train(args) -> int:
     from rlsys.checkpoint import claim_run_dir
     from rlsys.startup import load_config
-    from rlsys.train import train
-    from rlsys.types import RunStopped
 
     if args.dry_run:
-        cfg = check(args.items)
+        cfg = check(args.items, args.other_machine)
         if not args.overwrite:  # the run's own refusal of its output_dir, which moves nothing without --overwrite
             claim_run_dir(cfg.output_dir, args.resume)
         print("dry run: nothing started")
         return 0
-    cfg = load_config(*split_config_and_overrides(args.items))
-    go_on = " ".join(["rlsys train", *args.items, "--resume"])
+    cfg = load_config(*split_config_and_overrides(args.items))  # before torch, Ray and DeepSpeed: a typo in seconds
+    from rlsys.train import train
+    from rlsys.types import RunStopped
+
+    go_on = " ".join([rlsys_command(), "train", *map(shlex.quote, args.items), "--resume"])
     args.on_interrupt = lambda: how_to_go_on(cfg.output_dir, go_on)  # a second Ctrl-C, or one before the run ran
     try:
         final = train(cfg, resume=args.resume, overwrite=args.overwrite)
@@ -124,12 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output_dir holds an earlier run: move it aside (to OUTPUT_DIR.replaced-TIME) and start anew")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config, its user code and output_dir, print the GPU plan, start nothing")
+    p.add_argument("--other-machine", action="store_true", help=OTHER_MACHINE)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("check", help="check a config as a run would and print its GPU plan, without starting Ray",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help=f"a YAML config (default {DEFAULT_CONFIG.name}) then overrides like cluster.nodes=2")
+    p.add_argument("--other-machine", action="store_true", help=OTHER_MACHINE)
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("eval", help="eval accuracy of a run folder, an exported model or a checkpoint")
@@ -169,10 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def user_error(error: BaseException) -> UserError | ConfigError | None:
     """The user's mistake behind `error`, also when an actor raised it and Ray wrapped it; else None."""
-    from ray.exceptions import RayTaskError
+    if "ray" in sys.modules:  # else no actor raised it: the config's own refusal imports no Ray (seconds)
+        from ray.exceptions import RayTaskError
 
-    if isinstance(error, RayTaskError):
-        error = error.cause
+        if isinstance(error, RayTaskError):
+            error = error.cause
     return error if isinstance(error, (UserError, ConfigError)) else None
 
 
@@ -189,6 +231,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = None
+    quiet_libraries()
     try:
         args = parse(sys.argv[1:] if argv is None else argv)  # it imports the commands' modules: seconds
         return args.func(args)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import ray
 
-from rlsys.checkpoint import STATE_FILE, CheckpointManager, claim_run_dir, finished_step, write_json_atomic
+from rlsys.checkpoint import (STATE_FILE, CheckpointManager, claim_run_dir, finished_step, open_to_umask,
+                              write_json_atomic)
 from rlsys.cluster import init_ray
 from rlsys.config import Config, save_config
 from rlsys.control import build_scheduler
@@ -388,6 +389,7 @@ class Controller:
                 final.update(self.overruns.summary())
             self.log.write(self.step, self.now(), final, final=True)
             self.trainer.export_hf(str(self.run_dir / "export"), str(self.model_dir))
+            open_to_umask(self.run_dir / "export")
             write_json_atomic(self.run_dir / "export" / RUN_CONFIG, self.cfg.model_dump())  # its task goes with it
         self.log.close()
         try:  # matplotlib is optional: offline GPU hosts go without it (benchmarks/gpu/build_bundle.py)

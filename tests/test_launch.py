@@ -47,7 +47,8 @@ def test_check_prints_the_plan_of_a_gpu_config_on_this_cpu_host_quickly_and_star
     for config, node0 in (("configs/gpu/smoke.yaml", "engines 0 on GPUs 0; trainer ranks 0 on GPUs 0"),
                           ("examples/own_reward/gpu8.yaml", "engines 0-7 on GPUs 0-7; trainer ranks 0-7 on GPUs 0-7")):
         started = time.monotonic()
-        out = subprocess.run([sys.executable, "-c", script, "check", config], cwd=ROOT, capture_output=True,
+        out = subprocess.run([sys.executable, "-c", script, "check", config, "--other-machine"], cwd=ROOT,
+                             capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
         assert time.monotonic() - started < 60
@@ -58,14 +59,16 @@ def test_check_prints_the_plan_of_a_gpu_config_on_this_cpu_host_quickly_and_star
 
 
 def test_check_says_which_gpus_would_sit_idle_and_what_to_raise(capsys):
-    """The 8-GPU config on two nodes plans "node 1: idle"; it is said plainly, not fatal."""
-    assert main(["check", str(ROOT / GPU8), "cluster.nodes=2"]) == 0
+    """The 8-GPU config on two nodes plans "node 1: idle"; it is said plainly, not fatal. (Its model and data are on
+    the GPU machine's disks: --other-machine.)"""
+    assert main(["check", str(ROOT / GPU8), "cluster.nodes=2", "--other-machine"]) == 0
     out = capsys.readouterr().out
     assert "  node 1: idle" in out
     assert ("warning: 8 of 16 GPUs would sit idle (node 1: all 8): trainer.world_size and rollout.num_workers must "
             "grow with cluster.nodes") in out
     assert out.rstrip().endswith("to use all 16, set rollout.num_workers=16 and trainer.world_size=16")
-    assert main(["check", str(ROOT / GPU8), "cluster.nodes=2", "rollout.num_workers=16", "trainer.world_size=16"]) == 0
+    assert main(["check", str(ROOT / GPU8), "cluster.nodes=2", "rollout.num_workers=16", "trainer.world_size=16",
+                 "--other-machine"]) == 0
     out = capsys.readouterr().out
     assert "node 1: engines 8-15 on GPUs 0-7; trainer ranks 8-15 on GPUs 0-7" in out and "idle" not in out
 
@@ -81,7 +84,7 @@ def test_check_refuses_a_plan_that_does_not_fit_naming_the_fields(capsys):
 
 def test_train_dry_run_checks_config_and_output_dir_as_the_run_would_and_starts_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    argv = ["train", str(ROOT / GPU8), f"output_dir={run_dir}", "--dry-run"]
+    argv = ["train", str(ROOT / GPU8), f"output_dir={run_dir}", "--dry-run", "--other-machine"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "node 0: engines 0-7 on GPUs 0-7" in out and out.rstrip().endswith("dry run: nothing started")
@@ -132,9 +135,29 @@ def test_ray_worker_dry_run_and_a_missing_address(env):
     assert "--address HEAD_IP:PORT is required" in run(["bash", "launch/ray_worker.sh", "--dry-run"], env, False).stderr
 
 
+def files_of(config: str, project: Path) -> Path:
+    """`project` holding `config` and stand-ins for the model folder and data files it names, as the cluster's
+    shared disk would: sbatch.sh checks them as `rlsys check` does, and refuses a job that would fail at start-up."""
+    cfg = load_config(ROOT / config)
+    (project / config).parent.mkdir(parents=True, exist_ok=True)
+    (project / config).write_text((ROOT / config).read_text())
+    model = project / cfg.model.path
+    model.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model / name).write_text("{}")
+    for path in (cfg.data.train_path, cfg.data.eval_path):
+        (project / path).parent.mkdir(parents=True, exist_ok=True)
+        (project / path).write_text("")
+    return project
+
+
 def test_sbatch_dry_run_renders_a_valid_script(env, tmp_path):
-    out = run(["bash", "launch/sbatch.sh", "--dry-run", "--config", "configs/qwen2.5_7b_dapo_64gpu.yaml",
-               "--nodes", "8", "--partition", "gpu", "trainer.total_steps=10", "output_dir=runs/a b&c"], env)
+    config = "configs/qwen2.5_7b_dapo_64gpu.yaml"
+    args = ["bash", str(ROOT / "launch" / "sbatch.sh"), "--dry-run", "--config", config, "--nodes", "8"]
+    missing = run(args, env, ok=False)  # here, without its model and data: nothing to submit
+    assert "a run would fail at start-up:\n  model.path: models/Qwen2.5-7B is not a directory" in missing.stderr
+    out = run(args + ["--partition", "gpu", "trainer.total_steps=10", "output_dir=runs/a b&c"], env,
+              cwd=files_of(config, tmp_path / "project"))
     script = out.stdout
     assert "#SBATCH --nodes=8" in script and "#SBATCH --gpus-per-node=8" in script
     assert "#SBATCH --partition=gpu" in script and not re.search(r"@[A-Z_]+@", script)  # all filled in

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -120,8 +121,10 @@ def test_a_stop_signal_ends_the_step_saves_a_checkpoint_and_resume_goes_on(tmp_p
     out, total = tmp_path / "run", 10
     args = ["train", str(DEFAULT_CONFIG), f"trainer.total_steps={total}", "control.save_every=0",
             "control.eval_every=0", f"output_dir={out}", f"cluster.address={ray_address}", *SMALL]
-    cmd, go_on = [sys.executable, "-m", "rlsys.cli", *args], f"rlsys {' '.join(args)} --resume"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    rlsys = Path(sys.executable).with_name("rlsys")  # as `make setup` leaves it: .venv/bin/rlsys, not on PATH
+    cmd, go_on = [str(rlsys), *args], f"{rlsys} {' '.join(args)} --resume"  # the command that works, printed
+    path = [d for d in os.environ["PATH"].split(os.pathsep) if Path(d).resolve() != rlsys.parent.resolve()]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PATH=os.pathsep.join(path))
     log, logged = stop_once_a_step_is_logged(cmd, env, out, signal.SIGTERM)
     first = assert_stopped(out, log, signal.SIGTERM, logged, total, go_on, kept=[])
 

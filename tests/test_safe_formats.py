@@ -5,6 +5,7 @@ import ast
 import contextlib
 import http.client
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -143,6 +144,39 @@ def test_a_real_run_checkpoints_and_exports_safetensors_and_json_only(tmp_path, 
     backend.optimizer.step()  # so that the optimizer has state to save
     backend.save(str(tmp_path / "torch"))
     assert "optimizer_rank0.safetensors" in assert_safetensors_and_json_only(tmp_path / "torch")
+
+
+def file_modes(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): oct(p.stat().st_mode & 0o777) for p in folder.rglob("*") if p.is_file()}
+
+
+def umask_file_mode() -> str:
+    """The mode a file written with open() gets here: 0644 under a umask of 022."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return oct(0o666 & ~mask)
+
+
+def test_a_checkpoints_safetensors_get_the_mode_of_the_other_files(tmp_path):
+    """safetensors writes its files 0600: a checkpoint's are given the umask's mode, as its JSON files have."""
+    import torch
+    from safetensors.torch import save_file
+
+    from rlsys.checkpoint import CheckpointManager
+
+    def write(folder: Path):
+        save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
+        (folder / "controller.json").write_text('{"step": 1}')
+    folder = CheckpointManager(tmp_path).save(1, write)
+    assert file_modes(folder) == dict.fromkeys(["controller.json", "model.safetensors"], umask_file_mode())
+
+
+@pytest.mark.slow
+def test_a_runs_exported_model_and_checkpoint_are_readable_as_its_other_files(two_step_run):
+    """export/model.safetensors was 0600: unreadable to a group sharing the run folder, unlike its config.json."""
+    for folder in ("export", "checkpoints"):
+        modes = file_modes(two_step_run / folder)
+        assert "model.safetensors" in " ".join(modes) and set(modes.values()) == {umask_file_mode()}, modes
 
 
 def serves_ray_dashboard(host: str, port: int) -> bool:

@@ -24,14 +24,31 @@ def one_message(err: str) -> str:
 
 
 # --- rlsys bench -----------------------------------------------------------------------------------------
+# A workload rlsys refuses as its config loads, just after the folders are claimed: were a folder's refusal gone, a
+# test fails on this one's message in seconds, not after a whole default bench (killed at 600 s, the earlier runs lost)
+REFUSED_LATER = "trainer.total_steps=-3"
+
+
 def test_a_second_bench_into_the_same_out_dir_is_refused_naming_the_folder_and_the_flag(tmp_path, capsys):
     out_dir = tmp_path / "bench"
     (out_dir / "sync-r0").mkdir(parents=True)
     (out_dir / "sync-r0" / "metrics.jsonl").write_text('{"step": 1}\n')
-    assert main(["bench", "--presets", "sync", "--out-dir", str(out_dir)]) == 2
+    assert main(["bench", "--presets", "sync", "--out-dir", str(out_dir), REFUSED_LATER]) == 2
     err = one_message(capsys.readouterr().err)
     assert f"--out-dir {out_dir} holds an earlier bench's runs (sync-r0); choose another folder with --out-dir" in err
     assert (out_dir / "sync-r0" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # kept as it was
+
+
+def test_a_bench_onto_an_earlier_report_is_refused_unless_it_tops_it_up(tmp_path, capsys):
+    report = tmp_path / "bench.json"
+    report.write_text('{"runs": {}}')
+    argv = ["bench", "--presets", "sync", "--out-dir", str(tmp_path / "new"), "--output", str(report), REFUSED_LATER]
+    assert main(argv) == 2
+    err = one_message(capsys.readouterr().err)
+    assert f"--output {report} holds an earlier bench's report; give another --output, or remove it" in err
+    assert report.read_text() == '{"runs": {}}' and not (tmp_path / "new").exists()
+    assert main(argv + ["--top-up"]) == 2  # taken: the workload's own refusal comes next
+    assert "trainer.total_steps: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
 def test_zero_repeats_is_refused_by_the_option_itself(capsys):
@@ -101,6 +118,35 @@ def test_after_an_interruption_resume_is_suggested_only_where_a_checkpoint_exist
         f"`rlsys train x --resume` continues from the last checkpoint, step 4, in {run}")
 
 
+def test_the_command_that_continues_a_run_is_rlsys_as_it_was_started(tmp_path, monkeypatch):
+    """After `make setup` rlsys is .venv/bin/rlsys, on PATH only in an activated environment: the command printed to
+    continue a run is one that works where the run was started."""
+    from rlsys.cli import rlsys_command
+
+    script = tmp_path / ".venv" / "bin" / "rlsys"
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [".venv/bin/rlsys", "train", "--resume"])
+    monkeypatch.setenv("PATH", str(tmp_path / "elsewhere"))
+    assert rlsys_command() == ".venv/bin/rlsys"
+    monkeypatch.setenv("PATH", str(script.parent))  # the environment activated
+    assert rlsys_command() == "rlsys"
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "rlsys" / "cli.py"), "train"])  # python -m rlsys.cli
+    assert rlsys_command().endswith(f"{Path(sys.executable).name} -m rlsys.cli")
+
+
+def test_train_refuses_a_misspelt_key_before_importing_torch_ray_or_deepspeed(tmp_path):
+    """`rlsys check` refused it in 2 s, `rlsys train` in 10-36 s: it imported the trainer's libraries first."""
+    script = ("import sys; from rlsys.cli import main; code = main(sys.argv[1:]); "
+              "print('imported:', [m for m in ('ray', 'torch', 'deepspeed') if m in sys.modules]); sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", script, "train", "trainer.totl_steps=3", f"output_dir={tmp_path}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "did you mean trainer.total_steps?" in one_message(out.stderr), out.stderr
+    assert "imported: []" in out.stdout
+
+
 # --- rlsys check / --dry-run / train: the files a run reads -----------------------------------------------
 def rows_file(path: Path, n: int) -> Path:
     path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(n)))
@@ -118,9 +164,14 @@ def test_check_dry_run_and_train_catch_missing_files_before_anything_starts(over
     train = str(rows_file(tmp_path / "train.jsonl", 6))
     overrides = [o.replace("TRAIN", train) for o in overrides] + [f"output_dir={tmp_path / 'run'}"]
     problem = problem.replace("TRAIN", train)
-    for command in (["check"], ["train", "--dry-run"]):  # the config may be meant for another machine's disks
-        assert main([*command, *overrides]) == 0
-        assert f"on this machine, a run would fail at start-up: {problem}" in capsys.readouterr().err
+    for command in (["check"], ["train", "--dry-run"]):  # refused as the run would be: exit 2, the reason first
+        assert main([*command, *overrides]) == 2
+        out, err = capsys.readouterr()
+        assert one_message(err).startswith(f"rlsys: on this machine, a run would fail at start-up:\n  {problem}")
+        assert "a valid config" not in out and "dry run" not in out
+        assert main([*command, *overrides, "--other-machine"]) == 0  # a config meant for another machine's disks
+        out, err = capsys.readouterr()
+        assert "a valid config" in out and f"--other-machine: a run here would fail at start-up: {problem}" in err
     assert main(["train", *overrides]) == 2
     err = one_message(capsys.readouterr().err)
     assert f"rlsys: this run would fail at start-up:\n  {problem}" in err
