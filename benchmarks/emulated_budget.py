@@ -136,18 +136,30 @@ def seed_counts(presets: list[str], seeds: int, overrides: str) -> dict[str, int
     return counts
 
 
-def estimated_s(name: str, gpus: int, preset: str, steps: int, evals: int, eval_size: int) -> float:
-    """A run's wall seconds: its preset's median stored run (wall_clock_s) scaled to `steps` (per step; a long-CoT
-    run's later steps are longer, so this errs short), plus its evals at EVAL_S_PER_PROMPT."""
+def setting(overrides: list[str], key: str) -> int:
+    """A whole-number setting among overrides ("trainer.total_steps=40": 40)."""
+    return int(next(o for o in overrides if o.startswith(key + "=")).split("=", 1)[1])
+
+
+def eval_s(overrides: list[str]) -> float:
+    """A run's wall seconds in evals (EVAL_S_PER_PROMPT): one before training, one every eval_every steps after."""
+    evals = setting(overrides, "trainer.total_steps") // setting(overrides, "control.eval_every") + 1
+    return evals * setting(overrides, "data.eval_size") * EVAL_S_PER_PROMPT
+
+
+def estimated_s(name: str, gpus: int, preset: str, overrides: list[str]) -> tuple[float, str]:
+    """A run's wall seconds, and the file they are estimated from: its preset's median stored run (wall_clock_s; of
+    all presets where it has none) less its evals, scaled per step (a long-CoT run's later steps are longer: this
+    errs short), plus its own evals."""
     path = stored_file(name, gpus) or stored_file("longcot", gpus)
-    stored = json.loads(path.read_text()) if path else {"runs": {}}
+    if not path:
+        return 0.0, "no stored run"
+    stored = json.loads(path.read_text())
+    done = stored["workload"]["overrides"]
     runs = stored["runs"].get(preset) or [r for v in stored["runs"].values() for r in v]
-    per_step = [r["wall_clock_s"] / steps_of(stored) for r in runs if r.get("wall_clock_s")]
-    return (statistics.median(per_step) if per_step else 30.0) * steps + evals * eval_size * EVAL_S_PER_PROMPT
-
-
-def steps_of(report: dict) -> int:
-    return next(int(o.split("=")[1]) for o in report["workload"]["overrides"] if o.startswith("trainer.total_steps="))
+    per_step = statistics.median((r["wall_clock_s"] - eval_s(done)) / setting(done, "trainer.total_steps")
+                                 for r in runs)
+    return per_step * setting(overrides, "trainer.total_steps") + eval_s(overrides), path.name
 
 
 def claimed(path: Path, preset: str, seed: int) -> bool:
@@ -343,19 +355,17 @@ def print_plan(matrix: list[tuple], presets: list[str], counts: dict[str, int], 
     total, n = 0.0, 0
     for name, gpus, path, short in matrix:
         done = json.loads(path.read_text())["runs"] if path.exists() else {}
-        steps = int(next(o for o in short if o.startswith("trainer.total_steps=")).split("=")[1])
-        every = int(next(o for o in short if o.startswith("control.eval_every=")).split("=")[1])
-        size = int(next(o for o in short if o.startswith("data.eval_size=")).split("=")[1])
         todo = {p: [s for s in range(first_seed, counts[p]) if not any(
             r["seed"] == s and r.get("emulating", True) for r in done.get(p, []))] for p in presets}
-        seconds = {p: estimated_s(name, gpus, p, steps, steps // every + 1, size) for p in presets}
+        estimates = {p: estimated_s(name, gpus, p, short) for p in presets}
+        seconds = {p: e[0] for p, e in estimates.items()}
         hours = sum(len(s) * seconds[p] for p, s in todo.items()) / 3600
         total, n = total + hours, n + sum(map(len, todo.values()))
         print(f"[budget] plan {path.name}: " + ", ".join(f"{p} {len(s)} x {seconds[p] / 60:.0f} min"
-                                                         for p, s in todo.items() if s) + f": {hours:.1f} CPU-hours",
-              flush=True)
-    print(f"[budget] plan: {n} runs, {total:.1f} hours of one process ({total / 2:.1f} h with two side by side; "
-          "each run paces its modelled GPUs on this machine's cores, so two processes share them)", flush=True)
+                                                         for p, s in todo.items() if s) + f": {hours:.1f} CPU-hours "
+              f"(from {', '.join(sorted({e[1] for e in estimates.values()}))})", flush=True)
+    print(f"[budget] plan: {n} runs, {total:.1f} hours of one process (about {total / 2:.1f} h with two side by side, "
+          "where the machine keeps both emulating: a run that overran is named in not_emulating)", flush=True)
 
 
 if __name__ == "__main__":

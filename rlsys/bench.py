@@ -202,7 +202,7 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
         "response_length": mean("response_length/mean"),
-        **length_shape(steps, next((r for r in rows if "emulate/tokens_per_token" in r), None)),
+        **length_shape(steps),
         "group_size": mean("group_size"),
         "length_selection": statistics.mean(selection) if selection else None,
         **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/overrun_s", "emulate/emulating")
@@ -676,7 +676,7 @@ def print_table(report: dict) -> None:
             ("final_accuracy", "final acc", "{:.3f}"),
             ("accuracy_at_equal_time", "acc @ T", "{:.3f}"), ("group_size", "G", "{:.1f}")]
     # a per-sample speedup is printed beside the per-token one and the two presets' trained lengths
-    print(f"{'preset':<12}" + "".join(f"{h:>13}" for _, h, _ in cols)
+    print(f"{'preset':<16}" + "".join(f"{h:>13}" for _, h, _ in cols)
           + f"{'speedup':>10}{'per GPU-s':>11}{'per tok GPU-s':>15}{'len sync/this':>15}")
     marked = False
     for name, r in report["results"].items():
@@ -686,7 +686,7 @@ def print_table(report: dict) -> None:
         marked |= bool(mark)
         s, g, t = versus.get("per_sample"), versus.get("per_sample_gpu_s"), versus.get("per_token_gpu_s")
         lengths = "/".join(f"{x:.1f}" if x is not None else "-" for x in versus.get("trained_length_sync_and_this", []))
-        print(f"{name:<12}{cells}{times(s) + mark:>10}{times(g):>11}{times(t):>15}{lengths or '-':>15}")
+        print(f"{name:<16}{cells}{times(s) + mark:>10}{times(g):>11}{times(t):>15}{lengths or '-':>15}")
     if marked:
         print("* on a different GPU budget than sync: its wall-time speedup is not at equal GPUs; see per GPU-s")
     if report.get("equal_time_s"):
