@@ -66,15 +66,22 @@ class RunLogger:
         with self.timeline_path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
-    def truncate_after(self, step: int) -> None:
-        """On resume: forget what the interrupted run logged after its last checkpoint."""
+    def resumed(self, step: int, message: str) -> None:
+        """On resume from the checkpoint of `step`: forget what the interrupted run logged after it, and say so
+        (`message`) above the bar, not over it. The bar counts its rate and ETA from `step` on: the steps before
+        it were not trained in this process's seconds."""
         for path in (self.metrics_path, self.timeline_path):
             if path.exists():
                 rows = [line for line in path.read_text().splitlines()
                         if line and json.loads(line)["step"] <= step and not json.loads(line).get("final")]
                 path.write_text("".join(r + "\n" for r in rows))
-        if self.bar:
-            self.bar.n = step
+        if not self.bar:
+            print(message)
+            return
+        self.bar.write(message)
+        self.bar.reset()  # its clock starts now
+        self.bar.n = self.bar.initial = self.bar.last_print_n = step
+        self.bar.refresh()
 
     def close(self) -> None:
         if self.bar:

@@ -377,8 +377,7 @@ class Controller:
         self.step, self.version, self.elapsed_before = state["step"], state["version"], state["elapsed_s"]
         self.rewards.errors = state.get("reward_errors", 0)
         self.publish()
-        self.log.truncate_after(self.step)
-        print(f"resumed from {latest} at step {self.step}")
+        self.log.resumed(self.step, f"resumed from {latest} at step {self.step}")
 
     def finish(self) -> dict:
         """The last step's checkpoint is already written; evaluate and export unless pre-empted."""
