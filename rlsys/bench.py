@@ -44,6 +44,15 @@ PRESETS: dict[str, list[str]] = {
     # baseline of a task that needs them
     "async+sagc": ["control.scheduler=async", "trainer.loss=decoupled_ppo", "control.group_sizer=sagc",
                    "control.sagc.prompt_rule=constant_prompts"],  # async keeps B prompts per update
+    # Where SAGC's claim lives. A sync step waits for its slowest sample whatever G is, so there G saves time only
+    # where the sample count follows it: SAGC so, against static G 4 / 8 / 16 under the same rule (B prompts of G).
+    "sagc-prompts": ["control.group_sizer=sagc", "control.sagc.prompt_rule=constant_prompts"],
+    "G4-prompts": ["control.group_size=4"],
+    "G8-prompts": ["control.group_size=8"],
+    "G16-prompts": ["control.group_size=16"],
+    # and where a group's slowest sample holds back its own training (against tail+G4, sorted+G16, ...)
+    "tail+sagc": ["control.scheduler=tail", "control.group_sizer=sagc"],
+    "sorted+sagc": ["control.scheduler=sorted", "control.group_sizer=sagc"],
 }
 QUICK = ["trainer.total_steps=30", "control.eval_every=5", "data.eval_size=100", "control.save_every=0"]
 

@@ -28,6 +28,18 @@ Utility: `informative`, the expected share of groups whose rewards are not all e
 1 - p_s^G - (1 - p_s)^G with p_s the running share of rewards > 0.5; or `log`, log G.
 Ties go to the larger size, so with no straggler risk the largest size is always chosen.
 
+Defaults, against realistic spreads. Under the shared straggler definition (kappa 2, the one rollout/straggler_rate
+logs) realistic groups straggle often: on cot_sum's emulated two-GPU runs (benchmarks/results/
+emulated_budget_longcot_2gpu.json) sync's groups of 8 straggled at 0.60-0.70 a step and SAGC's groups of 4 at
+0.41-0.46, a per-sample tail share near 0.13 (1 - 0.87^4 = 0.43, 1 - 0.87^8 = 0.67); the simulator's lognormal
+RL lengths (configs/sim/sagc_7b_8k.yaml) straggle at 0.27 / 0.54 / 0.80 at G 4 / 8 / 16. A budget of 0.1 was
+out of every size's reach there, so the sizer sat at its smallest size, paying and never moving. The default
+budget, delta 0.5, is one G 4 meets on both and G 8 just misses: the sizer mixes 4 and 8 (more 8 the calmer the
+lengths) and takes 16 when the tail thins. A tighter budget is for workloads whose tails are thinner
+(sagc-tight). The prior tail share stays 0.02: raised to these spreads' 0.1, the calibration learns from the
+prior-led risks of a run's first steps that the model overstates (25x after 40 calm steps), and that outlives a
+restart of the spread (`workload_changed`).
+
 Where it pays: the budget buys wall time only where a group's slowest sample holds back its training
 (sorted, tail) or where the sample count follows G (constant_prompts). A sync step of constant samples
 waits for the slowest of all its samples whatever G is (docs/performance.md "Where group size costs wall time").
@@ -73,6 +85,7 @@ class SAGCSizer(GroupSizer):
         self.steps = 0
         self.last_rate = 0.0  # S of the last observed step
         self.last: tuple[int, float] | None = None  # (G, predicted risk) of the last observed step
+        self.by_size = {g: [0, 0, 0] for g in self.sizes}  # over the run, per size: steps, groups, straggling groups
         self._decide()
 
     # --- the model ------------------------------------------------------------------------
@@ -133,11 +146,14 @@ class SAGCSizer(GroupSizer):
             group_over = n - bisect_right(lengths, kappa * max(median, 1))
             ratios, over = ratios + n, over + group_over
             stragglers += group_over > 0  # exactly metrics.is_straggler
+            tally = self.by_size.setdefault(n, [0, 0, 0])  # by the size trained: sorted reads G once a round
+            tally[1], tally[2] = tally[1] + 1, tally[2] + (group_over > 0)
             predicted += self.model_risk(n)  # the counts it reads change after the loop
         self.realised, self.predicted = self.realised * decay + stragglers, self.predicted * decay + predicted
         self.ratios, self.over = self.ratios * decay + ratios, self.over * decay + over
         self.rewards, self.successes = self.rewards * decay + samples, self.successes * decay + successes
         self.last_rate = stragglers / len(groups) if groups else 0.0
+        self.by_size.setdefault(len(groups[0].samples) if groups else self.shape.group_size, [0, 0, 0])[0] += 1
         self.queue = max(self.queue + self.last_rate - self.sagc.delta, -self.sagc.delta)
         self.steps += 1
         self._decide()
@@ -152,13 +168,22 @@ class SAGCSizer(GroupSizer):
         return {"group_size": g, "sagc/risk": risk, "sagc/queue": self.queue,
                 "sagc/straggler_rate": self.last_rate, "sagc/tail_share": self.tail_share(),
                 "sagc/calibration": self.calibration(),
-                "sagc/success_rate": self.success_rate(), "sagc/next_group_size": self.shape.group_size}
+                "sagc/success_rate": self.success_rate(), "sagc/next_group_size": self.shape.group_size,
+                **self.per_size()}
+
+    def per_size(self) -> dict[str, float]:
+        """Over the run so far: each size's share of the steps, and the straggler rate realised at it."""
+        steps = sum(t[0] for t in self.by_size.values())
+        out = {f"sagc/share_g{g}": (t[0] / steps if steps else 0.0) for g, t in self.by_size.items()}
+        out.update({f"sagc/straggler_rate_g{g}": t[2] / t[1] for g, t in self.by_size.items() if t[1]})
+        return out
 
     def state_dict(self) -> dict:
         return {"queue": self.queue, "ratios": self.ratios, "over": self.over, "rewards": self.rewards,
                 "successes": self.successes, "realised": self.realised, "predicted": self.predicted,
                 "steps": self.steps, "last_rate": self.last_rate,
-                "last": list(self.last) if self.last else None}
+                "last": list(self.last) if self.last else None,
+                "by_size": [[g, *t] for g, t in self.by_size.items()]}
 
     def load_state_dict(self, state: dict) -> None:
         self.queue, self.ratios, self.over = state["queue"], state["ratios"], state["over"]
@@ -167,4 +192,6 @@ class SAGCSizer(GroupSizer):
         self.realised, self.predicted = state.get("realised", 0.0), state.get("predicted", 0.0)
         self.last_rate = state["last_rate"]
         self.last = tuple(state["last"]) if state["last"] else None
+        if "by_size" in state:  # checkpoints from before it have none
+            self.by_size = {g: list(t) for g, *t in state["by_size"]}
         self._decide()
