@@ -10,7 +10,7 @@ import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -274,7 +274,15 @@ class LoraConfig(Section):
     alpha: float = Field(16.0, gt=0)  # the update is alpha / rank x B @ A
     # The trainer never runs dropout (its log-probs must match the engine's), so adapter dropout stays 0.
     dropout: float = Field(0.0, ge=0, le=0)
-    target_modules: list[str] = Field(LORA_TARGETS, min_length=1)  # peft matches these module names
+    # peft matches these module names; all-linear (veRL's default): every linear layer but the LM head, as peft's
+    target_modules: Union[Literal["all-linear"], list[str]] = LORA_TARGETS
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_target(cls, targets):
+        if not targets:
+            raise ValueError("names no module: list the modules to adapt, or all-linear")
+        return targets
 
     @property
     def enabled(self) -> bool:
@@ -345,8 +353,16 @@ class CriticConfig(Section):
     """PPO's value model (trainer.advantage=gae; trainer/critic.py); defaults as veRL's ppo_trainer critic."""
     lr: float = Field(1e-5, gt=0)  # its own AdamW's (veRL's critic.optim.lr); weight decay is trainer.weight_decay
     grad_clip: float = Field(1.0, ge=0)  # its gradient's norm clip, apart from the policy's trainer.grad_clip
-    warmup_steps: int = Field(0, ge=0)  # the first this many steps train the critic alone (veRL's critic_warmup)
+    # veRL's critic_warmup, counted as veRL counts (steps from 1, the policy trains from step N on): the first
+    # warmup_steps - 1 steps train the critic alone
+    warmup_steps: int = Field(0, ge=0)
     value_clip: float = Field(0.5, gt=0)  # a value moves at most this far from the step's old value (cliprange_value)
+    mini_batches: Optional[int] = Field(None, ge=1)  # its optimizer steps per batch; None: trainer.mini_batches
+    ppo_epochs: Optional[int] = Field(None, ge=1)  # the critic's passes over each batch; None: trainer.ppo_epochs
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # as trainer.lr_schedule, on the critic's lr
+    lr_warmup_steps: Optional[int] = Field(None, ge=0)  # as trainer.lr_warmup_steps (veRL's critic.optim)
+    lr_warmup_ratio: float = Field(0.0, ge=0, le=1)  # as trainer.lr_warmup_ratio
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # as trainer.min_lr_ratio
 
 
 class GAEConfig(Section):
@@ -365,11 +381,20 @@ class TrainerConfig(Section):
     offload_params: bool = False  # ZeRO-3: bf16/fp32 weights in CPU memory between uses
     total_steps: int = Field(60, ge=1)
     lr: float = Field(1e-4, gt=0)
+    # The rate's schedule over trainer.total_steps, stepped once per train step (trainer/schedule.py): constant,
+    # cosine (veRL's warmup_style) or linear (TRL's default lr_scheduler_type), each after a linear warm-up
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    lr_warmup_steps: Optional[int] = Field(None, ge=0)  # steps of linear warm-up from 0; None: lr_warmup_ratio's
+    lr_warmup_ratio: float = Field(0.0, ge=0, le=1)  # warm-up of int(ratio x total_steps) steps (veRL's, TRL's)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # cosine: the floor, a share of lr, its warm-up's start (veRL's)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, ge=0)
     micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one micro-batch (padding counted)
     logprob_chunk_tokens: int = Field(1024, ge=1)  # tokens whose full-vocabulary logits exist at a time
     mini_batches: int = Field(1, ge=1)  # optimizer steps per rollout batch (veRL's PPO mini-batches)
+    # passes over each rollout batch, every pass after the first in freshly shuffled mini-batches, pi_old kept from
+    # the step's start (veRL's ppo_epochs, TRL's num_iterations)
+    ppo_epochs: int = Field(1, ge=1)
     # pi_prox of the later mini-batches of stale samples: recompute (a forward under the step's starting
     # weights) or loglinear (AReaL's interpolation by version between the behaviour log-probs and the
     # mini-batch's own forward: no extra forward; trainer/losses.py)
@@ -427,6 +452,17 @@ class TrainerConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _lr_schedules(self):
+        for prefix, section in (("trainer", self), ("trainer.critic", self.critic)):
+            if section.lr_warmup_steps is not None and section.lr_warmup_ratio:
+                raise ValueError(f"{prefix}.lr_warmup_steps and {prefix}.lr_warmup_ratio both set the warm-up: "
+                                 "set one")
+            if section.min_lr_ratio and section.lr_schedule != "cosine":
+                raise ValueError(f"{prefix}.min_lr_ratio is the cosine schedule's floor; {prefix}.lr_schedule is "
+                                 f"{section.lr_schedule}: set {prefix}.lr_schedule=cosine or leave it out")
+        return self
+
+    @model_validator(mode="after")
     def _precision_and_offload(self):
         if self.backend == "torch" and (self.dtype != "float32" or self.offload_optimizer or self.offload_params):
             raise ValueError("trainer.dtype=bf16, trainer.offload_optimizer and trainer.offload_params need "
@@ -472,6 +508,9 @@ class TrainerConfig(Section):
     def _streamed(self):
         if not self.streamed:
             return self
+        if self.ppo_epochs > 1:  # a streamed batch is gone once trained: nothing is left for a second pass
+            raise ValueError(f"trainer.streamed trains each group once, as it completes: trainer.ppo_epochs="
+                             f"{self.ppo_epochs} needs trainer.streamed=false")
         if self.kl.in_reward:  # the reward's KL needs a reference forward before the gradients
             raise ValueError("trainer.streamed takes gradients as groups complete; trainer.kl.in_reward needs the "
                              "whole batch's reference forward first: use one or the other")

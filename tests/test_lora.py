@@ -183,3 +183,21 @@ def test_deepspeed_zero2_steps_the_adapters_alone_and_resumes_exactly(ray_cluste
         assert resumed[0][0]["loss"] == pytest.approx(run[0][-1]["loss"], rel=1e-4)
     finally:
         trainer.shutdown()
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_lm_head_as_peft(model_dir):  # noqa: F811
+    from peft.tuners.lora import LoraLayer
+
+    from rlsys.startup import load_config
+
+    cfg = load_config(None, ["trainer.lora.rank=4", "trainer.lora.target_modules=all-linear"]).trainer
+    assert cfg.lora.target_modules == "all-linear"  # veRL's default, a string as peft takes it
+    backend = trained(TorchBackend(lora_config(lora={**LORA, "target_modules": "all-linear"}), model_dir, SCORING))
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
+    adapted = {n.removeprefix("base_model.model.") for n, m in backend.model.named_modules()
+               if isinstance(m, LoraLayer)}
+    assert "lm_head" in linear and adapted == linear - {"lm_head"}
+    assert any(n.endswith("gate_proj") for n in adapted)  # the MLP's too
+    moved = {n for n, t in backend.state_dict_for_rollout().items() if not torch.equal(t, base.state_dict()[n])}
+    assert moved == {f"{n}.weight" for n in adapted}  # every adapted layer trained, the rest the base's

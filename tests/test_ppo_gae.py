@@ -138,13 +138,13 @@ def torch_ppo_steps(model_dir, seeds, **overrides) -> list[dict]:  # noqa: F811
         samples = build_samples(make_groups(seed), "gae")
         parts = [(per_rank[0], totals) for per_rank, totals in
                  (plan_step(part, 1, cfg.micro_batch_tokens) for part in split_mini_batches(samples, cfg.mini_batches))]
-        out.append(train_ppo_step(actor, critic, parts, False, 0, None,
+        out.append(train_ppo_step(actor, critic, samples, parts, parts, False, 0, None,
                                   len(pack_micro_batches(samples, cfg.micro_batch_tokens))))
     return out
 
 
 PPO = dict(backend="deepspeed", world_size=2, advantage="gae", mini_batches=2,
-           critic={"lr": 1e-3, "warmup_steps": 2}, gae={"gamma": 0.9, "lam": 0.95})
+           critic={"lr": 1e-3, "warmup_steps": 3}, gae={"gamma": 0.9, "lam": 0.95})
 COMPARED = ("value_loss", "value_clip_fraction", "critic_grad_norm", "loss", "grad_norm")
 
 
@@ -178,7 +178,7 @@ def test_the_critic_learns_after_its_warm_up_resumes_exactly_and_stays_out_of_th
             assert (key in ours) == (key in theirs)
             if key in ours:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
-    # Warm-up: two steps train the critic alone; the third trains the policy too.
+    # Warm-up of 3, as veRL counts it (from step 1): two steps train the critic alone; the third trains the policy too.
     assert "loss" not in steps[0] and "loss" not in steps[1] and "loss" in steps[2]
     assert all(s["value_loss"] > 0 and s["critic_grad_norm"] > 0 for s in steps)
     # The critic's loss falls on a batch it has seen (steps 0, 3, 4, 5, 6 are all make_groups(0)).
@@ -215,7 +215,7 @@ def test_ppo_runs_under_async_with_stale_samples(tmp_path, ray_cluster):
     out = tmp_path / "run"
     assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=3", f"output_dir={out}", "control.eval_every=0",
                  "control.save_every=0", "control.scheduler=async", "trainer.advantage=gae", "trainer.loss=grpo",
-                 "trainer.critic.warmup_steps=1", *SMALL]) == 0
+                 "trainer.critic.warmup_steps=2", *SMALL]) == 0  # veRL's count: one step alone
     steps = [r for r in rows(out) if "timing/train_s" in r]
     assert len(steps) == 3 and max(r["staleness/max"] for r in steps) == 1  # a stale batch was trained
     assert all(r["train/value_loss"] > 0 for r in steps)

@@ -7,7 +7,7 @@ Checkpoint folder written by `save` (safetensors + JSON only, nothing pickled):
   optimizer_rank0.safetensors/.json      torch backend: the optimizer's state dict
   optimizer.json, optimizer_shard{r}.safetensors   DeepSpeed: state per parameter name (universal.py),
                                          so a run resumes on another world size or ZeRO stage
-  state_rank{r}.safetensors/.json        RNG states and step counters of each rank
+  state_rank{r}.safetensors/.json        RNG states and step counters of each rank (the LR schedule's too)
   trainer.json                           the layout it was written with, checked on load
   reference.safetensors                  with trainer.kl.ref_sync_steps: the refreshed reference (rank 0)
 With trainer.lora, adapter.safetensors (the adapters, peft's names) stands in for model.safetensors: the base
@@ -34,6 +34,7 @@ from rlsys.emulate import TrainerPacer
 from rlsys.trainer import lora
 from rlsys.trainer.batching import MicroBatch, StepTotals, TrainSample, collate, pack_micro_batches
 from rlsys.trainer.logprobs import Scoring, head_logprobs
+from rlsys.trainer.schedule import lr_scheduler
 from rlsys.trainer.losses import (LOSS_STATS, REJECTED_SHARE, LossInputs, compute_loss, kept_share, kl_penalty,
                                  loglinear_proximal)
 from rlsys.trainer.tensor_io import load_state, save_state, save_tensors
@@ -156,6 +157,7 @@ class TrainerBackend(ABC):
     name = "base"
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR  # trainer.lr_schedule on `optimizer` (schedule.py)
     pacer: TrainerPacer | None = None  # emulate: each micro-batch held until its modelled time
 
     def __init__(self, cfg: TrainerConfig, model_dir: str, scoring: Scoring, rank: int = 0, world_size: int = 1,
@@ -252,8 +254,10 @@ class TrainerBackend(ABC):
         if len(parts) > 1:
             # The first part runs on the proximal weights themselves: its own forward is pi_prox, exactly, so
             # only the later parts need one recomputed (a quarter of that forward saved at 4 mini-batches),
-            # or interpolated from their own forwards (accumulate_gradients).
-            later = [s for part, _ in parts[1:] for s in part]
+            # or interpolated from their own forwards (accumulate_gradients). With trainer.ppo_epochs a sample
+            # comes again in later passes: scored once, and the first part's keep their own forward.
+            first = {id(s) for s in parts[0][0]}
+            later = list({id(s): s for part, _ in parts[1:] for s in part if id(s) not in first}.values())
             if source != "loglinear":
                 proximal = ([s.logprobs for s in later] if source == "behaviour" else
                             self.compute_logprobs(later, proximal_micro_batches))
@@ -264,7 +268,13 @@ class TrainerBackend(ABC):
         interpolate_at = version if source == "loglinear" else None
         per_part = [self.train_step(samples, totals, interpolate_at if i else None, at_start=i == 0)
                     for i, (samples, totals) in enumerate(parts)]
-        return self.merge_mini_batches(per_part)
+        return self.merge_mini_batches(per_part) | {"lr": self.end_step()}
+
+    def end_step(self) -> float:
+        """The rate this train step's updates took; the schedule moves on to the next step's (schedule.py)."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return lr
 
     def merge_mini_batches(self, per_part: list[dict]) -> dict:
         """A step's metrics from its mini-batches' (`train_step`'s): means over the parts that report a
@@ -297,6 +307,9 @@ class TrainerBackend(ABC):
                 proximal = loglinear_proximal(mb.behaviour_logprobs, logprobs.detach(), mb.versions, interpolate_at)
             else:
                 proximal = logprobs.detach()
+                if at_start and self.cfg.ppo_epochs > 1:  # the starting weights' own: pi_old of the later passes
+                    for row, sample in enumerate(batch):
+                        sample.proximal_logprobs = proximal[row, sample.prompt_len - 1:sample.num_tokens - 1].tolist()
             inp = LossInputs(logprobs, proximal, mb.behaviour_logprobs, mb.advantages, mb.response_mask,
                              float(totals.tokens), float(totals.sequences),
                              self._reference_logprobs(mb), mb.versions, entropy,
@@ -456,8 +469,8 @@ class TrainerBackend(ABC):
             reference = cpu_copy(self.reference_weights(), keep=self.rank == 0)
             if self.rank == 0:
                 save_tensors(reference, folder / REFERENCE_FILE)
-        save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps, "updates": self.updates}, folder,
-                   f"state_rank{self.rank}")
+        save_state({"rng": rng_state(), "skipped_steps": self.skipped_steps, "updates": self.updates,
+                    "lr_steps": self.scheduler.last_epoch}, folder, f"state_rank{self.rank}")
 
     def load(self, folder: str) -> None:
         folder = Path(folder)
@@ -471,6 +484,7 @@ class TrainerBackend(ABC):
         set_rng_state(state["rng"])
         self.skipped_steps = state["skipped_steps"]
         self.updates = state.get("updates", 0)
+        self.scheduler = lr_scheduler(self.optimizer, self.cfg, state.get("lr_steps", 0))  # the rate it left off at
         if self.cfg.kl.ref_sync_steps is not None and (folder / REFERENCE_FILE).exists():
             self._load_reference(load_file(str(folder / REFERENCE_FILE)))
 
@@ -501,6 +515,7 @@ class TorchBackend(TrainerBackend):
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.optimizer = torch.optim.AdamW(trained_parameters(self.model), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = lr_scheduler(self.optimizer, cfg)
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -140,6 +140,28 @@ def split_mini_batches(samples: list[TrainSample], count: int) -> list[list[Trai
     return [samples[start:end] for start, end in zip([0] + ends, ends)]
 
 
+def later_passes(per_rank: list[list[TrainSample]], orders: list[list[list[int]]], mini_batches: int,
+                 token_budget: int) -> list[list[tuple[list[int], StepTotals]]]:
+    """The updates of further passes over a planned step, samples staying on their rank (GAE's advantages are
+    computed there; veRL too shuffles each rank's own share). Each pass's `orders` hold every rank's order of its
+    samples, cut into `mini_batches` contiguous near-equal slices; the i-th slices of every rank make one update,
+    left out when no rank has a sample in it. Per rank: (indices into its samples, that update's totals)."""
+    plans: list[list[tuple[list[int], StepTotals]]] = [[] for _ in per_rank]
+    for order in orders:
+        cuts = [[o[round(i * len(o) / mini_batches):round((i + 1) * len(o) / mini_batches)]
+                 for i in range(mini_batches)] for o in order]
+        for i in range(mini_batches):
+            picked = [[mine[j] for j in cut[i]] for mine, cut in zip(per_rank, cuts)]
+            if not any(picked):
+                continue
+            totals = StepTotals(tokens=sum(s.trained_tokens for p in picked for s in p),
+                                sequences=sum(len(p) for p in picked),
+                                micro_batches=max(len(pack_micro_batches(p, token_budget)) for p in picked))
+            for plan, cut in zip(plans, cuts):
+                plan.append((cut[i], totals))
+    return plans
+
+
 def plan_step(samples: list[TrainSample], world_size: int, token_budget: int):
     """Each rank's samples, and the totals every rank needs to normalise its share of the step."""
     per_rank = split_across_ranks(samples, world_size)

@@ -37,9 +37,12 @@ WHITEN_EPS = 1e-8  # veRL's masked_whiten
 
 def critic_config(cfg: TrainerConfig) -> TrainerConfig:
     """The critic backend's settings: the trainer's layout (backend, ZeRO, dtype, micro-batches), trainer.critic's
-    learning rate and clip, and none of the policy's loss options (no KL reference, LoRA, or mismatch)."""
+    learning rate, its schedule and clip, and none of the policy's loss options (no KL reference, LoRA, or
+    mismatch)."""
+    schedule = {k: getattr(cfg.critic, k) for k in ("lr_schedule", "lr_warmup_steps", "lr_warmup_ratio",
+                                                     "min_lr_ratio")}
     return cfg.model_copy(update={"lr": cfg.critic.lr, "grad_clip": cfg.critic.grad_clip, "kl": KLConfig(),
-                                  "lora": LoraConfig(), "mismatch": MismatchConfig()})
+                                  "lora": LoraConfig(), "mismatch": MismatchConfig(), **schedule})
 
 
 # --- the formulas ---------------------------------------------------------------------------------------------------
@@ -111,7 +114,7 @@ class Critic:
     """Mixed in before a TrainerBackend class: the backend's model is the value model, trained on the value loss.
     Checkpoints, the optimizer step and ZeRO are the backend's own."""
 
-    steps = 0  # train steps taken: the first trainer.critic.warmup_steps of them train the critic alone
+    steps = 0  # train steps taken: the first trainer.critic.warmup_steps - 1 of them train the critic alone
 
     def _load_trained_model(self) -> torch.nn.Module:
         model = AutoModelForTokenClassification.from_pretrained(self.model_dir, num_labels=1, use_safetensors=True,
@@ -163,22 +166,30 @@ class TorchCritic(Critic, TorchBackend):
     """The critic on the plain torch backend."""
 
 
-def train_ppo_step(actor, critic: Critic, parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool,
-                   proximal_micro_batches: int, version: int | None, value_micro_batches: int) -> dict:
-    """One PPO step on this rank: the critic values the step's samples, GAE gives each token its advantage, then the
-    critic and (after trainer.critic.warmup_steps steps) the policy each take one update per mini-batch, critic
-    first as veRL. Metrics: the policy's (tokens and sequences alone while warming up), value_loss,
-    value_clip_fraction, critic_grad_norm, critic_skipped_steps."""
-    samples = [s for part, _ in parts for s in part]
+def warming_up(steps_taken: int, warmup_steps: int) -> bool:
+    """Whether the step after `steps_taken` trains the critic alone: as veRL, which counts steps from 1 and updates
+    the actor once critic_warmup <= that count, so trainer.critic.warmup_steps=N trains the critic alone N - 1 times."""
+    return steps_taken + 1 < warmup_steps
+
+
+def train_ppo_step(actor, critic: Critic, samples: list[TrainSample], parts: list[tuple[list[TrainSample], StepTotals]],
+                   critic_parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool, proximal_micro_batches: int,
+                   version: int | None, value_micro_batches: int) -> dict:
+    """One PPO step on this rank over its `samples`: the critic values them, GAE gives each token its advantage, then
+    the critic takes one update per part of `critic_parts` and (after its warm-up, `warming_up`) the policy one per
+    part of `parts`, critic first as veRL (parts: mini-batches of every PPO epoch). Metrics: the policy's (tokens
+    and sequences alone while warming up), value_loss, value_clip_fraction, critic_grad_norm, critic_skipped_steps,
+    critic_lr."""
     set_advantages(samples, critic.values(samples, value_micro_batches), actor.cfg.gae, critic.sum_over_ranks)
-    trained = critic.merge_mini_batches([critic.train_step(part, totals) for part, totals in parts])
-    warming = critic.steps < actor.cfg.critic.warmup_steps
+    trained = critic.merge_mini_batches([critic.train_step(part, totals) for part, totals in critic_parts])
+    trained["lr"] = critic.end_step()
+    warming = warming_up(critic.steps, actor.cfg.critic.warmup_steps)
     critic.steps += 1
     if warming:
         metrics = {"tokens": sum(s.trained_tokens for s in samples), "sequences": len(samples),
                    "skipped_steps": actor.skipped_steps}
     else:
         metrics = actor.train_mini_batches(parts, fresh, proximal_micro_batches, version)
-    names = {"grad_norm": "critic_grad_norm", "skipped_steps": "critic_skipped_steps"}
+    names = {"grad_norm": "critic_grad_norm", "skipped_steps": "critic_skipped_steps", "lr": "critic_lr"}
     return metrics | {names.get(k, k): v for k, v in trained.items()
                       if k in names or k.startswith("value_")}

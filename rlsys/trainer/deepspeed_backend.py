@@ -28,6 +28,7 @@ from rlsys.trainer.batching import StepTotals
 from rlsys.trainer.critic import Critic
 from rlsys.trainer.ds_config import deepspeed_config
 from rlsys.trainer.logprobs import Scoring
+from rlsys.trainer.schedule import lr_scheduler
 from rlsys.trainer.universal import FORMAT, PerParameterState, save_per_parameter
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state besides its step count
@@ -56,6 +57,9 @@ class DeepSpeedBackend(TrainerBackend):
         else:  # a torch optimizer, so DeepSpeed neither compiles its CPU Adam nor needs a GPU one
             self.optimizer = torch.optim.AdamW(trained_parameters(model), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=self.ds_config)
+        # On the torch optimizer, whose param groups DeepSpeed's wrappers step: not the engine's lr_scheduler,
+        # which engine.step would move at every mini-batch rather than once per train step (schedule.py).
+        self.scheduler = lr_scheduler(self.optimizer, cfg)
         self.engine.eval()  # no dropout (see load_model); gradients flow all the same
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(self.engine.module)

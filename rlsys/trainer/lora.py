@@ -21,12 +21,12 @@ ADAPTER = "default"  # peft's name for the one adapter
 def add_adapters(model: torch.nn.Module, cfg: LoraConfig) -> PeftModel:
     """`model` with fresh LoRA adapters on `cfg.target_modules` (B = 0: the policy starts as the base)."""
     found = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = sorted(set(cfg.target_modules) - found)
+    missing = [] if cfg.target_modules == "all-linear" else sorted(set(cfg.target_modules) - found)
     if missing:
         raise ValueError(f"trainer.lora.target_modules: the model has no module named {', '.join(missing)} "
                          f"(its linear layers: {', '.join(sorted(linear_names(model)))})")
     peft_cfg = PeftLoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                              target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+                              target_modules=cfg.target_modules, bias="none", task_type="CAUSAL_LM")
     wrapped = get_peft_model(model, peft_cfg)
     wrapped.eval()  # as load_model: no dropout, ever
     return wrapped

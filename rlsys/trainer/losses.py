@@ -48,7 +48,8 @@ Conventions (where they differ from, or are not written down by, veRL):
 - The round-two options (entropy bonus, cispo, gmpo, clip_cov, kl_cov, delta, bias-corrected and in-reward
   KL, mismatch rejection, off-policy masking, top-entropy share): docs/design.md "Loss options".
 - seq_mean_token_sum_norm divides the step's token sum by (sequences x trainer.loss_scale_tokens),
-  a constant (rollout.max_new_tokens unless set), as TRL's dr_grpo and veRL's default worker do;
+  a constant (rollout.max_new_tokens unless set), as TRL's dr_grpo does (veRL's default dp_actor divides each
+  micro-batch's token sum by L and the accumulation count: rlsys's loss times the per-GPU micro-batch size);
   token_sum_norm by the constant alone, as veRL's agg_loss under its global-batch engine.
 """
 from __future__ import annotations
@@ -153,8 +154,8 @@ def constant_length(cfg: TrainerConfig | None, aggregation: str) -> int:
 
 
 def seq_mean_token_sum_norm(x: Tensor, inp: LossInputs, cfg: TrainerConfig | None = None) -> Tensor:
-    """Dr.GRPO as TRL's dr_grpo and veRL's default (legacy) worker take it: each sequence's token sum / a constant
-    length, then mean over the step's sequences."""
+    """Dr.GRPO as TRL's dr_grpo takes it: each sequence's token sum / a constant length, then mean over the step's
+    sequences (veRL's default dp_actor's is this times its per-GPU micro-batch size: docs/design.md)."""
     return seq_mean_token_sum(x, inp) / constant_length(cfg, "seq_mean_token_sum_norm")
 
 

@@ -84,4 +84,5 @@ class StreamedGradients:
         """The last mini-batch's update (`close`). Returns what `TrainerBackend.train_mini_batches` returns,
         this rank's shares of the step's values; a step with no token at all is skipped."""
         self.close(tokens, sequences)
-        return self.backend.merge_mini_batches(self.closed) if self.closed else self.backend.skip_step()
+        metrics = self.backend.merge_mini_batches(self.closed) if self.closed else self.backend.skip_step()
+        return metrics | {"lr": self.backend.end_step()}

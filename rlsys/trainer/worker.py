@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import socket
 from dataclasses import dataclass, field
@@ -31,8 +32,8 @@ from rlsys.registry import Registry
 from rlsys.trainer.advantages import KLController
 from rlsys.trainer.backend import TorchBackend, TrainerBackend
 from rlsys.trainer.critic import CRITIC_DIR, TorchCritic, critic_config, train_ppo_step
-from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, mini_batch_ends, pack_micro_batches,
-                                   plan_step, sampled_by, split_mini_batches)
+from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, later_passes, mini_batch_ends,
+                                   pack_micro_batches, plan_step, sampled_by, split_mini_batches)
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.losses import mismatch_warning
 from rlsys.trainer.streamed import StreamedGradients
@@ -42,12 +43,17 @@ from rlsys.weights import BucketPlan, Receiver, Sender, Transport, WeightGroup, 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja")
 # everything else a rank reports is its share of a sum
-SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps", "critic_grad_norm", "critic_skipped_steps")
+SAME_ON_ALL_RANKS = ("grad_norm", "skipped_steps", "critic_grad_norm", "critic_skipped_steps", "lr", "critic_lr")
 KL_COEF_FILE = "kl_in_reward.json"  # trainer.kl.in_reward's coefficient, beside the weights in a checkpoint
 DEATH_GRACE_S = 5.0  # a dead rank's peers may report the broken connection before Ray reports the death
 log = logging.getLogger(__name__)
 
 BACKENDS: Registry[Callable[..., TrainerBackend]] = Registry("trainer backend")  # `trainer.backend`
+Updates = list[tuple[list[int], StepTotals]]  # a rank's updates over its samples, by index (batching.later_passes)
+
+
+def taken_from(samples: list[TrainSample], updates: Updates) -> list[tuple[list[TrainSample], StepTotals]]:
+    return [([samples[i] for i in indices], totals) for indices, totals in updates]
 
 
 @BACKENDS.register("torch")
@@ -142,12 +148,18 @@ class TrainerWorker:
         return self.backend.sequence_kl(samples, micro_batches)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool,
-                           proximal_micro_batches: int, version: int | None = None,
-                           value_micro_batches: int = 0) -> dict:
+                           proximal_micro_batches: int, version: int | None = None, value_micro_batches: int = 0,
+                           later: Updates = (), critic_updates: Updates | None = None) -> dict:
+        """`parts`: this rank's samples in the first pass's mini-batches; `later`: the further passes
+        (trainer.ppo_epochs) over them, as indices; `critic_updates`: the critic's own passes, where its mini-batches
+        or epochs differ (None: the policy's)."""
+        samples = [s for part, _ in parts for s in part]
+        every_pass = parts + taken_from(samples, later)
         if self.critic is not None:
-            return train_ppo_step(self.backend, self.critic, parts, fresh, proximal_micro_batches, version,
-                                  value_micro_batches)
-        return self.backend.train_mini_batches(parts, fresh, proximal_micro_batches, version)
+            critic_parts = every_pass if critic_updates is None else taken_from(samples, critic_updates)
+            return train_ppo_step(self.backend, self.critic, samples, every_pass, critic_parts, fresh,
+                                  proximal_micro_batches, version, value_micro_batches)
+        return self.backend.train_mini_batches(every_pass, fresh, proximal_micro_batches, version)
 
     def join_weight_group(self, host: str, port: int, world_size: int, backend: str, timeout_s: float,
                           names: list[str]) -> None:
@@ -280,8 +292,27 @@ class TrainerGroup:
                                      for mine in parts)  # the first part needs none (backend.train_mini_batches)
         value_micro_batches = 0 if self.cfg.advantage != "gae" else max(  # the critic values every sample
             len(pack_micro_batches([s for part, _ in mine for s in part], budget)) for mine in parts)
-        return [w.train_mini_batches.remote(mine, fresh, proximal_micro_batches, version, value_micro_batches)
-                for w, mine in zip(self.workers, parts)]
+        later, critic_updates = self._later_passes([[s for part, _ in mine for s in part] for mine in parts], version)
+        return [w.train_mini_batches.remote(mine, fresh, proximal_micro_batches, version, value_micro_batches,
+                                            later[rank], None if critic_updates is None else critic_updates[rank])
+                for rank, (w, mine) in enumerate(zip(self.workers, parts))]
+
+    def _later_passes(self, per_rank: list[list[TrainSample]], version: int | None) -> tuple[list, list | None]:
+        """Each rank's updates of the passes after the first (trainer.ppo_epochs), each pass in a fresh order
+        seeded by trainer.seed and the step's version; and the critic's own passes where trainer.critic sets
+        other mini-batches or epochs (its first pass in order), else None."""
+        rng = random.Random(f"ppo_epochs/{self.cfg.seed}/{version}")
+        budget, critic = self.cfg.micro_batch_tokens, self.cfg.critic
+
+        def shuffled(passes: int) -> list[list[list[int]]]:
+            return [[rng.sample(range(len(mine)), len(mine)) for mine in per_rank] for _ in range(passes)]
+
+        later = later_passes(per_rank, shuffled(self.cfg.ppo_epochs - 1), self.cfg.mini_batches, budget)
+        own = (critic.mini_batches or self.cfg.mini_batches, critic.ppo_epochs or self.cfg.ppo_epochs)
+        if self.cfg.advantage != "gae" or own == (self.cfg.mini_batches, self.cfg.ppo_epochs):
+            return later, None
+        in_order = [[list(range(len(mine))) for mine in per_rank]]
+        return later, later_passes(per_rank, in_order + shuffled(own[1] - 1), own[0], budget)
 
     def _build_samples(self, groups: list[Group], penalties: list[float] | None = None) -> list[TrainSample]:
         return build_samples(groups, self.cfg.advantage, penalties, self.cfg.mask_truncated_completions)
