@@ -742,7 +742,8 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
         for r in range(report["results"][name]["repeats"]):
             draw_accuracy(ax, read_jsonl(out_dir / f"{name}-r{r}" / "metrics.jsonl"), color=colors[name], alpha=0.8,
                           label=name if r == 0 else None)
-    ax.axhline(report["workload"]["target_accuracy"], ls="--", color="grey", lw=1)
+    target = report["workload"]["target_accuracy"]
+    ax.axhline(target, ls="--", color="grey", lw=1, label=f"target accuracy {target:.3f}")
     clock = report["workload"].get("clock", "wall")
     ax.set(xlabel=f"training {clock} time (s)", ylabel="eval accuracy (± standard error)",
            title=f"Accuracy against {clock} time")
@@ -768,7 +769,7 @@ def plot_bench(report: dict, out_dir: Path) -> list[Path]:
         steps = sorted({x["step"] for x in rows})
         shown = steps[len(steps) // 2: len(steps) // 2 + 3]  # three steps from the middle of the run
         draw_timeline(ax, [x for x in rows if x["step"] in shown], f"{name}: steps {shown[0]}-{shown[-1]}",
-                      f"{clock} time since the run started (s)")
+                      f"training {clock} time (s)")
     paths.append(out_dir / "timelines.png")
     fig.tight_layout()
     fig.savefig(paths[-1], dpi=100)

@@ -44,13 +44,6 @@ def plot_progress(rows: list[dict], out: Path, label: str = "") -> Path:
     return out
 
 
-def timeline_clock(rows: list[dict]) -> str:
-    """The timeline's x axis: request times since the run started, evaluations and checkpoints included (the
-    metrics' training clock leaves those out), in wall or emulated seconds."""
-    emulated = next((r["emulate/label"] for r in rows if "emulate/label" in r), None)
-    return f"{emulated + ' ' if emulated else 'wall '}time since the run started (s)"
-
-
 def draw_timeline(ax, rows: list[dict], title: str = "", clock: str = "seconds") -> None:
     """One row per engine slot; bars are requests at their times in the run, coloured by step, aborted ones hatched;
     a legend names the steps' colours and the hatch."""
@@ -68,7 +61,8 @@ def draw_timeline(ax, rows: list[dict], title: str = "", clock: str = "seconds")
     legend = [Patch(color=colors(step % 10), label=f"step {step}") for step in steps]
     if any(r.get("finish_reason") == "abort" for r in rows):
         legend.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="aborted"))
-    ax.legend(handles=legend, loc="upper right", fontsize="small")
+    # beside the axes: inside them it covered the last step's bars, at the right end of the top lanes
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, fontsize="small")
     ax.set(xlabel=clock, ylabel="engine slot", title=title or "Rollout timeline (gaps are bubbles)")
     ax.invert_yaxis()
 
@@ -93,5 +87,5 @@ def plot_run(run_dir: str | Path, last_steps: int = 4) -> list[Path]:
     out = [plot_progress(metrics, run_dir / "progress.png")]
     timeline = read_jsonl(run_dir / "timeline.jsonl")
     if timeline:
-        out.append(plot_timeline(timeline, run_dir / "timeline.png", last_steps, timeline_clock(metrics)))
+        out.append(plot_timeline(timeline, run_dir / "timeline.png", last_steps, clock_name(metrics)))
     return out

@@ -296,7 +296,8 @@ class Controller:
         t_sync = time.time() - t
         self.step += 1
         metrics = dict(step.rollout_metrics, **self.stats.step_totals())
-        self.log.timeline(self.stats.timeline_rows(self.step, self.t0, self.clock_scale))
+        # on the training clock, as the metrics (evals and checkpoints left out): a resumed run's t0 is on it too
+        self.log.timeline(self.stats.timeline_rows(self.step, self.t0 + self.paused_s, self.clock_scale))
         metrics.update({"policy_version": self.version, "timing/train_s": t_train,
                         "timing/generating_during_train": overlap,
                         "timing/weight_sync_s": t_sync, "reward/errors": self.rewards.errors,

@@ -233,6 +233,30 @@ def test_an_abort_lands_one_emulated_decode_step_into_a_held_step_and_ends_it_if
         worker.stop()
 
 
+def test_an_abort_lands_no_sooner_than_one_emulated_decode_step_and_the_gpu_stays_taken_until_then(tmp_path):
+    """The bound the test above sets from above, set from below: woken inside a hold of k decode steps, the abort
+    lands hold/k later (between two of them), not at once, and the GPU is reserved until it lands."""
+    from rlsys.emulate import ENGINE, Interrupt
+
+    timeline = GPUTimeline(str(tmp_path / "gpus.bin"))
+    pacer = Pacer(time_scale=1.0, timeline=timeline, on_gpus=(0,), holder=ENGINE)
+    hold_s, k = 2.0, 4
+    landed = []
+    interrupt = Interrupt(lambda: landed.append(time.perf_counter()) and False)  # nothing left: the step ends
+    started = time.perf_counter()
+    held = []
+    thread = threading.Thread(target=lambda: held.append(pacer.hold(started, hold_s, interrupt, grain=k)))
+    thread.start()
+    time.sleep(0.1)
+    woken = time.perf_counter()
+    interrupt.wake()
+    thread.join(timeout=30)
+    [(_, ended)] = held
+    assert landed[0] >= woken + hold_s / k  # one emulated decode step after the wake
+    assert woken + hold_s / k <= ended < started + hold_s  # the step ended there, before its hold's end
+    assert timeline.reserve((0,), woken, 0.0) == ended  # the GPU was taken until the abort landed, free from then
+
+
 def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F811
     backend = TorchBackend(trainer_config(), model_dir, Scoring(1.0))
     emulated = EmulateConfig(gpu="h100", model="qwen2.5-7b", time_scale=1.0, tokens_per_token=8, trainer_gpus=1)

@@ -6,6 +6,7 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 
 from rlsys.bench import plot_bench
+from rlsys.logger import read_jsonl
 from rlsys.plot import plot_progress
 
 EVALS = [{"step": 0, "time_s": 0.0, "eval/accuracy": 0.25, "eval/accuracy_se": 0.05},
@@ -75,5 +76,28 @@ def test_the_timeline_has_a_legend_and_draws_requests_at_their_time_in_the_run(t
     plot_run(tmp_path, last_steps=4)
     [ax] = saved["timeline.png"].axes
     assert sorted(bar.get_x() for bar in ax.patches) == [10.0, 20.0]  # not shifted to start at 0
-    assert ax.get_xlabel() == "wall time since the run started (s)"
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["step 1", "step 2", "aborted"]
+    assert ax.get_xlabel() == "training wall time (s)"  # the metrics' clock, as progress.png's
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["step 1", "step 2", "aborted"]
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # beside the bars, not on them
+
+
+@pytest.mark.slow
+def test_a_runs_timeline_is_on_its_training_clock(two_step_run):
+    """timeline.png's axis is the metrics' clock, which leaves evaluations and checkpoints out: every request of a
+    step ends by the step's time_s (its requests' times counted the eval before step 1, and the axis said wall)."""
+    metrics = {r["step"]: r for r in read_jsonl(two_step_run / "metrics.jsonl") if "timing/train_s" in r}
+    requests = read_jsonl(two_step_run / "timeline.jsonl")
+    assert metrics and requests
+    for r in requests:
+        assert 0 <= r["start"] <= r["end"] <= metrics[r["step"]]["time_s"] + 1e-3, (r, metrics[r["step"]]["time_s"])
+
+
+def test_the_bench_accuracy_plot_labels_its_target_line(tmp_path, saved):
+    run = tmp_path / "sync-r0"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in EVALS))
+    report = {"results": {"sync": {"repeats": 1, "bubble_ratio": 0.1}}, "workload": {"target_accuracy": 0.5}}
+    plot_bench(report, tmp_path)
+    [ax, *_] = saved["accuracy_vs_time.png"].axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["target accuracy 0.500", "sync"]
