@@ -392,11 +392,15 @@ def test_no_busy_spin_while_every_slot_waits_on_a_tool(model_dir, tags, tmp_path
                 e.held for e in worker.engine.running.values()) and time.time() < deadline:
             time.sleep(0.01)
         assert len(worker.engine.running) == 2 and all(e.held for e in worker.engine.running.values())
+        wake_ups, can_step = [], worker._can_step  # the loop asks it at each wake-up: counted, still answered
+        worker._can_step = lambda: wake_ups.append(1) or can_step()
         cpu, wall = time.process_time(), time.monotonic()
         time.sleep(1.5)
         share = (time.process_time() - cpu) / (time.monotonic() - wall)
+        woken = len(wake_ups)
         assert len(worker.engine.waiting) == 1  # still queued: the tools still hold both slots
         assert share < 0.10, f"the process used {share:.0%} of a core while every slot waited on a tool"
+        assert woken <= 5, f"the generation thread woke {woken} times in 1.5 s with nothing to do"  # polling 1 ms: 3000
         done = drain_all(worker, 3)
     finally:
         worker.stop()
