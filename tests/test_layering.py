@@ -74,6 +74,47 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+# The layers, lowest first (docs/design.md "Where the parts meet"): a module imports from its own layer or below,
+# never above, even where no circle closes. A module is placed by its first name under rlsys (rlsys.control.tail:
+# control); the package's own __init__ (rlsys) imports nothing.
+LAYERS = (
+    {"rlsys", "config", "errors", "plugins", "placement", "registry", "types", "runs"},  # the schema, shared types
+    {"control", "data", "reward", "tools", "models", "weights", "rollout", "trainer", "cluster", "costs", "emulate",
+     "checkpoint", "logger", "step_stats", "friction", "config_reference"},  # the parts
+    {"startup", "evaluate", "plot", "train", "bench", "sim", "cli"},  # assembling the parts, and showing a run
+)
+
+
+def part(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def upward_imports(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    """Each import of a module from a layer above its own, as "a (layer i) imports b (layer j)"."""
+    level = {name: i for i, names in enumerate(layers) for name in names}
+    return sorted(f"{m} (layer {level[part(m)]}) imports {d} (layer {level[part(d)]})"
+                  for m, imported in graph.items() for d in imported if level[part(d)] > level[part(m)])
+
+
+def test_every_module_has_a_layer_and_none_imports_from_a_layer_above():
+    graph = import_graph(PACKAGE)
+    unplaced = {part(m) for m in graph} - set().union(*LAYERS)
+    assert not unplaced, f"place {sorted(unplaced)} in tests/test_layering.py LAYERS (and docs/design.md)"
+    assert upward_imports(graph) == [], "imports from a layer above: " + "; ".join(upward_imports(graph))
+
+
+def test_the_layer_check_finds_a_low_module_importing_a_high_one_without_a_circle(tmp_path):
+    package = tmp_path / "rlsys"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "types.py").write_text("def f():\n    from rlsys.plot import draw\n")
+    (package / "plot.py").write_text("from rlsys import errors\n")
+    (package / "errors.py").write_text("")
+    graph = import_graph(package)
+    assert find_cycle(graph) is None
+    assert upward_imports(graph) == ["rlsys.types (layer 0) imports rlsys.plot (layer 2)"]
+
+
 def test_rlsys_has_no_import_circle():
     cycle = find_cycle(import_graph(PACKAGE))
     assert cycle is None, "rlsys modules import each other in a circle: " + " -> ".join(cycle)
