@@ -394,7 +394,8 @@ def async_rows(steps: int | None) -> list[dict]:
 
 # --- the 128-GPU sweep ------------------------------------------------------------------------------------
 # RollPacker's 32B/32k setting on 128 H800: its batch grown with the GPUs to 256 prompts x 8 (weak scaling, as
-# RollPacker's), the reward pools RollPacker's artifact's (32 math, 32 sandbox workers; the LLM judge on every GPU).
+# RollPacker's), and with it every reward pool of RollPacker's artifact (32 math and 32 sandbox workers and the LLM
+# judge on every GPU, at 64 GPUs): twice as many workers on twice the GPUs, each kind scoring twice the samples.
 SWEEP_CONFIG, SWEEP_GPUS, SWEEP_PROMPTS, SWEEP_STEPS = "qwen32b_32k", 128, 256, 5  # 5 steps: one tail period
 # Samples that loop to the cap: none, the configs' 1%, and TailSieve's ~3% truncated at a 16k cap on math prompts
 # (arXiv 2608.22788 §4.1; 0.1% on code), the one published figure near it.
@@ -425,43 +426,62 @@ SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as
 QUICK = {"points": [(0.0, "law", "fitted 32B"), (0.01, "law", "shared")], "schedules": ["tail/G4", "async-eta2-T48/G4"]}
 
 
-def sweep_point(runaway: float, mfu_label: str, overhead_label: str, steps: int, schedules: list[str],
-                fitted_ms: float) -> dict:
-    """One point of the sweep at the cited median and this step overhead (`fitted_ms`: the 32B setting's fit):
-    every schedule against veRL-style sync (G 8), fastest first."""
+def sweep_config(runaway: float, mfu_label: str, overhead_label: str, steps: int, schedules: list[str],
+                 fitted_ms: float) -> dict:
+    """One point's config at the cited median and this step overhead (`fitted_ms`: the 32B setting's fit): veRL-style
+    sync (G 8) and each schedule (G 4 on twice the prompts: the same samples), the reward pools grown with the GPUs."""
     overhead = OVERHEAD_128[overhead_label] or fitted_ms
     base = load(SWEEP_CONFIG)
-    pool = {"overlap": True}
-    kinds = {n: {**k, "workers": SWEEP_GPUS} if n == "judge" else k for n, k in base["reward"]["kinds"].items()}
+    grown = SWEEP_GPUS / base["cluster"]["gpus"]
+    kinds = {n: {**k, "workers": round(k["workers"] * grown)} if k.get("workers") else k
+             for n, k in base["reward"]["kinds"].items()}
     trainer = {} if MFU_128[mfu_label] is None else {"mfu": MFU_128[mfu_label], "mfu_gpus": SWEEP_GPUS}
     runs = [{"name": "sync", "label": "veRL-sync"}]
     for label in schedules:
         run = SWEEP_SCHEDULES[label]
         control = {**run.get("control", {}), "group_size": 4, "prompts_per_step": 2 * SWEEP_PROMPTS}  # equal samples
-        runs.append({**run, "label": label, "control": control, "reward": pool})
-    cfg = setting(SWEEP_CONFIG, steps, overhead, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
-                  control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway},
-                  reward={"kinds": kinds}, trainer=trainer)
+        runs.append({**run, "label": label, "control": control, "reward": {"overlap": True}})
+    return setting(SWEEP_CONFIG, steps, overhead, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
+                   control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway},
+                   reward={"kinds": kinds}, trainer=trainer)
+
+
+def equal_utility(e: dict, verl: dict) -> bool:
+    """Trains what veRL trains a step: its response tokens within 5%, its share of samples at the cap within three
+    standard errors of veRL's (a scheduler that cuts long samples short trains fewer runaways), and no more long
+    prompts left waiting than a step's."""
+    p = verl["capped_share"]
+    return (abs(e["tokens_per_step"] - verl["tokens_per_step"]) <= 0.05 * verl["tokens_per_step"]
+            and abs(e["capped_share"] - p) <= 3 * math.sqrt(p * (1 - p) / e["trained_samples"])
+            and e["deferred_prompts"] <= 2 * SWEEP_PROMPTS)
+
+
+def sweep_point(runaway: float, mfu_label: str, overhead_label: str, steps: int, schedules: list[str],
+                fitted_ms: float) -> dict:
+    """One point of the sweep (`sweep_config`): every schedule against veRL-style sync, fastest first."""
+    cfg = sweep_config(runaway, mfu_label, overhead_label, steps, schedules, fitted_ms)
     results = simulate(cfg, quiet=True)["results"]
     reference = results["veRL-sync"]
     ranked = []
     for label, r in results.items():
-        samples = round(r["tokens_per_s"] * r["sim_time_s"] / r["response_tokens"]["mean"] / r["steps"])
         ranked.append({"schedule": label, "speedup_vs_sync": round(reference["step_time_s"] / r["step_time_s"], 3),
                        "step_time_s": round(r["step_time_s"], 1), "rollout_time_s": round(r["rollout_time_s"], 1),
                        "train_time_s": round(r["train_time_s"], 1), "reward_wait_s": round(r["reward_wait_s"], 1),
-                       "straggler_rate": round(r["straggler_rate"], 3), "samples_per_step": samples,
+                       "straggler_rate": round(r["straggler_rate"], 3),
+                       "trained_samples": r["trained_samples"], "samples_per_step": r["trained_samples"] // r["steps"],
+                       "tokens_per_step": round(r["tokens_per_s"] * r["sim_time_s"] / r["steps"]),
+                       "mean_tokens": round(r["response_tokens"]["mean"]), "capped_share": r["truncated_share"],
                        "deferred_prompts": r["prompts"].get("prompts/deferred", 0)})
-    verl_samples = next(e["samples_per_step"] for e in ranked if e["schedule"] == "veRL-sync")
-    for e in ranked:  # at equal utility: veRL's samples a step within 5%, no more long prompts waiting than a step
-        e["equal_utility"] = (abs(e["samples_per_step"] - verl_samples) <= 0.05 * verl_samples
-                              and e["deferred_prompts"] <= 2 * SWEEP_PROMPTS)
+    verl = next(e for e in ranked if e["schedule"] == "veRL-sync")
+    for e in ranked:
+        e["equal_utility"] = equal_utility(e, verl)
     ranked.sort(key=lambda e: -e["speedup_vs_sync"])
     mfu = load_sim_config(cfg).trainer.mfu_on(SWEEP_GPUS)
-    best = next(e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"])
+    best = next((e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"]), verl)
     asyncs = [e for e in ranked if e["schedule"].startswith("async") and e["equal_utility"]]
     return {"runaway_share": runaway, "mfu": mfu_label, "trainer_mfu_128": round(mfu, 3),
-            "step_overhead": overhead_label, "step_overhead_ms": overhead, "median_tokens": CITED_MEDIAN,
+            "step_overhead": overhead_label, "step_overhead_ms": cfg["engine"]["step_overhead_ms"],
+            "median_tokens": CITED_MEDIAN,
             "best": {k: best[k] for k in ("schedule", "speedup_vs_sync")},
             "best_async": {k: asyncs[0][k] for k in ("schedule", "speedup_vs_sync")} if asyncs else None,
             "ranked": ranked}

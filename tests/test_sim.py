@@ -160,8 +160,13 @@ def test_same_prompt_and_ordinal_give_the_same_sample():
     work = Workload(WorkloadSpec(), RewardSpec(), seed=3)
     p = work.prompts()[5]
     assert work.samples(p, 0, 8)[:4] == work.samples(p, 0, 4)
-    resumed = work.resumed(p, 0, done=500)
-    assert resumed.length > 500
+    cut = work.samples(p, 0, 1)[0]
+    assert work.resumed(p, 3, done=cut.length // 2, cut=cut) == cut  # the same sample goes on
+    assert work.resumed(p, 3, done=cut.length, cut=cut).length == cut.length + 1  # never shorter than it is
+    # a replacement of a cut runaway runs away; its other draws, and the others', are those of its ordinal
+    forced, plain = work.samples(p, 0, 8, runaway_at={2}), work.samples(p, 0, 8)
+    assert forced[2].length == WorkloadSpec().max_tokens and forced[2].truncated and forced[2].reward == 0.0
+    assert forced[2].reward_latency == plain[2].reward_latency and forced[:2] + forced[3:] == plain[:2] + plain[3:]
 
 
 # --- whole runs ---------------------------------------------------------------------------------

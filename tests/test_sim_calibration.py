@@ -55,8 +55,10 @@ def test_quick_calibration_writes_the_issue_schema(calibration, tmp_path):
         ranked = p["ranked"]
         assert [e["speedup_vs_sync"] for e in ranked] == sorted((e["speedup_vs_sync"] for e in ranked), reverse=True)
         assert {e["schedule"] for e in ranked} == {"veRL-sync", *calibration.QUICK["schedules"]}
-        best = next(e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"])
+        verl = next(e for e in ranked if e["schedule"] == "veRL-sync")
+        best = next((e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"]), verl)
         assert p["best"] == {"schedule": best["schedule"], "speedup_vs_sync": best["speedup_vs_sync"]}
+        assert all(e["equal_utility"] == calibration.equal_utility(e, verl) for e in ranked) and verl["equal_utility"]
     low, high = sweep["summary"]["best_speedup_range"]
     assert low == min(p["best"]["speedup_vs_sync"] for p in sweep["points"]) and high >= low
     assert {"cpus", "python", "load_average_at_start"} <= set(report["machine"]) and report["wall_s"] > 0
@@ -107,3 +109,28 @@ def test_held_out_settings_take_nothing_from_rollpackers_rows(calibration):
     assert "step_overhead_ms" not in cfg["engine"]  # the default: the shared constant (check_constants holds it)
     pools = {name: kind["workers"] for name, kind in cfg["reward"]["kinds"].items()}
     assert pools == {"rule": 32, "sandbox": 32, "judge": cfg["cluster"]["gpus"]}
+
+
+def test_sweep_grows_every_reward_pool_with_the_gpus(calibration):
+    """At 128 GPUs every pool of the 64-GPU artifact setup doubles, the sandbox's as the judge's: each kind scores
+    twice the samples."""
+    base = calibration.load(calibration.SWEEP_CONFIG)
+    cfg = calibration.sweep_config(0.01, "law", "fitted 32B", 1, ["tail/G4"], 3.0)
+    grown = calibration.SWEEP_GPUS / base["cluster"]["gpus"]
+    assert grown == 2 and cfg["cluster"]["gpus"] == calibration.SWEEP_GPUS
+    pools = {n: k["workers"] for n, k in cfg["reward"]["kinds"].items()}
+    assert pools == {n: grown * k["workers"] for n, k in base["reward"]["kinds"].items()}
+    assert {"sandbox", "judge"} <= set(pools)
+
+
+def test_equal_utility_compares_trained_tokens_and_the_share_at_the_cap(calibration):
+    """A schedule trains what veRL trains only with as many response tokens a step and as many samples at the cap:
+    the same samples a step, each shorter, or its runaways cut short, is not equal utility."""
+    verl = {"tokens_per_step": 2165 * 2048, "capped_share": 0.0115, "trained_samples": 5 * 2048,
+            "deferred_prompts": 0}
+    same = dict(verl)
+    assert calibration.equal_utility(same, verl)
+    assert not calibration.equal_utility({**same, "tokens_per_step": 1621 * 2048}, verl)  # samples 25% shorter
+    assert not calibration.equal_utility({**same, "capped_share": 0.0017}, verl)  # runaways cut short
+    assert calibration.equal_utility({**same, "capped_share": 0.0105}, verl)  # within sampling noise
+    assert not calibration.equal_utility({**same, "deferred_prompts": 3 * calibration.SWEEP_PROMPTS}, verl)

@@ -37,11 +37,12 @@ class Replay(Workload):
         for j, index in enumerate(drawn):
             self.lengths[index] = lengths[j]
 
-    def samples(self, prompt: Prompt, first: int, n: int) -> list[SampleDraw]:
+    def samples(self, prompt: Prompt, first: int, n: int, runaways: int = 0) -> list[SampleDraw]:
+        """The live requests' lengths, whatever ran away before: the live run's lengths say what regenerating did."""
         return [self._replayed(d, prompt, first + j) for j, d in enumerate(super().samples(prompt, first, n))]
 
-    def resumed(self, prompt: Prompt, first: int, done: int) -> SampleDraw:
-        draw = self._replayed(super().resumed(prompt, first, done), prompt, first)
+    def resumed(self, prompt: Prompt, ordinal: int, done: int, cut: SampleDraw) -> SampleDraw:
+        draw = self._replayed(cut, prompt, ordinal)
         length = min(self.spec.max_tokens, max(draw.length, done + 1))
         return draw._replace(length=length, truncated=length >= self.spec.max_tokens)
 

@@ -26,7 +26,7 @@ from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.engine import (ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_by_interval,
                               slot_seconds_at)
-from rlsys.sim.workload import Workload
+from rlsys.sim.workload import SampleDraw, Workload
 from rlsys.step_stats import rollout_opens
 from rlsys.types import Completion, ScoredSample
 
@@ -95,7 +95,11 @@ class Simulation:
         self.sync_s = sync_seconds(self.shape, cfg.weight_sync.bandwidth_gbps, cfg.weight_sync.latency_s)
         self.cluster, self.control = cluster, control
         self.workload = workload or Workload(cfg.workload, cfg.reward, cfg.seed)  # shareable: it only caches
-        cursor = PromptCursor(self.workload.prompts(), seed=cfg.seed)
+        # Cut samples by prompt uid and ordinal, until resumed or replaced (`_submit`); a prompt drawn again
+        # starts afresh. `ordinal`: each request's sample, the identity a cut one's tokens carry.
+        self.cut: defaultdict[str, dict[int, SampleDraw]] = defaultdict(dict)
+        self.ordinal: dict[str, int] = {}
+        cursor = Visits(self.workload.prompts(), cfg.seed, self.cut)
         self.scheduler = build_scheduler(SimpleNamespace(control=control), cursor)
 
         self.now, self.version, self.trained = 0.0, 0, 0
@@ -267,16 +271,25 @@ class Simulation:
         traits = self.workload.traits(prompt)
         first = self.samples_drawn[prompt.uid]
         self.samples_drawn[prompt.uid] += len(action.request_ids)
-        draws = iter(self.workload.samples(prompt, first, len(action.request_ids)))
+        # A resumed request goes on with the sample its tokens name (`_abort`). The fresh ones replace the prompt's
+        # other cut samples, lowest ordinal first: a replaced runaway (cut at the cap) runs away again.
+        cut = self.cut[prompt.uid]
+        going_on = {rid: r.resume_ids[0] for rid, r in action.resume.items() if len(r.resume_ids)}
+        fresh = [j for j, rid in enumerate(action.request_ids) if rid not in going_on]
+        replaced = [cut.pop(o) for o in sorted(set(cut) - set(going_on.values()))[:len(fresh)]]
+        runaway_at = fresh[:sum(d.truncated for d in replaced)]
+        draws = self.workload.samples(prompt, first, len(action.request_ids), runaway_at)
         for j, rid in enumerate(action.request_ids):
             if rid in self.known:
                 raise SimulationError(f"request id {rid!r} submitted twice")
             self.known.add(rid)
-            draw = next(draws)
+            draw, self.ordinal[rid] = draws[j], first + j
             resume = action.resume.get(rid)
             done = len(resume.resume_ids) if resume else 0
             if done:
-                draw = self.workload.resumed(prompt, first + j, done)
+                self.ordinal[rid] = going_on[rid]
+                # its draw gone only if the prompt was drawn again and a fresh sample replaced it: then a fresh one
+                draw = self.workload.resumed(prompt, first + j, done, cut.pop(going_on[rid], draw))
             req = SimRequest(rid, prompt, traits.prompt_tokens, draw, self.now, done)
             if resume:
                 req.versions = run_lengths(resume.resume_versions)
@@ -330,8 +343,11 @@ class Simulation:
             self.partial[req.prompt.uid] = max(self.partial.get(req.prompt.uid, 0.0), req.done)
             self.counts["aborted"] += 1
             del self.requests[rid]
-            # As from a live engine: the partial output comes back, after the actions at hand.
-            self._push(self.now, ABORTED_OUT, self._completion(req, int(req.done), "abort"))
+            ordinal = self.ordinal.pop(rid)
+            self.cut[req.prompt.uid][ordinal] = SampleDraw(req.target, req.truncated, req.reward, req.reward_latency)
+            # As from a live engine: the partial output comes back, after the actions at hand; its tokens name
+            # the sample, so that a resumed request goes on with it.
+            self._push(self.now, ABORTED_OUT, self._completion(req, int(req.done), "abort", ordinal))
 
     @staticmethod
     def _tokens(groups: list) -> int:
@@ -449,15 +465,18 @@ class Simulation:
 
     def _deliver(self, req: SimRequest) -> None:
         self.requests.pop(req.rid, None)
+        self.ordinal.pop(req.rid, None)
         completion = self._completion(req, req.target, "length" if req.truncated else "stop")
         self._act(self._call(self.scheduler.on_sample, ScoredSample(completion, req.reward), self.now))
 
     @staticmethod
-    def _completion(req: SimRequest, tokens: int, reason: str) -> Completion:
-        """Token lists stand in as run-length sequences: only lengths and versions matter here."""
+    def _completion(req: SimRequest, tokens: int, reason: str, ordinal: Optional[int] = None) -> Completion:
+        """Token lists stand in as run-length sequences: only lengths and versions matter here, and a cut
+        sample's ordinal, its every token."""
         start = req.start_time if req.start_time is not None else req.end_time
+        ids = Runs.repeat(0, tokens) if ordinal is None else Runs([(ordinal, tokens)])  # not cached: one each
         return Completion(
-            req.rid, req.prompt.uid, Runs.repeat(0, req.prompt_tokens), Runs.repeat(0, tokens),
+            req.rid, req.prompt.uid, Runs.repeat(0, req.prompt_tokens), ids,
             Runs.repeat(0.0, tokens), Runs(req.versions), reason, worker=req.engine.index,
             submit_time=req.submit_time, start_time=start, end_time=req.end_time)
 
@@ -599,6 +618,20 @@ class Simulation:
                      "controller_calls": self.controller_calls,
                      "controller_share": self.controller_s / sim_s},
         }
+
+
+class Visits(PromptCursor):
+    """The run's cursor: a prompt it draws is a new visit, whose samples replace none cut in an earlier one."""
+
+    def __init__(self, prompts: list, seed: int, cut: dict):
+        super().__init__(prompts, seed)
+        self.cut = cut
+
+    def take(self, n: int) -> list:
+        prompts = super().take(n)
+        for prompt in prompts:
+            self.cut.pop(prompt.uid, None)
+        return prompts
 
 
 class Stream:

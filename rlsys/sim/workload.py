@@ -4,20 +4,27 @@ rewards and reward latencies.
 A prompt's traits are fixed by (seed, prompt). The samples of one Submit are drawn from a stream
 keyed by (seed, prompt, ordinal of its first sample), so schedulers that submit a prompt's samples
 together see the same first samples: common random numbers keep their comparison fair.
+
+A runaway (a sample that loops until the cap; any drawn at the cap counts as one) stays one, so that no scheduler
+trains fewer of them by cutting long samples short. Resumed (a partial rollout), a sample is the same sample: its
+draw goes on (`resumed`). Regenerated from scratch (tail's long round, a sample past sorted's version bound), a
+cut runaway's replacement runs away too (`samples(..., runaway_at)`), its other draws its own ordinal's; the
+simulator tracks which sample is which (rlsys/sim/simulator.py `_submit`). We carry the runaway status over
+rather than give each prompt a runaway propensity, which needs a spread across prompts that no published trace
+gives, or replay the cut sample's whole draw: the samples a schedule cuts are its longest, so a regenerated
+group would be longer than a fresh one, where only looping is taken to stick to a prompt.
 """
 from __future__ import annotations
 
 import math
 import random
-from statistics import NormalDist
+from collections.abc import Container
 from typing import NamedTuple
 
 import numpy as np
 
 from rlsys.sim.config import RewardSpec, WorkloadSpec
 from rlsys.types import Prompt
-
-NORMAL = NormalDist()
 
 
 class PromptTraits(NamedTuple):  # named tuples: cheap to build by the hundred thousand
@@ -69,30 +76,23 @@ class Workload:
         return [PromptTraits(int(t), sc, su, names[min(k, len(names) - 1)]) for t, sc, su, k in
                 zip(tokens.tolist(), scale.tolist(), success.tolist(), kinds.tolist())]
 
-    def samples(self, prompt: Prompt, first: int, n: int) -> list[SampleDraw]:
-        """Samples `first` .. `first + n - 1` of this prompt."""
+    def samples(self, prompt: Prompt, first: int, n: int, runaway_at: Container[int] = ()) -> list[SampleDraw]:
+        """Samples `first` .. `first + n - 1` of this prompt; those at the positions `runaway_at` replace cut
+        runaways and run away too."""
         rng = random.Random(f"sample:{self.seed}:{prompt.index}:{first}")
         traits = self.traits(prompt)
-        return [self._draw(rng, traits, traits.log_scale + self.sigma_sample * rng.gauss(0, 1)) for _ in range(n)]
+        return [self._draw(rng, traits, traits.log_scale + self.sigma_sample * rng.gauss(0, 1), i in runaway_at)
+                for i in range(n)]
 
-    def resumed(self, prompt: Prompt, first: int, done: int) -> SampleDraw:
-        """A sample that already has `done` tokens: its length is drawn conditioned on exceeding them."""
-        rng = random.Random(f"resume:{self.seed}:{prompt.index}:{first}")
-        traits = self.traits(prompt)
-        if self.sigma_sample > 0:
-            low = NORMAL.cdf((math.log(done + 1) - traits.log_scale) / self.sigma_sample)
-            u = low + (1 - low) * rng.random()
-            z = NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
-            log_len = traits.log_scale + self.sigma_sample * z
-        else:
-            log_len = traits.log_scale
-        draw = self._draw(rng, traits, log_len)
-        length = min(self.spec.max_tokens, max(draw.length, done + 1))
-        return SampleDraw(length, length >= self.spec.max_tokens, draw.reward, draw.reward_latency)
+    def resumed(self, prompt: Prompt, ordinal: int, done: int, cut: SampleDraw) -> SampleDraw:
+        """The sample drawn as `cut`, cut after `done` tokens and resumed as this prompt's request `ordinal`: the
+        same sample, so its draw goes on (a replay answers with the live request's length instead)."""
+        length = min(self.spec.max_tokens, max(cut.length, done + 1))
+        return cut._replace(length=length, truncated=length >= self.spec.max_tokens)
 
-    def _draw(self, rng: random.Random, traits: PromptTraits, log_len: float) -> SampleDraw:
+    def _draw(self, rng: random.Random, traits: PromptTraits, log_len: float, runaway: bool = False) -> SampleDraw:
         cap = self.spec.max_tokens
-        runaway = rng.random() < self.spec.runaway_share  # loops until the cap
+        runaway = rng.random() < self.spec.runaway_share or runaway  # loops until the cap; the coin always drawn
         length = cap if runaway else min(cap, max(1, round(math.exp(min(log_len, 50.0)))))
         truncated = length >= cap
         correct = rng.random() < traits.success and not truncated
