@@ -531,13 +531,26 @@ class DynamicSamplingConfig(Section):
 
 
 class TailConfig(Section):
-    """RollPacker tail batching: a short round over-draws prompts and samples by these factors."""
+    """RollPacker tail batching: a short round over-draws whole prompts and trains the first P to complete."""
     eta_p: float = Field(1.25, ge=1)  # prompts drawn per short round = ceil(eta_p * prompts_per_step)
-    eta_r: float = Field(1.25, ge=1)  # samples per prompt in a short round = ceil(eta_r * group_size)
+    # A deferred prompt waits at most this many policy versions: then the next round is a long one. 4 is the
+    # queue's own refill time at the default eta_p (each short round defers a quarter of P), so it binds only
+    # where eta_p is nearer 1 or P changes; each long round runs without speculation.
+    max_wait_steps: int = Field(4, ge=1)
     # A long round keeps at most this many samples generating (None: all at once). Its prompts are the
     # longest, so admitting them all overflows the engines' KV caches and vLLM pre-empts and recomputes;
     # set it to the engines' KV tokens over a long sample's tokens (the simulator derives it so).
     long_round_samples: Optional[int] = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _whole_groups(cls, data):
+        if isinstance(data, dict) and "eta_r" in data:
+            raise ValueError("control.tail.eta_r is gone: tail no longer over-samples a prompt and keeps the first "
+                             "R samples to finish, which trained every group without its slowest (often longest) "
+                             "answers; each prompt is trained with its whole group of R. Remove it; "
+                             "control.tail.eta_p over-draws whole prompts")
+        return data
 
 
 class SAGCConfig(Section):

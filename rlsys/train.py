@@ -231,14 +231,16 @@ class Controller:
     def accumulate(self, action: Accumulate) -> None:
         """trainer.streamed: gradients of groups the next Train will hold, computed while generation goes on,
         and the updates of the mini-batches they complete. With trainer.scale_down_at they wait for the
-        scale-down, then train on the GPUs it frees (RollPacker's stream trainer; the simulator's alike)."""
-        if not self.cfg.trainer.streamed:
+        scale-down, then train on the GPUs it frees (RollPacker's stream trainer; the simulator's alike). RollPacker
+        scales down in long rounds only: a short round has no long tail to lend GPUs from, so under scale_down_at
+        its groups are not streamed and it trains at its Train, as a step without trainer.streamed does."""
+        at = self.cfg.trainer.scale_down_at
+        if not self.cfg.trainer.streamed or (at is not None and not action.long_round):
             return
         if not self.streamed_groups:
             self.trainer.stream_begin(action.train_groups, self.version)
         self.streamed_groups += len(action.groups)
         self.unstreamed += action.groups
-        at = self.cfg.trainer.scale_down_at
         if at is not None and not self.lent:
             if self.streamed_groups < at * action.train_groups:
                 return

@@ -510,7 +510,7 @@ def test_tail_defers_a_conversation_waiting_on_its_tool_then_runs_it_whole_in_a_
     _, _, call_open, call_close, first_turn = tags
     eng = engine(model_dir, slots=4)
     eng.use_tools(call_open, call_close, max_turns=1)
-    sched = scheduler("tail", tail={"eta_p": 2.0, "eta_r": 1.0})
+    sched = scheduler("tail", tail={"eta_p": 2.0})
     d = Driver(sched, eng)
     first = sched.start(0.0)
     slow = first[1].prompt.uid
@@ -519,7 +519,7 @@ def test_tail_defers_a_conversation_waiting_on_its_tool_then_runs_it_whole_in_a_
     d.until(lambda: d.trains)
     [[group]] = d.trains
     assert group.prompt.uid != slow and all(len(s.completion.turns) == 1 for s in group.samples)
-    assert [p.uid for p in sched.queue] == [slow] and not eng.has_work()  # cut while waiting on its tool
+    assert [d.prompt.uid for d in sched.queue] == [slow] and not eng.has_work()  # cut while waiting on its tool
     assert sched.counts["wasted_tokens"] == 2 * first_turn
     sched.on_trained(1, d.trains[0])
     d.hold, second = set(), sched.start(0.0)

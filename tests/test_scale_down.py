@@ -1,5 +1,5 @@
 """RollPacker's stream trainer live (trainer.scale_down_at): the config that may ask for it, the trainer on the
-lent GPUs alone under the emulated clock, and a run that scales down every step. The move itself (requests cut
+lent GPUs alone under the emulated clock, and a run that scales down in its long round only. The move itself (requests cut
 with their tokens, resumed elsewhere to the same samples) is tests/test_rollout.py's."""
 import json
 import threading
@@ -91,25 +91,25 @@ def rows(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_run_scales_down_every_step_and_no_request_starts_on_a_freed_engine_before_the_train(tmp_path,
-                                                                                               ray_cluster):
-    """Every step scales down at its first of 4 groups and trains every group, the freed engine starts no request
-    from then to the step's Train, and the streamed micro-batches stand on the lent GPU. The engines are paced in
-    real time (emulate.time_scale=1) on 2 slots each, so that the freed one still holds requests when the first
-    group is scored: unpaced, the tiny model can finish every request before its rewards come back."""
+def test_a_run_scales_down_in_its_long_round_only_and_no_request_starts_on_a_freed_engine_before_the_train(
+        tmp_path, ray_cluster):
+    """RollPacker scales down in long rounds only. The first step is a short round (5 prompts drawn for 4): it
+    trains every group, lends no GPU and streams nothing; its prompt left unfinished has waited
+    control.tail.max_wait_steps=1 at the second step, a long round, which scales down at its first of 4 groups; the
+    freed engine starts no request from then to the step's Train, and the streamed micro-batches stand on the lent
+    GPU. The engines are paced in real time (emulate.time_scale=1) on 2 slots each, so that the freed one still
+    holds requests when the first group is scored: unpaced, the tiny model can finish every request before its
+    rewards come back."""
     out = tmp_path / "run"
     assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
                  *SCALE_DOWN, "trainer.scale_down_at=0.25", "trainer.mini_batches=2", "rollout.num_workers=2", *SMALL,
-                 "rollout.slots=2", "emulate.gpu=h100",
+                 "control.tail.max_wait_steps=1", "rollout.slots=2", "emulate.gpu=h100",
                  "emulate.gpus=2", "emulate.time_scale=1.0"]) == 0
-    steps = [r for r in rows(out / "metrics.jsonl") if "timing/train_s" in r]
-    assert [r["policy_version"] for r in steps] == [1, 2]
-    assert all(r["train/sequences"] == 16 and "rollout/scaled_down_at_s" in r for r in steps)
-    # At the first of 4 groups, of 25 requests on 2 engines of 2 slots, some wait or run on the freed one (moved is
-    # counted over the run: in three trials on a loaded 2-core machine, 4-5 by the first step and 14-15 by the second)
-    assert steps[1]["rollout/moved"] > 0
-    assert all(r["emulate/lent_micro_batches"] > 0 for r in steps)
-    timeline = rows(out / "timeline.jsonl")
-    for r in steps:
-        on_freed = [c for c in timeline if c["step"] == r["step"] and c["worker"] == 1]
-        assert on_freed and all(c["start"] < r["rollout/scaled_down_at_s"] for c in on_freed)
+    short, long = steps = [r for r in rows(out / "metrics.jsonl") if "timing/train_s" in r]
+    assert [r["policy_version"] for r in steps] == [1, 2] and [r["tail/round"] for r in steps] == [0, 1]
+    assert all(r["train/sequences"] == 16 for r in steps) and long["tail/max_wait"] == 1
+    assert not {"rollout/scaled_down_at_s", "rollout/moved"} & set(short) and short["emulate/lent_micro_batches"] == 0
+    # At the first of 4 groups, of 16 requests on 2 engines of 2 slots, some wait or run on the freed one
+    assert "rollout/scaled_down_at_s" in long and long["rollout/moved"] > 0 and long["emulate/lent_micro_batches"] > 0
+    on_freed = [c for c in rows(out / "timeline.jsonl") if c["step"] == long["step"] and c["worker"] == 1]
+    assert on_freed and all(c["start"] < long["rollout/scaled_down_at_s"] for c in on_freed)

@@ -201,14 +201,16 @@ def test_an_evicted_request_resumes_elsewhere_with_its_tokens_and_is_prefilled_a
 
 
 def test_scaling_down_lends_half_the_engines_to_the_streamed_trainer():
-    streamed = {"name": "tail", "trainer": {"streamed": True}}
+    # every other round a long one: the scale-down comes in those alone (RollPacker's)
+    streamed = {"name": "tail", "trainer": {"streamed": True}, "control": {"tail": {"max_wait_steps": 1}}}
     fast = {"kinds": {"rule": {"share": 1, "median_s": 0.005}}, "workers": 8}  # groups complete while others run
-    plain = one(streamed, reward=fast)
+    plain = one({**streamed, "trainer": {"streamed": False}}, reward=fast)
     scaled = one({**streamed, "trainer": {"streamed": True, "scale_down_at": 0.4}}, reward=fast)
     assert scaled["requests"]["migrated"] > 0 and plain["requests"]["migrated"] == 0  # Simulation.check held
     again = one({**streamed, "trainer": {"streamed": True, "scale_down_at": 0.4}}, reward=fast)
     assert {k: v for k, v in again.items() if k != "wall"} == {k: v for k, v in scaled.items() if k != "wall"}
-    assert scaled["train_time_s"] < plain["train_time_s"]  # more idle GPUs for the streamed gradients
+    # the long rounds' gradients streamed on the lent GPUs (a short round lends none, and trains after it)
+    assert scaled["long_round_steps"] == [1, 3] and scaled["train_time_s"] < plain["train_time_s"]
     for run in ({"name": "tail", "trainer": {"scale_down_at": 0.4}},
                 {**streamed, "cluster": {"trainer_gpus": 2}, "trainer": {"streamed": True, "scale_down_at": 0.4}}):
         with pytest.raises(ConfigError, match="trainer.scale_down_at .* set trainer.streamed and leave "

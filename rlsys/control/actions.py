@@ -30,3 +30,5 @@ class Accumulate:
     their gradients now, while the round still generates (trainer.streamed). A driver is free to ignore it."""
     groups: list[Group]
     train_groups: int  # how many the next Train holds: where a streamed trainer cuts its mini-batches
+    # tail's long round, whose slow prompts leave engines idle: trainer.scale_down_at lends GPUs in these only
+    long_round: bool = False

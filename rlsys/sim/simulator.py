@@ -252,7 +252,8 @@ class Simulation:
             elif isinstance(action, Train):
                 self._train(action, touched)
             elif isinstance(action, Accumulate):
-                if self.trainer.streamed:
+                # scale_down_at lends GPUs in long rounds only; a short round trains after it, as live (rlsys/train.py)
+                if self.trainer.streamed and (self.trainer.scale_down_at is None or action.long_round):
                     self.stream.add(self._tokens(action.groups), self.now, self._trainer_idle_s())
                     if self.contending:
                         self._contend(self._tokens(action.groups), touched)
@@ -538,8 +539,9 @@ class Simulation:
         """The planner's TP for the round about to start, from its type and the lengths it can expect: those of
         the last round of that type; before tail's first long round, twice what its queued prompts' aborted
         samples had reached (cut at a random point, a sample is on average half done)."""
-        queue = getattr(self.scheduler, "queue", ())
-        long = len(queue) >= self.control.prompts_per_step
+        queue = [d.prompt for d in getattr(self.scheduler, "queue", ())]  # tail's deferred prompts
+        due = getattr(self.scheduler, "long_round_due", None)
+        long = bool(due and due(self.control.prompts_per_step))
         lengths = self.round_lengths.get(long)
         if lengths:
             mean_tokens, longest = mean(lengths), max(lengths)
