@@ -86,7 +86,9 @@ SEEDS = 3
 # (emulated_budget_longcot_{2,4}gpu.json): 8 seeds, for intervals narrow enough to rank them
 PRESET_SEEDS = "sync=8,sorted-partial=8,async-eta2=8"
 EVAL_SIZES = (1000, 2000)  # the eval's bounds: evals are not paced (the emulated clock stops) but cost CPU time
-EVAL_S_PER_PROMPT = 0.0  # wall seconds per eval prompt on this machine's CPUs (set from the smoke run)
+# wall seconds per eval prompt: 200 cot_sum prompts took 2.8-3.4 s (timing/eval_s) on this 2-core machine under a
+# load of 12, so a long run's 21 evals of ~1800 prompts cost about as much as its 40 steps (and less when it is idle)
+EVAL_S_PER_PROMPT = 0.015
 
 
 def instrument_overrides(steps: int, eval_size: int) -> list[str]:
@@ -360,10 +362,11 @@ def print_plan(matrix: list[tuple], presets: list[str], counts: dict[str, int], 
         estimates = {p: estimated_s(name, gpus, p, short) for p in presets}
         seconds = {p: e[0] for p, e in estimates.items()}
         hours = sum(len(s) * seconds[p] for p, s in todo.items()) / 3600
+        evals = sum(map(len, todo.values())) * eval_s(short) / 3600
         total, n = total + hours, n + sum(map(len, todo.values()))
         print(f"[budget] plan {path.name}: " + ", ".join(f"{p} {len(s)} x {seconds[p] / 60:.0f} min"
-                                                         for p, s in todo.items() if s) + f": {hours:.1f} CPU-hours "
-              f"(from {', '.join(sorted({e[1] for e in estimates.values()}))})", flush=True)
+                                                         for p, s in todo.items() if s) + f": {hours:.1f} CPU-hours, "
+              f"{evals:.1f} of them in evals (from {', '.join(sorted({e[1] for e in estimates.values()}))})", flush=True)
     print(f"[budget] plan: {n} runs, {total:.1f} hours of one process (about {total / 2:.1f} h with two side by side, "
           "where the machine keeps both emulating: a run that overran is named in not_emulating)", flush=True)
 

@@ -433,17 +433,17 @@ TARGET_SHARES = (0.25, 0.5, 0.75)  # of sync's gain over the run
 
 def sync_targets(sync: list[dict]) -> dict[str, float | None]:
     """Targets set from sync's own runs. Its gain: per seed, its eval curve's last accuracy less its first; the
-    median over seeds. gain_25, gain_50, gain_75: sync's median first accuracy plus 25, 50 and 75% of that gain
-    (None where sync gained nothing). final_less_se: sync's final accuracy (the mean of its seeds' last evals) less
-    one standard error (repeated_accuracy)."""
+    median over seeds. gain_25, gain_50, gain_75: sync's median first accuracy plus 25, 50 and 75% of that gain.
+    final_less_se: sync's final accuracy (the mean of its seeds' last evals) less one standard error
+    (repeated_accuracy). A target at or below the first accuracy is None: every run would reach it at step 0."""
     curved = [r for r in sync if r.get("eval_curve")]
     if not curved:
         return {}
     start = statistics.median(r["eval_curve"][0][1] for r in curved)
     gain = statistics.median(r["eval_curve"][-1][1] - r["eval_curve"][0][1] for r in curved)
     final, se = repeated_accuracy([{**r, "final_accuracy": r["eval_curve"][-1][1]} for r in curved])
-    return {**{f"gain_{round(100 * f)}": start + f * gain if gain > 0 else None for f in TARGET_SHARES},
-            "final_less_se": final - se}
+    targets = {**{f"gain_{round(100 * f)}": start + f * gain for f in TARGET_SHARES}, "final_less_se": final - se}
+    return {name: accuracy if accuracy > start else None for name, accuracy in targets.items()}
 
 
 TARGETS_HOW = ("set from sync's runs (rlsys.bench.sync_targets): gain_25/50/75 = sync's median first eval accuracy "
@@ -711,7 +711,9 @@ def print_targets(report: dict) -> None:
         return
     print("\nsync's targets: " + ", ".join(f"{k} {v:.3f}" for k, v in targets.items())
           + "; ratios sync / this with 95% paired t intervals (>1x: this is cheaper)")
-    heads = [f"GPU-s to {k}" for k in targets] + ["samples to final_less_se", "acc @ sync GPU-s", "bubble / sync"]
+    sampled = "final_less_se" in targets  # SortedRL's measure: samples to reach sync's final accuracy
+    heads = [f"GPU-s to {k}" for k in targets] + ["samples to final_less_se"] * sampled + ["acc @ sync GPU-s",
+                                                                                          "bubble / sync"]
     print(f"{'preset':<16}{'pairs':>6}" + "".join(f"{h:>26}" for h in heads))
     for name, v in report["speedup_vs_sync"].items():
         if name == "sync":
@@ -721,8 +723,8 @@ def print_targets(report: dict) -> None:
                                                          if at["ci95"] else "")
         bubble = v.get("bubble_ratio_vs_sync", {}).get("ratio")
         cells = [times(v.get(f"gpu_s_to_{k}"), v.get(f"gpu_s_to_{k}_ci95")) for k in targets]
-        cells += [times(v.get("samples_to_final_less_se"), v.get("samples_to_final_less_se_ci95")), gap,
-                  f"{bubble:.2f}" if bubble is not None else "-"]
+        cells += [times(v.get("samples_to_final_less_se"), v.get("samples_to_final_less_se_ci95"))] * sampled
+        cells += [gap, f"{bubble:.2f}" if bubble is not None else "-"]
         print(f"{name:<16}{v['pairs']:>6}" + "".join(f"{c:>26}" for c in cells))
     print(f"intervals: {report.get('intervals', INTERVALS)}")
 
