@@ -363,6 +363,15 @@ def test_sapo_matches_veRL_and_TRL(taus):
         assert_same(rlsys_step(cfg, mask, logprobs, old, behaviour, adv, parts=parts)[:2], theirs)
 
 
+def test_sapo_by_default_trains_as_veRLs_and_TRLs_defaults():
+    """trainer.loss=sapo alone gives their loss and gradient: the negative-advantage tokens' gate at tau_neg 1.05,
+    fading faster than the positive ones' at tau_pos 1.0 (the test above sets the temperatures; this, the defaults)."""
+    mask, logprobs, old, behaviour, adv, _ = random_step(4)
+    assert (adv > 0).any() and (adv < 0).any()
+    theirs = reference_step(lambda lp: verl_sapo(old, lp, adv, mask), logprobs)  # with veRL's default temperatures
+    assert_same(rlsys_step(TrainerConfig(loss="sapo"), mask, logprobs, old, behaviour, adv)[:2], theirs)
+
+
 def test_sapo_has_ppos_gradient_at_ratio_one_and_fades_away_from_it():
     # One token, A = 1: d loss / d log pi = -rho f'(rho) = -4 rho s (1 - s), s = sigmoid(tau (rho - 1)).
     for ratio in [1.0, 1.5, 3.0]:
