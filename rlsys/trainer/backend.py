@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from pathlib import Path
@@ -273,7 +274,9 @@ class TrainerBackend(ABC):
     def end_step(self) -> float:
         """The rate this train step's updates took; the schedule moves on to the next step's (schedule.py)."""
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a first step skipped (non-finite, no tokens) skips no rate: it counts steps
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         return lr
 
     def merge_mini_batches(self, per_part: list[dict]) -> dict:
