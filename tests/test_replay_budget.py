@@ -65,7 +65,9 @@ def test_a_split_replay_keeps_the_runs_split_and_a_scale_down_its_lending(tmp_pa
                                   "rollout.num_workers=1"])
     cfg, _ = replay_config(split)
     assert (cfg.cluster.gpus, cfg.cluster.trainer_gpus) == (2, 1)  # 1 engine GPU, 1 trainer GPU, as live
-    scaled = run_folder(tmp_path, ["control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4"])
+    # every other round a long one, where alone a scale-down comes
+    scaled = run_folder(tmp_path, ["control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4",
+                                   "control.tail.max_wait_steps=1"])
     sim, result = replayed(scaled)
     assert sim.trainer.scale_down_at == 0.4 and not sim.contending  # the streamed batches on the lent GPUs alone
     assert result["requests"]["migrated"] > 0 and sim.cluster.gpus == 2
