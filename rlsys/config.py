@@ -696,6 +696,10 @@ class EmulateConfig(Section):
     # contending with the engines) or on the rest (separate). Unset: engines and trainer_gpus each their own.
     gpus: Optional[int] = Field(None, ge=1)
     layout: Literal["colocated", "separate"] = "colocated"
+    # Colocated, how an engine and the trainer share a GPU (docs/design.md "Emulated clock"): sleep, each switch
+    # between them copies the side leaving to host memory and the side arriving back (vLLM's sleep mode, as veRL
+    # and OpenRLHF colocate); resident, both stay, no switch, and the engine's KV is what the trainer leaves
+    colocation: Literal["sleep", "resident"] = "sleep"
     overrun_limit: float = Field(0.05, ge=0, le=1)  # a run whose overrun share passes this is not emulating
 
     @property

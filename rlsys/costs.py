@@ -6,7 +6,8 @@ engine's shape buckets (rlsys/rollout/shapes.py, plain Python), by which its pad
 
 Constants and formulas: docs/performance.md "Calibration sources" (decode with weights read
 at 75% of HBM bandwidth, KV reads at 90%, 90% of memory usable; prefill at about 45% of BF16 peak; weight
-sync; trainer MFU). Qwen2.5 shapes from arXiv 2412.15115 Table 1.
+sync; trainer MFU). Qwen2.5 shapes from arXiv 2412.15115 Table 1. A GPU the engine and the trainer share:
+docs/design.md "Emulated clock" (`switch_seconds`, `trainer_bytes`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ FORWARD_FLOPS = 2  # per parameter and token: one forward pass
 TRAIN_FLOPS = 6  # forward and backward
 LINK_GBPS = 25.0  # GB/s of full weights, trainer to engines
 SYNC_LATENCY_S = 0.2
+# A colocated switch copies bytes between the GPU and host memory over the GPU's host link (GPU.host_bandwidth):
+# a large pinned copy is taken to reach this share of the link's peak each way (assumed, as the other efficiencies)
+HOST_LINK_EFFICIENCY = 0.8
+# Adam under mixed precision, bytes a parameter (ZeRO, arXiv 1910.02054 section 3.1): bf16 weights 2 and gradients
+# 2, and the optimizer's fp32 master weights, momentum and variance 12; 16 in all
+TRAIN_WEIGHT_BYTES, TRAIN_GRAD_BYTES, ADAM_BYTES = BF16, BF16, 12
+# Tokens of a trainer GPU's micro-batch whose activations stay: each layer's input under gradient checkpointing
+# (veRL's ppo_max_token_len_per_gpu default, by which it packs micro-batches)
+ACTIVATION_TOKENS = 16384
 
 # The built-in engine (rlsys/rollout/builtin_engine.py) on CUDA instead of vLLM, its decode step as CUDA graphs
 # over static shapes: every row attends over the longest sequence's key bucket (EngineCost.max_len). key_s is the
@@ -48,10 +58,11 @@ class GPU:
     memory: float  # bytes of HBM
     bandwidth: float  # bytes/s
     peak_flops: float  # dense BF16
+    host_bandwidth: float = 64e9  # bytes/s each way between the GPU and host memory: PCIe Gen5 x16 (128 GB/s both)
 
 
 GPUS = {  # vendor datasheets, SXM parts (docs/performance.md "The simulator's GPUs")
-    "a100": GPU(80e9, 2.039e12, 312e12),  # A100 80GB: HBM2e, Ampere tensor cores
+    "a100": GPU(80e9, 2.039e12, 312e12, 32e9),  # A100 80GB: HBM2e, Ampere tensor cores, PCIe Gen4 x16
     "h100": GPU(80e9, 3.35e12, 989e12),
     "h800": GPU(80e9, 3.35e12, 989e12),  # same HBM and tensor cores as H100 SXM; less NVLink
     "h200": GPU(141e9, 4.8e12, 989e12),
@@ -66,6 +77,7 @@ class ModelShape:
     layers: int
     kv_heads: int
     head_dim: int = 128
+    hidden: int = 0  # the residual stream's width, for the trainer's activations; 0: unknown, estimated
 
     @classmethod
     def qwen2(cls, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> "ModelShape":
@@ -73,18 +85,23 @@ class ModelShape:
         d = hidden // heads
         per_layer = hidden * (heads + 2 * kv_heads) * d + (heads + 2 * kv_heads) * d + hidden * heads * d \
             + 3 * hidden * intermediate + 2 * hidden
-        return cls(layers * per_layer + 2 * vocab * hidden + hidden, layers, kv_heads, d)
+        return cls(layers * per_layer + 2 * vocab * hidden + hidden, layers, kv_heads, d, hidden)
 
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * BF16  # K and V, every layer
 
+    @property
+    def width(self) -> int:
+        """`hidden`, or where unknown the width whose ~12 x width^2 parameters a layer would hold."""
+        return self.hidden or round(math.sqrt(self.params / (12 * self.layers)))
+
 
 MODELS = {
-    "qwen2.5-1.5b": ModelShape(1.54e9, 28, 2),
-    "qwen2.5-7b": ModelShape(7.61e9, 28, 4),
-    "qwen2.5-14b": ModelShape(14.7e9, 48, 8),
-    "qwen2.5-32b": ModelShape(32.5e9, 64, 8),
+    "qwen2.5-1.5b": ModelShape(1.54e9, 28, 2, hidden=1536),
+    "qwen2.5-7b": ModelShape(7.61e9, 28, 4, hidden=3584),
+    "qwen2.5-14b": ModelShape(14.7e9, 48, 8, hidden=5120),
+    "qwen2.5-32b": ModelShape(32.5e9, 64, 8, hidden=5120),
 }
 
 
@@ -114,12 +131,17 @@ class EngineCost:
     def build(cls, model: ModelShape, gpu: GPU, tp: int, memory_fraction: float = MEMORY_FRACTION,
               overhead_s: float = STEP_OVERHEAD_S, decode_mfu: float = DECODE_MFU, prefill_mfu: float = PREFILL_MFU,
               allreduce_s: float = ALLREDUCE_S, tp_efficiency: float = TP_EFFICIENCY, key_s: float = 0.0,
-              max_len: int = 0) -> "EngineCost":
+              max_len: int = 0, resident: float = 0.0) -> "EngineCost":
+        """`resident`: bytes of each of its GPUs a trainer staying beside the engine holds (colocated, resident
+        mode: `trainer_bytes`); its KV cache is what is left."""
         if key_s and not max_len:
             raise ValueError("a padded engine's cost (key_s) needs its max_len, the last key bucket")
-        weights = model.params * BF16 / tp
+        weights = engine_bytes(model, tp)
         kv_token = model.kv_bytes_per_token / tp
-        free = memory_fraction * gpu.memory - weights
+        free = memory_fraction * gpu.memory - weights - resident
+        if free <= 0 and resident:
+            raise ValueError(f"{model.params / 1e9:.1f}B parameters on {tp} GPU(s) and the trainer's "
+                             f"{resident / 1e9:.1f} GB resident beside them leave no KV cache")
         if free <= 0:
             raise ValueError(f"{model.params / 1e9:.1f}B parameters do not fit on {tp} GPU(s); raise cluster.tp")
         flops_per_token = 2 * model.params / tp
@@ -159,3 +181,39 @@ def train_gpu_seconds(model: ModelShape, gpu: GPU, tokens: float, mfu: float, fl
 def sync_seconds(model: ModelShape, bandwidth_gbps: float = LINK_GBPS, latency_s: float = SYNC_LATENCY_S) -> float:
     """Broadcast the full BF16 weights once (7B in 0.55-0.8 s over NCCL: docs/performance.md "Calibration sources")."""
     return model.params * BF16 / (bandwidth_gbps * 1e9) + latency_s
+
+
+def engine_bytes(model: ModelShape, tp: int) -> float:
+    """An engine's BF16 weights on each of its `tp` GPUs."""
+    return model.params * BF16 / tp
+
+
+def trainer_states(model: ModelShape, gpus: int, zero_stage: int) -> float:
+    """The states of a full fine-tune with Adam on each of its `gpus` GPUs: ZeRO stage 1 shards the optimizer's
+    over them, 2 the gradients too, 3 the weights too (arXiv 1910.02054)."""
+    def share(bytes_per_param: int, stage: int) -> float:
+        return model.params * bytes_per_param / (gpus if zero_stage >= stage else 1)
+    return share(TRAIN_WEIGHT_BYTES, 3) + share(TRAIN_GRAD_BYTES, 2) + share(ADAM_BYTES, 1)
+
+
+def trainer_bytes(model: ModelShape, gpus: int, zero_stage: int) -> float:
+    """What the trainer holds on each of its GPUs while it trains: its states and the checkpointed activations of
+    ACTIVATION_TOKENS tokens (each layer's BF16 input)."""
+    return trainer_states(model, gpus, zero_stage) + ACTIVATION_TOKENS * model.layers * model.width * BF16
+
+
+def trainer_room(model: ModelShape, gpu: GPU, gpus: int, zero_stage: int,
+                 memory_fraction: float = MEMORY_FRACTION) -> float:
+    """Bytes left on each of the trainer's GPUs once it holds `trainer_bytes` (of the same usable share of memory
+    as an engine's); below 0 the trainer does not fit."""
+    return memory_fraction * gpu.memory - trainer_bytes(model, gpus, zero_stage)
+
+
+def switch_seconds(gpu: GPU, leaving: float, arriving: float) -> float:
+    """One switch of a GPU the engine and the trainer share, from one to the other: the side leaving copies its
+    `leaving` bytes there to host memory (`engine_bytes`, or `trainer_states`: no activations outlive a switch),
+    then the side arriving copies its `arriving` back, over the GPU's host link. Inference to training: vLLM's
+    sleep at level 1 (weights to host memory, the KV cache discarded: no copy), then the trainer's states loaded;
+    training to inference: the trainer's states offloaded (OpenRLHF's DeepSpeed sleep), then the engine's
+    wake-up (its weights back, its KV cache allocated again)."""
+    return (leaving + arriving) / (gpu.host_bandwidth * HOST_LINK_EFFICIENCY)

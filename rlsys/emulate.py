@@ -13,7 +13,12 @@ a modelled GPU they contend for it, as they would for a real one: each paced eng
 micro-batch reserves its GPUs' timeline (`GPUTimeline`) and begins only when the work before it there has ended,
 so an engine never steps while a trainer micro-batch runs on its GPU. (Whole steps rather than a share of the GPU:
 a decode step is bound by reading the weights and the KV cache, a micro-batch by the tensor cores, and neither
-leaves the other a share worth modelling.)
+leaves the other a share worth modelling.) And they switch it, as on a real GPU (`emulate.colocation`): asleep, an
+engine's weights and the trainer's states do not fit beside each other and the engine's KV cache, so each
+reservation by the other side than the GPU's last one first pays the switch (costs.switch_seconds: the side
+leaving copied to host memory, the side arriving back); resident, the trainer's states stay beside the engine,
+no switch is paid, and the engine's KV cache is what they leave (`costs.trainer_bytes`). A trainer whose states
+pass its GPUs' memory is refused (`check_trainer_fits`).
 
 RollPacker's stream trainer (`trainer.scale_down_at`): from the scale-down to the step's Train, the trainer's
 micro-batches reserve only the GPUs of the engines the scale-down freed, and run at those GPUs' count (half the
@@ -33,7 +38,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rlsys import costs
-from rlsys.errors import UserError
 from rlsys.placement import PlacementError, lent_engines, plan_placement
 
 
@@ -46,9 +50,11 @@ class Budget:
     trainer: tuple[int, ...]
 
     @classmethod
-    def of(cls, cfg, engines: int, trainer_world: int = 1) -> "Budget":
-        """`cfg`: an EmulateConfig that is on; `engines`: rollout.num_workers. Without `emulate.gpus`, every engine
-        and the trainer's `emulate.trainer_gpus` have GPUs of their own (separate), and the budget is their sum."""
+    def of(cls, cfg, engines: int, trainer_world: int = 1, zero_stage: int | None = 2) -> "Budget":
+        """`cfg`: an EmulateConfig that is on; `engines`: rollout.num_workers; `zero_stage`: trainer.zero_stage
+        (None: no memory checked, for a run on a real GPU, whose model is not cfg.model). Without `emulate.gpus`,
+        every engine and the trainer's `emulate.trainer_gpus` have GPUs of their own (separate), and the budget is
+        their sum."""
         tp, layout = cfg.tp, cfg.layout
         gpus = cfg.gpus if cfg.gpus is not None else engines * tp + (cfg.trainer_gpus or 8)
         if cfg.gpus is None:
@@ -62,19 +68,29 @@ class Budget:
         if trainer_gpus % trainer_world:
             raise PlacementError(f"trainer.world_size={trainer_world} must divide the trainer's {trainer_gpus} "
                                  f"modelled GPUs (emulate.gpus={gpus}, emulate.layout={layout})")
+        if zero_stage is not None:
+            check_trainer_fits(cfg, trainer_gpus, zero_stage, f"its {trainer_gpus} modelled GPUs " + (
+                f"(emulate.trainer_gpus={trainer_gpus})" if cfg.gpus is None else
+                f"(emulate.gpus={gpus}, emulate.layout={layout}, rollout.num_workers={engines}, emulate.tp={tp})"))
+            engine_cost(cfg, trainer_gpus if layout == "colocated" else None, zero_stage)  # refused if no KV is left
         plan = plan_placement(1, gpus, engines, tp, trainer_gpus, layout)
         return cls(gpus, layout, tuple(s.gpus for s in plan.engines), tuple(s.gpus[0] for s in plan.trainer))
 
     @classmethod
     def of_run(cls, run_cfg) -> "Budget":
         """The budget of a run's Config whose emulate section is on."""
-        engines, world = run_cfg.rollout.num_workers, run_cfg.trainer.world_size
-        budget = cls.of(run_cfg.emulate, engines, world)
+        engines, world, zero = run_cfg.rollout.num_workers, run_cfg.trainer.world_size, run_cfg.trainer.zero_stage
+        budget = cls.of(run_cfg.emulate, engines, world, zero)
         lent = len(budget.gpus_of(lent_engines(engines)))
-        if run_cfg.trainer.scale_down_at is not None and lent % world:
-            raise PlacementError(f"trainer.scale_down_at lends the trainer the modelled GPUs of the engines it scales "
-                                 f"down, {lent} (rollout.num_workers={engines}, emulate.tp={run_cfg.emulate.tp}): "
-                                 f"trainer.world_size={world} must divide them")
+        if run_cfg.trainer.scale_down_at is not None:
+            if lent % world:
+                raise PlacementError(f"trainer.scale_down_at lends the trainer the modelled GPUs of the engines it "
+                                     f"scales down, {lent} (rollout.num_workers={engines}, emulate.tp="
+                                     f"{run_cfg.emulate.tp}): trainer.world_size={world} must divide them")
+            # it trains on them alone until the Train
+            check_trainer_fits(run_cfg.emulate, lent, zero, f"the {lent} modelled GPUs of the engines "
+                               f"trainer.scale_down_at scales down (rollout.num_workers={engines}, emulate.tp="
+                               f"{run_cfg.emulate.tp})")
         return budget
 
     def trainer_rank(self, rank: int, world: int) -> tuple[int, ...]:
@@ -90,19 +106,50 @@ class Budget:
         return equal_slices(self.gpus_of(engines), world)
 
 
+def engine_cost(cfg, trainer_gpus: int | None, zero_stage: int) -> costs.EngineCost:
+    """An engine of `cfg` (an EmulateConfig); resident (`trainer_gpus` given, emulate.colocation=resident), beside
+    the trainer's states and activations on each of its GPUs, its KV cache what they leave."""
+    model, gpu = costs.MODELS[cfg.model], costs.GPUS[cfg.gpu]
+    resident = trainer_gpus is not None and cfg.colocation == "resident"
+    try:
+        return costs.EngineCost.build(model, gpu, cfg.tp, resident=costs.trainer_bytes(model, trainer_gpus, zero_stage)
+                                      if resident else 0.0)
+    except ValueError as e:
+        fields = f"emulate.colocation=resident, trainer.zero_stage={zero_stage}, " if resident else ""
+        raise PlacementError(f"emulate.tp={cfg.tp}: {e} ({fields}emulate.model={cfg.model}, emulate.gpu={cfg.gpu})"
+                             ) from None
+
+
+def check_trainer_fits(cfg, gpus: int, zero_stage: int, where: str) -> None:
+    """Refuses a trainer of `cfg.model` (an EmulateConfig) whose states and activations on `gpus` modelled GPUs
+    (`where`) pass their memory, as a real one would run out of it."""
+    model, gpu = costs.MODELS[cfg.model], costs.GPUS[cfg.gpu]
+    if costs.trainer_room(model, gpu, gpus, zero_stage) < 0:
+        need = costs.trainer_bytes(model, gpus, zero_stage)
+        raise PlacementError(
+            f"emulate.model={cfg.model} trained with Adam under trainer.zero_stage={zero_stage} needs "
+            f"{need / 1e9:.0f} GB on each of {where}, more than the {costs.MEMORY_FRACTION * gpu.memory / 1e9:.0f} "
+            f"GB usable of an emulate.gpu={cfg.gpu}: give the trainer more modelled GPUs, raise trainer.zero_stage, or "
+            "emulate a smaller emulate.model")
+
+
 def equal_slices(gpus: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
     """`gpus` split among `world` trainer ranks, an equal slice each, in order."""
     share = len(gpus) // world
     return [gpus[rank * share:(rank + 1) * share] for rank in range(world)]
 
 
+ENGINE, TRAINER = 1.0, 2.0  # who holds a modelled GPU (GPUTimeline); 0.0: nobody yet
+
+
 class GPUTimeline:
-    """Until when each modelled GPU is taken, in one file every process of the run (engines, trainer ranks) shares
-    under an exclusive lock: 8 bytes a GPU, a float. Times are time.perf_counter()'s, which on Linux is
+    """Until when each modelled GPU is taken, who took it last (ENGINE, TRAINER) and the seconds that side takes
+    to leave it (its bytes to host memory), in one file every process of the run (engines, trainer ranks) shares
+    under an exclusive lock: 24 bytes a GPU, three floats. Times are time.perf_counter()'s, which on Linux is
     CLOCK_MONOTONIC: one clock for every process of the machine. Each process opens the file once and overwrites
     its slots in place: a reservation is on the path of every paced step, and reopening, truncating and closing the
     file each time cost ~0.4 ms (ext4 flushes a file truncated then closed)."""
-    SLOT = struct.Struct("d")
+    SLOT = struct.Struct("ddd")
 
     def __init__(self, path: str):
         self.path = path
@@ -131,27 +178,39 @@ class GPUTimeline:
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _ends(self, fd: int, gpus: tuple[int, ...]) -> list[float]:
-        """Until when each GPU is taken: a slot never written (past the end, or a hole) reads as free, 0.0."""
+    def _slots(self, fd: int, gpus: tuple[int, ...]) -> list[tuple[float, float, float]]:
+        """(until, holder, leave_s) of each GPU: a slot never written (past the end, or a hole) reads as free and
+        held by nobody, (0.0, 0.0, 0.0)."""
         size = self.SLOT.size
-        return [self.SLOT.unpack(e)[0] if len(e := os.pread(fd, size, g * size)) == size else 0.0 for g in gpus]
+        return [self.SLOT.unpack(e) if len(e := os.pread(fd, size, g * size)) == size else (0.0, 0.0, 0.0)
+                for g in gpus]
 
     def reserve(self, gpus: tuple[int, ...], began: float, seconds: float) -> float:
         """Take `gpus` for `seconds` from `began` or, if later, from when the work reserved before on any of them
         ends. Returns when this work's time there begins."""
+        return self.take(gpus, began, seconds)[0]
+
+    def take(self, gpus: tuple[int, ...], began: float, seconds: float, holder: float = 0.0,
+             resident_s: float = 0.0) -> tuple[float, float]:
+        """`reserve` by `holder`, whose bytes take `resident_s` to copy each way between a GPU and host memory: on a
+        GPU the other side held last, the work begins after the switch (that side's leave_s, then resident_s; on
+        all its GPUs at once, so the longest). A GPU nobody has held costs no switch (the run starts loaded).
+        Returns when the work begins and the switch it paid."""
         with self._locked() as fd:
-            start = max([began, *self._ends(fd, gpus)])
+            slots = self._slots(fd, gpus)
+            switch = max([0.0] + [leave + resident_s for _, last, leave in slots if last and holder and last != holder])
+            start = max([began, *(until for until, _, _ in slots)]) + switch
             for g in gpus:
-                os.pwrite(fd, self.SLOT.pack(start + seconds), g * self.SLOT.size)
-        return start
+                os.pwrite(fd, self.SLOT.pack(start + seconds, holder, resident_s), g * self.SLOT.size)
+        return start, switch
 
     def shorten(self, gpus: tuple[int, ...], until: float, to: float) -> None:
         """Work that reserved `gpus` until `until` ended at `to` instead: each of them nothing has reserved since
         is free from `to` (a later reservation was timed from `until` already and keeps its place)."""
         with self._locked() as fd:
-            for g, end in zip(gpus, self._ends(fd, gpus)):
+            for g, (end, holder, leave) in zip(gpus, self._slots(fd, gpus)):
                 if end == until:
-                    os.pwrite(fd, self.SLOT.pack(to), g * self.SLOT.size)
+                    os.pwrite(fd, self.SLOT.pack(to, holder, leave), g * self.SLOT.size)
 
 
 def sleep_until(t: float) -> None:
@@ -188,6 +247,9 @@ class Pacer:
     overrun_s: float = 0.0  # the run's seconds (wall over time_scale) by which real compute passed modelled time
     timeline: GPUTimeline | None = None  # where the work contends for its modelled GPUs (colocated)
     on_gpus: tuple[int, ...] = ()  # the modelled GPUs the work runs on
+    holder: float = 0.0  # ENGINE or TRAINER: who the work is, on a GPU the other side shares
+    resident_s: float = 0.0  # seconds to copy this side's bytes on a GPU to or from host memory (asleep; 0 resident)
+    switch_s: float = 0.0  # switches paid before this part's work, in all
 
     def hold(self, started: float, modelled_s: float, interrupt: Interrupt | None = None,
              grain: int = 1) -> tuple[float, float]:
@@ -202,7 +264,9 @@ class Pacer:
             self.overrun_s += (now - started - seconds) / self.time_scale
         begin = started
         if self.timeline:
-            begin = self.timeline.reserve(self.on_gpus, started, seconds)
+            begin, switch = self.timeline.take(self.on_gpus, started, seconds, self.holder,
+                                               self.resident_s * self.time_scale)
+            self.switch_s += switch / self.time_scale
         deadline = begin + seconds
         while (left := deadline - time.perf_counter()) > 0:  # sleep may wake a hair early
             if interrupt is None:
@@ -217,7 +281,7 @@ class Pacer:
         return begin, deadline
 
     def counts(self) -> dict[str, float]:
-        return {"held": self.held, "overruns": self.overruns, "overrun_s": self.overrun_s}
+        return {"held": self.held, "overruns": self.overruns, "overrun_s": self.overrun_s, "switch_s": self.switch_s}
 
 
 @dataclass
@@ -265,12 +329,25 @@ class TrainerPacer(Pacer):
     prompt_tokens: int | None = None  # as EnginePacer's
     own: tuple = ()  # (on_gpus, gpus) of the rank's own GPUs while it trains on lent ones
     lent_held: int = 0  # micro-batches held on lent GPUs
+    sleeps: bool = False  # its GPUs shared asleep (emulate.colocation): its states leave them at each switch
+    zero_stage: int = 2  # trainer.zero_stage, by which its states are sharded over the trainer's GPUs
+    world: int = 1  # live trainer ranks, each on an equal slice of the trainer's GPUs
+
+    def __post_init__(self):
+        self._shard()
+
+    def _shard(self) -> None:
+        """Its states on each of its GPUs (the whole trainer's sharded over all ranks' GPUs), as host-copy seconds."""
+        if self.sleeps:
+            states = costs.trainer_states(self.model, len(self.on_gpus) * self.world, self.zero_stage)
+            self.resident_s = costs.switch_seconds(self.gpu, states, 0.0)
 
     def lend(self, gpus: tuple[int, ...] | None) -> None:
         """Train on these modelled GPUs from the next micro-batch on, at their count (trainer.scale_down_at: the
-        GPUs of the engines scaled down); None: on the rank's own again."""
+        GPUs of the engines scaled down; the trainer's states sharded over them); None: on the rank's own again."""
         self.own = self.own or (self.on_gpus, self.gpus)
         self.on_gpus, self.gpus = (gpus, len(gpus)) if gpus else self.own
+        self._shard()
 
     def counts(self) -> dict[str, float]:
         return {**super().counts(), "lent_held": self.lent_held}
@@ -296,34 +373,49 @@ class Emulation:
     """The run's emulated GPU and model (`cfg`: an EmulateConfig that is on), its GPU budget over `engines`
     engines and `trainer_world` live trainer ranks, and its pacers; `run_dir` holds the GPUs' shared timeline."""
 
-    def __init__(self, cfg, engines: int = 1, trainer_world: int = 1, run_dir: str = "."):
-        self.cfg = cfg
-        self.budget = Budget.of(cfg, engines, trainer_world)
+    def __init__(self, cfg, engines: int = 1, trainer_world: int = 1, run_dir: str = ".", zero_stage: int = 2):
+        self.cfg, self.zero_stage = cfg, zero_stage
+        self.budget = Budget.of(cfg, engines, trainer_world, zero_stage)
+        colocated = self.budget.layout == "colocated"
         self.timeline = (GPUTimeline(os.path.join(os.path.abspath(run_dir), "emulated_gpus.bin"))
-                         if self.budget.layout == "colocated" else None)  # separate: no GPU is shared
+                         if colocated else None)  # separate: no GPU is shared
+        self.colocation = cfg.colocation if colocated else None
         self.model, self.gpu = costs.MODELS[cfg.model], costs.GPUS[cfg.gpu]
-        try:
-            self.engine_cost = costs.EngineCost.build(self.model, self.gpu, cfg.tp)
-        except ValueError as e:
-            raise UserError(f"emulate.tp={cfg.tp}: {e} (emulate.model={cfg.model}, emulate.gpu={cfg.gpu})") from None
+        self.engine_cost = engine_cost(cfg, len(self.budget.trainer) if colocated else None, zero_stage)
         self.sync_s = costs.sync_seconds(self.model)
         self.label = clock_label(cfg)
 
     @classmethod
     def of(cls, run_cfg) -> "Emulation":
         """The emulation of a run's Config."""
-        return cls(run_cfg.emulate, run_cfg.rollout.num_workers, run_cfg.trainer.world_size, run_cfg.output_dir)
+        return cls(run_cfg.emulate, run_cfg.rollout.num_workers, run_cfg.trainer.world_size, run_cfg.output_dir,
+                   run_cfg.trainer.zero_stage)
+
+    @property
+    def sleeps(self) -> bool:
+        """Engines and trainer share GPUs and switch them (emulate.colocation=sleep)."""
+        return self.colocation == "sleep"
 
     def engine_pacer(self, index: int = 0) -> EnginePacer:
+        weights = costs.engine_bytes(self.model, self.cfg.tp)
         return EnginePacer(self.cfg.time_scale, cost=self.engine_cost, k=self.cfg.tokens_per_token,
                            prompt_tokens=self.cfg.prompt_tokens, timeline=self.timeline,
-                           on_gpus=self.budget.engines[index])
+                           on_gpus=self.budget.engines[index], holder=ENGINE,
+                           resident_s=costs.switch_seconds(self.gpu, weights, 0.0) if self.sleeps else 0.0)
 
     def trainer_pacer(self, world_size: int, rank: int = 0) -> TrainerPacer:
         on = self.budget.trainer_rank(rank, world_size)
         return TrainerPacer(self.cfg.time_scale, model=self.model, gpu=self.gpu, gpus=len(on),
                             k=self.cfg.tokens_per_token, prompt_tokens=self.cfg.prompt_tokens, timeline=self.timeline,
-                            on_gpus=on)
+                            on_gpus=on, holder=TRAINER, sleeps=self.sleeps, zero_stage=self.zero_stage,
+                            world=world_size)
+
+    def switch_seconds(self) -> float:
+        """A switch of a shared GPU between an engine and the trainer on all its GPUs, either way (0: none)."""
+        if not self.sleeps:
+            return 0.0
+        states = costs.trainer_states(self.model, len(self.budget.trainer), self.zero_stage)
+        return costs.switch_seconds(self.gpu, costs.engine_bytes(self.model, self.cfg.tp), states)
 
     def sync_pacer(self) -> Pacer:
         return Pacer(self.cfg.time_scale)
@@ -340,9 +432,11 @@ class Emulation:
         b = self.budget
         engines = "; ".join(f"engine {i} on GPU {','.join(map(str, g))}" for i, g in enumerate(b.engines))
         slots = self.kv_slots(run_cfg.data.max_prompt_tokens, run_cfg.rollout.max_new_tokens)
+        shared = (f"; emulate.colocation={self.colocation}: a switch between an engine and the trainer "
+                  f"{self.switch_seconds():.2f} s" if self.colocation else "")
         return (f"emulated: {b.gpus} modelled {self.cfg.gpu} GPUs, {b.layout}: {engines}; trainer on GPUs "
-                f"{','.join(map(str, b.trainer))}; an engine's KV holds {slots} sequences of the longest prompt and "
-                f"response (rollout.slots={run_cfg.rollout.slots})")
+                f"{','.join(map(str, b.trainer))}{shared}; an engine's KV holds {slots} sequences of the longest "
+                f"prompt and response (rollout.slots={run_cfg.rollout.slots})")
 
     def describe(self) -> dict:
         """What every report of the run carries beside its times."""
@@ -351,6 +445,7 @@ class Emulation:
                 "emulate/tokens_per_token": c.tokens_per_token, "emulate/prompt_tokens": c.prompt_tokens,
                 "emulate/tp": c.tp,
                 "emulate/gpus": self.budget.gpus, "emulate/layout": self.budget.layout,
+                "emulate/colocation": self.colocation, "emulate/switch_s": self.switch_seconds(),
                 "emulate/trainer_gpus": len(self.budget.trainer)}
 
 

@@ -13,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlsys import costs
 from rlsys.config import ConfigError, EmulateConfig
 from rlsys.emulate import Budget, Emulation, EnginePacer, GPUTimeline, Overruns, Pacer
+from rlsys.placement import lent_engines
 from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.sim.config import load_sim_config
@@ -66,7 +67,7 @@ def test_a_prompt_stands_for_its_own_emulated_length_not_k_times_its_tokens():
     assert scaled.step_s(17, 0, 0, prompts=2, prompt_prefill=14) == pytest.approx(k * 17 * cost.prefill_s_per_token)
     assert own.step_s(0, 2, 24, prompt_kv=14) == pytest.approx(k * cost.step_s(2, 2 * P + k * 10 + 2 * (k - 1) / 2))
     assert scaled.step_s(0, 2, 24, prompt_kv=14) == scaled.step_s(0, 2, 24)  # k a token, prompt or not
-    emulation = Emulation(EmulateConfig(gpu="h100", model="qwen2.5-7b", tokens_per_token=k, prompt_tokens=P,
+    emulation = Emulation(EmulateConfig(gpu="h100", model="qwen2.5-1.5b", tokens_per_token=k, prompt_tokens=P,
                                         trainer_gpus=1))
     trainer = emulation.trainer_pacer(1)
     assert emulation.engine_pacer().prompt_tokens == trainer.prompt_tokens == P
@@ -80,7 +81,7 @@ def test_a_hold_never_ends_before_its_modelled_time_and_counts_overruns():
         started = time.perf_counter()
         pacer.hold(started, modelled)
         assert time.perf_counter() - started >= modelled * 3.0
-    assert pacer.counts() == {"held": 3, "overruns": 0, "overrun_s": 0.0}
+    assert pacer.counts() == {"held": 3, "overruns": 0, "overrun_s": 0.0, "switch_s": 0.0}
     started = time.perf_counter() - 1.0  # the real work took a second, 0.7 s of wall time past its 0.3
     pacer.hold(started, 0.1)
     counts = pacer.counts()
@@ -259,7 +260,7 @@ def test_an_abort_lands_no_sooner_than_one_emulated_decode_step_and_the_gpu_stay
 
 def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F811
     backend = TorchBackend(trainer_config(), model_dir, Scoring(1.0))
-    emulated = EmulateConfig(gpu="h100", model="qwen2.5-7b", time_scale=1.0, tokens_per_token=8, trainer_gpus=1)
+    emulated = EmulateConfig(gpu="h100", model="qwen2.5-1.5b", time_scale=1.0, tokens_per_token=40, trainer_gpus=1)
     backend.pacer = Emulation(emulated).trainer_pacer(world_size=1)
     samples = build_samples(make_groups(0), "grpo")
     _, totals = plan_step(samples, 1, 48)
@@ -274,7 +275,7 @@ def test_each_trainer_micro_batch_lasts_its_modelled_time(model_dir):  # noqa: F
     # modelled at no time, it would count as an overrun every time.
     backend.accumulate_gradients([], StepTotals(1, 1, 1), closes_step=False)
     assert backend.pacer.counts() == {"held": metrics["emulate_held"], "overruns": metrics["emulate_overruns"],
-                                      "overrun_s": metrics["emulate_overrun_s"], "lent_held": 0}
+                                      "overrun_s": metrics["emulate_overrun_s"], "lent_held": 0, "switch_s": 0.0}
 
 
 @pytest.mark.slow
@@ -370,15 +371,16 @@ def test_a_replay_of_async_gives_the_trainer_its_budgets_gpus_and_its_proximal_f
     (tmp_path / "timeline.jsonl").write_text(json.dumps(
         {"step": 1, "request_id": "p0#0", "tokens": 5, "prompt_tokens": 9, "finish_reason": "stop"}) + "\n")
     save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo", "emulate.layout=separate",
-                                     "rollout.num_workers=1"]), tmp_path / "config.yaml")
+                                     "emulate.gpus=4"]), tmp_path / "config.yaml")
     cfg, _ = replay_config(tmp_path)
-    assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus == 1  # the same budget: 1 engine GPU, 1 trainer GPU
+    assert cfg.cluster.gpus == 4 and cfg.cluster.trainer_gpus == 2  # the same budget: 2 engine GPUs, 2 trainer GPUs
+    assert cfg.trainer.zero_stage == 2  # the live trainer's, by which its states shard
     # 4 mini-batches of stale samples: pi_prox recomputed for the last 3 (trainer.proximal=recompute)
     assert cfg.trainer.flops_per_param_token == costs.TRAIN_FLOPS + costs.FORWARD_FLOPS * 3 / 4
     # Colocated, async contends for its GPUs: the trainer on both, the engines waiting while it trains
     save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo"]), tmp_path / "config.yaml")
     cfg, _ = replay_config(tmp_path)
-    assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus is None
+    assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus is None and cfg.cluster.colocation == "sleep"
 
 
 def gpu_run_folder(path):
@@ -455,7 +457,7 @@ def emulated(*overrides):
 
 def test_the_budget_places_engines_and_trainer_on_the_modelled_gpus_and_refuses_more_than_it_has():
     assert Emulation.of(emulated()).budget == Budget(2, "colocated", ((0,), (1,)), (0, 1))
-    split = Emulation.of(emulated("emulate.layout=separate", "rollout.num_workers=1"))
+    split = Emulation.of(emulated("emulate.layout=separate", "rollout.num_workers=1", "emulate.model=qwen2.5-1.5b"))
     assert split.budget == Budget(2, "separate", ((0,),), (1,))
     assert split.trainer_pacer(1).gpus == 1 and split.describe()["emulate/gpus"] == 2
     assert Emulation.of(emulated("emulate.gpus=4", "trainer.world_size=2")).budget.trainer_rank(1, 2) == (2, 3)
@@ -499,12 +501,15 @@ def overlap(a: list, b: list) -> float:
 
 
 def test_a_colocated_engine_never_steps_while_a_trainer_micro_batch_runs_on_its_gpu(tmp_path):
-    engine, trainer = contending_spans(tmp_path / "colocated")
+    # resident (no switch to wait for), on 8 GPUs, where the trainer's states leave the engines room
+    engine, trainer = contending_spans(tmp_path / "colocated", "emulate.colocation=resident", "emulate.gpus=8",
+                                       "rollout.num_workers=8")
     assert len(engine) == 30 and len(trainer) == 6
     assert overlap(engine, trainer) == 0.0  # one after the other on the shared GPU
     assert all(e - b >= 0.001 for b, e in engine + trainer)  # each still lasts its modelled time
-    # Split (engine on GPU 0, trainer on GPU 1) they run at once: the check above sees overlap where there is some
-    engine, trainer = contending_spans(tmp_path / "separate", "emulate.layout=separate", "rollout.num_workers=1")
+    # Split (engines on GPUs 0-5, trainer on 6-7) they run at once: the check above sees overlap where there is some
+    engine, trainer = contending_spans(tmp_path / "separate", "emulate.layout=separate", "emulate.gpus=8",
+                                       "rollout.num_workers=6")
     assert overlap(engine, trainer) > 0.05
 
 
@@ -521,6 +526,8 @@ def test_an_engines_slots_are_what_its_modelled_kv_cache_holds_and_check_prints_
     report = check_report(cfg)
     assert "emulated: 2 modelled h100 GPUs, colocated: engine 0 on GPU 0; engine 1 on GPU 1; trainer on GPUs 0,1" \
         in report and f"KV holds {int(free / per_token // longest)} sequences" in report
+    assert f"emulate.colocation=sleep: a switch between an engine and the trainer {emulation.switch_seconds():.2f} s" \
+        in report
 
 
 def test_the_long_cot_configs_engines_run_the_slots_their_modelled_kv_holds():
@@ -531,3 +538,74 @@ def test_the_long_cot_configs_engines_run_the_slots_their_modelled_kv_holds():
     assert cfg.rollout.slots == kv
     per_engine = cfg.control.prompts_per_step * cfg.control.group_size / cfg.rollout.num_workers
     assert kv >= per_engine  # a sync step's requests all decode at once
+
+
+# --- a GPU the engines and the trainer share -----------------------------------------------------------------
+WEIGHTS_7B = 7.61e9 * 2  # Qwen2.5-7B's bf16 weights
+HOST_LINK = 0.8 * 64e9  # an H100's PCIe Gen5 x16, each way, at the share a large pinned copy reaches
+
+
+def test_a_colocated_switch_between_inference_and_training_costs_its_modelled_time(tmp_path):
+    """Asleep (the default), an engine step then a trainer micro-batch on the same GPU: the trainer waits for the
+    engine's weights to leave and its own states to arrive, and the engine after it for the reverse; a second step
+    of the same side pays nothing."""
+    scale = 0.01
+    emulation = Emulation.of(emulated(f"emulate.time_scale={scale}", "emulate.tokens_per_token=1",
+                                      f"output_dir={tmp_path}"))
+    engine, trainer = emulation.engine_pacer(0), emulation.trainer_pacer(1)
+    states = 7.61e9 * (2 + (2 + 12) / 2)  # bf16 weights whole; gradients and Adam sharded over 2 GPUs (ZeRO-2)
+    switch = (WEIGHTS_7B + states) / HOST_LINK
+    assert emulation.switch_seconds() == pytest.approx(switch) and switch > 1.5
+    _, step_end = engine.step(time.perf_counter(), 0, 8, 8 * 40)
+    begin, end = trainer.micro_batch(time.perf_counter(), 100, costs.TRAIN_FLOPS)
+    assert begin - step_end >= scale * switch * 0.999
+    began = time.perf_counter()
+    begin2, end2 = trainer.micro_batch(began, 100, costs.TRAIN_FLOPS)
+    assert begin2 - max(began, end) < scale * switch / 4  # the trainer's still: no switch
+    began = time.perf_counter()
+    step_begin, _ = engine.step(began, 0, 8, 8 * 40)
+    assert step_begin - max(began, end2) == pytest.approx(scale * switch, rel=0.01)
+    assert engine.counts()["switch_s"] == pytest.approx(switch) == trainer.counts()["switch_s"]
+    # resident, on 8 GPUs where the trainer's states leave room beside the engines: no switch
+    resident = Emulation.of(emulated(f"emulate.time_scale={scale}", "emulate.tokens_per_token=1", "emulate.gpus=8",
+                                     "rollout.num_workers=8", "emulate.colocation=resident",
+                                     f"output_dir={tmp_path / 'resident'}"))
+    engine, trainer = resident.engine_pacer(0), resident.trainer_pacer(1)
+    engine.step(time.perf_counter(), 0, 8, 8 * 40)
+    trainer.micro_batch(time.perf_counter(), 100, costs.TRAIN_FLOPS)
+    engine.step(time.perf_counter(), 0, 8, 8 * 40)
+    assert resident.switch_seconds() == engine.switch_s == trainer.switch_s == 0.0
+
+
+def test_a_resident_trainer_leaves_an_engine_fewer_kv_slots_than_a_sleeping_one():
+    cfg = emulated("emulate.gpus=8", "rollout.num_workers=8")
+    asleep, resident = Emulation.of(cfg), Emulation.of(emulated("emulate.gpus=8", "rollout.num_workers=8",
+                                                                 "emulate.colocation=resident"))
+    per_token = 2 * 28 * 4 * 128 * 2
+    trainer = 7.61e9 * (2 + 14 / 8) + 16384 * 28 * 3584 * 2  # ZeRO-2 over 8 GPUs; each layer's checkpointed input
+    assert asleep.engine_cost.kv_capacity - resident.engine_cost.kv_capacity == pytest.approx(trainer / per_token)
+    longest = (cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens)
+    assert resident.kv_slots(*longest) < asleep.kv_slots(*longest) / 2
+    # on the 2 GPUs of the configs, its states and the engine's weights leave no KV cache at all
+    with pytest.raises(ConfigError, match=r"leave no KV cache \(emulate.colocation=resident, trainer.zero_stage=2"):
+        emulated("emulate.colocation=resident")
+
+
+@pytest.mark.parametrize("overrides, where", [
+    (["emulate.layout=separate", "rollout.num_workers=1"],
+     r"its 1 modelled GPUs \(emulate.gpus=2, emulate.layout=separate, rollout.num_workers=1, emulate.tp=1\)"),
+    (["control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4"],
+     r"the 1 modelled GPUs of the engines trainer.scale_down_at scales down \(rollout.num_workers=2"),
+    (["emulate.gpus=8", "rollout.num_workers=7", "emulate.layout=separate"], r"its 1 modelled GPUs"),
+])
+def test_a_trainer_whose_states_pass_its_gpus_memory_is_refused(overrides, where):
+    """Qwen2.5-7B under Adam holds 16 bytes a parameter, ~122 GB, past one H100's 80: on one modelled GPU (the split
+    budget of 2, or the GPU a 2-GPU scale-down lends) it cannot train."""
+    with pytest.raises(ConfigError, match=r"emulate.model=qwen2.5-7b trained with Adam under trainer.zero_stage=2 "
+                                          r"needs 125 GB on each of " + where):
+        emulated(*overrides)
+    # on two it fits: ZeRO-2 shards the gradients and Adam's states over them (71.8 GB of the 72 usable)
+    split = Budget.of_run(emulated("emulate.layout=separate", "emulate.gpus=4"))
+    scaled = Budget.of_run(emulated("control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4",
+                                    "emulate.gpus=4", "rollout.num_workers=4"))
+    assert split.trainer == (2, 3) and len(scaled.gpus_of(lent_engines(4))) == 2

@@ -61,13 +61,15 @@ def test_a_colocated_replay_never_decodes_on_a_gpu_the_trainer_holds(tmp_path, p
 
 
 def test_a_split_replay_keeps_the_runs_split_and_a_scale_down_its_lending(tmp_path):
+    # on 4 GPUs: on 2, Qwen2.5-7B's Adam states would not fit the trainer's 1 (rlsys/emulate.py check_trainer_fits)
     split = run_folder(tmp_path, ["control.scheduler=async", "trainer.loss=decoupled_ppo", "emulate.layout=separate",
-                                  "rollout.num_workers=1"])
+                                  "emulate.gpus=4"])
     cfg, _ = replay_config(split)
-    assert (cfg.cluster.gpus, cfg.cluster.trainer_gpus) == (2, 1)  # 1 engine GPU, 1 trainer GPU, as live
+    assert (cfg.cluster.gpus, cfg.cluster.trainer_gpus) == (4, 2)  # 2 engine GPUs, 2 trainer GPUs, as live
     # every other round a long one, where alone a scale-down comes
     scaled = run_folder(tmp_path, ["control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4",
-                                   "control.tail.max_wait_steps=1"])
+                                   "control.tail.max_wait_steps=1",
+                                   "emulate.model=qwen2.5-1.5b"])  # whose Adam states fit the 1 GPU lent
     sim, result = replayed(scaled)
     assert sim.trainer.scale_down_at == 0.4 and not sim.contending  # the streamed batches on the lent GPUs alone
     assert result["requests"]["migrated"] > 0 and sim.cluster.gpus == 2

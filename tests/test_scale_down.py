@@ -41,8 +41,11 @@ def test_a_scale_down_the_run_cannot_do_is_refused_naming_the_fields(overrides, 
 def test_the_scale_down_preset_loads_on_the_emulated_budget():
     from rlsys.bench import PRESETS
 
-    cfg = load_config(EMULATED, PRESETS["tail-scaledown"])
-    assert cfg.trainer.scale_down_at == 0.4 and lent_engines(cfg.rollout.num_workers) == [1]
+    # Qwen2.5-7B's Adam states do not fit the 1 GPU a 2-GPU budget's scale-down lends (tests/test_emulate.py)
+    with pytest.raises(ConfigError, match=r"needs 125 GB on each of the 1 modelled GPUs of the engines"):
+        load_config(EMULATED, PRESETS["tail-scaledown"])
+    cfg = load_config(EMULATED, PRESETS["tail-scaledown"] + ["emulate.gpus=4", "rollout.num_workers=4"])
+    assert cfg.trainer.scale_down_at == 0.4 and lent_engines(cfg.rollout.num_workers) == [2, 3]
     assert load_config(None, SCALE_DOWN + ["rollout.num_workers=2"]).trainer.scale_down_at == 0.4  # and on CPU
 
 
@@ -53,24 +56,25 @@ def overlap(a: list, b: list) -> float:
 def test_after_a_scale_down_the_trainer_stands_on_the_lent_gpu_alone(tmp_path):
     """Engine 0 kept, engine 1 scaled down: the trainer's micro-batches reserve GPU 1 alone, at one GPU's pace,
     so engine 0 decodes beside them and engine 1 never steps while one runs; lent back, the trainer has both."""
+    # Qwen2.5-1.5B, whose Adam states fit the lent GPU, resident beside the engines (no switch to wait for)
     cfg = load_config(EMULATED, [*SCALE_DOWN, "emulate.time_scale=1.0", "emulate.tokens_per_token=1",
-                                 f"output_dir={tmp_path}"])
+                                 "emulate.model=qwen2.5-1.5b", "emulate.colocation=resident", f"output_dir={tmp_path}"])
     emulation = Emulation.of(cfg)
     kept, freed, trainer = emulation.engine_pacer(0), emulation.engine_pacer(1), emulation.trainer_pacer(1)
-    own_s = trainer.micro_batch_s(600, costs.TRAIN_FLOPS)
+    own_s = trainer.micro_batch_s(3000, costs.TRAIN_FLOPS)
     [lent] = emulation.budget.lent(lent_engines(2), 1)
     assert lent == (1,)
     trainer.lend(lent)
-    assert trainer.on_gpus == (1,) and trainer.micro_batch_s(600, costs.TRAIN_FLOPS) == pytest.approx(2 * own_s)
+    assert trainer.on_gpus == (1,) and trainer.micro_batch_s(3000, costs.TRAIN_FLOPS) == pytest.approx(2 * own_s)
     spans = {"kept": [], "freed": [], "trainer": []}
 
     def steps(name, pacer):
         for _ in range(30):
-            spans[name].append(pacer.step(time.perf_counter(), 0, 64, 64 * 40))  # ~8 ms modelled
+            spans[name].append(pacer.step(time.perf_counter(), 0, 64, 64 * 40))  # ~2 ms modelled
 
     def micro_batches():
         for _ in range(6):
-            spans["trainer"].append(trainer.micro_batch(time.perf_counter(), 600, costs.TRAIN_FLOPS))  # ~40 ms
+            spans["trainer"].append(trainer.micro_batch(time.perf_counter(), 3000, costs.TRAIN_FLOPS))  # ~80 ms
             time.sleep(0.005)
 
     threads = [threading.Thread(target=steps, args=("kept", kept)),
@@ -83,7 +87,7 @@ def test_after_a_scale_down_the_trainer_stands_on_the_lent_gpu_alone(tmp_path):
     assert overlap(spans["kept"], spans["trainer"]) > 0.05  # the kept engine decodes undisturbed beside
     assert trainer.counts()["lent_held"] == 6
     trainer.lend(None)
-    assert trainer.on_gpus == (0, 1) and trainer.micro_batch_s(600, costs.TRAIN_FLOPS) == own_s
+    assert trainer.on_gpus == (0, 1) and trainer.micro_batch_s(3000, costs.TRAIN_FLOPS) == own_s
 
 
 def rows(path: Path) -> list[dict]:
@@ -104,7 +108,7 @@ def test_a_run_scales_down_in_its_long_round_only_and_no_request_starts_on_a_fre
     assert main(["train", str(DEFAULT_CONFIG), "trainer.total_steps=2", f"output_dir={out}", "control.eval_every=0",
                  *SCALE_DOWN, "trainer.scale_down_at=0.25", "trainer.mini_batches=2", "rollout.num_workers=2", *SMALL,
                  "control.tail.max_wait_steps=1", "rollout.slots=2", "emulate.gpu=h100",
-                 "emulate.gpus=2", "emulate.time_scale=1.0"]) == 0
+                 "emulate.model=qwen2.5-1.5b", "emulate.gpus=2", "emulate.time_scale=1.0"]) == 0
     short, long = steps = [r for r in rows(out / "metrics.jsonl") if "timing/train_s" in r]
     assert [r["policy_version"] for r in steps] == [1, 2] and [r["tail/round"] for r in steps] == [0, 1]
     assert all(r["train/sequences"] == 16 for r in steps) and long["tail/max_wait"] == 1

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from rlsys.config import ConfigError
-from rlsys.costs import GPUS
+from rlsys.costs import GPUS, switch_seconds
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.engine import SimRequest, replica_idle_by_interval, replica_idle_gpu_s
 from rlsys.sim.run import simulate
@@ -143,7 +143,9 @@ def test_idle_gpus_are_lent_only_in_whole_trainer_replicas():
 
 
 def test_streamed_groups_are_credited_only_their_gradients_on_gpus_idle_after_they_came():
-    cfg = load_sim_config(small({"s": {"name": "tail", "trainer": {"streamed": True, "flops_per_param_token": 10}}}))
+    # resident: the GPUs lent switch for nothing (the next test has the switches)
+    cfg = load_sim_config(small({"s": {"name": "tail", "trainer": {"streamed": True, "flops_per_param_token": 10},
+                                       "cluster": {"colocation": "resident"}}}))
     sim = Simulation(cfg, cfg.runs()[0])
     for engine in sim.engines:  # 4 GPUs idle over [0, 100]
         engine.idle_spans = [(0.0, 100.0)]
@@ -159,13 +161,53 @@ def test_streamed_groups_are_credited_only_their_gradients_on_gpus_idle_after_th
 
 def test_a_scaled_down_trainer_streams_only_on_the_engines_it_freed():
     trainer = {"streamed": True, "flops_per_param_token": 6, "scale_down_at": 0.4}
-    cfg = load_sim_config(small({"s": {"name": "tail", "trainer": trainer}}))
+    for colocation in ("resident", "sleep"):
+        cfg = load_sim_config(small({"s": {"name": "tail", "trainer": trainer, "cluster": {"colocation": colocation}}}))
+        sim = Simulation(cfg, cfg.runs()[0])
+        for engine in sim.engines:  # 4 GPUs idle over [0, 100], one of them scaled down
+            engine.idle_spans = [(0.0, 100.0)]
+        sim.lent, sim.now, per_token = {3}, 100.0, sim._gpu_s(1)
+        sim.stream.add(round(1000 / per_token), 0.0, 0.0)
+        # 1 GPU x 100 s, not 4; asleep, less the lent GPU's switch from its engine to the trainer
+        switch = switch_seconds(GPUS["h800"], 1.54e9 * 2, 1.54e9 * 16 / 4) if colocation == "sleep" else 0.0
+        assert sim._streamed_gpu_s() == pytest.approx(100 - switch)
+    assert switch > 0.1
+
+
+def test_a_colocated_step_pays_the_switch_to_the_trainer_and_back():
+    """Asleep, each Train switches every GPU from the engines to the trainer and back: the engines' bf16 weights and
+    the trainer's Adam states (ZeRO-3 over the 4 GPUs) each copied out and in over the host link."""
+    cfg = load_sim_config(small({"s": {"name": "sync"}}))
     sim = Simulation(cfg, cfg.runs()[0])
-    for engine in sim.engines:  # 4 GPUs idle over [0, 100], one of them scaled down
-        engine.idle_spans = [(0.0, 100.0)]
-    sim.lent, sim.now, per_token = {3}, 100.0, sim._gpu_s(1)
-    sim.stream.add(round(1000 / per_token), 0.0, 0.0)
-    assert sim._streamed_gpu_s() == pytest.approx(100)  # 1 GPU x 100 s, not 4
+    result = sim.run()
+    switch = (1.54e9 * 2 + 1.54e9 * 16 / 4) / (0.8 * 64e9)  # weights, states; bytes over PCIe Gen5's share
+    assert result["switch_s"] == pytest.approx(switch) and switch > 0.1
+    assert result["switches_per_step"] == 2
+    for (begin, end), train, reward in zip(sim.trainer_spans, sim.train_s, sim.reward_s):
+        assert end - begin == pytest.approx(reward + train + sim.sync_s + 2 * switch)
+    # a streamed batch contending for every GPU pays both switches; one queued behind it, neither again
+    cfg = load_sim_config(small({"s": {"name": "tail", "trainer": {"streamed": True, "contend": True}}}))
+    sim = Simulation(cfg, cfg.runs()[0])
+    touched = {}
+    sim._contend(1000, touched)
+    sim._contend(1000, touched)
+    (b1, e1), (b2, e2) = sim.stream_spans
+    assert b1 == pytest.approx(switch) and b2 == e1 and sim.switches == 3
+    assert all(e.paused_until == pytest.approx(e2 + switch) for e in sim.engines)
+
+
+def test_a_resident_trainer_leaves_the_engines_less_kv_and_a_trainer_that_cannot_fit_is_refused():
+    sleep = load_sim_config(small({"s": {"name": "sync"}}, model="qwen2.5-7b", cluster={"gpus": 8, "tp": 1}))
+    resident = load_sim_config(small({"s": {"name": "sync"}}, model="qwen2.5-7b",
+                                     cluster={"gpus": 8, "tp": 1, "colocation": "resident"}))
+    kv_token = 2 * 28 * 4 * 128 * 2
+    trainer = 7.61e9 * 16 / 8 + 16384 * 28 * 3584 * 2  # ZeRO-3 states over 8 GPUs, checkpointed activations
+    assert sleep.engine_cost(sleep.cluster).kv_capacity - resident.engine_cost(resident.cluster).kv_capacity \
+        == pytest.approx(trainer / kv_token)
+    assert Simulation(resident, resident.runs()[0]).run()["switch_s"] == 0.0  # and no switch to pay
+    with pytest.raises(ConfigError, match=r"the trainer needs 125 GB on each of its 1 GPUs \(trainer.zero_stage=3, "
+                                          r"cluster.gpus=2, cluster.trainer_gpus=1"):
+        load_sim_config(small({"s": {"name": "async"}}, model="qwen2.5-7b", cluster={"gpus": 2, "trainer_gpus": 1}))
 
 
 def test_a_replica_larger_than_the_cluster_streams_nothing():
@@ -236,8 +278,9 @@ KV_HUNGRY = {"params": 30e9, "layers": 64, "kv_heads": 32}
 
 
 def test_planner_raises_tp_under_kv_pressure_and_preempts_less():
+    # the trainer on 16 GPUs of its own, where its states fit; the 4 engines' KV is what is tested
     cfg = {"model": KV_HUNGRY, "steps": 6, "workload": {"max_tokens": 8192, "median_tokens": 2000, "sigma": 0.2},
-           "reward": {"kinds": {"rule": {"share": 1, "median_s": 0.005}}}}
+           "reward": {"kinds": {"rule": {"share": 1, "median_s": 0.005}}}, "cluster": {"gpus": 20, "trainer_gpus": 16}}
     fixed = one({"name": "sync"}, **cfg)
     elastic = one({"name": "sync", "control": {"elastic_tp": {"enabled": True, "rule": "preemptions", "max_tp": 2}}}, **cfg)
     assert fixed["tp_per_step"] == [1] * 6 and min(fixed["preemptions_by_step"]) > 0

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from rlsys.config import ConfigError, ConfigSource, ControlConfig, Section, format_errors, read_yaml_mapping
 from rlsys.control.elastic_tp import tp_sizes
+from rlsys.placement import lent_engines
 from rlsys import costs
 from rlsys.costs import GPUS, MODELS, EngineCost, ModelShape
 
@@ -45,6 +46,7 @@ class ModelSpec(Section):
     layers: int = Field(ge=1)
     kv_heads: int = Field(ge=1)
     head_dim: int = Field(128, ge=1)
+    hidden: int = Field(0, ge=0)  # the residual stream's width, for the trainer's activations; 0: estimated
 
 
 class ClusterSpec(Section):
@@ -53,6 +55,10 @@ class ClusterSpec(Section):
     tp: int = Field(1, ge=1)  # GPUs per rollout engine (the starting size under control.elastic_tp)
     gpus_per_node: int = Field(8, ge=1)  # an engine's GPUs stay within one node
     trainer_gpus: Optional[int] = Field(None, ge=1)  # None: colocated, rollout pauses while training
+    # Colocated, how engines and trainer share a GPU, as emulate.colocation (docs/design.md "Emulated clock"): sleep,
+    # each switch between them copies the side leaving to host memory and the side arriving back; resident, both
+    # stay, and an engine's KV cache is what the trainer's states leave
+    colocation: Literal["sleep", "resident"] = "sleep"
 
     @model_validator(mode="after")
     def _engines_fit(self):
@@ -124,6 +130,9 @@ class RewardSpec(Section):
 
 class TrainerSpec(Section):
     mfu: float = Field(costs.TRAIN_MFU, gt=0, le=1)
+    # how its Adam states are sharded over its GPUs, as the live trainer.zero_stage (a replay sets the run's);
+    # 3, all of them, as veRL's FSDP and Megatron's distributed optimizer over TP shards keep no whole copy
+    zero_stage: int = Field(3, ge=0, le=3)
     # Data parallelism over more GPUs loses MFU (Megatron on Qwen3-30B-A3B: 0.40 / 0.37 / 0.31 on 8 / 16 / 32
     # GPUs, docs/performance.md "Calibration sources"), and loses more per doubling the more GPUs there are: each
     # GPU adds `comm_per_gpu` of unhidden communication to a step's compute, so the step takes 1 + comm_per_gpu * GPUs
@@ -204,8 +213,10 @@ class SimConfig(Section):
                 except ValidationError as e:
                     where = "; ".join(f"{'.'.join(map(str, x['loc'])) or '(top)'}: {x['msg']}" for x in e.errors())
                     raise ValueError(f"schedulers[{i}].{section}: {where}") from None
+        for run in self.runs():
+            self._trainer_fits(run)
         need = self.workload.max_prompt_tokens + self.workload.max_tokens
-        if min(self.engine_cost(self.cluster_for(r)).kv_capacity for r in self.runs()) < need:
+        if min(self.engine_cost(self.cluster_for(r), self.trainer_for(r)).kv_capacity for r in self.runs()) < need:
             raise ValueError(f"engine KV cache holds fewer tokens than one request needs ({need}); "
                              "raise cluster.tp or lower workload.max_tokens")
         for run in self.runs():
@@ -221,6 +232,22 @@ class SimConfig(Section):
                 raise ValueError(f"{run.label}: cluster.tp={cluster.tp} is not a size control.elastic_tp may use: "
                                  f"{self.tp_sizes(cluster, elastic)}")
         return self
+
+    def _trainer_fits(self, run: SchedulerRun) -> None:
+        """A trainer whose states and activations (costs.trainer_bytes) pass its GPUs' memory is refused: on all
+        GPUs colocated, on its own separate, and on the engines' it is lent alone under trainer.scale_down_at."""
+        cluster, trainer = self.cluster_for(run), self.trainer_for(run)
+        gpus = cluster.trainer_gpus or cluster.gpus
+        if trainer.scale_down_at is not None:
+            gpus = len(lent_engines(cluster.rollout_gpus // cluster.tp)) * cluster.tp
+        gpu = GPUS[cluster.gpu]
+        if costs.trainer_room(self.shape(), gpu, gpus, trainer.zero_stage) < 0:  # engine.memory_fraction is vLLM's
+            need = costs.trainer_bytes(self.shape(), gpus, trainer.zero_stage)
+            raise ValueError(f"{run.label}: the trainer needs {need / 1e9:.0f} GB on each of its {gpus} GPUs "
+                             f"(trainer.zero_stage={trainer.zero_stage}, cluster.gpus={cluster.gpus}, "
+                             f"cluster.trainer_gpus={cluster.trainer_gpus}, trainer.scale_down_at="
+                             f"{trainer.scale_down_at}), more than the {costs.MEMORY_FRACTION * gpu.memory / 1e9:.0f} "
+                             f"GB usable of a {cluster.gpu}: give it more GPUs or raise trainer.zero_stage")
 
     def tp_sizes(self, cluster: ClusterSpec, elastic) -> list[int]:
         """The TP sizes elastic TP may pick: within its bounds and a node, dividing the rollout GPUs,
@@ -256,13 +283,17 @@ class SimConfig(Section):
     def control_for(self, run: SchedulerRun) -> SimControlConfig:
         return SimControlConfig.model_validate({**self.control.model_dump(), **run.control, "scheduler": run.name})
 
-    def engine_cost(self, cluster: ClusterSpec) -> EngineCost:
+    def engine_cost(self, cluster: ClusterSpec, trainer: Optional[TrainerSpec] = None) -> EngineCost:
+        """An engine of `cluster`; colocated resident, beside the states of `trainer` (None: the top-level one)."""
         e, w = self.engine, self.workload
         padded = {"key_s": e.padded_key_us / 1e6, "max_len": w.max_prompt_tokens + w.max_tokens} \
             if e.padded_key_us else {}
+        resident = 0.0
+        if cluster.trainer_gpus is None and cluster.colocation == "resident":
+            resident = costs.trainer_bytes(self.shape(), cluster.gpus, (trainer or self.trainer).zero_stage)
         return EngineCost.build(self.shape(), GPUS[cluster.gpu], cluster.tp, e.memory_fraction,
                                 e.step_overhead_ms / 1e3, e.decode_mfu, e.prefill_mfu, e.allreduce_us / 1e6,
-                                e.tp_efficiency, **padded)
+                                e.tp_efficiency, **padded, resident=resident)
 
 
 def load_sim_config(source: Union[str, Path, dict, SimConfig]) -> SimConfig:

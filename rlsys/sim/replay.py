@@ -96,8 +96,9 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         profile = engine or costs.BUILTIN_ENGINE
         engine_spec = {"step_overhead_ms": profile["overhead_s"] * 1e3, "decode_mfu": profile["decode_mfu"],
                        "prefill_mfu": profile["prefill_mfu"], "padded_key_us": profile.get("key_s", 0.0) * 1e6}
+        # colocated resident: the built-in engine keeps its weights through a sleep (rlsys/rollout/builtin_engine.py)
         e = e.model_copy(update={"gpu": gpu, "tp": 1, "gpus": live.rollout.num_workers, "layout": "colocated",
-                                 "tokens_per_token": 1})
+                                 "tokens_per_token": 1, "colocation": "resident"})
     elif not e.on:
         raise ValueError(f"{run_dir}: not an emulated run (emulate.gpu is unset in its config.yaml)")
     else:
@@ -111,12 +112,13 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
     # GPU while it trains and the engines wait (the simulator pauses them, as the live GPUTimeline makes them wait),
     # and a streamed batch takes every GPU too (trainer.contend) unless trainer.scale_down_at lends it the GPUs of
     # the engines scaled down; separate, the trainer has the GPUs the engines leave.
-    budget = Budget.of_run(live.model_copy(update={"emulate": e}))
+    budget = (Budget.of(e, live.rollout.num_workers, live.trainer.world_size, zero_stage=None) if gpu  # it ran: fit
+              else Budget.of_run(live.model_copy(update={"emulate": e})))
     if budget.layout == "colocated" and budget.gpus != e.tp * len(budget.engines):
         raise ValueError(f"{run_dir}: emulate.gpus={budget.gpus} colocated with rollout.num_workers="
                          f"{len(budget.engines)} x emulate.tp={e.tp} leaves GPUs without an engine, which the "
                          "simulator (an engine on every colocated GPU) does not model")
-    cluster = ({"gpus": budget.gpus} if budget.layout == "colocated"
+    cluster = ({"gpus": budget.gpus, "colocation": e.colocation} if budget.layout == "colocated"
                else {"gpus": budget.gpus, "trainer_gpus": len(budget.trainer)})
     # The live trainer's passes per token: forward and backward; a forward more against a KL reference; and where
     # samples may be stale (partial rollouts, async), pi_prox recomputed for every mini-batch but the first.
@@ -136,7 +138,8 @@ def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None
         "workload": {"max_tokens": k * live.rollout.max_new_tokens, "prompt_tokens": prompt_tokens,
                      "max_prompt_tokens": k * live.data.max_prompt_tokens, "dataset_size": len(lengths)},
         "trainer": {"flops_per_param_token": flops, "overhead_s": 0.0, "streamed": t.streamed,
-                    "scale_down_at": t.scale_down_at, "contend": budget.layout == "colocated"},
+                    "scale_down_at": t.scale_down_at, "contend": budget.layout == "colocated",
+                    "zero_stage": t.zero_stage},
         "control": c.model_dump(),
     })
     return cfg, Replay(cfg, lengths)

@@ -19,7 +19,8 @@ from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.elastic_tp import ElasticTP, plan_tp
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
-from rlsys.costs import GPUS, TRAIN_FLOPS, sync_seconds, train_gpu_seconds
+from rlsys.costs import (GPUS, TRAIN_FLOPS, engine_bytes, switch_seconds, sync_seconds, train_gpu_seconds,
+                         trainer_states)
 from rlsys.data.cursor import PromptCursor
 from rlsys.placement import lent_engines
 from rlsys.sim.config import SchedulerRun, SimConfig
@@ -57,7 +58,7 @@ def long_round_bound(cfg: SimConfig, run: SchedulerRun):
     if control.tail.long_round_samples is not None:
         return control
     cluster = cfg.cluster_for(run)
-    engine = cfg.engine_cost(cluster)
+    engine = cfg.engine_cost(cluster, cfg.trainer_for(run))
     held = cluster.rollout_gpus // cluster.tp * engine.kv_capacity * (1 - cfg.engine.kv_watermark)
     per_sample = cfg.workload.prompt_tokens + cfg.workload.max_tokens / 2
     tail = control.tail.model_copy(update={"long_round_samples": max(1, int(held // per_sample))})
@@ -146,11 +147,13 @@ class Simulation:
         self.lent: set[int] = set()  # engines scaled down for the trainer until the step's Train
         # colocated streamed batches that take every GPU (trainer.contend): this step's (begin, end)
         self.contending = self.colocated and self.trainer.contend and self.trainer.scale_down_at is None
+        self.sleeps = self.colocated and cluster.colocation == "sleep"  # each switch of a GPU pays (switch_s)
+        self.switches = 0  # switches of every GPU at once between the engines and the trainer
         self.stream_spans: list[tuple[float, float]] = []
         self.trainer_spans: list[tuple[float, float]] = []  # colocated: when the trainer held every GPU
 
     def _build_engines(self, tp: int) -> list[SimEngine]:
-        cost = self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}))
+        cost = self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}), self.trainer)
         count = self.cluster.rollout_gpus // tp
         # Bubble capacity: the concurrency a nominal step can fill, the same for every scheduler (a replay sets the
         # live run's instead: engine.bubble_slots).
@@ -303,13 +306,26 @@ class Simulation:
             self.counts["submitted"] += 1
 
     def _contend(self, tokens: int, touched: dict) -> None:
-        """A streamed batch on every GPU, after the ones before it: the engines wait for it."""
-        begin = max([self.now] + [end for _, end in self.stream_spans])
+        """A streamed batch on every GPU, after the ones before it: the engines wait for it, and for the switches
+        to it and back, as live (rlsys/emulate.py GPUTimeline); one queued behind the batch before, whose switch
+        back had not begun, switches no more. `stream_spans` hold the batches' training alone."""
+        last = max([end for _, end in self.stream_spans], default=-math.inf)
+        chained = self.now < last + self.switch_s()
+        begin = max(self.now, last) if chained else self.now + self.switch_s()
         end = begin + self._streamed_share() * self._gpu_s(tokens) / self.trainer_gpus
         self.stream_spans.append((begin, end))
+        self.switches += 1 if chained else 2
         for engine in self.engines:
             self._touch(engine, touched)
-            engine.pause(self.now, end)
+            engine.pause(self.now, end + self.switch_s())
+
+    def switch_s(self) -> float:
+        """A switch of the colocated GPUs between the engines and the trainer, either way (costs.switch_seconds):
+        asleep, the engines' weights and the trainer's states cross the host link; resident or separate, 0."""
+        if not self.sleeps:
+            return 0.0
+        states = trainer_states(self.shape, self.trainer_gpus, self.trainer.zero_stage)
+        return switch_seconds(self.gpu, engine_bytes(self.shape, self.tp), states)
 
     def _streamed_share(self) -> float:
         """The share of a group's trainer FLOPs that stream: its forward and backward."""
@@ -385,6 +401,10 @@ class Simulation:
             if self.trainer.scale_down_at is not None:  # RollPacker trains only on the engines it scaled down
                 lenders = [e for e in self.engines if e.index in self.lent]
             room = replica_idle_by_interval(lenders, bounds, self.trainer.replica_gpus)
+            # each lending GPU switches to the trainer once before it trains (its switch back is the Train's)
+            owed = self.switch_s() * sum(e.gpus for e in lenders) if arrivals else 0.0
+            for i, free in enumerate(room):
+                room[i], owed = max(0.0, free - owed), max(0.0, owed - free)
         else:
             idle = [i for _, _, i in arrivals] + [self._trainer_idle_s()]
             room = [self.trainer_gpus * (b - a) for a, b in zip(idle, idle[1:])]
@@ -435,7 +455,9 @@ class Simulation:
     def _start_training(self, touched: dict) -> None:
         self.trainer_idle_s += max(0.0, self.now - self.trainer_free_at)
         self.training, seconds = self.train_queue.popleft()
-        if self.colocated:  # the trainer and then the weight reload hold every GPU
+        if self.colocated:  # the switch to the trainer, training, the switch back and the weight reload hold every GPU
+            seconds += 2 * self.switch_s()
+            self.switches += 2
             for engine in self.engines:
                 self._touch(engine, touched)
                 engine.pause(self.now, self.now + seconds + self.sync_s)
@@ -554,7 +576,8 @@ class Simulation:
         # long rounds 1,284 s at TP2 against 1,172 s at TP1, short rounds 768 against 1,029): the cost model misses
         # that loss (the TP2:TP1 rows of sim_calibration.py), so by its estimate alone long rounds would take TP8.
         sizes = [tp for tp in self.elastic.allowed if not long or tp <= self.cluster.tp]
-        costs = {tp: self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp})) for tp in sizes}
+        costs = {tp: self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}), self.trainer)
+                 for tp in sizes}
         return plan_tp(costs, self.cluster.rollout_gpus, samples=self.control.prompts_per_step * self.control.group_size,
                        mean_tokens=mean_tokens, longest=longest, prompt_tokens=self.cfg.workload.prompt_tokens,
                        max_seqs=self.cfg.engine.max_seqs)
@@ -594,6 +617,8 @@ class Simulation:
             "train_time_s": mean(self.train_s),
             "reward_wait_s": mean(self.reward_s),
             "weight_sync_s": self.sync_s,
+            "switch_s": self.switch_s(),  # colocated asleep: one switch of the GPUs between engines and trainer
+            "switches_per_step": self.switches / steps,
             "bubble_ratio": idle_share(busy, alloc),
             # the live run's `rollout/bubble_ratio`: only inside the steps' rollout windows (engines idle while a
             # trainer of its own GPUs trains, or after the last Train, left out)
