@@ -798,7 +798,7 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a short workload: " + " ".join(QUICK))
     p.add_argument("--out-dir", default="runs/bench",
                    help="where the runs and figures go: a new or empty folder (or, with --top-up, the earlier one)")
-    p.add_argument("--output", help="write the report JSON here")
+    p.add_argument("--output", help="write the report JSON here: a new file (an earlier report only with --top-up)")
     p.add_argument("--top-up", action="store_true",
                    help="keep --output's runs of the presets not given, measured on the same workload")
 
