@@ -233,6 +233,10 @@ class KLConfig(Section):
     # In the reward instead of the loss (veRL's use_kl_in_reward): each sample's reward loses coef x its KL
     # summed over its tokens before the group's advantages; coef is adapted towards `target` when set.
     in_reward: bool = False
+    # in_reward at token: each token's KL off that token's reward (veRL's, the standard PPO form), so under gae and
+    # reinforce_pp a token's return holds the KL from it on; sequence: the sum off the final reward. Every other
+    # advantage reads one reward per sequence: the sum, either way
+    reward_level: Literal["sequence", "token"] = "sequence"
     target: Optional[float] = Field(None, gt=0)  # per-token KL the adaptive controller steers to (veRL: target_kl)
     horizon: int = Field(10000, ge=1)  # sequences over which the controller moves coef by up to 20%
     # Refresh the reference every this many optimizer steps (TRL's sync_ref_model, ref_model_sync_steps):
@@ -254,6 +258,8 @@ class KLConfig(Section):
         if (self.in_reward or self.target is not None) and not self.enabled:
             raise ValueError("trainer.kl.in_reward and trainer.kl.target need trainer.kl.estimator and "
                              "trainer.kl.coef > 0 (the initial coefficient)")
+        if self.reward_level == "token" and not self.in_reward:
+            raise ValueError("trainer.kl.reward_level places the KL in the reward: set trainer.kl.in_reward")
         if self.target is not None and not self.in_reward:
             raise ValueError("trainer.kl.target adapts the KL coefficient in the reward: set trainer.kl.in_reward")
         if self.ref_sync_steps is not None and not self.enabled:

@@ -119,6 +119,23 @@ def reinforce_pp(rewards: list[list[float]], tokens: list[list[int]]) -> list[li
     return regroup(token_whiten(flat, [n for group in tokens for n in group]), rewards)
 
 
+def reinforce_pp_token_returns(rewards: list[float], penalties: list[list[float]],
+                               masks: list[list[int]]) -> list[list[float]]:
+    """REINFORCE++ with the KL in each token's reward (trainer.kl.reward_level=token), as veRL's with gamma 1: a
+    token's return is its sequence's reward less the penalties from that token on, whitened over the step's trained
+    tokens (`masks`: 1 per trained token; a tool's token gets 0 and no place in the whitening)."""
+    returns = []
+    for reward, penalty in zip(rewards, penalties):
+        ahead, found = 0.0, []
+        for p in reversed(penalty):
+            ahead += p
+            found.append(reward - ahead)
+        returns.append(found[::-1])
+    trained = [v for found, mask in zip(returns, masks) for v, keep in zip(found, mask) if keep]
+    whitened = iter(token_whiten(trained, [1] * len(trained)))
+    return [[next(whitened) if keep else 0.0 for keep in mask] for mask in masks]
+
+
 @ADVANTAGES.register("reinforce_pp_baseline")
 @batch_level
 def reinforce_pp_baseline(rewards: list[list[float]], tokens: list[list[int]]) -> list[list[float]]:

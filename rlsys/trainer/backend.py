@@ -184,13 +184,17 @@ class TrainerBackend(ABC):
                     found[id(sample)] = logprobs[row, sample.prompt_len - 1:sample.num_tokens - 1].tolist()
         return [found[id(s)] for s in samples]
 
-    def sequence_kl(self, samples: list[TrainSample], micro_batches: int) -> list[float]:
-        """Each sample's KL to the reference, trainer.kl.estimator summed over its response tokens, from its
-        behaviour log-probs (trainer.kl.in_reward; every rank runs `micro_batches` reference forwards)."""
+    def token_kl(self, samples: list[TrainSample], micro_batches: int) -> list[list[float]]:
+        """Each sample's KL to the reference per response token, trainer.kl.estimator, from its behaviour log-probs
+        (trainer.kl.in_reward; every rank runs `micro_batches` reference forwards)."""
         reference = self.compute_logprobs(samples, micro_batches, self.reference)
         return [(kl_penalty(torch.tensor(s.logprobs), torch.tensor(ref), self.cfg.kl.estimator)
-                 * (1.0 if s.mask is None else torch.tensor(s.mask))).sum().item()  # a tool's tokens: no KL
+                 * (1.0 if s.mask is None else torch.tensor(s.mask))).tolist()  # a tool's tokens: no KL
                 for s, ref in zip(samples, reference)]
+
+    def sequence_kl(self, samples: list[TrainSample], micro_batches: int) -> list[float]:
+        """`token_kl` summed over each sample's response tokens."""
+        return [sum(kl) for kl in self.token_kl(samples, micro_batches)]
 
     def train_step(self, samples: list[TrainSample], totals: StepTotals, interpolate_at: int | None = None,
                    at_start: bool = True) -> dict:

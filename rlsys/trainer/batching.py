@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlsys.trainer.advantages import step_advantages
+from rlsys.trainer.advantages import reinforce_pp_token_returns, step_advantages
 from rlsys.types import Completion, Group
 
 PAD_ID = 0  # padding positions are masked out of attention and loss, so the id never matters
@@ -28,6 +28,7 @@ class TrainSample:
     # out of the loss, KL, entropy, the mismatch statistics and the token counts. None: every token is trained.
     mask: list[int] | None = None
     reward: float = 0.0  # its return less any KL penalty: trainer.advantage=gae places it on its last trained token
+    kl_penalties: list[float] | None = None  # trainer.kl.reward_level=token, gae: coef x KL off each token's reward
     # trainer.advantage=gae, set on the trainer rank when the step trains (critic.py), one per response token: the
     # whitened advantages (in place of `advantage`), the returns and the critic's values the step started with
     token_advantages: list[float] | None = None
@@ -94,6 +95,22 @@ def build_samples(groups: list[Group], advantage: str, penalties: list[float] | 
                                        list(c.logprobs), list(c.versions), mask=list(c.mask) or None,
                                        reward=float(reward)))
     return samples
+
+
+TOKEN_KL_ADVANTAGES = ("gae", "reinforce_pp")  # the advantages whose returns differ token by token
+
+
+def place_token_kl(samples: list[TrainSample], penalties: list[list[float]], advantage: str) -> None:
+    """trainer.kl.reward_level=token: each token's penalty (coef x its KL) off that token's reward, the samples' own
+    rewards untouched: gae carries them to GAE on the trainer (critic.set_advantages), reinforce_pp takes its token
+    advantages here."""
+    if advantage == "gae":
+        for sample, penalty in zip(samples, penalties):
+            sample.kl_penalties = list(penalty)
+        return
+    masks = [s.mask or [1] * len(p) for s, p in zip(samples, penalties)]
+    for sample, advantages in zip(samples, reinforce_pp_token_returns([s.reward for s in samples], penalties, masks)):
+        sample.token_advantages = advantages
 
 
 def sampled_by(samples: list[TrainSample], version: int | None) -> bool:

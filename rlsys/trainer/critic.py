@@ -102,6 +102,8 @@ def set_advantages(samples: list[TrainSample], values: list[list[float]], cfg: G
         old[i, :len(v)] = torch.tensor(v, dtype=torch.float64)
         mask[i, :len(v)] = torch.tensor(sample.mask or [1] * len(v), dtype=torch.float64)
         rewards[i, int(mask[i].nonzero().max())] = sample.reward
+        if sample.kl_penalties is not None:  # trainer.kl.reward_level=token: each token's KL off its own reward
+            rewards[i, :len(v)] -= torch.tensor(sample.kl_penalties, dtype=torch.float64)
     advantages, returns = gae(rewards, old, mask, cfg.gamma, cfg.lam)
     advantages = whiten(advantages, mask, sum_over_ranks)
     for i, (sample, v) in enumerate(zip(samples, values)):

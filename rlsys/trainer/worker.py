@@ -32,8 +32,9 @@ from rlsys.registry import Registry
 from rlsys.trainer.advantages import KLController
 from rlsys.trainer.backend import TorchBackend, TrainerBackend
 from rlsys.trainer.critic import CRITIC_DIR, TorchCritic, critic_config, train_ppo_step
-from rlsys.trainer.batching import (StepTotals, TrainSample, build_samples, later_passes, mini_batch_ends,
-                                   pack_micro_batches, plan_step, sampled_by, split_mini_batches)
+from rlsys.trainer.batching import (TOKEN_KL_ADVANTAGES, StepTotals, TrainSample, build_samples, later_passes,
+                                   mini_batch_ends, pack_micro_batches, place_token_kl, plan_step, sampled_by,
+                                   split_mini_batches)
 from rlsys.trainer.logprobs import Scoring
 from rlsys.trainer.losses import mismatch_warning
 from rlsys.trainer.streamed import StreamedGradients
@@ -144,8 +145,8 @@ class TrainerWorker:
         stream, self.stream = self.stream, None
         return stream.finish(tokens, sequences)
 
-    def sequence_kl(self, samples: list[TrainSample], micro_batches: int) -> list[float]:
-        return self.backend.sequence_kl(samples, micro_batches)
+    def token_kl(self, samples: list[TrainSample], micro_batches: int) -> list[list[float]]:
+        return self.backend.token_kl(samples, micro_batches)
 
     def train_mini_batches(self, parts: list[tuple[list[TrainSample], StepTotals]], fresh: bool,
                            proximal_micro_batches: int, version: int | None = None, value_micro_batches: int = 0,
@@ -319,14 +320,20 @@ class TrainerGroup:
 
     def _with_kl_in_reward(self, groups: list[Group], samples: list[TrainSample]) -> list[TrainSample]:
         """The samples again, their rewards less coef x their KL to the reference (one reference forward on
-        every rank); then the coefficient moves towards its target."""
+        every rank), or with trainer.kl.reward_level=token under gae and reinforce_pp each token's off its own;
+        then the coefficient moves towards its target."""
         per_rank, totals = plan_step(samples, self.cfg.world_size, self.cfg.micro_batch_tokens)
-        found = self._get_all([w.sequence_kl.remote(mine, totals.micro_batches)
+        found = self._get_all([w.token_kl.remote(mine, totals.micro_batches)
                                for w, mine in zip(self.workers, per_rank)])
         kl_of = {id(s): kl for mine, kls in zip(per_rank, found) for s, kl in zip(mine, kls)}
-        kls = [kl_of[id(s)] for s in samples]
+        token_kls = [kl_of[id(s)] for s in samples]
+        kls = [sum(kl) for kl in token_kls]
         controller = self.kl_in_reward
-        penalised = self._build_samples(groups, [controller.coef * kl for kl in kls])
+        if self.cfg.kl.reward_level == "token" and self.cfg.advantage in TOKEN_KL_ADVANTAGES:
+            penalised = self._build_samples(groups)  # the same samples, in order, their own rewards
+            place_token_kl(penalised, [[controller.coef * k for k in kl] for kl in token_kls], self.cfg.advantage)
+        else:
+            penalised = self._build_samples(groups, [controller.coef * kl for kl in kls])
         mean_kl = sum(kl / max(s.trained_tokens, 1) for kl, s in zip(kls, samples)) / max(len(samples), 1)
         self.reward_kl_metrics = {"reward_kl": mean_kl, "reward_kl_coef": controller.coef}
         controller.update(mean_kl, len(samples))
