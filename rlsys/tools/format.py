@@ -103,10 +103,12 @@ class ToolFormat:
 
     def responses_ids(self, tokenizer, results: list, turn_text: str = "") -> list[int]:
         """The answers to one turn's calls, in call order, as token ids appended to the model's own (never
-        re-encoded): the template's text around and between tool turns (or the tags) as the tokenizer reads it,
-        each tool's text as plain text, so a tool printing `<eos>` or `<|im_end|>` cannot inject that special
-        token into the conversation. `turn_text` is the model's turn from its first call on: what it wrote after
-        its last call (its end-of-turn token, `<|im_end|>`) is its own and not written again."""
+        re-encoded): the template's text around and between tool turns (or the tags) with each tool's text in
+        place, tokenized as the tokenizer reads the rendered conversation, so the ids are that span's ids, but the
+        tool's text as plain text (`turn_ids`): a tool printing `</tool_response>`, `<eos>` or `<|im_end|>` cannot
+        put an added token, special or not, into the conversation. `turn_text` is the model's turn from its first
+        call on: what it wrote after its last call (its end-of-turn token, `<|im_end|>`) is its own and not
+        written again."""
         if self.turn_open is not None:
             before, between, after = self.turn_open, self.turn_between or self.turn_close + self.turn_open, self.turn_close
         else:
@@ -114,12 +116,10 @@ class ToolFormat:
         written = turn_text.rpartition(self.call_close)[2].strip() if self.call_close in turn_text else ""
         if written and before.startswith(written):
             before = before[len(written):]
-        ids = tokenizer.encode(before, add_special_tokens=False)
+        parts = [(before, True)]
         for i, result in enumerate(results):
-            if i:
-                ids += tokenizer.encode(between, add_special_tokens=False)
-            ids += plain_ids(tokenizer, result)
-        return ids + tokenizer.encode(after, add_special_tokens=False)
+            parts += [(between, True)] * bool(i) + [(getattr(result, "text", result), False)]
+        return turn_ids(tokenizer, parts + [(after, True)])
 
     def render_response(self, result) -> str:
         """The text appended after the call: the tool's answer (a ToolResult's text, or a str) in its tags."""
@@ -146,10 +146,51 @@ def template_tool_turn(tokenizer) -> tuple[str, str, str] | None:
     return before, between, after
 
 
+def turn_ids(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
+    """The ids of the parts' text joined, each part (text, whether it is the template's own): added tokens (special
+    or not) are read in the template's text only, and the text between two of them, tools' text included, is
+    tokenized as one piece, as the tokenizer reads a whole rendered conversation (a tool's `42.` and the
+    template's `\n` after it may be one token)."""
+    added = tokenizer.get_added_vocab()
+    tag = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) if added else None
+    pieces: list[str | int] = [""]  # plain text and added tokens' ids, in order
+    for text, own in parts:
+        at = 0
+        for match in (tag.finditer(text) if own and tag else ()):
+            pieces[-1] += text[at:match.start()]
+            pieces += [added[match.group()], ""]
+            at = match.end()
+        pieces[-1] += text[at:]
+    ids = []
+    for piece in pieces:
+        ids += [piece] if isinstance(piece, int) else plain_ids(tokenizer, piece)
+    return ids
+
+
 def plain_ids(tokenizer, result) -> list[int]:
-    """A tool's answer (a ToolResult's text, or a str) tokenized as text: special-token strings in it are split."""
+    """A tool's answer (a ToolResult's text, or a str) tokenized as text that holds no added token: a fast
+    tokenizer's normalizer, pre-tokenizer and model alone (its added tokens are matched before them, so never);
+    a slow one's text cut inside each added token's string."""
     text = getattr(result, "text", result)
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
+    if not text:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return _slow_plain_ids(tokenizer, text)
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    words = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+    return [token.id for word, _ in words for token in backend.model.tokenize(word)]
+
+
+def _slow_plain_ids(tokenizer, text: str) -> list[int]:
+    """A slow tokenizer's ids of `text` with every added token's string cut after its first character."""
+    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    cuts = sorted({m.start() + 1 for a in added for m in re.finditer(re.escape(a), text)})
+    ids = []
+    for start, end in zip([0, *cuts], [*cuts, len(text)]):
+        ids += tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids
 
 
 def _tag_pair(template: str, name: str) -> tuple[str, str] | None:
