@@ -85,12 +85,16 @@ def test_the_timeline_has_a_legend_and_draws_requests_at_their_time_in_the_run(t
 @pytest.mark.slow
 def test_a_runs_timeline_is_on_its_training_clock(two_step_run):
     """timeline.png's axis is the metrics' clock, which leaves evaluations and checkpoints out: every request of a
-    step ends by the step's time_s (its requests' times counted the eval before step 1, and the axis said wall)."""
-    metrics = {r["step"]: r for r in read_jsonl(two_step_run / "metrics.jsonl") if "timing/train_s" in r}
+    step ends by the step's time_s, and step 1's first starts sooner than the eval before it lasted (its requests'
+    times counted that eval, and the axis said wall)."""
+    rows = read_jsonl(two_step_run / "metrics.jsonl")
+    metrics = {r["step"]: r for r in rows if "timing/train_s" in r}
+    [first_eval] = [r for r in rows if r["step"] == 0 and "timing/eval_s" in r]
     requests = read_jsonl(two_step_run / "timeline.jsonl")
     assert metrics and requests
     for r in requests:
         assert 0 <= r["start"] <= r["end"] <= metrics[r["step"]]["time_s"] + 1e-3, (r, metrics[r["step"]]["time_s"])
+    assert min(r["start"] for r in requests if r["step"] == 1) < first_eval["timing/eval_s"]
 
 
 def test_the_bench_accuracy_plot_labels_its_target_line(tmp_path, saved):
