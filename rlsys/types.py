@@ -68,6 +68,8 @@ class ToolTurn:
     elapsed_s: float = 0.0
     reward: float = 0.0
     call: int = 0  # its place among its model turn's calls (tools.max_calls_per_turn): 0 starts a turn
+    # An environment's step that it answered: its action, replayed to rebuild the environment (ToolBox.run)
+    action: Optional[str] = None
 
 
 def trajectory_return(reward: float, turns: list[ToolTurn], rule: str = "sum", gamma: float = 1.0) -> float:

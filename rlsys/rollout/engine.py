@@ -96,6 +96,11 @@ class RolloutEngine(ABC):
         seq = self._record_of(request_id)
         return None if seq is None else seq.request
 
+    def turns_of(self, request_id: str) -> list[ToolTurn]:
+        """The tool turns so far of the conversation the engine holds by this id (those it resumed included)."""
+        seq = self._record_of(request_id)
+        return [] if seq is None else list(seq.turns)
+
     def can_step(self) -> bool:
         """Whether a step would do anything: not while every request it could advance waits on a tool."""
         if not self.call_close:  # no conversations: nothing ever waits on a tool

@@ -195,7 +195,8 @@ class RolloutWorker:
                     with profiler.step() if profiler else nullcontext():
                         self._publish(self.engine.step())
                 for rid, at, text in self.engine.take_calls():
-                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), self.engine.request_of(rid))
+                    self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), self.engine.request_of(rid),
+                                           self.engine.turns_of(rid))
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
                 profiler.close()
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
@@ -221,16 +222,19 @@ class RolloutWorker:
     def _can_step(self) -> bool:
         return self.engine.can_step() and not self.engine.asleep
 
-    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float, request: Request) -> None:
+    def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float, request: Request,
+                  turns: list) -> None:
         """On a tool thread: run the turn's calls, several at once (ToolBox.run_turn never raises, and keeps each
         to the time limit counted from `made_at`), tokenize their answers once, in call order, and hand the ids to
         the generation thread to append between two steps. An environment is reset with the request's sample (its
-        prompt and reference answer: rlsys.types.env_sample), or the prompt's text alone when it carries none."""
+        prompt and reference answer: rlsys.types.env_sample), or the prompt's text alone when it carries none, and,
+        in a new process (after a timeout, or the conversation cut and resumed), replayed to the conversation's
+        `turns` so far (rlsys/tools/box.py user_env)."""
         try:
             sample = None
             if self.tools.env_spec:
                 sample = request.sample or {"prompt": self.engine.tokenizer.decode(request.prompt_ids)}
-            results = self.tools.run_turn(call_text, request_id, made_at, sample)
+            results = self.tools.run_turn(call_text, request_id, made_at, sample, turns)
             ids = self.tools.fmt.responses_ids(self.engine.tokenizer, results, call_text)
             turns, done = [r.turn for r in results], any(r.done for r in results)
             with self._cond:

@@ -54,11 +54,17 @@ class ToolResult:
     elapsed_s: float
     reward: float = 0.0  # an environment's, for this turn
     done: bool = False  # the environment ended the conversation
+    action: str | None = None  # an environment's step that it answered: the action, replayed to rebuild it
 
     @property
     def turn(self) -> ToolTurn:
         """What the conversation's sample records of this call."""
-        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s, self.reward)
+        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s, self.reward, action=self.action)
+
+
+def _action(request) -> str | None:
+    """An environment step's action (None for a tool's call)."""
+    return request.get("step") if isinstance(request, dict) else None
 
 
 class ToolFailure(Exception):
@@ -133,7 +139,18 @@ def user_env(cfg: ToolsConfig) -> str | None:
     `reset(sample)` before its first step, `sample` being rlsys.types.env_sample of the prompt: {"prompt": its
     text, "answer": its reference answer, "data_source", "uid", "extra_info": the dataset row's} (a request made
     without one gives {"prompt": text} alone); `step(action) -> (observation: str, reward: float, done: bool)`
-    with the text between the call tags. Either may be `async def`."""
+    with the text between the call tags. Either may be `async def`.
+
+    An environment's state survives its process: a step past tools.timeout_s kills the process, and a conversation
+    cut and resumed (sorted's partial mode, async, eval's pause, a scale-down) continues in a new one, perhaps on
+    another worker. Its state is rebuilt by replay, not carried: a new instance is reset with the same sample, then
+    stepped with every action the environment answered before, in order (ToolTurn.action, which travels with the
+    conversation's turns through every cut), before the step asked for. Replay, because an instance's state is
+    whatever the user's objects hold (clients, processes, generators) and need not pickle, and a step that timed out
+    leaves it unknown in a killed process: the answered actions are the one record every cut keeps. So reset and
+    step must give the same answers for the same sample and actions (seed any randomness from the sample, its
+    "uid" say); a step that failed (timed out, raised, crashed its process) is not replayed, the model having been
+    told it failed; the replay runs within the call's time limit."""
     if cfg.env is None:
         return None
     if cfg.fns:
@@ -175,27 +192,27 @@ class ToolBox:
         return Sandbox(self.cfg.sandbox, field="tools.sandbox")
 
     def run(self, call_text: str, conversation: str | None = None, made_at: float | None = None,
-            sample: dict | None = None) -> ToolResult:
+            sample: dict | None = None, turns: list[ToolTurn] = ()) -> ToolResult:
         """Run the call the model wrote (from the opening tag to the closing one) in `conversation` (None: a
         conversation of this one call): a tool's, or with tools.env a step of the conversation's environment
-        (reset first with `sample`). Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by
-        default now); never raises."""
+        (in a new process, reset first with `sample` and replayed to the conversation's `turns` so far: user_env).
+        Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by default now); never raises."""
         start = time.monotonic()
         made_at = start if made_at is None else made_at
-        return self._answer(*self._read(call_text, sample), conversation, start, made_at)
+        return self._answer(*self._read(call_text, sample, turns), conversation, start, made_at)
 
     def run_turn(self, turn_text: str, conversation: str | None = None, made_at: float | None = None,
-                 sample: dict | None = None) -> list[ToolResult]:
+                 sample: dict | None = None, turns: list[ToolTurn] = ()) -> list[ToolResult]:
         """The answers to the calls of one model turn (ToolFormat.split_calls, the first tools.max_calls_per_turn),
         in call order. Several run at once, each within tools.timeout_s of `made_at`: each built-in tool on a
         thread of its own, the user's tools and environment steps together in the conversation's process
         (user_child.py). Never raises."""
         calls = self.fmt.split_calls(turn_text)[:self.cfg.max_calls_per_turn]
         if len(calls) == 1:
-            return [self.run(calls[0], conversation, made_at, sample)]
+            return [self.run(calls[0], conversation, made_at, sample, turns)]
         start = time.monotonic()
         made_at = start if made_at is None else made_at
-        read = [self._read(call, sample) for call in calls]
+        read = [self._read(call, sample, turns) for call in calls]
         results: list[ToolResult | None] = [None] * len(calls)
         batched = [i for i, (name, request) in enumerate(read) if self._in_child(name, request)]
 
@@ -208,18 +225,21 @@ class ToolBox:
         if batched:
             replies = self._batch(conversation, [read[i][1] for i in batched], start, made_at)
             for i, reply in zip(batched, replies):
-                results[i] = self._result(read[i][0], start, lambda reply=reply: _checked(reply))
+                results[i] = self._result(read[i][0], start, lambda reply=reply: _checked(reply), _action(read[i][1]))
         for t in threads:
             t.join()
         return results
 
-    def _read(self, call_text: str, sample: dict | None) -> tuple[str, dict | ToolCallError]:
+    def _read(self, call_text: str, sample: dict | None, turns: list[ToolTurn] = ()
+              ) -> tuple[str, dict | ToolCallError]:
         """(the tool's name, the request for it) of a call the model wrote: a step of the environment with the
-        call's text between the tags as its action, or a tool's name and arguments; the request is the
-        ToolCallError when the call cannot be read."""
+        call's text between the tags as its action (and what a new instance replays first: the actions answered
+        in `turns`), or a tool's name and arguments; the request is the ToolCallError when the call cannot be
+        read."""
         if self.env_spec:
             action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
-            return "env", {"step": action, "sample": sample or {}}
+            replay = [t.action for t in turns if t.action is not None]
+            return "env", {"step": action, "sample": sample or {}, "replay": replay}
         try:
             call = self.fmt.parse_call(call_text)
         except ToolCallError as e:
@@ -228,7 +248,8 @@ class ToolBox:
 
     def _answer(self, name: str, request, conversation: str | None, start: float, made_at: float) -> ToolResult:
         """The ToolResult of one read call, run within what is left of tools.timeout_s after `made_at`."""
-        return self._result(name, start, lambda: self._do(name, request, conversation, self._time_left(start, made_at)))
+        return self._result(name, start, lambda: self._do(name, request, conversation, self._time_left(start, made_at)),
+                            _action(request))
 
     def _in_child(self, name: str, request) -> bool:
         """Whether the request runs in the conversation's process of the user's code."""
@@ -259,9 +280,9 @@ class ToolBox:
             self.release(conversation)
         return reply["replies"]
 
-    def _result(self, name: str, start: float, reply: Callable[[], dict]) -> ToolResult:
+    def _result(self, name: str, start: float, reply: Callable[[], dict], action: str | None = None) -> ToolResult:
         """The ToolResult of a call answered by `reply()`: its text cut to tools.max_response_chars, or the
-        failure's reason as the answer."""
+        failure's reason as the answer; an environment's answered step records its `action`."""
         try:
             r = reply()
             text = r["text"]
@@ -270,7 +291,7 @@ class ToolBox:
                 with self._lock:
                     self.counts["truncated"] += 1
             result = ToolResult(name, text, True, None, time.monotonic() - start, r.get("reward", 0.0),
-                                r.get("done", False))
+                                r.get("done", False), action)
         except ToolCallError as e:
             result = self._failed(name, f"the call cannot be read: {e.reason}", start)
         except ToolFailure as e:

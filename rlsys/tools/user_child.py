@@ -10,7 +10,8 @@ import); then {"fork": true} with a connected socket's fd attached -> {"pid"}: a
 that socket; {"reap": pid} -> {"status"}: its exit code, once it has died or been killed.
 A conversation's process reads one request per line, {"name", "arguments"}, and writes one reply per line,
 {"text", "chars"} or {"error"}; with an environment (tools.env), {"step": action, "sample"} -> {"text",
-"chars", "reward", "done"}: the conversation's instance, made and reset(sample) at its first step, steps;
+"chars", "reward", "done"}: the conversation's instance, made at its first step in this process, reset(sample)
+and stepped with the "replay" actions (what it answered before: box.py's user_env), steps;
 {"batch": [requests], "timeout_s"} -> {"replies": [...]}: one model turn's calls, run at once (`_batch`).
 The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's text is cut to the size limit
 here, so a flood never crosses the socket. A tool, reset or step may be a function or an `async def`.
@@ -71,8 +72,11 @@ def serve(conn: socket.socket, fns: dict, env_class, max_chars: int) -> None:
         try:
             steps = [r for r in request.get("batch", [request]) if "step" in r]
             if steps and env is None:
-                env = env_class()
-                _result(env.reset(steps[0]["sample"]))
+                fresh = env_class()
+                _result(fresh.reset(steps[0]["sample"]))
+                for action in steps[0].get("replay", ()):  # the state a killed or earlier process had
+                    _result(fresh.step(action))
+                env = fresh  # whole, or made again at the next step
             if "batch" in request:
                 reply = {"replies": asyncio.run(_batch(request["batch"], fns, env, max_chars, request["timeout_s"]))}
             elif "step" in request:
