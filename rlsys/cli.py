@@ -16,13 +16,15 @@ EPILOG = """examples:
   rlsys train                                    the embedded default: tiny model, synthetic task, sync GRPO/DAPO
   rlsys train configs/tiny.yaml trainer.total_steps=2 output_dir=/tmp/run
   rlsys train configs/tiny.yaml output_dir=runs/a --resume     continue from the last checkpoint
-  rlsys check configs/qwen2.5_math_1.5b_dapo_8gpu.yaml cluster.nodes=2   check it, print the GPU plan; start nothing
+  rlsys check configs/qwen2.5_math_1.5b_dapo_8gpu.yaml cluster.nodes=2 --other-machine   print the GPU plan
   rlsys eval runs/tiny                           eval accuracy of a run's exported model (or any HF model dir)
   rlsys plot runs/tiny                           progress.png and timeline.png in the run folder
   rlsys bench --quick --output benchmarks/results/bench_quick.json
   rlsys simulate configs/sim/qwen7b_8k.yaml --output sim.json
   rlsys prepare smollm2                          fetch SmolLM2-135M-Instruct, convert once (configs/smollm2_math.yaml)
 """
+OTHER_MACHINE = ("the config is for another machine: name the model and data files missing here after the plan, "
+                 "instead of refusing (exit 2)")
 
 
 def quiet_libraries() -> None:
@@ -50,9 +52,6 @@ def rlsys_command() -> str:
     if python.is_relative_to(Path.cwd()):
         python = python.relative_to(Path.cwd())
     return f"{shlex.quote(str(python))} -m rlsys.cli"
-
-OTHER_MACHINE = ("the config is for another machine: name the model and data files missing here after the plan, "
-                 "instead of refusing (exit 2)")
 
 
 def check(items: list[str], other_machine: bool = False):
