@@ -2,11 +2,14 @@
 resumed (the partial every scheduler that cuts resumes: sorted's partial mode, async, eval's pause, a scale-down).
 A counter environment shows it: each step says how many steps the episode's instance has taken."""
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from rlsys.config import ModelConfig, ToolsConfig
 from rlsys.models.tiny import build_tiny_model
+from rlsys.rollout.engine import read_tokenizer
 from rlsys.rollout.worker import RolloutWorker
 from rlsys.tools import CALL_CLOSE, CALL_OPEN, ToolBox
 from rlsys.types import Completion, Request, SamplingParams
@@ -125,3 +128,42 @@ def test_a_conversation_cut_and_resumed_on_the_worker_continues_its_episode(mode
     n = len(call + first + nxt)
     assert done.token_ids[n:n + len(second)] == second, tok.decode(done.token_ids[n:])
     assert [t.action for t in done.turns] == ["slow", "next"]
+
+
+def test_eval_s_pause_through_the_ray_manager_keeps_the_episode(ray_cluster, model_dir, counter):
+    """RolloutManager.suspend (eval's pause) on a worker actor: the held request carries the answered action; given
+    back with the model's next call, the environment of the resumed conversation goes on from step 1."""
+    from rlsys.rollout.manager import RolloutManager
+
+    manager = RolloutManager(model_dir, num_workers=1, slots=2, torch_threads=1, drain_timeout_s=0.5,
+                             engine_kwargs={"max_len": 256}, tools=ToolsConfig(env=counter))
+    try:
+        tok = read_tokenizer(Path(model_dir))
+        prompt = tok.encode("count: ", add_special_tokens=False)
+        call = tok.encode(f"{CALL_OPEN}slow{CALL_CLOSE}", add_special_tokens=False)
+        manager.submit([Request("c", "p", prompt, SamplingParams(max_new_tokens=150, seed=7), resume_ids=call,
+                                resume_logprobs=[-1.0] * len(call), resume_versions=[0] * len(call),
+                                resume_mask=[1] * len(call))])
+        time.sleep(0.2)  # its step runs
+        manager.suspend()
+        while not manager.suspended:
+            ready, _ = ray_cluster.wait(manager.refs(), num_returns=1, timeout=1.0)
+            assert manager.collect(ready) == []
+        [held] = manager.suspended
+        assert [t.action for t in held.resume_turns] == ["slow"]
+        nxt = tok.encode(f"{CALL_OPEN}next{CALL_CLOSE}", add_special_tokens=False)
+        manager.suspended[0] = replace(held, resume_ids=held.resume_ids + nxt,
+                                       resume_logprobs=held.resume_logprobs + [-1.0] * len(nxt),
+                                       resume_versions=held.resume_versions + [0] * len(nxt),
+                                       resume_mask=held.resume_mask + [1] * len(nxt))
+        manager.resume()
+        deadline, got = time.time() + 60, []
+        while not got and time.time() < deadline:
+            ready, _ = ray_cluster.wait(manager.refs(), num_returns=1, timeout=1.0)
+            got = manager.collect(ready)
+    finally:
+        manager.shutdown()
+    [c] = got
+    n = len(held.resume_ids + nxt)
+    second = "<tool_response>step 2 of count: </tool_response>"
+    assert tok.decode(c.token_ids[n:]).startswith(second) and [t.action for t in c.turns] == ["slow", "next"]
