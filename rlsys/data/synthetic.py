@@ -7,11 +7,13 @@ RL on math or code. Answers are checked by exact match.
 """
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import string
 from typing import Callable
 
+from rlsys.data.files import DataError
 from rlsys.registry import Registry
 from rlsys.types import Prompt
 
@@ -80,7 +82,8 @@ def make_split(task: str, split: str, size: int, seed: int, exclude: set[str] | 
     rng = random.Random(f"rlsys:{task}:{split}:{seed}")  # str seeds hash stably across processes
     prompts: list[Prompt] = []
     seen = set(exclude)
-    for _ in range(100 * size + 1000):
+    draws = 100 * size + 1000
+    for _ in range(draws):
         if len(prompts) == size:
             return prompts
         family, text, answer = _draw(task, rng)
@@ -90,14 +93,24 @@ def make_split(task: str, split: str, size: int, seed: int, exclude: set[str] | 
                                   data_source=family, index=len(prompts)))
     if len(prompts) == size:
         return prompts
-    raise ValueError(f"task {task!r} has too few distinct prompts for a {split} split of {size}")
+    held_out = " not in the train split (eval is held out of it)" if exclude else ""
+    raise DataError(f"data.{split}_size: data.task={task!r} gave {len(prompts)} distinct prompts{held_out} in {draws} "
+                    f"draws, fewer than data.{split}_size={size}; lower data.{split}_size, or give the task more "
+                    "distinct prompts")
 
 
 def synthetic_splits(task: str, train_size: int, eval_size: int, seed: int) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, eval); eval is held out: no eval prompt text appears in train."""
+    """(train, eval); eval is held out: no eval prompt text appears in train. A DataError naming data.train_size
+    (or eval_size) if the task has too few distinct prompts: `rlsys check` and `train` make the splits first
+    (rlsys/startup.py start_problems), so the run's own make them again from this cache."""
+    train, evals = _splits(task, train_size, eval_size, seed)
+    return list(train), list(evals)
+
+
+@functools.lru_cache(maxsize=2)
+def _splits(task: str, train_size: int, eval_size: int, seed: int) -> tuple[tuple[Prompt, ...], tuple[Prompt, ...]]:
     train = make_split(task, "train", train_size, seed)
-    evals = make_split(task, "eval", eval_size, seed, exclude={p.text for p in train})
-    return train, evals
+    return tuple(train), tuple(make_split(task, "eval", eval_size, seed, exclude={p.text for p in train}))
 
 
 def length_stats(prompts: list[Prompt], tokenizer=None) -> dict[str, float]:
