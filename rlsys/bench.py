@@ -211,7 +211,7 @@ def summarise_run(rows: list[dict], target: float | Target, gpus: int | None = N
         "samples": samples,
         "wall_s": steps[-1]["time_s"] if steps else 0.0,
         "response_length": mean("response_length/mean"),
-        **length_shape(steps),
+        **length_shape(steps, next((r for r in rows if "emulate/tokens_per_token" in r), None)),
         "group_size": mean("group_size"),
         "length_selection": statistics.mean(selection) if selection else None,
         **{k.split("/")[1]: rows[-1][k] for k in ("emulate/overrun_share", "emulate/overrun_s", "emulate/emulating")
