@@ -177,8 +177,25 @@ class SandboxConfig(Section):
         return self
 
 
+REWARD_MODEL = "reward_model"  # the name that puts reward.model's score among reward.fn's parts
+
+
+class RewardModelConfig(Section):
+    """A learned reward model, as veRL's reward_model: a Hugging Face sequence-classification model (one label)
+    scored in the reward actors; reward.fn names it `reward_model`, alone or as one weighted part."""
+    path: Optional[str] = None  # a local Hugging Face folder: config, safetensors weights, tokenizer
+    batch_size: int = Field(8, ge=1)  # texts per forward: the items queued when a reward worker is free, up to this
+    # cuda: each reward worker takes a GPU the placement plan leaves free (on its own, not beside an engine)
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto: float32 on the CPU, else bfloat16
+
+
 class RewardConfig(Section):
-    fn: str = "exact_match"  # a registered name, or the user's module:function or file.py:function
+    # A registered name, or the user's module:function or file.py:function; a list of them scores each and sums
+    # them with `weights` (TRL's reward_funcs), each part logged as reward/<name>/mean
+    fn: Union[str, list[str]] = "exact_match"
+    weights: list[float] = []  # one per reward.fn name (TRL's reward_weights); empty: 1.0 each
+    model: RewardModelConfig = RewardModelConfig()
     num_workers: int = Field(1, ge=1)
     timeout_s: float = Field(5.0, gt=0)
     fallback: float = 0.0  # reward given to a sample whose reward function raised, hung or returned junk
@@ -191,6 +208,38 @@ class RewardConfig(Section):
         low, high = self.valid_range
         if not low <= self.fallback <= high:
             raise ValueError(f"reward.fallback={self.fallback} must lie within reward.valid_range [{low}, {high}]")
+        return self
+
+    @property
+    def names(self) -> list[str]:
+        """The parts reward.fn names, in order (one for a single name)."""
+        return [self.fn] if isinstance(self.fn, str) else list(self.fn)
+
+    @field_validator("weights")
+    @classmethod
+    def _one_weight_per_part(cls, weights: list[float], info) -> list[float]:
+        fn = info.data.get("fn")  # absent when reward.fn itself was refused
+        names = [fn] if isinstance(fn, str) else fn
+        if weights and names is not None and len(weights) != len(names):
+            raise ValueError(f"{len(weights)} weight(s) for the {len(names)} part(s) of reward.fn "
+                             f"({', '.join(names)}): give one each, or none for 1.0 each")
+        return weights
+
+    @model_validator(mode="after")
+    def _parts_weighed(self):
+        names = self.names
+        if not names:
+            raise ValueError("reward.fn is an empty list: name at least one reward function")
+        keys = [name.rpartition(":")[2] for name in names]  # each part's metric, reward/<key>/mean
+        repeated = sorted({k for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise ValueError(f"reward.fn names {', '.join(repeated)} twice: each part is logged by its function's "
+                             "name")
+        if REWARD_MODEL in names and not self.model.path:
+            raise ValueError(f"reward.fn names {REWARD_MODEL}: set reward.model.path to its Hugging Face folder")
+        if self.model.path and REWARD_MODEL not in names:
+            raise ValueError(f"reward.model.path is set but reward.fn does not name {REWARD_MODEL}: add it to "
+                             "reward.fn (with a weight in reward.weights) or remove reward.model.path")
         return self
 
 
@@ -754,7 +803,7 @@ class Config(Section):
     def _cot_sum_scored_on_its_value(self):
         # cot_sum's and reason's answers are direct or worked (rlsys/data/cot_tasks.py, reason_tasks.py): only their
         # final values compare
-        if self.data.task in ("cot_sum", "reason") and self.reward.fn != "final_value":
+        if self.data.task in ("cot_sum", "reason") and "final_value" not in self.reward.names:
             raise ValueError(f"data.task={self.data.task} is answered directly or as a worked chain, both right when "
                              f"the value after the last '=' is: it needs reward.fn=final_value (got {self.reward.fn})")
         return self

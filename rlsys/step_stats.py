@@ -6,7 +6,7 @@ import time
 from typing import Callable
 
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
-from rlsys.types import Completion, Group
+from rlsys.types import Completion, Group, ScoredSample
 
 EngineStats = Callable[[tuple[float, float]], list[dict]]  # the engines' stats, occupancy of a window included
 
@@ -89,6 +89,7 @@ class StepStats:
             "rollout/generated_tokens": generated,
             "rollout/aborted": sum(c.finish_reason == "abort" for c in done),
             **tool_metrics([s.completion for g in groups for s in g.samples]),
+            **reward_part_means([s for g in groups for s in g.samples]),
             "timing/rollout_s": rollout_s,
             "timing/reward_s": now - self.t_last_completion,  # reward time not hidden behind generation
         }
@@ -140,6 +141,16 @@ def tool_metrics(completions: list[Completion]) -> dict[str, float]:
     return {"rollout/tool_calls": len(calls), "rollout/tool_failures": sum(not t.ok for t in calls),
             "rollout/tool_dropped": sum(bool(c.mask) and not any(c.mask) for c in completions),
             "rollout/turns": len(calls) / len(completions) if completions else 0.0}
+
+
+def reward_part_means(samples: list[ScoredSample]) -> dict[str, float]:
+    """reward/<part>/mean of each reward.fn part over the samples that train (where it names several): each
+    function's own value, before its weight; a sample that got the fallback reward has none."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        for key, value in (s.reward_parts or {}).items():
+            values.setdefault(key, []).append(value)
+    return {f"reward/{key}/mean": statistics.mean(v) for key, v in values.items()}
 
 
 def tokens_within(completions: list[Completion], start: float, end: float) -> float:

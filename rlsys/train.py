@@ -201,7 +201,7 @@ class Controller:
             completion = self.in_flight.pop(result.key)
             tools = self.cfg.tools
             returned = trajectory_return(reward, completion.turns, tools.return_rule, tools.gamma)
-            events.append(Scored(ScoredSample(completion, returned, result.error)))
+            events.append(Scored(ScoredSample(completion, returned, result.error, result.parts)))
         return events
 
     def score(self, completions: list[Completion]) -> None:

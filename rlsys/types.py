@@ -134,6 +134,7 @@ class ScoredSample:
     completion: Completion
     reward: float
     reward_error: Optional[str] = None  # why the fallback reward was used, if it was
+    reward_parts: Optional[dict] = None  # each reward.fn part's value, where it names several
 
 
 @dataclass
@@ -157,7 +158,8 @@ class RunStopped(RuntimeError):
 
 def reward_item(completion: Completion, prompt: Prompt) -> tuple:
     """The reward pool's item for a completion of `prompt`: (key, response, answer, num_tokens, data_source,
-    extra_info)."""
+    extra_info, prompt text)."""
     c = completion
     return (c.request_id, c.text if c.model_text is None else c.model_text, prompt.answer,
-            c.num_tokens if c.model_tokens is None else c.model_tokens, prompt.data_source, prompt.extra_info)
+            c.num_tokens if c.model_tokens is None else c.model_tokens, prompt.data_source, prompt.extra_info,
+            prompt.text)

@@ -14,7 +14,10 @@ with an error string, counted in `errors`:
 Each fault is logged with its sample and reason: the first ten, then the 20th, 30th, ..., 100th, 200th...
 
 The reward function travels to the workers pickled: functions of rlsys by reference (imported there),
-any other (a test module, a user script) by value, so it need not be importable in the workers.
+any other (a test module, a user script) by value, so it need not be importable in the workers. With several
+(`reward.fn` a list) each sample's result carries each part's value too. A reward model (`reward_model` among
+them) is loaded in each worker, on `reward.model.device`, and scores a call's items `reward.model.batch_size` at
+a time before their functions run; a forward past `timeout_s` is a timeout of its items.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from ray import cloudpickle
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from rlsys.config import RewardConfig
-from rlsys.reward.registry import BadReward, RewardFn, reward_fn, score
+from rlsys.reward.registry import Part, describe, reward_parts, score_parts
 
 GRACE_S = 2.0  # driver deadline slack for Ray's round trip, beyond the workers' own per-item timeouts
 START_TIMEOUT_S = 120.0
@@ -44,6 +47,7 @@ class RewardResult:
     key: str
     reward: float
     error: str | None = None
+    parts: dict[str, float] | None = None  # each part's value, where reward.fn names several
 
 
 @dataclass
@@ -54,6 +58,7 @@ class _Item:
     num_tokens: int
     data_source: str = ""  # the prompt's, for a veRL-style reward function
     extra_info: dict | None = None
+    prompt: str = ""  # the text the policy was given, for a reward model
     retried: bool = False  # lost once with a worker already; retried items go alone
 
 
@@ -69,18 +74,20 @@ def worth_logging(n: int) -> bool:
     return n <= 10 or n % 10 ** (len(str(n)) - 1) == 0
 
 
-def _describe(error: Exception) -> str:
-    return str(error) if isinstance(error, BadReward) else f"raised {type(error).__name__}: {error}"
-
-
 class RewardWorker:
     """One reward actor. Runs the function on a side thread so it can stop waiting for a hung call."""
 
-    def __init__(self, cfg: RewardConfig, fn_blob: bytes):
+    def __init__(self, cfg: RewardConfig, parts_blob: bytes):
         self.cfg = cfg
-        self.fn: RewardFn = cloudpickle.loads(fn_blob)
-        if hasattr(self.fn, "setup"):  # e.g. code_tests builds its sandbox: a refusal fails the pool's start
-            self.fn.setup(cfg)
+        parts = cloudpickle.loads(parts_blob)
+        self.parts: list[Part] = parts if isinstance(parts, list) else [Part(cfg.names[0], parts)]  # or one function
+        for part in self.parts:
+            if hasattr(part.fn, "setup"):  # e.g. code_tests builds its sandbox: a refusal fails the pool's start
+                part.fn.setup(cfg)
+        self.model = None
+        if any(part.fn is None for part in self.parts):
+            from rlsys.reward.model import RewardModel  # torch and transformers: only where a model is scored
+            self.model = RewardModel(cfg.model)
         self.runner = ThreadPoolExecutor(1)
 
     def ready(self) -> bool:
@@ -89,16 +96,34 @@ class RewardWorker:
     def score_batch(self, items: list[tuple]) -> tuple[list[RewardResult], bool]:
         """Results for a prefix of `items` (the pool's submit's), and whether the runner thread is stuck (stop
         and replace)."""
-        cfg, results = self.cfg, []
-        for key, response, answer, num_tokens, *source_and_info in items:
-            job = self.runner.submit(score, cfg, response, answer, num_tokens, self.fn, *source_and_info)
-            if not wait([job], timeout=cfg.timeout_s).done:
-                results.append(RewardResult(key, cfg.fallback, f"timeout after {cfg.timeout_s}s"))
-                return results, True
-            try:
-                results.append(RewardResult(key, job.result()))
-            except Exception as e:  # the user's code: any error becomes the fallback
-                results.append(RewardResult(key, cfg.fallback, _describe(e)))
+        cfg, results, items = self.cfg, [], [_Item(*item) for item in items]
+        size = self.model.batch_size if self.model else max(1, len(items))
+        for start in range(0, len(items), size):
+            chunk = items[start:start + size]
+            model_scores, error = [None] * len(chunk), None
+            if self.model:
+                job = self.runner.submit(self.model.score, [(it.prompt, it.response) for it in chunk])
+                if not wait([job], timeout=cfg.timeout_s).done:
+                    timeout = f"timeout after {cfg.timeout_s}s (reward model)"
+                    return results + [RewardResult(it.key, cfg.fallback, timeout) for it in chunk], True
+                try:
+                    model_scores = job.result()
+                except Exception as e:  # every item of the forward falls back
+                    error = f"reward model {describe(e)}"
+            for it, model_score in zip(chunk, model_scores):
+                if error:
+                    results.append(RewardResult(it.key, cfg.fallback, error))
+                    continue
+                job = self.runner.submit(score_parts, cfg, self.parts, it.response, it.answer, it.num_tokens,
+                                         it.data_source, it.extra_info, model_score)
+                if not wait([job], timeout=cfg.timeout_s).done:
+                    results.append(RewardResult(it.key, cfg.fallback, f"timeout after {cfg.timeout_s}s"))
+                    return results, True
+                try:
+                    reward, parts = job.result()
+                    results.append(RewardResult(it.key, reward, parts=parts if len(self.parts) > 1 else None))
+                except Exception as e:  # the user's code: any error becomes the fallback
+                    results.append(RewardResult(it.key, cfg.fallback, describe(e)))
         return results, False
 
 
@@ -107,16 +132,17 @@ class RewardWorker:
 _RemoteWorker = ray.remote(num_cpus=1)(RewardWorker)
 
 
-def _pickle(fn: RewardFn) -> bytes:
-    module = inspect.getmodule(fn)
-    if module is None or module.__name__.startswith("rlsys.") or not inspect.isfunction(fn):
-        return cloudpickle.dumps(fn)
-    registered = module.__name__ in cloudpickle.list_registry_pickle_by_value()
-    cloudpickle.register_pickle_by_value(module)
+def _pickle(parts: list[Part]) -> bytes:
+    """The parts, each function of the user's by value (its module registered for the dump only)."""
+    modules = {inspect.getmodule(part.fn) for part in parts if inspect.isfunction(part.fn)}
+    registering = {m for m in modules if m is not None and not m.__name__.startswith("rlsys.")
+                   and m.__name__ not in cloudpickle.list_registry_pickle_by_value()}
+    for module in registering:
+        cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps(fn)
+        return cloudpickle.dumps(parts)
     finally:
-        if not registered:
+        for module in registering:
             cloudpickle.unregister_pickle_by_value(module)
 
 
@@ -125,7 +151,12 @@ class RewardPool:
 
     def __init__(self, cfg: RewardConfig):
         self.cfg = cfg
-        self._fn_blob = _pickle(reward_fn(cfg.fn))  # an unknown name fails here, listing the known ones
+        parts = reward_parts(cfg)  # an unknown name fails here, listing the known ones
+        self._parts_blob = _pickle(parts)
+        self._model_batch = cfg.model.batch_size if any(part.fn is None for part in parts) else 0
+        # a reward model on cuda: each worker holds a GPU of its own
+        self._remote = _RemoteWorker.options(num_gpus=1) if self._model_batch and cfg.model.device == "cuda" \
+            else _RemoteWorker
         self.errors = 0  # samples that got the fallback: logged as reward/errors
         self.restarts = 0  # workers killed or lost and replaced
         self._queue: deque[_Item] = deque()
@@ -146,8 +177,8 @@ class RewardPool:
     # -- the streaming API the controller uses --------------------------------------------------
 
     def submit(self, items: list[tuple]) -> None:
-        """Queue (key, response, answer, num_tokens[, data_source, extra_info]) items (the last two for a
-        veRL-style reward function), then dispatch once: items handed over together
+        """Queue (key, response, answer, num_tokens[, data_source, extra_info[, prompt]]) items (the source and info
+        for a veRL-style reward function, the prompt for a reward model), then dispatch once: items handed over together
         leave in as few calls as the idle workers allow, not the first alone and the rest after it."""
         self._queue.extend(_Item(*item) for item in items)
         self._dispatch()
@@ -229,7 +260,7 @@ class RewardPool:
     # -- internals -----------------------------------------------------------------------------
 
     def _start(self, i: int) -> None:
-        self.workers[i] = _RemoteWorker.remote(self.cfg, self._fn_blob)
+        self.workers[i] = self._remote.remote(self.cfg, self._parts_blob)
         self._ask_ready(i)
 
     def _ask_ready(self, i: int) -> None:
@@ -245,13 +276,16 @@ class RewardPool:
     def _dispatch(self) -> None:
         while self._queue and self._idle:
             batch = [self._queue.popleft()]
-            size = min(MAX_BATCH, math.ceil((len(self._queue) + 1) / len(self.workers)))
+            size = min(max(MAX_BATCH, self._model_batch), math.ceil((len(self._queue) + 1) / len(self.workers)))
             while not batch[0].retried and len(batch) < size and self._queue and not self._queue[0].retried:
                 batch.append(self._queue.popleft())
             i = self._idle.pop()
-            payload = [(it.key, it.response, it.answer, it.num_tokens, it.data_source, it.extra_info) for it in batch]
+            payload = [(it.key, it.response, it.answer, it.num_tokens, it.data_source, it.extra_info, it.prompt)
+                       for it in batch]
             ref = self.workers[i].score_batch.remote(payload)
-            self._calls[ref] = _Call(i, batch, time.monotonic() + len(batch) * self.cfg.timeout_s + GRACE_S)
+            forwards = math.ceil(len(batch) / self._model_batch) if self._model_batch else 0  # each up to timeout_s
+            self._calls[ref] = _Call(i, batch, time.monotonic() + (len(batch) + forwards) * self.cfg.timeout_s
+                                     + GRACE_S)
 
     def _scored(self, call: _Call, done: list[RewardResult], stuck: bool) -> list[RewardResult]:
         self._queue.extendleft(reversed(call.items[len(done):]))  # never ran: back to the front

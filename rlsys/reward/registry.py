@@ -17,6 +17,11 @@ A value that is not a finite number within
 signals (signal.alarm); the pool enforces the deadline instead. A function with a
 `setup(cfg: RewardConfig)` attribute gets it called once as each actor starts (code_tests, in
 code.py, builds its sandbox there).
+
+`reward.fn` may name several functions, `reward.weights` weighing each (TRL's reward_funcs and reward_weights):
+the reward is the weighted sum of their values, each checked on its own, and each part is logged as
+reward/<name>/mean. One of them may be `reward_model`, a learned reward model's score (rlsys/reward/model.py),
+which the pool computes in batches and hands to `score_parts`.
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ import inspect
 import logging
 import math
 import numbers
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from rlsys.config import RewardConfig
+from rlsys.config import REWARD_MODEL, RewardConfig
 from rlsys.plugins import resolve
 from rlsys.registry import Registry
 from rlsys.tools.format import CALL_CLOSE, RESPONSE_CLOSE
@@ -63,6 +69,30 @@ def is_verl_style(fn: Callable) -> bool:
 
 class BadReward(ValueError):
     """A reward function returned something that is not a finite number."""
+
+
+def describe(error: Exception) -> str:
+    """Why a reward function failed, as the pool logs it."""
+    return str(error) if isinstance(error, BadReward) else f"raised {type(error).__name__}: {error}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One weighted part of the reward: a function, or None for the reward model (scored in batches by the pool)."""
+    name: str
+    fn: Optional[RewardFn]
+    weight: float = 1.0
+
+    @property
+    def key(self) -> str:
+        """Its metric's name, reward/<key>/mean: the function's name, without a module or file."""
+        return self.name.rpartition(":")[2]
+
+
+def reward_parts(cfg: RewardConfig) -> list[Part]:
+    """The parts `reward.fn` names, each with its weight (1.0 unless `reward.weights` says)."""
+    weights = cfg.weights or [1.0] * len(cfg.names)
+    return [Part(name, None if name == REWARD_MODEL else reward_fn(name), w) for name, w in zip(cfg.names, weights)]
 
 
 @register_reward("exact_match")
@@ -129,14 +159,35 @@ def as_reward(value, valid_range: tuple[float, float] | None = None) -> float:
 
 def score(cfg: RewardConfig, response: str, answer: str, num_tokens: int, fn: RewardFn | None = None,
           data_source: str = "", extra_info: dict | None = None) -> float:
-    """The base reward (cfg.fn, or `fn` when given, in either form), checked against `cfg.valid_range`, plus
-    the overlong penalty when enabled."""
-    fn = fn or reward_fn(cfg.fn)
-    if is_verl_style(fn):
-        value = fn(data_source=data_source, solution_str=response, ground_truth=answer, extra_info=extra_info)
-    else:
-        value = fn(response, answer)
-    reward = as_reward(value, cfg.valid_range)
+    """The reward of cfg's parts (or of `fn` alone, when given): see `score_parts`."""
+    parts = [Part("fn", fn)] if fn else reward_parts(cfg)
+    return score_parts(cfg, parts, response, answer, num_tokens, data_source, extra_info)[0]
+
+
+def score_parts(cfg: RewardConfig, parts: list[Part], response: str, answer: str, num_tokens: int,
+                data_source: str = "", extra_info: dict | None = None,
+                model_score: float | None = None) -> tuple[float, dict[str, float]]:
+    """The reward, the weighted sum of the parts' values plus the overlong penalty when enabled, and each part's
+    value by its key. A function's value (in either form) is checked against `cfg.valid_range`; the reward model's
+    (`model_score`) only for being finite: a classifier's logit has no range. A failing part fails the sample,
+    naming the part when there are several."""
+    values = {}
+    for part in parts:
+        try:
+            values[part.key] = (as_reward(model_score) if part.fn is None
+                                else as_reward(_call(part.fn, response, answer, data_source, extra_info),
+                                               cfg.valid_range))
+        except Exception as e:
+            if len(parts) == 1:
+                raise
+            raise BadReward(f"reward.fn part {part.name} {describe(e)}") from e
+    reward = sum(part.weight * values[part.key] for part in parts)
     if cfg.overlong.enabled:
         reward += overlong_penalty(num_tokens, cfg.overlong.max_len, cfg.overlong.cache_len)
-    return reward
+    return reward, values
+
+
+def _call(fn: RewardFn, response: str, answer: str, data_source: str, extra_info: dict | None):
+    if is_verl_style(fn):
+        return fn(data_source=data_source, solution_str=response, ground_truth=answer, extra_info=extra_info)
+    return fn(response, answer)
