@@ -42,6 +42,10 @@ class WarmStartConfig(Section):
     # Share of examples that demonstrate a tool call instead (a task with demonstrations: tool_arith), drawn
     # afresh each time: the policy starts out calling the tool sometimes and guessing otherwise.
     tool_share: float = Field(0.0, ge=0, le=1)
+    # The user's demonstrations for tool_share, module:function or file.py:function: fn(prompt) -> [(text, whether
+    # the model wrote it), ...], as tool_tasks.py's (a user environment's task has none built in: without them
+    # the warm-started model never calls it)
+    demonstrations: Optional[str] = None
     # Where the warm start (and its greedy eval) runs, in the process that builds the model: cuda for a model
     # of hundreds of millions of parameters (configs/gpu/bench_0.5b.yaml), hours on one CPU thread.
     device: Literal["cpu", "cuda"] = "cpu"

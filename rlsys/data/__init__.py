@@ -17,7 +17,7 @@ from rlsys.data import reason_tasks  # noqa: F401  registers the `reason` family
 from rlsys.data import tool_tasks  # noqa: F401  registers the `tool_arith` family
 from rlsys.data import word_problems  # noqa: F401  registers the `word_problems` family
 from rlsys.data.synthetic import TASKS, length_stats, synthetic_splits
-from rlsys.plugins import is_spec, resolve
+from rlsys.plugins import check_signature, is_spec, load_function, resolve
 from rlsys.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -33,12 +33,18 @@ def task_family(name: str):
     return resolve(TASKS, name, "data.task", ("rng",))
 
 
-def demonstrations(task: str):
-    """The tool-use demonstrations of `task`'s family for the warm start (model.warm_start.tool_share), a
-    function of a Prompt giving its conversation as (text, the model's?) parts; ValueError if it has none."""
+def demonstrations(task: str, spec: str | None = None):
+    """The tool-use demonstrations for the warm start (model.warm_start.tool_share), a function of a Prompt giving
+    its conversation as (text, the model's?) parts: the user's (`spec`, model.warm_start.demonstrations), else
+    those of `task`'s family; ValueError if there are none."""
+    if spec:
+        fn = load_function(spec, "model.warm_start.demonstrations")
+        check_signature(fn, spec, "model.warm_start.demonstrations", ("prompt",))
+        return fn
     if task not in tool_tasks.DEMONSTRATIONS:
         raise ValueError(f"data.task={task!r} has no tool-use demonstrations; the families that have them: "
-                         f"{', '.join(tool_tasks.DEMONSTRATIONS)}")
+                         f"{', '.join(tool_tasks.DEMONSTRATIONS)}; or give yours in "
+                         "model.warm_start.demonstrations=module:function")
     return tool_tasks.DEMONSTRATIONS[task]
 
 

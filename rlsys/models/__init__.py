@@ -89,7 +89,7 @@ def _build(cfg: Config, out: Path) -> None:
     if cfg.data.task == "files":  # the user's answers are its examples: say so, as no RL has started yet
         print(f"warm start: fine-tuning the tiny model on the answers of {cfg.data.train_path} "
               f"(model.warm_start.steps={ws.steps}; 0 skips it)", flush=True)
-    metrics = warm_start(out, train, ws, demonstrations(cfg.data.task) if ws.tool_share else None,
+    metrics = warm_start(out, train, ws, demonstrations(cfg.data.task, ws.demonstrations) if ws.tool_share else None,
                          progress=cfg.logging.progress)
     t = time.time()
     # Exact match of the generated text: with tools the model's text is a call, answered only in a run, whose
@@ -126,13 +126,15 @@ def weights_fingerprint(model_dir: str | Path) -> str | None:
 def cache_key(cfg: Config) -> str:
     """Hash of what the built model depends on: model config, the data its warm start sees, builder code."""
     data = cfg.data
-    parts = {"model": cfg.model.model_dump(exclude={"path", "cache_dir"}),
+    demos = cfg.model.warm_start.demonstrations
+    parts = {"model": cfg.model.model_dump(exclude={"path": True, "cache_dir": True,  # unset: the keys stay as before
+                                                    "warm_start": {"demonstrations"} if demos is None else set()}),
              "data": {"task": data.task, "train_size": data.train_size, "seed": data.seed}}
     if data.task == "files":  # the train split may be a hold-out of the file, and the file may change
         parts["data"].update(train_path=data.train_path, eval_path=data.eval_path, eval_size=data.eval_size,
                              train_file=_file_stamp(data.train_path))
     package = Path(__file__).resolve().parent.parent
-    sources = [package / rel for rel in BUILDER_SOURCES] + task_sources(data.task)
+    sources = [package / rel for rel in BUILDER_SOURCES] + task_sources(data.task) + demonstration_sources(demos)
     parts["code"] = [hashlib.sha256(path.read_bytes()).hexdigest() for path in sources]
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return f"{cfg.model.arch}-h{cfg.model.hidden_size}-l{cfg.model.num_layers}-{digest}"
@@ -148,6 +150,15 @@ def task_sources(task: str) -> list[Path]:
     families = MIX if task == "synthetic" else [task] if task in TASKS else []
     files = {Path(inspect.getsourcefile(TASKS.get(f))).resolve() for f in families}
     return sorted(f for f in files if f.name != "synthetic.py")
+
+
+def demonstration_sources(spec: str | None) -> list[Path]:
+    """The file of the user's warm-start demonstrations (model.warm_start.demonstrations): its edits build again."""
+    import inspect
+
+    from rlsys.data import demonstrations
+
+    return [Path(inspect.getsourcefile(demonstrations("", spec))).resolve()] if spec else []
 
 
 def _file_stamp(path: str | None) -> list | None:
