@@ -22,7 +22,7 @@ from rlsys.data.synthetic import TASKS, synthetic_splits
 from rlsys.emulate import Budget, Emulation
 from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
-from rlsys.reward.registry import reward_fn
+from rlsys.reward.registry import reward_parts
 from rlsys.rollout.registry import engine_entry
 from rlsys.tools.box import user_env, user_tools
 from rlsys.trainer.advantages import ADVANTAGES, check_advantage_options
@@ -35,7 +35,8 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     (("data", "task"), lambda cfg: cfg.data.task in ("files", "synthetic")
      or (task_family(cfg.data.task) if is_spec(cfg.data.task) else TASKS.get(cfg.data.task))),
     (("data", "loader"), lambda cfg: cfg.data.loader and row_loader(cfg.data.loader)),
-    (("reward", "fn"), lambda cfg: reward_fn(cfg.reward.fn)),
+    (("reward", "fn"), lambda cfg: reward_parts(cfg.reward)),
+    (("reward", "model", "device"), lambda cfg: reward_model_gpus(cfg)),
     (("tools", "fns"), lambda cfg: user_tools(cfg.tools)),
     (("tools", "env"), lambda cfg: user_env(cfg.tools)),
     (("model", "warm_start", "tool_share"), lambda cfg: not cfg.model.warm_start.tool_share
@@ -78,6 +79,22 @@ def wandb_ready() -> bool:
     return True
 
 
+def reward_model_gpus(cfg: Config) -> None:
+    """A reward model on cuda gives each reward worker a GPU of its own: the placement plan must leave them free."""
+    if not cfg.reward.model.path or cfg.reward.model.device != "cuda":
+        return
+    try:
+        plan = plan_from_config(cfg)
+    except ValueError:  # a plan that fails is the plan's check's to report
+        return
+    total = plan.nodes * plan.gpus_per_node if plan else 0
+    free = total - plan.used_gpus if plan else 0
+    if free < cfg.reward.num_workers:
+        raise ValueError(f"cuda gives each of the reward.num_workers={cfg.reward.num_workers} reward workers a GPU of "
+                         f"its own, and the placement leaves {free} of cluster.nodes x cluster.gpus_per_node = "
+                         f"{total} free: add GPUs, use fewer engines or trainer ranks, or reward.model.device=cpu")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """The config of a file (the default one for None) with `key=value` overrides, checked against the schema
     and then by CHECKS; every problem found is raised as one ConfigError."""
@@ -111,9 +128,9 @@ def start_problems(cfg: Config) -> list[str]:
         problems.append(f"cluster.nodes={c.nodes}: the Ray cluster a run starts itself (cluster.address unset) is "
                         "this one machine, so it would train on one node; join a running multi-node Ray with "
                         "cluster.address=auto (launch/), or set cluster.nodes=1")
-    if cfg.model.path:
+    for path, field in ((cfg.model.path, "model.path"), (cfg.reward.model.path, "reward.model.path")):
         try:
-            validate_model_dir(cfg.model.path)
+            path and validate_model_dir(path, field)
         except ModelDirError as e:
             problems.append(str(e))
     data = cfg.data
