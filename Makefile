@@ -16,14 +16,19 @@ STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 setup: $(STAMP)
 
+# Each step says what it installs, and pip lists what it downloads: a first setup takes minutes, never silent.
 $(PY):
+	@echo "setup: creating the virtual environment $(VENV)/"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install --upgrade pip
 
 # Without a GPU, the CPU build of torch goes in first, so no CUDA packages are pulled in.
 $(STAMP): pyproject.toml $(LOCK) | $(PY)
-	@command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(TORCH_CPU_INDEX)
-	$(PY) -m pip install -q -c $(LOCK) -e ".[$(EXTRAS)]"
+	@command -v nvidia-smi >/dev/null 2>&1 || { echo "setup: installing torch $(TORCH_VERSION), CPU build (no GPU here)"; \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)" $(TORCH_CPU_INDEX); }
+	@echo "setup: installing rlsys with extras [$(EXTRAS)] at the versions of $(LOCK) (Ray, DeepSpeed, transformers, ...)"
+	$(PY) -m pip install -c $(LOCK) -e ".[$(EXTRAS)]"
+	@echo "setup: done; the command is $(VENV)/bin/rlsys"
 	touch $@
 
 train: setup

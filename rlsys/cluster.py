@@ -5,6 +5,7 @@ import os
 import time
 
 from rlsys.config import ClusterConfig
+from rlsys.logger import waiting
 
 
 def init_ray(cfg: ClusterConfig | None = None):
@@ -15,11 +16,13 @@ def init_ray(cfg: ClusterConfig | None = None):
     cfg = cfg or ClusterConfig()
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if cfg.address:
-        ray.init(address=cfg.address, logging_level="WARNING")
+        with waiting(f"joining Ray at {cfg.address}"):
+            ray.init(address=cfg.address, logging_level="WARNING")
         return
     # Logical CPUs: actors alternate between stages in sync mode, so oversubscribing is harmless.
-    ray.init(num_cpus=cfg.num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
-             dashboard_host=cfg.dashboard_host, logging_level="WARNING", configure_logging=True)
+    with waiting("starting Ray"):
+        ray.init(num_cpus=cfg.num_cpus or max(8, os.cpu_count() or 1), include_dashboard=False,
+                 dashboard_host=cfg.dashboard_host, logging_level="WARNING", configure_logging=True)
 
 
 def death_reason(error) -> str:

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from rlsys.errors import UserError
+from rlsys.logger import waiting
 from rlsys.rollout.registry import engine_entry
 from rlsys.types import Completion, Prompt, Request, SamplingParams, env_sample, reward_item
 
@@ -71,9 +72,11 @@ def eval_accuracy(rollout, rewards, tokenizer, prompts, rollout_cfg) -> dict[str
     """Evaluate alone (`rlsys eval`): the engines and the reward pool have no other work. The controller runs
     an `Evaluation` through its own pump instead, beside training's requests."""
     evaluation = Evaluation(tokenizer, prompts, rollout_cfg)
-    completions = rollout.generate(evaluation.requests)
-    for result in rewards.score_all([evaluation.to_score(c) for c in completions]):
-        evaluation.add(result.key, result.reward)
+    with waiting(f"eval: generating {len(evaluation.requests)} samples for {len(prompts)} prompts"):
+        completions = rollout.generate(evaluation.requests)
+    with waiting(f"eval: scoring {len(completions)} samples"):
+        for result in rewards.score_all([evaluation.to_score(c) for c in completions]):
+            evaluation.add(result.key, result.reward)
     return evaluation.metrics()
 
 
@@ -150,7 +153,8 @@ def evaluate_path(path: str, overrides: list[str]) -> tuple[dict[str, float], in
     model_dir = model_dir or prepare_model(cfg)
     tokenizer = load_tokenizer(model_dir)
     _, prompts, _ = load_prompts(cfg.data, tokenizer, tool_schemas(cfg.tools))  # the tokenizer renders templates
-    rollout = RolloutManager.from_config(cfg, model_dir)
+    with waiting("eval: starting the rollout engine"):
+        rollout = RolloutManager.from_config(cfg, model_dir)
     if (checkpoint / "controller.json").exists():
         from safetensors.torch import load_file
         rollout.load_weights(load_file(str(checkpoint / "trainer" / "model.safetensors")), version=1)

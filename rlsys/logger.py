@@ -3,6 +3,9 @@ TensorBoard / wandb when asked for."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from rlsys.config import LoggingConfig
@@ -22,6 +25,30 @@ def progress_format(clock: str) -> str:
     wall = "" if clock == "wall" else "wall "
     return ("{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [" + wall
             + "{elapsed}<{remaining}, {rate_fmt}]{postfix}")
+
+
+@contextmanager
+def waiting(what: str, first: float = 5.0, every: float = 10.0):
+    """A wait with nothing of its own to show (Ray starting, actors loading a model) is not spent in silence:
+    past `first` seconds a line says what it waits for, then one every `every` seconds, and one when it ends.
+    A short wait prints nothing."""
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def tick() -> None:
+        pause = first
+        while not done.wait(pause):
+            print(f"{what}: {time.monotonic() - t0:.0f} s so far", flush=True)
+            pause = every
+    ticker = threading.Thread(target=tick, name="waiting", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        if time.monotonic() - t0 >= first:
+            print(f"{what}: done in {time.monotonic() - t0:.0f} s", flush=True)
 
 
 class RunLogger:

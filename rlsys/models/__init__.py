@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlsys.config import Config
+from rlsys.config import Config, DataConfig
 from rlsys.errors import UserError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # never pickles: see safe formats
@@ -18,6 +18,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUILD_INFO = "rlsys_build.json"
 # The code that decides what a cached model is: editing it makes a new cache entry, never a stale hit.
 BUILDER_SOURCES = ("models/tiny.py", "models/warm_start.py", "data/synthetic.py")
+PACKAGE = Path(__file__).resolve().parent.parent
 
 
 class ModelDirError(UserError, ValueError):
@@ -59,7 +60,8 @@ def prepare_model(cfg: Config) -> Path:
     if final.is_dir():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
-    print(f"building the tiny model and its warm start (once; cached at {final})", flush=True)
+    print(f"building the tiny model (once: cached at {final} for every run with this model, warm start and "
+          "task, whatever its RL settings)", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
     tmp.chmod(0o755)  # mkdtemp makes it private; a cache entry is readable like any model folder
     try:
@@ -95,8 +97,12 @@ def _build(cfg: Config, out: Path) -> None:
     # Exact match of the generated text: with tools the model's text is a call, answered only in a run, whose
     # step-0 eval measures the warm-started model instead (0% here would say nothing of it)
     measured = not (cfg.tools.fns or cfg.tools.env)
+    if measured:
+        print(f"warm start: done in {metrics['seconds']:.0f}s; now a greedy eval of its {len(evals)} eval prompts",
+              flush=True)
     metrics["eval_greedy_accuracy"] = exact_match_accuracy(
-        out, evals, max_new_tokens=cfg.rollout.max_new_tokens, device=ws.device) if measured else None
+        out, evals, max_new_tokens=cfg.rollout.max_new_tokens, device=ws.device,
+        progress=cfg.logging.progress) if measured else None
     metrics["eval_seconds"] = time.time() - t
     # For the record only (not part of the cache key): measured on the eval split of the building run.
     info = {"model": cfg.model.model_dump(), "data": cfg.data.model_dump(), "warm_start": metrics}
@@ -124,20 +130,30 @@ def weights_fingerprint(model_dir: str | Path) -> str | None:
 
 
 def cache_key(cfg: Config) -> str:
-    """Hash of what the built model depends on: model config, the data its warm start sees, builder code."""
-    data = cfg.data
-    demos = cfg.model.warm_start.demonstrations
-    parts = {"model": cfg.model.model_dump(exclude={"path": True, "cache_dir": True,  # unset: the keys stay as before
-                                                    "warm_start": {"demonstrations"} if demos is None else set()}),
-             "data": {"task": data.task, "train_size": data.train_size, "seed": data.seed}}
-    if data.task == "files":  # the train split may be a hold-out of the file, and the file may change
-        parts["data"].update(train_path=data.train_path, eval_path=data.eval_path, eval_size=data.eval_size,
-                             train_file=_file_stamp(data.train_path))
-    package = Path(__file__).resolve().parent.parent
-    sources = [package / rel for rel in BUILDER_SOURCES] + task_sources(data.task) + demonstration_sources(demos)
+    """Hash of what the built weights depend on, and of nothing else, so configs that differ only in what RL
+    does with the model (trainer, scheduler, rollout, eval, reward) share one build: the architecture and its
+    init seed; with a warm start, its settings, the training split it sees and the builder code."""
+    ws = cfg.model.warm_start
+    parts = {"model": cfg.model.model_dump(exclude={"path", "cache_dir", "warm_start"}), "seed": ws.seed}
+    sources = [PACKAGE / BUILDER_SOURCES[0]]  # tiny.py: no warm start builds from it alone
+    if ws.steps:
+        parts["warm_start"] = ws.model_dump(exclude=set() if ws.label_noise else {"noise"})  # no noise, no kind
+        parts["data"] = warm_start_data(cfg.data)
+        sources = ([PACKAGE / rel for rel in BUILDER_SOURCES] + task_sources(cfg.data.task)
+                   + demonstration_sources(ws.demonstrations))
     parts["code"] = [hashlib.sha256(path.read_bytes()).hexdigest() for path in sources]
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return f"{cfg.model.arch}-h{cfg.model.hidden_size}-l{cfg.model.num_layers}-{digest}"
+
+
+def warm_start_data(data: DataConfig) -> dict:
+    """The data fields that decide the training split a warm start sees (rlsys.data.load_datasets)."""
+    if data.task != "files":
+        return {"task": data.task, "train_size": data.train_size, "seed": data.seed}
+    # the user's file (it may change), read by their loader; without eval_path, eval_size rows are held out of it
+    held_out = {} if data.eval_path else {"eval_size": data.eval_size, "seed": data.seed}
+    return {"task": "files", "train_path": data.train_path, "train_file": _file_stamp(data.train_path),
+            "loader": data.loader, **held_out}
 
 
 def task_sources(task: str) -> list[Path]:

@@ -122,6 +122,35 @@ def trained_tokens(example: Labelled) -> int:
     return sum(label != IGNORE for label in example[1])
 
 
+def draw(rng: random.Random, examples, prompts, cfg: WarmStartConfig, tokenizer, demos) -> list[Labelled]:
+    """draw_batch, sorted by length (micro_batches cuts it in order)."""
+    return sorted(draw_batch(rng, examples, prompts, cfg, tokenizer, demos), key=lambda e: len(e[0]))
+
+
+def backward(model, batch: list[Labelled], pad_id: int, device: torch.device) -> float:
+    """The gradients of one batch's token-mean answer loss, accumulated over its micro-batches; the loss."""
+    n_answer = sum(map(trained_tokens, batch))
+    loss_sum = 0.0
+    for micro in micro_batches(batch):
+        share = sum(map(trained_tokens, micro)) / n_answer
+        batch_tensors = {k: v.to(device) for k, v in collate(micro, pad_id).items()}
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type != "cpu"):  # fp32 weights kept
+            loss = model(**batch_tensors).loss * share  # token-mean overall
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum
+
+
+def about(seconds: float) -> str:
+    """A duration as a person plans with it: under a minute, about 12 minutes, about 1.5 hours."""
+    minutes = round(seconds / 60)
+    if minutes < 1:
+        return "under a minute"
+    if minutes < 90:
+        return f"about {minutes} minute{'s' * (minutes > 1)}"
+    return f"about {seconds / 3600:.1f} hours"
+
+
 def lr_factor(step: int, total: int) -> float:
     """Linear warm-up over the first 5% of steps, then cosine decay to 10%."""
     warmup = max(1, total // 20)
@@ -190,22 +219,21 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
                  for (ids, n_prompt), p in zip(examples, kept)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps))
-    rng = random.Random(cfg.seed)
     model.train()
+    probe = time.time()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's draws untouched
+        backward(model, draw(random.Random(-1), examples, kept, cfg, tokenizer, demos), tokenizer.pad_token_id, device)
+    model.zero_grad(set_to_none=True)
+    a_step = time.time() - probe
+    print(f"warm start: {cfg.steps} steps of {cfg.batch_size} examples, {about(cfg.steps * a_step)} on this "
+          f"machine ({a_step:.2f} s a step, measured on one before it starts)", flush=True)
+    rng = random.Random(cfg.seed)
     losses = []
     bar = tqdm(total=cfg.steps, desc="warm start", dynamic_ncols=True, disable=not progress)
     for _ in range(cfg.steps):
-        batch = sorted(draw_batch(rng, examples, kept, cfg, tokenizer, demos), key=lambda e: len(e[0]))
-        n_answer = sum(map(trained_tokens, batch))
+        batch = draw(rng, examples, kept, cfg, tokenizer, demos)
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for micro in micro_batches(batch):
-            share = sum(map(trained_tokens, micro)) / n_answer
-            batch_tensors = {k: v.to(device) for k, v in collate(micro, tokenizer.pad_token_id).items()}
-            with torch.autocast(device.type, torch.bfloat16, enabled=device.type != "cpu"):  # fp32 weights kept
-                loss = model(**batch_tensors).loss * share  # token-mean overall
-            loss.backward()
-            loss_sum += loss.item()
+        loss_sum = backward(model, batch, tokenizer.pad_token_id, device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
@@ -226,10 +254,13 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
 @torch.no_grad()
 def exact_match_accuracy(model_dir: str | Path, prompts: list[Prompt], temperature: float = 0.0,
                          max_new_tokens: int = 96, batch_size: int = 100, seed: int = 0,
-                         device: str = "cpu") -> float:
+                         device: str = "cpu", progress: bool = False) -> float:
     """Share of prompts whose generated text equals the answer (HF generate; for measurement only). A sample
     longer than the longest answer and its EOS cannot equal an answer, so generation stops there: a model
-    built for long responses (thousands of tokens) is measured in seconds, not hours, on the CPU."""
+    built for long responses (thousands of tokens) is measured in seconds, not hours, on the CPU.
+    `progress`: a bar of the prompts done (thousands take minutes on a CPU)."""
+    from tqdm import tqdm
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if prompts:
         longest = max(len(ids) for ids in tokenizer([p.answer for p in prompts], add_special_tokens=False)["input_ids"])
@@ -238,6 +269,7 @@ def exact_match_accuracy(model_dir: str | Path, prompts: list[Prompt], temperatu
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(on)
     torch.manual_seed(seed)
     right = 0
+    bar = tqdm(total=len(prompts), desc="greedy eval", unit="prompt", dynamic_ncols=True, disable=not progress)
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         batch = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True).to(on)
@@ -246,6 +278,8 @@ def exact_match_accuracy(model_dir: str | Path, prompts: list[Prompt], temperatu
         out = model.generate(**batch, max_new_tokens=max_new_tokens, **sampling)
         texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
         right += sum(text == p.answer for text, p in zip(texts, chunk))
+        bar.update(len(chunk))
+    bar.close()
     del model
     release(on)
     return right / max(len(prompts), 1)
