@@ -38,6 +38,7 @@ from rlsys.plugins import PluginError, is_spec, load_function
 from rlsys.registry import Registry
 from rlsys.tools.calculator import CalculatorError, calculator
 from rlsys.tools.format import DEFAULT, ToolCallError, ToolFormat
+from rlsys.tools.schemas import env_schemas
 from rlsys.types import ToolTurn
 
 START_TIMEOUT_S = 60.0  # for a user tools' process to import them, beyond a call's own limit
@@ -139,7 +140,8 @@ def user_env(cfg: ToolsConfig) -> str | None:
     `reset(sample)` before its first step, `sample` being rlsys.types.env_sample of the prompt: {"prompt": its
     text, "answer": its reference answer, "data_source", "uid", "extra_info": the dataset row's} (a request made
     without one gives {"prompt": text} alone); `step(action) -> (observation: str, reward: float, done: bool)`
-    with the text between the call tags. Either may be `async def`.
+    with the text between the call tags. Either may be `async def`. Its class's `tools`, if it has one, are the
+    tools shown the model through the chat template (data.chat_template; rlsys/tools/schemas.py env_schemas).
 
     An environment's state survives its process: a step past tools.timeout_s kills the process, and a conversation
     cut and resumed (sorted's partial mode, async, eval's pause, a scale-down) continues in a new one, perhaps on
@@ -160,6 +162,7 @@ def user_env(cfg: ToolsConfig) -> str | None:
     if missing:
         raise PluginError(f"tools.env: {cfg.env!r} has no method {' or '.join(missing)}; an environment has "
                           "reset(sample) and step(action) -> (observation, reward, done)")
+    env_schemas(cls, cfg.env)  # the tools it shows the model, if it declares some: a malformed list fails here
     return _absolute(cfg.env)
 
 
