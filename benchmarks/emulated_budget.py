@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time, add_targets,  # noqa: E402
                          aggregate, budget_gpus, machine, median_of, run_config, run_loaded, same_start, speedups,
                          started_elsewhere, summarise_run, sync_targets, write_report)
-from rlsys.config import Config  # noqa: E402
+from rlsys.config import Config, ConfigError  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -316,13 +316,16 @@ def main() -> int:
                 short = instrument_overrides(args.steps, size)
             prefix = "emulated_budget2" if args.instrument else "emulated_budget"
             matrix.append((name, gpus, Path(args.results_dir) / f"{prefix}_{name}_{gpus}gpu.json", short))
-    print_plan(matrix, presets, counts, args.first_seed)
+    refusals = {(name, gpus): refused(WORKLOADS[name][0], short, presets, gpus) for name, gpus, _, short in matrix}
+    print_plan(matrix, presets, counts, args.first_seed, refusals)
     if args.plan_only:
         return 0
     for name, gpus, path, short in matrix:
         config = WORKLOADS[name][0]
+        kept = [p for p in presets if p not in refusals[name, gpus]]
         workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
-                    "layouts": {preset: layout(preset, gpus) for preset in presets}}
+                    "layouts": {preset: layout(preset, gpus) for preset in kept},
+                    "refused": refusals[name, gpus]}
         runs = json.loads(path.read_text())["runs"] if path.exists() else {}
         why = started_elsewhere([first_run(runs)] if runs else [], load_config(config, short))
         if why:
@@ -331,7 +334,7 @@ def main() -> int:
             return 2
         # seeds outermost: every preset's first seeds before anyone's fifth
         for seed in range(args.first_seed, max(counts.values())):
-            for preset in (p for p in presets if seed < counts[p]):
+            for preset in (p for p in kept if seed < counts[p]):
                 if not claimed(path, preset, seed):  # done, or another process runs it
                     continue
                 overrides = short + layout(preset, gpus) + [f"seed={seed}"]
@@ -352,14 +355,30 @@ def main() -> int:
     return 0
 
 
-def print_plan(matrix: list[tuple], presets: list[str], counts: dict[str, int], first_seed: int) -> None:
-    """The runs still to do and their CPU-hours (estimated_s), before any starts."""
+def refused(config: str, short: list[str], presets: list[str], gpus: int) -> dict[str, str]:
+    """The presets whose layout on `gpus` modelled GPUs the config refuses, with why: a trainer whose states do not
+    fit the GPUs it is given (rlsys/emulate.py check_trainer_fits: a 7B model's Adam states on the one GPU of a
+    2-GPU split or scale-down) is no run to compare, and is named in the report instead."""
+    out = {}
+    for preset in presets:
+        try:
+            load_config(config, short + layout(preset, gpus))
+        except ConfigError as e:
+            out[preset] = str(e).split("\n", 1)[-1].strip()
+            print(f"[budget] {preset} on {gpus} GPUs refused: {out[preset]}", flush=True)
+    return out
+
+
+def print_plan(matrix: list[tuple], presets: list[str], counts: dict[str, int], first_seed: int,
+               refusals: dict[tuple, dict[str, str]]) -> None:
+    """The runs still to do and their CPU-hours (estimated_s), before any starts; refused presets run nothing."""
     total, n = 0.0, 0
     for name, gpus, path, short in matrix:
+        kept = [p for p in presets if p not in refusals[name, gpus]]
         done = json.loads(path.read_text())["runs"] if path.exists() else {}
         todo = {p: [s for s in range(first_seed, counts[p]) if not any(
-            r["seed"] == s and r.get("emulating", True) for r in done.get(p, []))] for p in presets}
-        estimates = {p: estimated_s(name, gpus, p, short) for p in presets}
+            r["seed"] == s and r.get("emulating", True) for r in done.get(p, []))] for p in kept}
+        estimates = {p: estimated_s(name, gpus, p, short) for p in kept}
         seconds = {p: e[0] for p, e in estimates.items()}
         hours = sum(len(s) * seconds[p] for p, s in todo.items()) / 3600
         evals = sum(map(len, todo.values())) * eval_s(short) / 3600

@@ -176,3 +176,17 @@ def test_the_plan_counts_the_runs_left_and_writes_nothing(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "tail 3 x" in out
     assert "[budget] plan: 11 runs" in out and list(tmp_path.iterdir()) == []
+
+
+def test_a_preset_whose_trainer_cannot_fit_its_gpus_is_named_refused_and_planned_for_nothing(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """At two modelled GPUs a split layout leaves Qwen2.5-7B's Adam states one H100: refused, not run."""
+    module = budget_module()
+    monkeypatch.setattr("sys.argv", ["emulated_budget.py", "--instrument", "--workloads", "longcot", "--budgets", "2,4",
+                                     "--presets", "sync,async-split", "--results-dir", str(tmp_path), "--plan-only"])
+    assert module.main() == 0
+    out = capsys.readouterr().out
+    assert "async-split on 2 GPUs refused" in out and "needs 125 GB" in out
+    assert "async-split on 4 GPUs refused" not in out
+    assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "async-split 3 x" in out  # the 4-GPU file's
+    assert "[budget] plan: 19 runs" in out  # 8 + 8 sync, 3 async-split at 4 GPUs only

@@ -17,6 +17,7 @@ from typing import Optional
 
 from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
+from rlsys.control.events import Aborted, Scored
 from rlsys.control.elastic_tp import ElasticTP, plan_tp
 from rlsys.control.metrics import idle_share, percentile, straggler_rate
 from rlsys.costs import (GPUS, TRAIN_FLOPS, engine_bytes, switch_seconds, sync_seconds, train_gpu_seconds,
@@ -207,7 +208,7 @@ class Simulation:
             elif kind == SAMPLE:
                 self._deliver(obj)
             elif kind == ABORTED_OUT:
-                self._act(self._call(self.scheduler.on_abort, obj, self.now))
+                self._act(self._call(self.scheduler.handle, Aborted(obj), self.now))
             elif kind == SYNC:
                 self._weight_sync()
             else:
@@ -490,7 +491,7 @@ class Simulation:
         self.requests.pop(req.rid, None)
         self.ordinal.pop(req.rid, None)
         completion = self._completion(req, req.target, "length" if req.truncated else "stop")
-        self._act(self._call(self.scheduler.on_sample, ScoredSample(completion, req.reward), self.now))
+        self._act(self._call(self.scheduler.handle, Scored(ScoredSample(completion, req.reward)), self.now))
 
     @staticmethod
     def _completion(req: SimRequest, tokens: int, reason: str, ordinal: Optional[int] = None) -> Completion:
