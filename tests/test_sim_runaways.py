@@ -102,3 +102,17 @@ def test_schedulers_that_cut_long_samples_train_runaways_as_sync_does(run):
     r = simulate(cfg, quiet=True)["results"]
     sync, x = r["sync"]["truncated_share"], r["x"]["truncated_share"]
     assert x > 0.6 * sync > 0
+
+
+def test_the_simulator_shows_the_length_account_every_sample_it_aborts():
+    """The simulator drives a scheduler as the live controller does (Scheduler.handle): the samples tail aborts
+    reach length/selection as generated and not trained, and tail still trains what it generates, prompt by prompt."""
+    cfg = load_sim_config(small(steps=6, cluster={"gpus": 4, "tp": 1}, engine={"max_seqs": 16},
+                                workload={**RUNAWAY_PRONE, "runaway_share": 0.05},
+                                control={"prompts_per_step": 8, "group_size": 4, "tail": {"eta_p": 1.5}},
+                                schedulers=[{"name": "tail"}]))
+    sim = Simulation(cfg, cfg.runs()[0])
+    sim.run()
+    selection = sim.scheduler.selection
+    assert sum(selection.dropped.values()) > 0  # the aborted prompts' samples were seen
+    assert sim.scheduler.metrics()["length/selection_run"] == pytest.approx(1.0, abs=0.05)

@@ -10,8 +10,8 @@ and below 1 is length selection for certain. A resumed sample counts once, at it
 samples begun under a version is trained (deferred and regenerated whole later, or dropped whole by dynamic
 sampling) leaves them out: its lengths count at the version it is trained at, so deferring whole prompts selects
 nothing. Sync trains every sample it generates: exactly 1.0. `length/dropped_share_d1..d10`: the share of generated
-samples not trained (aborted, or finished and left out of their group), by decile of the generated lengths, over
-the run so far.
+samples not trained (aborted, or finished and left out of their group; a deferred prompt's samples once it is trained
+again), by decile of the generated lengths, over the run so far.
 """
 from __future__ import annotations
 
@@ -89,11 +89,24 @@ class LengthSelection:
                 self._count(length, trained=False)
             tally[2], tally[3] = tally[0] + sum(left_out), tally[1] + len(left_out)
         self.tallies.update(step)
+        self._drop_earlier_visits(step)
         self.last_step = [sum(weighted(t) for t in step.values()), sum(t[1] for t in step.values())]
         self.run = [self.run[0] + self.last_step[0], self.run[1] + self.last_step[1]]
         old = version - SETTLE_VERSIONS
         self.waiting = defaultdict(list, {k: v for k, v in self.waiting.items() if k[0] >= old and v})
         self.tallies = {k: t for k, t in self.tallies.items() if k[0] >= old}
+
+    def _drop_earlier_visits(self, step: dict[Key, list[int]]) -> None:
+        """Samples of a prompt begun under an earlier version than the one it was just trained at (tail's deferred
+        prompts, cut and regenerated whole) were generated and never trained: they count in the dropped share by decile,
+        not in the ratio, which compares a prompt's trained samples with its samples of the same version."""
+        trained_at: dict[str, int] = {}
+        for version, uid in step:
+            trained_at[uid] = max(version, trained_at.get(uid, version))
+        earlier = [k for k in self.waiting if k[0] < trained_at.get(k[1], k[0])]
+        for key in earlier:
+            for s in self.waiting.pop(key):
+                self._count(s.length, trained=False)
 
     def _retally(self, key: Key, length: int) -> None:
         tally = self.tallies[key]
