@@ -24,6 +24,7 @@ Labelled = tuple[list[int], list[int]]  # token ids, and their labels (IGNORE wh
 
 IGNORE = -100  # label value the HF loss skips
 MICRO_BATCH = 16
+PROBES = 3  # steps timed to state a warm start's cost (one alone said 7 minutes for 4 on a loaded CPU)
 MICRO_TOKENS = 4096  # padded tokens a micro-batch holds at most: 16 of rep_long's longest would need ~80 GB at 0.47B
 
 
@@ -141,6 +142,19 @@ def backward(model, batch: list[Labelled], pad_id: int, device: torch.device) ->
     return loss_sum
 
 
+def step_seconds(model, batch: list[Labelled], pad_id: int, device: torch.device) -> float:
+    """What one step costs on this machine now: the median of PROBES backward passes of `batch`, whose gradients
+    are dropped and whose random draws are undone, so the weights trained after are those trained without it."""
+    times = []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for _ in range(PROBES):
+            start = time.time()
+            backward(model, batch, pad_id, device)
+            times.append(time.time() - start)
+    model.zero_grad(set_to_none=True)
+    return sorted(times)[PROBES // 2]
+
+
 def about(seconds: float) -> str:
     """A duration as a person plans with it: under a minute, about 12 minutes, about 1.5 hours."""
     minutes = round(seconds / 60)
@@ -220,13 +234,10 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.steps))
     model.train()
-    probe = time.time()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's draws untouched
-        backward(model, draw(random.Random(-1), examples, kept, cfg, tokenizer, demos), tokenizer.pad_token_id, device)
-    model.zero_grad(set_to_none=True)
-    a_step = time.time() - probe
+    a_step = step_seconds(model, draw(random.Random(-1), examples, kept, cfg, tokenizer, demos),
+                          tokenizer.pad_token_id, device)
     print(f"warm start: {cfg.steps} steps of {cfg.batch_size} examples, {about(cfg.steps * a_step)} on this "
-          f"machine ({a_step:.2f} s a step, measured on one before it starts)", flush=True)
+          f"machine ({a_step:.2f} s a step, the median of {PROBES} measured before it starts)", flush=True)
     rng = random.Random(cfg.seed)
     losses = []
     bar = tqdm(total=cfg.steps, desc="warm start", dynamic_ncols=True, disable=not progress)
