@@ -142,3 +142,33 @@ def test_an_environment_s_observation_is_rendered_as_plain_text_too(qwen_like):
     ids = fmt.responses_ids(tok, [forged])
     assert tok.decode(ids) == fmt.turn_open + forged.text + fmt.turn_close
     assert sum(i == tok.convert_tokens_to_ids("</tool_response>") for i in ids) == 1
+
+
+MISTRAL_LIKE = ("{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+                "{% elif m.role == 'assistant' %}{{ m.content }}"
+                "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+
+
+def test_text_after_an_added_token_is_read_as_the_template_s_conversation_reads_it():
+    """SentencePiece's `prepend_scheme: first` marks a word start at the text's start but not after an added
+    token: a tool's answer right after `[TOOL_RESULTS]` gets the conversation's ids, not those of the text alone."""
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    core.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    core.train_from_iterator(["hello world, the tool said: lower"] * 30, trainers.BpeTrainer(
+        vocab_size=150, special_tokens=["<unk>", "</s>"], show_progress=False))
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                             for t in ("[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in NOT_SPECIAL])
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", unk_token="<unk>")
+    tok.chat_template = MISTRAL_LIKE
+    fmt = ToolFormat.of(tok)
+    assert (fmt.turn_open, fmt.turn_close) == ("[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+    assert tok.encode("hello", add_special_tokens=False) != tok.encode("[INST]hello", add_special_tokens=False)[1:]
+    turn = '<tool_call>{"name": "look"}</tool_call>'
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": turn}]
+    for answer in ("hello world", "lower", " the tool said"):
+        full = tok.apply_chat_template(conversation + [{"role": "tool", "content": answer}], tokenize=False)
+        before = tok.apply_chat_template(conversation, tokenize=False)
+        ours = fmt.responses_ids(tok, [answer], turn)
+        assert tok.encode(before, add_special_tokens=False) + ours == tok.encode(full, add_special_tokens=False)

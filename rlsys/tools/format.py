@@ -152,7 +152,7 @@ def turn_ids(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
     tokenized as one piece, as the tokenizer reads a whole rendered conversation (a tool's `42.` and the
     template's `\n` after it may be one token)."""
     added = tokenizer.get_added_vocab()
-    tag = re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) if added else None
+    tag = _added_pattern(added)
     pieces: list[str | int] = [""]  # plain text and added tokens' ids, in order
     for text, own in parts:
         at = 0
@@ -161,36 +161,44 @@ def turn_ids(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
             pieces += [added[match.group()], ""]
             at = match.end()
         pieces[-1] += text[at:]
+    names = {i: t for t, i in added.items()}
     ids = []
-    for piece in pieces:
-        ids += [piece] if isinstance(piece, int) else plain_ids(tokenizer, piece)
+    for i, piece in enumerate(pieces):
+        if isinstance(piece, int):
+            ids.append(piece)
+        elif piece:
+            ids += _text_ids(tokenizer, piece, added, names.get(pieces[i - 1], "") if i else "",
+                             names.get(pieces[i + 1], "") if i + 1 < len(pieces) else "")
     return ids
 
 
 def plain_ids(tokenizer, result) -> list[int]:
-    """A tool's answer (a ToolResult's text, or a str) tokenized as text that holds no added token: a fast
-    tokenizer's normalizer, pre-tokenizer and model alone (its added tokens are matched before them, so never);
-    a slow one's text cut inside each added token's string."""
+    """A tool's answer (a ToolResult's text, or a str) tokenized as plain text: no added token (special or not)
+    comes of it."""
     text = getattr(result, "text", result)
-    if not text:
-        return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return _slow_plain_ids(tokenizer, text)
-    if backend.normalizer is not None:
-        text = backend.normalizer.normalize_str(text)
-    words = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
-    return [token.id for word, _ in words for token in backend.model.tokenize(word)]
+    return _text_ids(tokenizer, text, tokenizer.get_added_vocab()) if text else []
 
 
-def _slow_plain_ids(tokenizer, text: str) -> list[int]:
-    """A slow tokenizer's ids of `text` with every added token's string cut after its first character."""
-    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+def _text_ids(tokenizer, text: str, added: dict[str, int], before: str = "", after: str = "") -> list[int]:
+    """`text`'s ids as the tokenizer reads it between the added tokens `before` and `after` (their strings; "" for
+    none), tokenized with them and then left out: a tokenizer may read text after an added token otherwise than
+    at the start (SentencePiece's `prepend_scheme: first` adds no word mark there). Text holding an added token's
+    string is cut inside each such string instead, and its pieces tokenized apart, so none is read as the token."""
+    tag = _added_pattern(added)
+    if tag is None or not tag.search(text):
+        bounds = [added[before]] if before else [], [added[after]] if after else []
+        ids = tokenizer(before + text + after, add_special_tokens=False)["input_ids"]
+        inner = ids[len(bounds[0]):len(ids) - len(bounds[1])]
+        if bounds[0] + inner + bounds[1] == ids and not set(inner) & set(added.values()):
+            return inner
     cuts = sorted({m.start() + 1 for a in added for m in re.finditer(re.escape(a), text)})
-    ids = []
-    for start, end in zip([0, *cuts], [*cuts, len(text)]):
-        ids += tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids
+    return [i for start, end in zip([0, *cuts], [*cuts, len(text)])
+            for i in tokenizer(text[start:end], add_special_tokens=False)["input_ids"]]
+
+
+def _added_pattern(added: dict[str, int]) -> re.Pattern | None:
+    """The regular expression matching any of the added tokens' strings, the longest first."""
+    return re.compile("|".join(map(re.escape, sorted(added, key=len, reverse=True)))) if added else None
 
 
 def _tag_pair(template: str, name: str) -> tuple[str, str] | None:
