@@ -26,6 +26,7 @@ from ray.exceptions import OwnerDiedError, RayActorError, RayTaskError
 
 from rlsys.cluster import actor_id, death_reason
 from rlsys.emulate import Emulation
+from rlsys.logger import waiting
 from rlsys.placement import ROLLOUT, lent_engines
 from rlsys.rollout.engine import SLEEP_TAGS
 from rlsys.rollout.registry import engine_entry
@@ -80,7 +81,8 @@ class RolloutManager:
         self.asleep: tuple[str, ...] = ()  # what every engine has given back (sleep) and not yet taken back
         self.sleep_level = 0
         self.workers = [self._new_worker(i) for i in range(num_workers)]
-        ray.get([w.ready.remote() for w in self.workers])  # surface load errors here, not later
+        with waiting(f"starting {num_workers} rollout engine(s)"):  # each loads the model
+            ray.get([w.ready.remote() for w in self.workers])  # surface load errors here, not later
         self.outstanding = [0] * num_workers
         self.worker_of: dict[str, int] = {}  # request id -> worker, until its completion is collected
         self.requests: dict[str, Request] = {}  # the same span: what a replacement worker is given again

@@ -27,6 +27,7 @@ from rlsys.cluster import NotDone, actor_id, death_reason, get_each
 from rlsys.config import Config, TrainerConfig
 from rlsys.emulate import Emulation, TrainerPacer
 from rlsys.errors import UserError
+from rlsys.logger import waiting
 from rlsys.placement import TRAINER
 from rlsys.registry import Registry
 from rlsys.trainer.advantages import KLController
@@ -263,14 +264,15 @@ class TrainerGroup:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
         options = ((lambda rank: placement.actor_options(TRAINER, rank)) if placement
                    else (lambda rank: {"num_cpus": 1, "num_gpus": gpus}))
-        self.workers = [TrainerWorker.options(**options(rank)).remote(self.cfg, model_dir, scoring, rank, world)
-                        for rank in range(world)]
-        ips = started([w.node_ip.remote() for w in self.workers], options(0))
-        port = ray.get(self.workers[0].free_port.remote())
-        emulation = Emulation.of(cfg) if cfg.emulate.on else None
-        self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads,
-                                      emulation and emulation.trainer_pacer(world, rank))
-                       for rank, w in enumerate(self.workers)])
+        with waiting(f"starting the trainer ({world} rank(s), {self.cfg.backend})"):
+            self.workers = [TrainerWorker.options(**options(rank)).remote(self.cfg, model_dir, scoring, rank, world)
+                            for rank in range(world)]
+            ips = started([w.node_ip.remote() for w in self.workers], options(0))
+            port = ray.get(self.workers[0].free_port.remote())
+            emulation = Emulation.of(cfg) if cfg.emulate.on else None
+            self._get_all([w.setup.remote(ips[0], port, cfg.cluster.torch_threads,
+                                          emulation and emulation.trainer_pacer(world, rank))
+                           for rank, w in enumerate(self.workers)])
         self.stream: RunningStream | None = None
         kl = self.cfg.kl
         self.kl_in_reward = KLController(kl.coef, kl.target, kl.horizon) if kl.in_reward else None
