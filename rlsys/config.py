@@ -61,7 +61,7 @@ class ModelConfig(Section):
     intermediate_size: int = Field(384, ge=8)
     max_position_embeddings: int = Field(512, ge=16)
     warm_start: WarmStartConfig = WarmStartConfig()
-    cache_dir: str = "~/.cache/rlsys/models"  # built models are cached by config hash
+    cache_dir: str = "~/.cache/rlsys/models"  # built models are cached by what decides their weights, not RL settings
 
     @model_validator(mode="after")
     def _heads_divide(self):
