@@ -96,6 +96,16 @@ def test_the_first_run_states_the_warm_starts_cost_before_it_starts_and_shows_it
     assert "12/12" in after and after.index("greedy eval: 100%") < after.index("eval greedy accuracy")
 
 
+def test_without_a_bar_the_warm_start_prints_a_line_at_each_tenth_of_its_steps(tmp_path, capsys):
+    """logging.progress=false (each bench run's config) turns the bars off, not the progress."""
+    cfg = with_fields(config(steps=20), model__cache_dir=str(tmp_path / "cache"), logging__progress=False)
+    prepare_model(cfg)
+    out, err = capsys.readouterr()
+    steps = re.findall(r"warm start: step (\d+)/20, loss [\d.]+, \d+ s", out)
+    assert steps == [str(n) for n in range(2, 20, 2)], out
+    assert "warm start: " not in err and "greedy eval:" not in err, err
+
+
 def test_a_wait_past_its_first_seconds_says_what_it_waits_for_until_it_ends(capsys):
     from rlsys.logger import waiting
 

@@ -251,6 +251,10 @@ def _train(model_dir: str | Path, train_prompts: list[Prompt], cfg: WarmStartCon
         losses.append(loss_sum)
         bar.update()
         bar.set_postfix(loss=f"{loss_sum:.3g}", refresh=False)
+        if not progress and len(losses) % max(1, cfg.steps // 10) == 0 and len(losses) < cfg.steps:
+            # no bar (logging.progress=false: a bench, a log): a line at each tenth of the steps instead
+            print(f"warm start: step {len(losses)}/{cfg.steps}, loss {loss_sum:.3g}, {time.time() - t0:.0f} s",
+                  flush=True)
     bar.close()
     model.eval()
     model.to("cpu").save_pretrained(model_dir)
