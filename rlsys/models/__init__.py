@@ -8,10 +8,12 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from rlsys.config import Config, DataConfig
 from rlsys.errors import UserError
+from rlsys.logger import waiting
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # never pickles: see safe formats
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -100,9 +102,10 @@ def _build(cfg: Config, out: Path) -> None:
     if measured:
         print(f"warm start: done in {metrics['seconds']:.0f}s; now a greedy eval of its {len(evals)} eval prompts",
               flush=True)
-    metrics["eval_greedy_accuracy"] = exact_match_accuracy(
-        out, evals, max_new_tokens=cfg.rollout.max_new_tokens, device=ws.device,
-        progress=cfg.logging.progress) if measured else None
+    with nullcontext() if cfg.logging.progress else waiting("warm start: greedy eval"):  # a bar, or lines
+        metrics["eval_greedy_accuracy"] = exact_match_accuracy(
+            out, evals, max_new_tokens=cfg.rollout.max_new_tokens, device=ws.device,
+            progress=cfg.logging.progress) if measured else None
     metrics["eval_seconds"] = time.time() - t
     # For the record only (not part of the cache key): measured on the eval split of the building run.
     info = {"model": cfg.model.model_dump(), "data": cfg.data.model_dump(), "warm_start": metrics}
