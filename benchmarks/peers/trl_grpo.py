@@ -57,7 +57,7 @@ from rlsys.data import load_prompts  # noqa: E402
 from rlsys.data.cursor import PromptCursor  # noqa: E402
 from rlsys.models import load_tokenizer, prepare_model  # noqa: E402
 from rlsys.models.warm_start import exact_match_accuracy  # noqa: E402
-from rlsys.reward.registry import exact_match  # noqa: E402
+from rlsys.reward.registry import reward_fn  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 from rlsys.trainer.losses import clip_range  # noqa: E402
 
@@ -96,32 +96,21 @@ def check_matchable(cfg, per_device_batch: int) -> None:
     """Refuse a config whose training TRL cannot reproduce, before any model is built."""
     ctl, tr = cfg.control, cfg.trainer
     if (tr.loss not in ("dapo", "grpo") or tr.advantage != "grpo" or (tr.kl.estimator and tr.kl.coef > 0)
-            or tr.dtype != "float32"):
-        raise SystemExit("this peer bench matches only trainer.loss dapo|grpo, advantage grpo, no KL, float32")
+            or tr.dtype != "float32" or tr.lr_schedule != "constant" or tr.lora.enabled):
+        raise SystemExit("this peer bench matches only trainer.loss dapo|grpo, advantage grpo, no KL, float32, "
+                         "a constant lr and full fine-tuning")
     samples, m = ctl.prompts_per_step * ctl.group_size, tr.mini_batches
     if samples % m or (samples // m) % per_device_batch:
         raise SystemExit(f"{samples} samples per step must split into trainer.mini_batches={m} mini-batches, "
                          f"each a multiple of --per-device-batch {per_device_batch}")
 
 
-def build_trainer(cfg, model_dir: Path, tokenizer, ordered, work: Path, steps: int, per_device_batch: int,
-                  callback):
-    """A GRPOTrainer fed `ordered` (the prompts in the order rlsys draws them) without shuffling."""
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-    from transformers.trainer_callback import PrinterCallback
-    from trl import GRPOConfig
-
+def grpo_settings(cfg, steps: int, per_device_batch: int) -> dict:
+    """GRPOConfig's arguments for the rlsys config `cfg`: one place, so tests can compare them field by field."""
     ctl, tr, ro = cfg.control, cfg.trainer, cfg.rollout
     samples, m = ctl.prompts_per_step * ctl.group_size, tr.mini_batches
-    dataset = Dataset.from_dict({"prompt": [p.text for p in ordered], "answer": [p.answer for p in ordered]})
-
-    def exact_match_reward(prompts, completions, answer, **_):
-        return [exact_match(c, a) for c, a in zip(completions, answer)]
-
-    args = GRPOConfig(
-        output_dir=str(work / "trl_out"),
-        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+    return dict(
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=tr.gradient_checkpointing,
         seed=tr.seed, data_seed=tr.seed, shuffle_dataset=False,  # the dataset is already in rlsys's order
         max_steps=steps * m, num_train_epochs=1,  # TRL counts optimizer steps: m per rlsys step
         # One generation of prompts_per_step x group_size completions, then trainer.mini_batches optimizer
@@ -134,7 +123,7 @@ def build_trainer(cfg, model_dir: Path, tokenizer, ordered, work: Path, steps: i
         temperature=ro.temperature, top_p=ro.top_p, top_k=0,
         loss_type=tr.loss, epsilon=tr.eps_low,  # rlsys's grpo loss clips at eps_low on both sides
         epsilon_high=clip_range(tr)[1],
-        scale_rewards="group", beta=0.0, mask_truncated_completions=False,
+        scale_rewards="group", beta=0.0, mask_truncated_completions=tr.mask_truncated_completions,
         learning_rate=tr.lr, lr_scheduler_type="constant", warmup_steps=0,
         optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         weight_decay=tr.weight_decay, max_grad_norm=tr.grad_clip,
@@ -142,8 +131,50 @@ def build_trainer(cfg, model_dir: Path, tokenizer, ordered, work: Path, steps: i
         logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False,
     )
+
+
+def greedy_accuracy(model_dir: Path, prompts, cfg) -> float:
+    """Greedy accuracy as both sides are measured: exact_match_accuracy for exact_match (as
+    peer_trl_cpu.json was), else HF greedy generate up to rollout.max_new_tokens scored by reward.fn."""
+    if cfg.reward.fn == "exact_match":
+        return exact_match_accuracy(model_dir, prompts, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    score = reward_fn(cfg.reward.fn)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    right = 0.0
+    for start in range(0, len(prompts), 32):
+        chunk = prompts[start:start + 32]
+        batch = tokenizer([p.text for p in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=cfg.rollout.max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        right += sum(score(t, p.answer) > 0.5 for t, p in zip(texts, chunk))  # solved: reward over 0.5, as rlsys
+    return right / max(len(prompts), 1)
+
+
+def build_trainer(cfg, model_dir: Path, tokenizer, ordered, work: Path, steps: int, per_device_batch: int,
+                  callback):
+    """A GRPOTrainer fed `ordered` (the prompts in the order rlsys draws them) without shuffling."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig
+
+    dataset = Dataset.from_dict({"prompt": [p.text for p in ordered], "answer": [p.answer for p in ordered]})
+
+    score = reward_fn(cfg.reward.fn)
+
+    def reward(prompts, completions, answer, **_):
+        return [score(c, a) for c, a in zip(completions, answer)]
+    reward.__name__ = cfg.reward.fn  # TRL logs rewards/<name>
+
+    args = GRPOConfig(output_dir=str(work / "trl_out"), **grpo_settings(cfg, steps, per_device_batch))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    trainer = timed_trainer_class()(model=model, reward_funcs=exact_match_reward, args=args,
+    trainer = timed_trainer_class()(model=model, reward_funcs=reward, args=args,
                                     train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)  # no log dict per step; the callback prints progress
     return trainer
@@ -167,8 +198,7 @@ def timed_trainer_class():
     return TimedGRPOTrainer
 
 
-def make_callback(eval_prompts, model_dir: Path, work: Path, every: int, max_new_tokens: int, steps: int,
-                  per_step: int = 1):
+def make_callback(eval_prompts, model_dir: Path, work: Path, every: int, cfg, steps: int, per_step: int = 1):
     """`per_step`: TRL optimizer steps per rlsys step (trainer.mini_batches); steps are counted as rlsys's."""
     from transformers import TrainerCallback
 
@@ -200,7 +230,7 @@ def make_callback(eval_prompts, model_dir: Path, work: Path, every: int, max_new
             for name in ("config.json", "generation_config.json"):  # as built: no sampling settings leak in
                 if (model_dir / name).exists():
                     shutil.copy2(model_dir / name, eval_dir / name)
-            acc = exact_match_accuracy(eval_dir, eval_prompts, temperature=0.0, max_new_tokens=max_new_tokens)
+            acc = greedy_accuracy(eval_dir, eval_prompts, cfg)
             torch.set_num_threads(1)
             model.train(was_training)
             self.curve.append([step, round(at, 4), acc, math.sqrt(acc * (1 - acc) / len(eval_prompts))])
@@ -294,8 +324,7 @@ def run_trl(cfg, cached: Path, steps: int, every: int, per_device: int, target: 
         ctl = cfg.control
         # The prompts rlsys's sync scheduler trains on, step by step: its data cursor's draws.
         ordered = PromptCursor(train, seed=cfg.data.seed).take(steps * ctl.prompts_per_step)
-        cb = make_callback(eval_prompts, model_dir, work, every, cfg.rollout.max_new_tokens, steps,
-                           cfg.trainer.mini_batches)
+        cb = make_callback(eval_prompts, model_dir, work, every, cfg, steps, cfg.trainer.mini_batches)
         trainer = build_trainer(cfg, model_dir, tokenizer, ordered, work, steps, per_device, cb)
         print(f"[trl] trl {trl.__version__}: {steps} steps of {ctl.prompts_per_step} prompts x {ctl.group_size}, "
               f"eval every {every} on {len(eval_prompts)} prompts, eos id {tokenizer.eos_token_id}", flush=True)
@@ -343,7 +372,7 @@ def run_rlsys(cfg, config: str, overrides: list[str], steps: int, eval_every: in
         # The exported final model, scored the way TRL's checkpoints are (HF greedy generate, no strip).
         tokenizer = load_tokenizer(out / "export")
         _, eval_prompts, _ = load_prompts(cfg.data, tokenizer)
-        hf_final = exact_match_accuracy(out / "export", eval_prompts, max_new_tokens=cfg.rollout.max_new_tokens)
+        hf_final = greedy_accuracy(out / "export", eval_prompts, cfg)
         torch.set_num_threads(1)
         result = {
             "command": shown, "steps": len(steps_rows),
@@ -434,6 +463,25 @@ def differences(cfg, per_device: int) -> list[str]:
     return out
 
 
+def resumed(out: Path, config: str, overrides: list[str], steps: int) -> tuple[list[dict], list[dict]]:
+    """The TRL and rlsys runs an earlier invocation with the same config, overrides and steps recorded."""
+    if not out.exists():
+        return [], []
+    prev = json.loads(out.read_text())
+    work = prev.get("workload", {})
+    if (work.get("config"), work.get("overrides"), work.get("steps")) != (config, overrides, steps):
+        raise SystemExit(f"--resume: {rel(out)} holds another comparison ({work.get('config')} "
+                         f"{work.get('overrides')}, {work.get('steps')} steps); pick another --output")
+    trl_runs, rlsys_runs = prev.get("trl_runs", []), prev.get("rlsys_sync", {}).get("runs", [])
+    print(f"--resume: {len(trl_runs)} TRL and {len(rlsys_runs)} rlsys runs done in {rel(out)}", flush=True)
+    return trl_runs, rlsys_runs
+
+
+def times_to(curve: list[list[float]], levels: list[float]) -> dict[str, float | None]:
+    """Training-clock seconds at the first eval at or above each accuracy level (None: never reached)."""
+    return {str(level): next((t for _, t, acc, _ in curve if acc >= level), None) for level in levels}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value overrides of the rlsys config")
@@ -447,7 +495,11 @@ def main() -> int:
                    help="also run rlsys sync for this many steps, same eval cadence (0: no; use --steps)")
     p.add_argument("--repeats", type=int, default=1,
                    help="TRL/rlsys pairs; the order alternates so neither always runs first")
+    p.add_argument("--levels", type=float, nargs="*", default=[],
+                   help="accuracy levels whose time to reach each run records (time_to_level_s)")
     p.add_argument("--output", default="benchmarks/results/peer_trl_cpu.json")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in --output (same config, overrides and steps) and do the rest")
     args = p.parse_args()
 
     import trl
@@ -464,83 +516,93 @@ def main() -> int:
     source = rlsys_source()
     cached = prepare_model(cfg)  # the cache entry is only read; TRL trains a copy
 
-    trl_runs: list[dict] = []
-    rlsys_runs: list[dict] = []
+    out = REPO / args.output
+    trl_runs, rlsys_runs = resumed(out, config, args.overrides, steps) if args.resume else ([], [])
+
+    def write_report() -> None:
+        for run in trl_runs + rlsys_runs:
+            run["time_to_level_s"] = times_to(run["accuracy_curve"], args.levels)
+        keys = ("step_time_s", "step_time_s_median", "time_to_target_s", "final_accuracy", "best_accuracy")
+        trl_fig = {k: bench.median_of(trl_runs, k) for k in keys}
+        rlsys_sync: dict = {}
+        if rlsys_runs:
+            fig = {k: bench.median_of(rlsys_runs, k) for k in keys}
+            rlsys_sync.update(fig, source="fresh runs right beside the TRL runs (same machine, same load)",
+                              trl_over_rlsys_step_time=ratio(trl_fig["step_time_s"], fig["step_time_s"]),
+                              trl_over_rlsys_step_time_median=ratio(trl_fig["step_time_s_median"],
+                                                                    fig["step_time_s_median"]),
+                              trl_over_rlsys_time_to_target=ratio(trl_fig["time_to_target_s"], fig["time_to_target_s"]),
+                              pairs=pair_ratios(trl_runs, rlsys_runs), runs=rlsys_runs)
+        if QUICK_RESULTS.exists():
+            quick = json.loads(QUICK_RESULTS.read_text())
+            sync = quick.get("results", {}).get("sync", {})
+            rlsys_sync["bench_quick"] = {
+                "source": rel(QUICK_RESULTS), "step_time_s": sync.get("step_time_s"),
+                "time_to_target_s": sync.get("time_to_target_s"),
+                "trl_over_rlsys_step_time": ratio(trl_fig["step_time_s"], sync.get("step_time_s")),
+                "note": "rlsys bench --quick at another time: 30 steps, eval every 5 on 100 eval prompts, target "
+                        f"{quick.get('workload', {}).get('target_accuracy')}; step time is the mean of timing/step_s"}
+            if "step_time_s" not in rlsys_sync:
+                rlsys_sync["step_time_s"] = sync.get("step_time_s")
+                rlsys_sync["trl_over_rlsys_step_time"] = rlsys_sync["bench_quick"]["trl_over_rlsys_step_time"]
+
+        report = {
+            "peer": "trl",
+            "trl_version": trl.__version__,
+            "command": " ".join(["python3", "benchmarks/peers/trl_grpo.py", *sys.argv[1:]]),
+            "workload": {
+                "config": config, "overrides": args.overrides, "model": cached.name,
+                "model_arch": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers"}),
+                "task": cfg.data.task, "train_prompts_used": trl_runs[0]["train_prompts_used"],
+                "eval_prompts": trl_runs[0]["eval_prompts"],
+                "prompts_per_step": ctl.prompts_per_step, "group_size": ctl.group_size,
+                "samples_per_step": samples, "steps": steps, "max_new_tokens": cfg.rollout.max_new_tokens,
+                "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "lr": cfg.trainer.lr,
+                "loss": cfg.trainer.loss, "eps_low": cfg.trainer.eps_low, "eps_high": clip_range(cfg.trainer)[1],
+                "mini_batches": cfg.trainer.mini_batches, "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
+                "trl_per_device_batch": per_device,
+                "trl_gradient_accumulation": samples // cfg.trainer.mini_batches // per_device,
+                "eval_every": every, "target_accuracy": args.target, "accuracy_levels": args.levels,
+                "reward": cfg.reward.fn, "chat_template": cfg.data.chat_template, "repeats": args.repeats},
+            "machine": dict(machine(), load_average_at_start=load_start, load_average_at_end=os.getloadavg()[0]),
+            "rlsys_source": source,
+            "step_time_s": trl_fig["step_time_s"],
+            "step_time_s_median": trl_fig["step_time_s_median"],
+            "time_to_target_s": trl_fig["time_to_target_s"],
+            "accuracy_curve": trl_runs[0]["accuracy_curve"],
+            "final_accuracy": trl_fig["final_accuracy"],
+            "best_accuracy": trl_fig["best_accuracy"],
+            "trl_runs": trl_runs,
+            "rlsys_sync": rlsys_sync,
+            "notes": [
+                "step_time_s is the training clock (wall time less eval) divided by steps, for both systems; "
+                "step_time_s_median is the median single-step time.",
+                "Figures over repeats are medians; time_to_target_s is null unless every repeat reached the target.",
+                "Accuracy on both sides is greedy exact match, one sample per eval prompt, with its standard error "
+                "sqrt(p(1 - p) / n) (the curves' fourth column); two runs with different random streams differ by "
+                "about that much by chance.",
+            ],
+            "differences": differences(cfg, per_device),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {rel(out)}: TRL {trl_fig['step_time_s']:.3f}s/step"
+              + (f", rlsys sync {rlsys_sync['step_time_s']:.3f}s/step, ratio {rlsys_sync['trl_over_rlsys_step_time']:.2f}"
+                 if rlsys_sync.get("step_time_s") else ""))
+
+    # Interleaved, the report rewritten after every run: an interrupted comparison resumes (--resume) from
+    # the runs it finished, and the i-th run of each system belongs to repeat i.
     for r in range(args.repeats):
         order = ["trl", "rlsys"] if r % 2 == 0 else ["rlsys", "trl"]
         for name in order:
-            if name == "trl":
+            if name == "trl" and len(trl_runs) <= r:
                 trl_runs.append(run_trl(cfg, cached, steps, every, per_device, args.target))
-            elif args.rlsys_steps:
+            elif name == "rlsys" and args.rlsys_steps and len(rlsys_runs) <= r:
                 rlsys_runs.append(run_rlsys(cfg, config, args.overrides, args.rlsys_steps, every, args.target))
-
-    keys = ("step_time_s", "step_time_s_median", "time_to_target_s", "final_accuracy", "best_accuracy")
-    trl_fig = {k: bench.median_of(trl_runs, k) for k in keys}
-    rlsys_sync: dict = {}
-    if rlsys_runs:
-        fig = {k: bench.median_of(rlsys_runs, k) for k in keys}
-        rlsys_sync.update(fig, source="fresh runs right beside the TRL runs (same machine, same load)",
-                          trl_over_rlsys_step_time=ratio(trl_fig["step_time_s"], fig["step_time_s"]),
-                          trl_over_rlsys_step_time_median=ratio(trl_fig["step_time_s_median"],
-                                                                fig["step_time_s_median"]),
-                          trl_over_rlsys_time_to_target=ratio(trl_fig["time_to_target_s"], fig["time_to_target_s"]),
-                          pairs=pair_ratios(trl_runs, rlsys_runs), runs=rlsys_runs)
-    if QUICK_RESULTS.exists():
-        quick = json.loads(QUICK_RESULTS.read_text())
-        sync = quick.get("results", {}).get("sync", {})
-        rlsys_sync["bench_quick"] = {
-            "source": rel(QUICK_RESULTS), "step_time_s": sync.get("step_time_s"),
-            "time_to_target_s": sync.get("time_to_target_s"),
-            "trl_over_rlsys_step_time": ratio(trl_fig["step_time_s"], sync.get("step_time_s")),
-            "note": "rlsys bench --quick at another time: 30 steps, eval every 5 on 100 eval prompts, target "
-                    f"{quick.get('workload', {}).get('target_accuracy')}; step time is the mean of timing/step_s"}
-        if "step_time_s" not in rlsys_sync:
-            rlsys_sync["step_time_s"] = sync.get("step_time_s")
-            rlsys_sync["trl_over_rlsys_step_time"] = rlsys_sync["bench_quick"]["trl_over_rlsys_step_time"]
-
-    report = {
-        "peer": "trl",
-        "trl_version": trl.__version__,
-        "command": " ".join(["python3", "benchmarks/peers/trl_grpo.py", *sys.argv[1:]]),
-        "workload": {
-            "config": config, "overrides": args.overrides, "model": cached.name,
-            "model_arch": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers"}),
-            "task": cfg.data.task, "train_prompts_used": trl_runs[0]["train_prompts_used"],
-            "eval_prompts": trl_runs[0]["eval_prompts"],
-            "prompts_per_step": ctl.prompts_per_step, "group_size": ctl.group_size,
-            "samples_per_step": samples, "steps": steps, "max_new_tokens": cfg.rollout.max_new_tokens,
-            "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "lr": cfg.trainer.lr,
-            "loss": cfg.trainer.loss, "eps_low": cfg.trainer.eps_low, "eps_high": clip_range(cfg.trainer)[1],
-            "mini_batches": cfg.trainer.mini_batches, "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
-            "trl_per_device_batch": per_device,
-            "trl_gradient_accumulation": samples // cfg.trainer.mini_batches // per_device,
-            "eval_every": every, "target_accuracy": args.target, "repeats": args.repeats},
-        "machine": dict(machine(), load_average_at_start=load_start, load_average_at_end=os.getloadavg()[0]),
-        "rlsys_source": source,
-        "step_time_s": trl_fig["step_time_s"],
-        "step_time_s_median": trl_fig["step_time_s_median"],
-        "time_to_target_s": trl_fig["time_to_target_s"],
-        "accuracy_curve": trl_runs[0]["accuracy_curve"],
-        "final_accuracy": trl_fig["final_accuracy"],
-        "best_accuracy": trl_fig["best_accuracy"],
-        "trl_runs": trl_runs,
-        "rlsys_sync": rlsys_sync,
-        "notes": [
-            "step_time_s is the training clock (wall time less eval) divided by steps, for both systems; "
-            "step_time_s_median is the median single-step time.",
-            "Figures over repeats are medians; time_to_target_s is null unless every repeat reached the target.",
-            "Accuracy on both sides is greedy exact match, one sample per eval prompt, with its standard error "
-            "sqrt(p(1 - p) / n) (the curves' fourth column); two runs with different random streams differ by "
-            "about that much by chance.",
-        ],
-        "differences": differences(cfg, per_device),
-    }
-    out = REPO / args.output
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {rel(out)}: TRL {trl_fig['step_time_s']:.3f}s/step"
-          + (f", rlsys sync {rlsys_sync['step_time_s']:.3f}s/step, ratio {rlsys_sync['trl_over_rlsys_step_time']:.2f}"
-             if rlsys_sync.get("step_time_s") else ""))
+            else:
+                continue
+            if trl_runs:
+                write_report()
     return 0
 
 
