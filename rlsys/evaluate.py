@@ -61,6 +61,9 @@ class Evaluation:
     def done(self) -> bool:
         return self.unscored == 0
 
+    def progress(self) -> str:
+        return f"eval: {len(self.requests) - self.unscored} of {len(self.requests)} samples scored"
+
     def metrics(self) -> dict[str, float]:
         metrics = {}
         for name, by_prompt in self.solved.items():

@@ -27,18 +27,24 @@ def progress_format(clock: str) -> str:
             + "{elapsed}<{remaining}, {rate_fmt}]{postfix}")
 
 
+LINE_EVERY_S = 10.0  # without a bar, a run's step line at most this often
+
+
 @contextmanager
-def waiting(what: str, first: float = 5.0, every: float = 10.0):
+def waiting(what, first: float = 5.0, every: float = 10.0, say=None):
     """A wait with nothing of its own to show (Ray starting, actors loading a model) is not spent in silence:
     past `first` seconds a line says what it waits for, then one every `every` seconds, and one when it ends.
-    A short wait prints nothing."""
+    A short wait prints nothing. `what`: the text, or a function that gives it as the wait goes on (its progress);
+    `say`: where the lines go (print, or above a progress bar: RunLogger.say)."""
     t0 = time.monotonic()
     done = threading.Event()
+    text = what if callable(what) else lambda: what
+    say = say or (lambda line: print(line, flush=True))
 
     def tick() -> None:
         pause = first
         while not done.wait(pause):
-            print(f"{what}: {time.monotonic() - t0:.0f} s so far", flush=True)
+            say(f"{text()}: {time.monotonic() - t0:.0f} s so far")
             pause = every
     ticker = threading.Thread(target=tick, name="waiting", daemon=True)
     ticker.start()
@@ -48,7 +54,7 @@ def waiting(what: str, first: float = 5.0, every: float = 10.0):
         done.set()
         ticker.join()
         if time.monotonic() - t0 >= first:
-            print(f"{what}: done in {time.monotonic() - t0:.0f} s", flush=True)
+            say(f"{text()}: done in {time.monotonic() - t0:.0f} s")
 
 
 class RunLogger:
@@ -62,6 +68,8 @@ class RunLogger:
         if clock != "wall":  # one label per clock: the step time is the emulated GPU's
             self.names["timing/step_s"] = f"step_s ({clock})"
         self.bar = self.tb = self.wandb = None
+        self.total_steps = total_steps
+        self.lined_at = time.monotonic()  # without a bar: when the last step line was printed
         if cfg.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, desc="rl steps", dynamic_ncols=True, bar_format=progress_format(clock))
@@ -84,14 +92,26 @@ class RunLogger:
                 self.tb.add_scalar(k, v, step)
         if self.wandb:
             self.wandb.log(numbers, step=step)
+        self.shown.update({short: metrics[k] for k, short in self.names.items() if k in metrics})
         if self.bar:
-            self.shown.update({short: metrics[k] for k, short in self.names.items() if k in metrics})
             self.bar.n = step
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in self.shown.items()}, refresh=True)
+        elif time.monotonic() - self.lined_at >= LINE_EVERY_S or step == self.total_steps:
+            # no bar (a bench's runs): a line now and then, so that a run's minutes do not pass in silence
+            self.lined_at = time.monotonic()
+            shown = ", ".join(f"{k} {v:.3g}" for k, v in self.shown.items())
+            print(f"{self.run_dir.name}: step {step}/{self.total_steps}" + (f": {shown}" if shown else ""), flush=True)
 
     def timeline(self, rows: list[dict]) -> None:
         with self.timeline_path.open("a") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    def say(self, line: str) -> None:
+        """A line above the bar, not over it."""
+        if self.bar:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
 
     def resumed(self, step: int, message: str) -> None:
         """On resume from the checkpoint of `step`: forget what the interrupted run logged after it, and say so

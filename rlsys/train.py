@@ -32,7 +32,7 @@ from rlsys.emulate import Emulation, Overruns, clock_label
 from rlsys.errors import UserError
 from rlsys.evaluate import RUN_CONFIG, Evaluation
 from rlsys.friction import Friction
-from rlsys.logger import RunLogger
+from rlsys.logger import RunLogger, waiting
 from rlsys.placement import Placement, format_plan, idle_warning, plan_from_config
 from rlsys.models import load_tokenizer, prepare_model, weights_fingerprint
 from rlsys.reward.pool import RewardPool
@@ -171,8 +171,8 @@ class Controller:
         What comes back for the running evaluation goes to it (its rewards are its own: no friction, no stats)."""
         rollout_refs, reward_refs = self.rollout.refs(), self.rewards.refs()
         training = self.training.refs if self.training else []
-        waiting = self.rollout.undelivered  # completions cut by a worker's death outside collect()
-        ready, _ = ray.wait(rollout_refs + reward_refs + training, num_returns=1, timeout=0 if waiting else 1.0)
+        undelivered = self.rollout.undelivered  # completions cut by a worker's death outside collect()
+        ready, _ = ray.wait(rollout_refs + reward_refs + training, num_returns=1, timeout=0 if undelivered else 1.0)
         if ready:
             ready, _ = ray.wait(rollout_refs + reward_refs, num_returns=len(rollout_refs + reward_refs), timeout=0)
         ready = set(ready)
@@ -349,10 +349,11 @@ class Controller:
             else:
                 self.rollout.suspend()  # training's requests wait with the clock, as if eval took no time
             self.rollout.submit(self.evaluation.requests)
-            while not self.evaluation.done:
-                events = self.next_events()
-                if not self.done:
-                    self.handle(events)
+            with waiting(self.evaluation.progress, say=self.log.say):  # the bar stands still meanwhile
+                while not self.evaluation.done:
+                    events = self.next_events()
+                    if not self.done:
+                        self.handle(events)
             if not self.done:
                 self.rollout.resume()
             metrics, self.evaluation = self.evaluation.metrics(), None

@@ -119,6 +119,44 @@ def test_a_wait_past_its_first_seconds_says_what_it_waits_for_until_it_ends(caps
     assert capsys.readouterr().out == ""
 
 
+def test_a_runs_eval_says_how_many_of_its_samples_are_scored_above_the_bar():
+    """The step-0 eval held a training run's bar still for 20 s in silence: its wait says how far it has come, through
+    the run's logger, so the lines go above the bar."""
+    from rlsys.config import RolloutConfig
+    from rlsys.evaluate import Evaluation
+    from rlsys.logger import waiting
+    from rlsys.models.tiny import build_char_tokenizer
+    from rlsys.types import Prompt
+
+    prompts = [Prompt(f"p{i}", f"{i}+1=", str(i + 1)) for i in range(3)]
+    evaluation = Evaluation(build_char_tokenizer(), prompts, RolloutConfig(eval_samples=2, eval_greedy=False))
+    said = []
+    with waiting(evaluation.progress, first=0.1, every=0.1, say=said.append):
+        time.sleep(0.15)
+        for key in list(evaluation.asked)[:4]:
+            evaluation.add(key, 1.0)
+        time.sleep(0.2)
+    assert said[0].startswith("eval: 0 of 6 samples scored: ")
+    assert said[-1].startswith("eval: 4 of 6 samples scored: done in ")
+
+
+def test_a_run_without_a_bar_prints_a_step_line_now_and_then_and_at_its_last_step(tmp_path, capsys, monkeypatch):
+    """A bench's runs have no bar: each printed nothing for a minute. Now a line every LINE_EVERY_S at most."""
+    from rlsys import logger
+    from rlsys.config import LoggingConfig
+
+    log = logger.RunLogger(tmp_path / "sync-s0", LoggingConfig(progress=False), total_steps=3)
+    (tmp_path / "sync-s0").mkdir()
+    log.write(1, 1.0, {"reward/mean": 0.25})
+    assert capsys.readouterr().out == ""  # sooner than LINE_EVERY_S after the last line
+    monkeypatch.setattr(logger, "LINE_EVERY_S", 0.0)
+    log.write(2, 2.0, {"reward/mean": 0.5, "eval/accuracy": 0.4})
+    monkeypatch.setattr(logger, "LINE_EVERY_S", 3600.0)
+    log.write(3, 3.0, {"reward/mean": 0.75})
+    assert capsys.readouterr().out.splitlines() == ["sync-s0: step 2/3: reward 0.5, acc 0.4",
+                                                    "sync-s0: step 3/3: reward 0.75, acc 0.4"]
+
+
 def test_make_setup_says_what_it_installs_before_each_step(tmp_path):
     plan = subprocess.run(["make", "-n", "-C", str(REPO), "setup", f"VENV={tmp_path / 'venv'}"],
                           capture_output=True, text=True, check=True).stdout
