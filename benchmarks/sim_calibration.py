@@ -1,21 +1,24 @@
 """The simulator against the published figures (docs/performance.md "Calibration sources"), in sample and each
-paper predicted from the others; then the best schedule at 128 GPUs as a range over what it depends on.
+paper predicted from the others; then the 128-GPU headline as a range, run on the model the held-out rows test.
 
     python benchmarks/sim_calibration.py --output benchmarks/results/sim_calibration.json \
         --sweep-output benchmarks/results/sim_128_sweep.json
 
 Every calibrated config shares one set of physical constants (CONSTANTS: the engine's step overhead and the
 trainer's MFU law, each from a published measurement that is none of the rows), and RollPacker's settings take
-their median response length from another paper (CITED_MEDIAN). In sample, two values are fitted: per RollPacker
-setting the engine's step overhead, to its veRL rollout (fit_overhead; the one departure from CONSTANTS, made only
-by `setting`), and the TP efficiency, to RollPacker's TP rows; docs/performance.md "Per-setting values" lists each
-and the rows it touched. The reward pools and vLLM's limits are RollPacker's artifact's setup, inputs like its
-GPU count, kept both ways. Out of sample, each paper's rows are simulated with nothing set from that paper's rows:
-for RollPacker, the shared step overhead and an ideal TP split (HELD_OUT). A row is within when it lands within
-+-15%.
-Then the 128-GPU sweep: RollPacker's 32B/32k setting on 128 H800 (the batch and the LLM judge's pool grown with
-the GPUs) at the 32B setting's fitted step overhead, over the runaway share, the trainer's MFU band and the step
-overhead (fitted or shared), each schedule against veRL-style sync, async at every trainer split.
+their median response length from another paper (CITED_MEDIAN). In sample, per RollPacker setting the engine's step
+overhead is fitted to its veRL rollout (fit_overhead), and the TP efficiency and the long-round TP cap to
+RollPacker's TP rows. Held out (HELD_OUT, the held-out model), nothing is set from any RollPacker row: the shared
+step overhead, an ideal TP split, long rounds at the cost model's TP. Held out one setting at a time, a setting's
+step overhead is the geometric mean of the other two settings' fits (leave_one_out). A row touched by a choice made
+while matching it (the MFU law's shape, against RollPacker's scaling rows) is named and not counted held out. Rows
+are counted one by one and per experiment (EXPERIMENTS: rows of one experiment share its errors). A row is within
+when it lands within +-15%.
+Then the 128-GPU sweep: RollPacker's 32B/32k setting on 128 H800 (the batch and every reward pool grown with the
+GPUs) on the held-out model, at the shared step overhead and at the one held out against the 32B setting, over
+the runaway share, the trainer's MFU band (both ways), the length spread and seeds, 20 steps a run; each schedule
+against veRL-style sync. The headline is the best schedule with a published anchor (ANCHORED) at equal utility;
+the others are reported as unvalidated.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import resource
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from statistics import NormalDist
 
 import yaml
 
@@ -48,8 +52,16 @@ CALIBRATED = ("qwen7b_8k", "qwen14b_16k", "qwen32b_32k", "qwen3_8b_32k_tp", "ver
 # 4,061-7,490 tokens and missed every tail row: the rollout is bound by its longest samples, so what the cost model
 # lacks is a cost per decode step, and that is what is fitted in sample (fit_overhead).
 CITED_MEDIAN = 1160
-# RollPacker held out: the shared step overhead (nothing fitted) and TP split ideally: nothing from its rows.
-HELD_OUT = {"median_tokens": CITED_MEDIAN, "tp_efficiency": 1.0}
+# The held-out model, held out and in the 128-GPU sweep: the shared step overhead (nothing fitted), TP split
+# ideally and long rounds at the cost model's TP (the cap is RollPacker's TP study's): nothing from RollPacker's rows.
+HELD_OUT = {"median_tokens": CITED_MEDIAN, "tp_efficiency": 1.0, "long_rounds_at_base": False}
+# The independent experiments behind the rows (a row's name prefix or paper): rows of one experiment share its
+# setup's errors, so hits are counted per experiment beside per row.
+EXPERIMENTS = {"qwen7b_8k": "RollPacker 7B/8k", "qwen14b_16k": "RollPacker 14B/16k",
+               "qwen32b_32k": "RollPacker 32B/32k", "scaling": "RollPacker scaling", "qwen3-8b": "RollPacker TP study",
+               "SortedRL": "SortedRL", "veRL fully-async": "veRL fully-async"}
+# Held out, rows touched by a choice made while matching them: named, shown, not counted.
+NAMED_IN_SAMPLE = {"scaling": "the MFU law's shape (a cost per data-parallel GPU) was chosen while matching these rows"}
 OVERHEAD_MS = (0.5, 40.0)  # the range fit_overhead searches: from below the shared 1 ms to 40x it
 STACK = ["tail", "tail+reward", "tail+reward+planner", "tail+reward+planner+stream"]
 ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
@@ -59,8 +71,8 @@ ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
 }
 FITTED = {"rollout veRL"}  # in sample: the step overhead
 PLANNER = (  # the planner rows' shared reason, with this run's figures
-    "the planner picks each round's TP before it starts: short rounds by the cost model, long rounds at most TP{base} "
-    "(RollPacker measured its long rounds slower at the larger TP; see the TP2:TP1 rows); it ran the short rounds "
+    "the planner picks each round's TP before it starts: short rounds by the cost model, long rounds {cap}; it ran "
+    "the short rounds "
     "after the first mostly at TP{tp}: {planned[short]:.0f} s against {kept[short]:.0f} s at TP{base}, long rounds "
     "{planned[long]:.0f} s against {kept[long]:.0f} s")
 NOTES = {  # what each missing row's paper leaves unstated, and what we assumed for it
@@ -68,7 +80,8 @@ NOTES = {  # what each missing row's paper leaves unstated, and what we assumed 
         "the trainer runs at the shared MFU law ({mfu:.2f} on {gpus} GPUs), not fitted to these rows; RollPacker's "
         "Table 1 puts training at 21-23% of a 14B veRL step"),
     "held out": (
-        "RollPacker held out: median {median} tokens (TailSieve's), ideal TP split; its "
+        "RollPacker held out: median {median} tokens (TailSieve's), step overhead {overhead} ms ({how}), ideal TP "
+        "split, long rounds at the cost model's TP; its "
         "veRL rollout here is {rollout:.0f} s against the published {published} s. That rollout is bound by its "
         "longest samples (1% run to the {cap:,}-token cap): {sim_ms:.1f} ms a token here against the {pub_ms:.1f} ms "
         "the published rollout implies, {gap_ms:.1f} ms a decode step missing"),
@@ -110,8 +123,8 @@ def load(name: str, **changes) -> dict:
 
 
 def check_constants(name: str, raw: dict) -> None:
-    """Every run of a calibrated config holds CONSTANTS, and RollPacker's settings the cited median: the configs
-    cannot drift apart, nor carry a fitted value."""
+    """Every run of a calibrated config holds CONSTANTS, and RollPacker's settings and veRL's page (RollPacker's 32k
+    lengths) the cited median: the configs cannot drift apart, nor carry a fitted value."""
     cfg = load_sim_config(raw)
     for run in cfg.runs():
         trainer = cfg.trainer_for(run)
@@ -120,7 +133,7 @@ def check_constants(name: str, raw: dict) -> None:
         if held != CONSTANTS:
             raise ValueError(f"configs/sim/{name}.yaml run {run.label}: {held} departs from the shared constants "
                              f"{CONSTANTS} (benchmarks/sim_calibration.py CONSTANTS)")
-    if name in ROLLPACKER and cfg.workload.median_tokens != CITED_MEDIAN:
+    if (name in ROLLPACKER or name == "verl_async_7b_28k") and cfg.workload.median_tokens != CITED_MEDIAN:
         raise ValueError(f"configs/sim/{name}.yaml: median_tokens {cfg.workload.median_tokens} departs from the "
                          f"cited {CITED_MEDIAN} (benchmarks/sim_calibration.py CITED_MEDIAN)")
 
@@ -131,8 +144,8 @@ def row(name: str, paper: str, published: float, simulated: float, fitted: bool 
     another by construction; such a row, like a fitted one, is no prediction. `why`: the figures its note gives."""
     ratio = simulated / published
     within = ratio >= 1 if at_least else abs(ratio - 1) <= TOLERANCE
-    out = {"name": name, "paper": paper, "published": published, "simulated": round(simulated, 3),
-           "ratio": round(ratio, 3), "fitted": fitted, "within": within}
+    out = {"name": name, "paper": paper, "experiment": experiment(name, paper), "published": published,
+           "simulated": round(simulated, 3), "ratio": round(ratio, 3), "fitted": fitted, "within": within}
     if same_as:
         out["same_as"] = same_as
     if not within:
@@ -142,17 +155,37 @@ def row(name: str, paper: str, published: float, simulated: float, fitted: bool 
     return out
 
 
+def experiment(name: str, paper: str) -> str:
+    return next((e for key, e in EXPERIMENTS.items() if name.startswith(key)), EXPERIMENTS.get(paper, paper))
+
+
 def counted(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if not r["fitted"] and "same_as" not in r]
+    return [r for r in rows if not r["fitted"] and "same_as" not in r and "in_sample_by" not in r]
+
+
+def named_in_sample(rows: list[dict]) -> list[dict]:
+    """Held-out rows, those a choice was made against named (NAMED_IN_SAMPLE): shown, not counted."""
+    out = []
+    for r in rows:
+        why = next((w for key, w in NAMED_IN_SAMPLE.items() if r["name"].startswith(key)), None)
+        out.append({**r, "in_sample_by": why} if why and "same_as" not in r else r)
+    return out
 
 
 def hit_rate(rows: list[dict]) -> dict:
-    """The counted rows (neither fitted nor equal to another by construction) within 15%, in all and per paper."""
+    """The counted rows (neither fitted, nor equal to another by construction, nor named in sample) within 15%: in
+    all, per paper and per experiment; an experiment hits when every one of its counted rows does, and
+    `experiment_share` weighs each experiment's share of rows within alike."""
     ahead = counted(rows)
-    papers = dict.fromkeys(r["paper"] for r in ahead)
-    return {"rows": len(ahead), "within": sum(r["within"] for r in ahead),
-            "by_paper": {p: {"rows": sum(r["paper"] == p for r in ahead),
-                             "within": sum(r["within"] for r in ahead if r["paper"] == p)} for p in papers}}
+    group = lambda key: {k: {"rows": sum(r[key] == k for r in ahead),  # noqa: E731
+                             "within": sum(r["within"] for r in ahead if r[key] == k)}
+                         for k in dict.fromkeys(r[key] for r in ahead)}
+    experiments = group("experiment")
+    return {"rows": len(ahead), "within": sum(r["within"] for r in ahead), "by_paper": group("paper"),
+            "by_experiment": experiments, "experiments": len(experiments),
+            "experiments_within": sum(e["within"] == e["rows"] for e in experiments.values()),
+            "experiment_share": round(sum(e["within"] / e["rows"] for e in experiments.values())
+                                      / max(1, len(experiments)), 3)}
 
 
 def fit_overhead(config: str, steps: int | None, iterations: int = 8) -> dict:
@@ -173,22 +206,41 @@ def fit_overhead(config: str, steps: int | None, iterations: int = 8) -> dict:
 def setting(config: str, steps: int | None, overhead_ms: float | None = None, held_out: bool = False,
             **changes) -> dict:
     """A RollPacker config: in sample at its fitted step overhead (fit_overhead), the one departure from CONSTANTS
-    allowed; `overhead_ms` None keeps the shared one. Held out: its TP split ideally too."""
+    allowed; `overhead_ms` None keeps the shared one. Held out (the held-out model): its TP split ideally and its
+    planner's long rounds at the cost model's TP, in every run."""
     cfg = load(config, **_steps(steps), **changes)
     if overhead_ms is not None:
         cfg["engine"] = {**cfg["engine"], "step_overhead_ms": overhead_ms}
     if held_out:
         cfg["engine"] = {**cfg["engine"], "tp_efficiency": HELD_OUT["tp_efficiency"]}
+        cfg["control"] = _uncapped(cfg["control"])
+        cfg["schedulers"] = [{**r, "control": _uncapped(r["control"])} if isinstance(r, dict) and "control" in r
+                             else r for r in cfg["schedulers"]]
     return cfg
 
 
-def rollpacker_rows(steps: int | None, overheads: dict | None) -> list[dict]:
-    """RollPacker's stack rows (and SortedRL's, in sample: nothing is set from SortedRL's row); `overheads`: each
-    setting's fitted step overhead in sample, None held out."""
-    rows, held_out = [], overheads is None
+def _uncapped(control: dict) -> dict:
+    """A control section whose elastic TP, where it sets one, plans long rounds by the cost model alone."""
+    if "elastic_tp" not in control:
+        return control
+    return {**control, "elastic_tp": {**control["elastic_tp"], "long_rounds_at_base": HELD_OUT["long_rounds_at_base"]}}
+
+
+def leave_one_out(fitted: dict) -> dict:
+    """Each RollPacker setting's step overhead held out one setting at a time: the geometric mean of the other
+    settings' fits (`fitted`: setting -> ms), nothing from its own rows."""
+    return {c: round(math.exp(sum(math.log(ms) for o, ms in fitted.items() if o != c) / (len(fitted) - 1)), 2)
+            for c in fitted}
+
+
+def rollpacker_rows(steps: int | None, overheads: dict | None, held_out: bool = False) -> list[dict]:
+    """RollPacker's stack rows and SortedRL's (nothing is set from SortedRL's row); `overheads`: each setting's step
+    overhead (None: the shared one), in sample its fit; `held_out`: on the held-out model (HELD_OUT)."""
+    rows = []
     for config, ((verl_s, tail_s), speedups) in ROLLPACKER.items():
-        needed = {"sync", *STACK} | ({"sorted"} if config == "qwen7b_8k" and not held_out else set())
-        cfg = setting(config, steps, None if held_out else overheads[config], held_out)
+        needed = {"sync", *STACK} | ({"sorted"} if config == "qwen7b_8k" else set())
+        overhead = overheads and overheads[config]
+        cfg = setting(config, steps, overhead, held_out)
         cfg["schedulers"] = [r for r in cfg["schedulers"] if _label(r) in needed]  # not the configs' others
         r = simulate(cfg, quiet=True)["results"]
         fitted = lambda label: not held_out and label in FITTED  # noqa: E731
@@ -196,7 +248,9 @@ def rollpacker_rows(steps: int | None, overheads: dict | None) -> list[dict]:
         cap = cfg["workload"]["max_tokens"]  # the longest samples decode this many steps
         per_token = {"ms_per_token": 1e3 * r["sync"]["rollout_time_s"] / cap,
                      "published_ms_per_token": 1e3 * verl_s / cap}
+        how = "the other settings' fits" if overhead else "the shared constant"
         default = (NOTES["held out"].format(median=CITED_MEDIAN, rollout=r["sync"]["rollout_time_s"],
+                                            overhead=overhead or CONSTANTS["engine.step_overhead_ms"], how=how,
                                             published=verl_s, cap=cap, sim_ms=per_token["ms_per_token"],
                                             pub_ms=per_token["published_ms_per_token"],
                                             gap_ms=per_token["published_ms_per_token"] - per_token["ms_per_token"])
@@ -211,7 +265,8 @@ def rollpacker_rows(steps: int | None, overheads: dict | None) -> list[dict]:
             if same and "stream" in label:
                 same = None  # no row without the planner but with the stream trainer to equal
             rows.append(row(f"{config} {label} speedup", "RollPacker", published, r[label]["speedup_vs_sync"],
-                            fitted(label), _planner_note(r, label, cfg["cluster"]["tp"]) or default, same_as=same))
+                            fitted(label), _planner_note(r, label, cfg["cluster"]["tp"], held_out) or default,
+                            same_as=same))
         if "sorted" in needed:  # SortedRL's setting is unstated: RollPacker's smallest stands in
             cut = 1 - r["sorted"]["bubble_ratio"] / r["sync"]["bubble_ratio"]
             rows.append(row("sortedrl bubble ratio cut (>0.5)", "SortedRL", 0.5, cut, at_least=True,
@@ -258,13 +313,15 @@ def tp_fit(steps: int | None, grid: list[float] = TP_GRID) -> dict:
                                    for k, (t1, t2) in TP_ROUNDS.items()}}
 
 
-def _planner_note(results: dict, label: str, base_tp: int) -> str | None:
+def _planner_note(results: dict, label: str, base_tp: int, held_out: bool) -> str | None:
     """Why a planner row misses, from its run: the TP it chose and its rounds against the planner-less run's."""
     if "planner" not in label:
         return None
     sizes = results[label]["tp_per_step"][1:] or results[label]["tp_per_step"]  # the first round plans nothing
     rounds = lambda r: {"short": math.nan, "long": math.nan, **round_seconds(r)}  # noqa: E731 (some lack long rounds)
-    return PLANNER.format(tp=max(set(sizes), key=sizes.count), base=base_tp, planned=rounds(results[label]),
+    cap = ("by the cost model too (held out, without the cap RollPacker's TP study sets)" if held_out else
+           f"at most TP{base_tp} (RollPacker measured its long rounds slower at the larger TP; see the TP2:TP1 rows)")
+    return PLANNER.format(tp=max(set(sizes), key=sizes.count), cap=cap, base=base_tp, planned=rounds(results[label]),
                           kept=rounds(results["tail+reward"]))
 
 
@@ -291,7 +348,7 @@ def tp_rows(fit: dict) -> list[dict]:
 
 
 def tp_rows_held_out(steps: int | None) -> list[dict]:
-    """The TP rows with RollPacker held out: its median from HELD_OUT and TP split ideally."""
+    """The TP rows on the held-out model (HELD_OUT): the cited median, the shared step overhead, TP split ideally."""
     rounds = {label: round_seconds(tp_run(steps, label, HELD_OUT["tp_efficiency"], HELD_OUT["median_tokens"]))
               for label in ("tp1", "tp2")}
     return [row(f"qwen3-8b/32k {kind} round TP2:TP1 speed", "RollPacker", round(t1 / t2, 3),
@@ -306,14 +363,13 @@ def tp_rows_held_out(steps: int | None) -> list[dict]:
 SCALING = {32: (1.0, 2.22), 64: (1.42, 3.37), 128: (2.18, 4.81)}  # GPUs: veRL / RollPacker throughput, vs veRL at 32
 
 
-def scaling_rows(steps: int | None, overheads: dict | None) -> list[dict]:
+def scaling_rows(steps: int | None, overheads: dict | None, held_out: bool = False) -> list[dict]:
     """14B/16k, batch 128 -> 512 on 32 -> 128 GPUs; throughput in trained prompts/s relative to veRL at 32. The
     32-GPU RollPacker point is the 14B stream row on the same config, so it is no row of its own here. `overheads`
-    as rollpacker_rows'."""
+    and `held_out` as rollpacker_rows'."""
     points, base, verl = [], None, {}
-    held_out = overheads is None
     for gpus, prompts in ((32, 128), (64, 256), (128, 512)):
-        cfg = setting("qwen14b_16k", steps or 10, None if held_out else overheads["qwen14b_16k"], held_out,
+        cfg = setting("qwen14b_16k", steps or 10, overheads and overheads["qwen14b_16k"], held_out,
                       cluster={"gpus": gpus}, control={"prompts_per_step": prompts})
         stack = next(r for r in cfg["schedulers"] if isinstance(r, dict) and r.get("label") == STACK[-1])
         cfg["schedulers"] = ["sync", {**stack, "label": "rollpacker"}]
@@ -393,27 +449,36 @@ def async_rows(steps: int | None) -> list[dict]:
 
 
 # --- the 128-GPU sweep ------------------------------------------------------------------------------------
-# RollPacker's 32B/32k setting on 128 H800: its batch grown with the GPUs to 256 prompts x 8 (weak scaling, as
-# RollPacker's), and with it every reward pool of RollPacker's artifact (32 math and 32 sandbox workers and the LLM
-# judge on every GPU, at 64 GPUs): twice as many workers on twice the GPUs, each kind scoring twice the samples.
-SWEEP_CONFIG, SWEEP_GPUS, SWEEP_PROMPTS, SWEEP_STEPS = "qwen32b_32k", 128, 256, 5  # 5 steps: one tail period
+# RollPacker's 32B/32k setting on 128 H800 on the held-out model (HELD_OUT): its batch grown with the GPUs to 256
+# prompts x 8 (weak scaling, as RollPacker's), and with it every reward pool of RollPacker's artifact (32 math and 32
+# sandbox workers and the LLM judge on every GPU, at 64 GPUs): twice the workers on twice the GPUs, each kind scoring
+# twice the samples. 20 steps: whole periods of sorted-partial (4 versions) and of tail (4 short rounds and a long).
+SWEEP_CONFIG, SWEEP_GPUS, SWEEP_PROMPTS, SWEEP_STEPS = "qwen32b_32k", 128, 256, 20
+SEEDS = (0, 1, 2)  # every point: the workload's lengths and the schedules' draws differ by seed
 # Samples that loop to the cap: none, the configs' 1%, and TailSieve's ~3% truncated at a 16k cap on math prompts
 # (arXiv 2608.22788 §4.1; 0.1% on code), the one published figure near it.
-RUNAWAY = [0.0, 0.005, 0.01, 0.02, 0.03]
-# The trainer's MFU on 128 GPUs: the shared law's (Megatron under RL, 0.40 on 8 GPUs falling with data
-# parallelism to 0.16 on 128) up to Megatron-LM's own pretraining figure at 128 GPUs (Narayanan et al. 2021,
-# arXiv 2104.04473 Table 1: 7.5B on 128 A100 at 46% of peak counting activation recomputation's extra forward,
-# 0.35 of model FLOPs). Smaller async trainers scale from it by the law.
-MFU_128 = {"law": None, "megatron-lm pretraining": 0.35}
-# The engine's step overhead: the 32B setting's fitted one (its veRL rollout, on the same model, H800s and TP2
-# engines: a cost per engine step, which more GPUs do not change), or the shared constant measured on another
-# stack (vLLM 0.11, an 8B model on an H100), which decodes veRL's rollout faster than RollPacker measured it.
-OVERHEAD_128 = {"fitted 32B": None, "shared": CONSTANTS["engine.step_overhead_ms"]}
-# One at a time: every runaway share at the law's MFU, the band's top at no runaway and the configs' 1%, and the
-# shared step overhead at both; the rest at the fitted overhead.
-POINTS = ([(x, "law", "fitted 32B") for x in RUNAWAY]
-          + [(x, "megatron-lm pretraining", "fitted 32B") for x in (0.0, 0.01)]
-          + [(x, "law", "shared") for x in (0.0, 0.01)])
+RUNAWAY = [0.0, 0.01, 0.03]
+# The trainer's MFU on 128 GPUs, both ways from the shared law's: down to what RollPacker's own trainer implies (its
+# Table 1 puts training at 21-23% of a 14B veRL step on 32 H800: rollpacker_mfu), up to Megatron-LM's pretraining
+# figure at 128 GPUs (Narayanan et al. 2021, arXiv 2104.04473 Table 1: 7.5B on 128 A100 at 46% of peak counting
+# activation recomputation's extra forward, 0.35 of model FLOPs). Smaller async trainers scale from it by the law.
+MFU_128 = {"law": None, "rollpacker table 1": "implied", "megatron-lm pretraining": 0.35}
+ROLLPACKER_TRAIN_SHARE = 0.22  # RollPacker's Table 1: training 21-23% of a 14B veRL step (277 s of rollout)
+# The length shape: the configs' (TailSieve's median, spread 1.0, unsourced: a P75 of 2,277 tokens), a spread of 0.5
+# (P75 1,627), and RollPacker's own P75 (755-1,100 tokens at 14B, §2.2; below TailSieve's median, so no spread at
+# that median reaches it) at spread 1.0: median 560. RollPacker reports no median to fit the spread to.
+ROLLPACKER_P75 = 1100
+LENGTHS = {"cited": {}, "sigma 0.5": {"sigma": 0.5},
+           "rollpacker p75": {"median_tokens": round(ROLLPACKER_P75 / math.exp(NormalDist().inv_cdf(0.75)))}}
+# The engine's step overhead, both tested held out: the shared constant, and the 32B setting's held out one
+# setting at a time (the 7B and 14B settings' fits' geometric mean, leave_one_out).
+OVERHEAD_128 = {"shared": CONSTANTS["engine.step_overhead_ms"], "held out for 32B": None}
+CENTRE = (0.01, "law", "shared", "cited")
+# One factor at a time around the centre, every point at every seed.
+POINTS = ([CENTRE] + [(x, "law", "shared", "cited") for x in RUNAWAY if x != CENTRE[0]]
+          + [(0.01, m, "shared", "cited") for m in MFU_128 if m != "law"]
+          + [(0.01, "law", "shared", length) for length in LENGTHS if length != "cited"]
+          + [(0.01, "law", "held out for 32B", "cited")])
 SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as they come (the reward scheduler)
     "tail/G4": {"name": "tail", "trainer": {"streamed": True}},  # the stream trainer on idle engines
     # RollPacker's artifact's fixed gate: at 40% of a step's groups complete, half the engines hand their requests
@@ -423,48 +488,71 @@ SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as
     **{f"async-eta2-T{gpus}/G4": {"name": "async", "cluster": {"trainer_gpus": gpus},
                                   "control": {"staleness": {"eta": 2}}} for gpus in (32, 48, 64)},
 }
-QUICK = {"points": [(0.0, "law", "fitted 32B"), (0.01, "law", "shared")], "schedules": ["tail/G4", "async-eta2-T48/G4"]}
+# The schedules whose speed-up a published figure anchors, and which rows: only these make the headline. The
+# others are reported as unvalidated: sorted's one row (SortedRL's bubble cut) is no speed-up, async's (veRL's
+# fully-async page) are missed.
+ANCHORED = {"tail/G4": "RollPacker's tail and tail+reward rows",
+            "tail+scale-down-40%/G4": "RollPacker's tail+reward+planner+stream rows (its artifact's gate)"}
+QUICK = {"points": [(0.0, "law", "shared", "cited"), (0.01, "law", "held out for 32B", "cited")], "seeds": (0,),
+         "schedules": ["tail/G4", "async-eta2-T48/G4"]}
 
 
-def sweep_config(runaway: float, mfu_label: str, overhead_label: str, steps: int, schedules: list[str],
-                 fitted_ms: float) -> dict:
-    """One point's config at the cited median and this step overhead (`fitted_ms`: the 32B setting's fit): veRL-style
-    sync (G 8) and each schedule (G 4 on twice the prompts: the same samples), the reward pools grown with the GPUs."""
-    overhead = OVERHEAD_128[overhead_label] or fitted_ms
+def rollpacker_mfu(steps: int | None) -> dict:
+    """The trainer MFU RollPacker's Table 1 implies, on 128 GPUs: the 14B setting's simulated veRL training (the
+    held-out model, the law's MFU on 32 GPUs) against the share of its step Table 1 gives training, over the
+    published 277 s rollout; carried to 128 GPUs by the law."""
+    cfg = setting("qwen14b_16k", steps or 5, None, True, schedulers=["sync"])
+    simulated = simulate(cfg, quiet=True)["results"]["sync"]["train_time_s"]
+    published = ROLLPACKER_TRAIN_SHARE / (1 - ROLLPACKER_TRAIN_SHARE) * ROLLPACKER["qwen14b_16k"][0][0]
+    trainer = load_sim_config(cfg).trainer
+    return {"mfu_128": round(trainer.mfu_on(SWEEP_GPUS) * simulated / published, 3),
+            "simulated_train_s": round(simulated, 1), "published_train_s": round(published, 1),
+            "law_mfu_32": round(trainer.mfu_on(cfg["cluster"]["gpus"]), 3)}
+
+
+def sweep_config(point: tuple, seed: int, steps: int, schedules: list[str], values: dict) -> dict:
+    """One point's config on the held-out model: veRL-style sync (G 8) and each schedule (G 4 on twice the prompts:
+    the same samples), the reward pools grown with the GPUs. `values`: the figures found in this run, the MFU
+    RollPacker's Table 1 implies ("implied") and the 32B setting's held-out step overhead."""
+    runaway, mfu_label, overhead_label, length_label = point
+    overhead = OVERHEAD_128[overhead_label] or values["held out for 32B"]
     base = load(SWEEP_CONFIG)
     grown = SWEEP_GPUS / base["cluster"]["gpus"]
     kinds = {n: {**k, "workers": round(k["workers"] * grown)} if k.get("workers") else k
              for n, k in base["reward"]["kinds"].items()}
-    trainer = {} if MFU_128[mfu_label] is None else {"mfu": MFU_128[mfu_label], "mfu_gpus": SWEEP_GPUS}
+    mfu = MFU_128[mfu_label]
+    trainer = {} if mfu is None else {"mfu": values.get(mfu, mfu), "mfu_gpus": SWEEP_GPUS}
     runs = [{"name": "sync", "label": "veRL-sync"}]
     for label in schedules:
         run = SWEEP_SCHEDULES[label]
         control = {**run.get("control", {}), "group_size": 4, "prompts_per_step": 2 * SWEEP_PROMPTS}  # equal samples
         runs.append({**run, "label": label, "control": control, "reward": {"overlap": True}})
-    return setting(SWEEP_CONFIG, steps, overhead, schedulers=runs, cluster={"gpus": SWEEP_GPUS},
-                   control={"prompts_per_step": SWEEP_PROMPTS}, workload={"runaway_share": runaway},
-                   reward={"kinds": kinds}, trainer=trainer)
+    return setting(SWEEP_CONFIG, steps, overhead, True, schedulers=runs, cluster={"gpus": SWEEP_GPUS}, seed=seed,
+                   control={"prompts_per_step": SWEEP_PROMPTS}, reward={"kinds": kinds}, trainer=trainer,
+                   workload={"runaway_share": runaway, **LENGTHS[length_label]})
 
 
 def equal_utility(e: dict, verl: dict) -> bool:
-    """Trains what veRL trains a step: its response tokens within 5%, its share of samples at the cap within three
-    standard errors of veRL's (a scheduler that cuts long samples short trains fewer runaways), and no more long
-    prompts left waiting than a step's."""
+    """Trains what veRL trains a step: its response tokens within 5%, its share of samples at the cap no more than
+    three standard errors below veRL's (a scheduler that cuts long samples short trains fewer runaways; one that
+    trains more, as tail does when a regenerated group's fresh samples loop, does veRL's work and more), and no more
+    long prompts left waiting than a step's."""
     p = verl["capped_share"]
     return (abs(e["tokens_per_step"] - verl["tokens_per_step"]) <= 0.05 * verl["tokens_per_step"]
-            and abs(e["capped_share"] - p) <= 3 * math.sqrt(p * (1 - p) / e["trained_samples"])
+            and e["capped_share"] >= p - 3 * math.sqrt(p * (1 - p) / e["trained_samples"])
             and e["deferred_prompts"] <= 2 * SWEEP_PROMPTS)
 
 
-def sweep_point(runaway: float, mfu_label: str, overhead_label: str, steps: int, schedules: list[str],
-                fitted_ms: float) -> dict:
-    """One point of the sweep (`sweep_config`): every schedule against veRL-style sync, fastest first."""
-    cfg = sweep_config(runaway, mfu_label, overhead_label, steps, schedules, fitted_ms)
+def sweep_point(point: tuple, seed: int, steps: int, schedules: list[str], values: dict) -> dict:
+    """One point of the sweep at one seed (`sweep_config`): every schedule against veRL-style sync, fastest first;
+    the best anchored schedule at equal utility (None: none is), and the best of the rest, unvalidated."""
+    cfg = sweep_config(point, seed, steps, schedules, values)
     results = simulate(cfg, quiet=True)["results"]
     reference = results["veRL-sync"]
     ranked = []
     for label, r in results.items():
-        ranked.append({"schedule": label, "speedup_vs_sync": round(reference["step_time_s"] / r["step_time_s"], 3),
+        ranked.append({"schedule": label, "anchored": label in ANCHORED,
+                       "speedup_vs_sync": round(reference["step_time_s"] / r["step_time_s"], 3),
                        "step_time_s": round(r["step_time_s"], 1), "rollout_time_s": round(r["rollout_time_s"], 1),
                        "train_time_s": round(r["train_time_s"], 1), "reward_wait_s": round(r["reward_wait_s"], 1),
                        "straggler_rate": round(r["straggler_rate"], 3),
@@ -476,35 +564,43 @@ def sweep_point(runaway: float, mfu_label: str, overhead_label: str, steps: int,
     for e in ranked:
         e["equal_utility"] = equal_utility(e, verl)
     ranked.sort(key=lambda e: -e["speedup_vs_sync"])
-    mfu = load_sim_config(cfg).trainer.mfu_on(SWEEP_GPUS)
-    best = next((e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"]), verl)
-    asyncs = [e for e in ranked if e["schedule"].startswith("async") and e["equal_utility"]]
-    return {"runaway_share": runaway, "mfu": mfu_label, "trainer_mfu_128": round(mfu, 3),
-            "step_overhead": overhead_label, "step_overhead_ms": cfg["engine"]["step_overhead_ms"],
-            "median_tokens": CITED_MEDIAN,
-            "best": {k: best[k] for k in ("schedule", "speedup_vs_sync")},
-            "best_async": {k: asyncs[0][k] for k in ("schedule", "speedup_vs_sync")} if asyncs else None,
-            "ranked": ranked}
+    ranks = [e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"]]
+    pick = lambda es: {k: es[0][k] for k in ("schedule", "speedup_vs_sync")} if es else None  # noqa: E731
+    runaway, mfu_label, overhead_label, length_label = point
+    workload = load_sim_config(cfg).workload
+    return {"runaway_share": runaway, "mfu": mfu_label, "step_overhead": overhead_label, "length": length_label,
+            "seed": seed, "trainer_mfu_128": round(load_sim_config(cfg).trainer.mfu_on(SWEEP_GPUS), 3),
+            "step_overhead_ms": cfg["engine"]["step_overhead_ms"], "median_tokens": workload.median_tokens,
+            "sigma": workload.sigma, "best": pick([e for e in ranks if e["anchored"]]),
+            "best_unvalidated": pick([e for e in ranks if not e["anchored"]]),
+            "best_async": pick([e for e in ranks if e["schedule"].startswith("async")]), "ranked": ranked}
+
+
+def point_key(p: dict) -> str:
+    return f"runaway {p['runaway_share']:g}, mfu {p['mfu']}, overhead {p['step_overhead']}, length {p['length']}"
 
 
 def summarise(points: list[dict]) -> dict:
-    """The headline as a range: the best schedule's speed-up over every point, and what moves it."""
-    best = [p["best"]["speedup_vs_sync"] for p in points]
-    by_schedule = {}
+    """The headline as a range: the best anchored schedule's speed-up over every point and seed where one trains
+    what veRL trains (`unranked` counts the runs where none does), what moves it (each point's seeds' mean, least
+    and most), and each schedule's range at equal utility, anchored or not."""
+    ranked = [p for p in points if p["best"]]
+    best = [p["best"]["speedup_vs_sync"] for p in ranked]
+    by_point, by_schedule = {}, {}
+    for p in ranked:
+        by_point.setdefault(point_key(p), []).append(p["best"]["speedup_vs_sync"])
     for p in points:
         for e in p["ranked"]:
             if e["schedule"] != "veRL-sync" and e["equal_utility"]:
                 by_schedule.setdefault(e["schedule"], []).append(e["speedup_vs_sync"])
-    return {"best_speedup_range": [min(best), max(best)],
-            "best_schedules": sorted({p["best"]["schedule"] for p in points}),
-            "by_schedule": {s: {"min": min(v), "max": max(v), "points": len(v)}
+    return {"best_speedup_range": [min(best), max(best)] if best else None, "unranked": len(points) - len(ranked),
+            "best_schedules": sorted({p["best"]["schedule"] for p in ranked}),
+            "by_point": {k: {"mean": round(sum(v) / len(v), 3), "min": min(v), "max": max(v), "seeds": len(v)}
+                         for k, v in by_point.items()},
+            "by_schedule": {s: {"anchored": s in ANCHORED, "min": min(v), "max": max(v), "runs": len(v)}
                             for s, v in sorted(by_schedule.items(), key=lambda kv: -max(kv[1]))},
-            "by_runaway": {str(x): [p["best"]["speedup_vs_sync"] for p in points if p["runaway_share"] == x]
-                           for x in dict.fromkeys(p["runaway_share"] for p in points)},
-            "by_mfu": {m: [p["best"]["speedup_vs_sync"] for p in points if p["mfu"] == m]
-                       for m in dict.fromkeys(p["mfu"] for p in points)},
-            "by_step_overhead": {o: [p["best"]["speedup_vs_sync"] for p in points if p["step_overhead"] == o]
-                                 for o in dict.fromkeys(p["step_overhead"] for p in points)}}
+            "unequal": {s: sum(1 for p in points for e in p["ranked"] if e["schedule"] == s and not e["equal_utility"])
+                        for s in SWEEP_SCHEDULES}}
 
 
 def cpu_seconds() -> float:
@@ -516,67 +612,91 @@ def cpu_seconds() -> float:
 # --- the whole calibration ----------------------------------------------------------------------------------
 def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = False) -> tuple[dict, dict | None]:
     """`steps` overrides every config's step count; `quick` runs one step each and a small sweep. The parts run
-    side by side, a process a core: each simulation is seeded, so the figures do not depend on the order."""
+    side by side, a process a core, the longest first: each simulation is seeded, so the figures do not depend on
+    the order."""
     start, cpu_start, host = time.perf_counter(), cpu_seconds(), machine()
     steps = 1 if quick else steps
-    grid = QUICK if quick else {"points": POINTS, "schedules": list(SWEEP_SCHEDULES)}
+    sweep_steps = steps or SWEEP_STEPS
+    grid = QUICK if quick else {"points": POINTS, "seeds": SEEDS, "schedules": list(SWEEP_SCHEDULES)}
+    needs = lambda point: {MFU_128[point[1]], point[2]} & {"implied", "held out for 32B"}  # noqa: E731
     with ProcessPoolExecutor(os.cpu_count()) as pool:
         overheads = {c: pool.submit(fit_overhead, c, steps, 2 if quick else 8) for c in ROLLPACKER}
         fit = pool.submit(tp_fit, 5, TP_GRID[::5]) if quick else pool.submit(tp_fit, steps)  # a long round every 5th
-        out_parts = [pool.submit(rollpacker_rows, steps, None), pool.submit(scaling_rows, steps, None),
+        implied = pool.submit(rollpacker_mfu, steps)
+        out_parts = [pool.submit(rollpacker_rows, steps, None, True), pool.submit(scaling_rows, steps, None, True),
                      pool.submit(tp_rows_held_out, 5 if quick else steps)]
         verl = pool.submit(async_rows, steps)
+        submit = lambda point, seed, values: pool.submit(  # noqa: E731
+            sweep_point, point, seed, sweep_steps, grid["schedules"], values)
+        sweep = {(p, s): submit(p, s, {}) for p in grid["points"] if not needs(p) for s in grid["seeds"]} \
+            if with_sweep else {}
         fitted = {c: job.result() for c, job in overheads.items()}
         chosen = {c: f["step_overhead_ms"] for c, f in fitted.items()}
-        sweep = [pool.submit(sweep_point, *point, steps or SWEEP_STEPS, grid["schedules"], chosen[SWEEP_CONFIG])
-                 for point in grid["points"]] if with_sweep else []
+        held_one = leave_one_out(chosen)
+        values = {"implied": implied.result()["mfu_128"], "held out for 32B": held_one[SWEEP_CONFIG]}
+        sweep.update({(p, s): submit(p, s, values) for p in grid["points"] if needs(p) for s in grid["seeds"]}
+                     if with_sweep else {})
+        one_out = pool.submit(rollpacker_rows, steps, held_one, True)
         in_parts = [pool.submit(rollpacker_rows, steps, chosen), pool.submit(scaling_rows, steps, chosen)]
         report = {"machine": host, "constants": CONSTANTS, "held_out": HELD_OUT, "step_overheads": fitted,
-                  "tp_fit": fit.result()}
+                  "step_overheads_one_out": held_one, "tp_fit": fit.result()}
         others = verl.result()
         report["rows"] = tp_rows(report["tp_fit"]) + [r for part in in_parts for r in part.result()] + others
-        # out of sample: RollPacker's rows from the held-out runs; SortedRL's and veRL's set nothing, as in sample
-        report["rows_out_of_sample"] = ([r for part in out_parts for r in part.result()]
-                                        + [r for r in report["rows"] if r["paper"] != "RollPacker"])
-        report["hit_rate"] = {"in_sample": hit_rate(report["rows"]),
-                              "out_of_sample": hit_rate(report["rows_out_of_sample"])}
-        points = [job.result() for job in sweep]
+        # out of sample: RollPacker's and SortedRL's rows from the held-out model's runs; veRL's page sets nothing
+        held = [r for part in out_parts for r in part.result()] + others
+        report["rows_out_of_sample"] = named_in_sample(held)
+        # one setting at a time: its stack rows at the others' step overheads, the rest as held out
+        rest = {EXPERIMENTS[k] for k in ("scaling", "qwen3-8b", "veRL fully-async")}
+        report["rows_one_out"] = named_in_sample(one_out.result() + [r for r in held if r["experiment"] in rest])
+        report["hit_rate"] = {key: hit_rate(report[rows]) for key, rows in ROW_SETS.items()}
+        points = [sweep[(p, s)].result() for p in grid["points"] for s in grid["seeds"]] if with_sweep else []
+        report["rollpacker_mfu"] = implied.result()
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    report["cpu_s"] = round(cpu_seconds() - cpu_start, 1)  # all cores' time: the wall on idle cores, less the load's
+    report["cpu_s"] = round(cpu_seconds() - cpu_start, 1)  # all cores' time: grows less with the load than the wall
     found = None
     if points:
-        found = {"machine": report["machine"], "config": SWEEP_CONFIG, "gpus": SWEEP_GPUS,
-                 "prompts_per_step": SWEEP_PROMPTS, "steps": steps or SWEEP_STEPS, "mfu_128": MFU_128,
-                 "median_tokens": CITED_MEDIAN,
-                 "step_overhead_128_ms": {k: v or chosen[SWEEP_CONFIG] for k, v in OVERHEAD_128.items()},
-                 "summary": summarise(points), "points": points,
+        found = {"machine": report["machine"], "config": SWEEP_CONFIG, "gpus": SWEEP_GPUS, "model": HELD_OUT,
+                 "prompts_per_step": SWEEP_PROMPTS, "steps": sweep_steps, "seeds": list(grid["seeds"]),
+                 "mfu_128": {**MFU_128, "rollpacker table 1": values["implied"]},
+                 "rollpacker_mfu": report["rollpacker_mfu"],
+                 "lengths": {k: {"median_tokens": CITED_MEDIAN, "sigma": 1.0, **v} for k, v in LENGTHS.items()},
+                 "step_overhead_128_ms": {k: v or values[k] for k, v in OVERHEAD_128.items()},
+                 "anchored": ANCHORED, "summary": summarise(points), "points": points,
                  "wall_s": report["wall_s"], "cpu_s": report["cpu_s"]}
     return report, found
+
+
+ROW_SETS = {"in_sample": "rows", "out_of_sample": "rows_out_of_sample", "one_setting_out": "rows_one_out"}
 
 
 def print_report(report: dict, found: dict | None) -> None:
     fit = report["tp_fit"]
     print(f"tp_efficiency fitted {fit['tp_efficiency']} (rlsys/costs.py: {fit['in_costs']}); step overheads "
           f"fitted at the cited median ({CITED_MEDIAN} tokens) "
-          + ", ".join(f"{c} {m['step_overhead_ms']} ms" for c, m in report["step_overheads"].items()))
-    for key, rows in (("in_sample", report["rows"]), ("out_of_sample", report["rows_out_of_sample"])):
-        hits = report["hit_rate"][key]
-        print(f"\n{key}: {hits['within']} of {hits['rows']} counted rows within 15% "
-              + ", ".join(f"{p} {h['within']}/{h['rows']}" for p, h in hits["by_paper"].items()))
+          + ", ".join(f"{c} {m['step_overhead_ms']} ms" for c, m in report["step_overheads"].items())
+          + "; one setting out " + ", ".join(f"{c} {ms} ms" for c, ms in report["step_overheads_one_out"].items()))
+    for key, rows in ROW_SETS.items():
+        hits, rows = report["hit_rate"][key], report[rows]
+        print(f"\n{key}: {hits['within']} of {hits['rows']} counted rows within 15%, "
+              f"{hits['experiments_within']} of {hits['experiments']} experiments whole (mean share "
+              f"{hits['experiment_share']:.2f}): "
+              + ", ".join(f"{p} {h['within']}/{h['rows']}" for p, h in hits["by_experiment"].items()))
         print(f"{'row':<52} {'published':>9} {'simulated':>9} {'ratio':>6}")
         for r in rows:
-            mark = "fit" if r["fitted"] else "same" if "same_as" in r else ("" if r["within"] else "MISS")
+            mark = ("fit" if r["fitted"] else "same" if "same_as" in r else "named" if "in_sample_by" in r
+                    else "" if r["within"] else "MISS")
             print(f"{r['name']:<52} {r['published']:>9.2f} {r['simulated']:>9.2f} {r['ratio']:>6.2f} {mark}")
     if found:
         s = found["summary"]
-        print(f"\n128 H800, {found['config']}: best {s['best_speedup_range'][0]:.2f}x to "
-              f"{s['best_speedup_range'][1]:.2f}x sync ({', '.join(s['best_schedules'])})")
+        low, high = s["best_speedup_range"] or (math.nan, math.nan)
+        print(f"\n128 H800, {found['config']}: best anchored {low:.2f}x to {high:.2f}x sync "
+              f"({', '.join(s['best_schedules'])}; {s['unranked']} runs without one at equal utility)")
         for p in found["points"]:
-            asy = p["best_async"]
-            print(f"runaway {p['runaway_share']:.3f} mfu {p['trainer_mfu_128']:.2f} overhead "
-                  f"{p['step_overhead_ms']} ms: best {p['best']['schedule']} "
-                  f"{p['best']['speedup_vs_sync']:.2f}x"
-                  + (f", async {asy['schedule']} {asy['speedup_vs_sync']:.2f}x" if asy else ""))
+            other = p["best_unvalidated"]
+            best = p["best"] or {"schedule": "none at equal utility", "speedup_vs_sync": math.nan}
+            print(f"{point_key(p)} seed {p['seed']} (mfu {p['trainer_mfu_128']:.2f}, {p['step_overhead_ms']} ms): "
+                  f"best {best['schedule']} {best['speedup_vs_sync']:.2f}x"
+                  + (f", unvalidated {other['schedule']} {other['speedup_vs_sync']:.2f}x" if other else ""))
     print(f"\n{report['wall_s']} s ({report['cpu_s']} CPU s)")
 
 

@@ -22,6 +22,9 @@ class ElasticTPConfig(Section):
     # cluster.tp (rlsys/sim/simulator.py _plan_next_round says why); preemptions: the reactive
     # rule below, from the last round's preemptions
     rule: Literal["round", "preemptions"] = "round"
+    # round: a long round at most at cluster.tp, the loss RollPacker's TP study measured (in sample to that study:
+    # benchmarks/sim_calibration.py lifts it held out); false, the cost model's choice alone
+    long_rounds_at_base: bool = True
     min_tp: int = Field(1, ge=1)
     max_tp: int = Field(8, ge=1)
     raise_at: float = Field(0.02, ge=0)  # preemptions per request in a round above which TP doubles
