@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time, add_targets,  # noqa: E402
                          aggregate, budget_gpus, machine, median_of, run_config, run_loaded, same_start, speedups,
                          started_elsewhere, summarise_run, sync_targets, write_report)
+from rlsys.cli import quiet_libraries  # noqa: E402
 from rlsys.config import Config, ConfigError  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
@@ -301,6 +302,7 @@ def main() -> int:
     p.add_argument("--results-dir", default=str(RESULTS), help="where the results files are (default: the stored)")
     p.add_argument("--plan-only", action="store_true", help="print the plan and run nothing")
     args = p.parse_args()
+    quiet_libraries()  # before Ray and DeepSpeed load: their notices off, as in every rlsys command
     command = "python benchmarks/emulated_budget.py " + " ".join(sys.argv[1:])
     presets = args.presets.split(",")
     seeds = args.seeds or (SEEDS if args.instrument else 5)
