@@ -22,7 +22,7 @@ GRPOConfig arguments come from one function, grpo_settings, which tests compare 
                         trainer.weight_decay, clipping at trainer.grad_clip, fp32, no KL (beta 0)
   evaluation            greedy HF generate on rlsys's eval split, scored by reward.fn (exact_match_accuracy
                         for exact_match), every control.eval_every steps and at step 0; off the clock
-Threads: one torch thread, as rlsys's actors use (cluster.torch_threads=1).
+Threads: cluster.torch_threads torch threads (1 by default), as each of rlsys's actors uses.
 
 `--rlsys-steps N` also runs `rlsys train` (sync preset) for N steps on the same config, with the same eval
 cadence, right beside each TRL run (the order alternates over `--repeats`), and puts its figures next to
@@ -204,6 +204,7 @@ def timed_trainer_class():
 
 
 def make_callback(eval_prompts, model_dir: Path, work: Path, every: int, cfg, steps: int, per_step: int = 1):
+    threads = cfg.cluster.torch_threads  # what HF generate in the eval may have changed
     """`per_step`: TRL optimizer steps per rlsys step (trainer.mini_batches); steps are counted as rlsys's."""
     from transformers import TrainerCallback
 
@@ -236,7 +237,7 @@ def make_callback(eval_prompts, model_dir: Path, work: Path, every: int, cfg, st
                 if (model_dir / name).exists():
                     shutil.copy2(model_dir / name, eval_dir / name)
             acc = greedy_accuracy(eval_dir, eval_prompts, cfg)
-            torch.set_num_threads(1)
+            torch.set_num_threads(threads)
             model.train(was_training)
             self.curve.append([step, round(at, 4), acc, math.sqrt(acc * (1 - acc) / len(eval_prompts))])
             self.paused += time.perf_counter() - t
@@ -380,7 +381,7 @@ def run_rlsys(cfg, config: str, overrides: list[str], steps: int, eval_every: in
         tokenizer = load_tokenizer(out / "export")
         _, eval_prompts, _ = load_prompts(cfg.data, tokenizer)
         hf_final = greedy_accuracy(out / "export", eval_prompts, cfg)
-        torch.set_num_threads(1)
+        torch.set_num_threads(cfg.cluster.torch_threads)
         result = {
             "command": shown, "steps": len(steps_rows),
             "step_time_s": steps_rows[-1]["time_s"] / len(steps_rows),  # training clock / steps
@@ -521,9 +522,11 @@ def main() -> int:
     samples = ctl.prompts_per_step * ctl.group_size
     per_device = args.per_device_batch or samples // cfg.trainer.mini_batches
     check_matchable(cfg, per_device)
+    torch.set_num_threads(cfg.cluster.torch_threads)  # as each rlsys actor (cluster.torch_threads)
     load_start = os.getloadavg()[0]
     source = rlsys_source()
     cached = prepare_model(cfg)  # the cache entry is only read; TRL trains a copy
+    built = json.loads((cached / "config.json").read_text())
 
     out = REPO / args.output
     trl_runs, rlsys_runs = resumed(out, config, args.overrides, steps) if args.resume else ([], [])
@@ -561,7 +564,7 @@ def main() -> int:
             "command": " ".join(["python3", "benchmarks/peers/trl_grpo.py", *sys.argv[1:]]),
             "workload": {
                 "config": config, "overrides": args.overrides, "model": cached.name,
-                "model_arch": cfg.model.model_dump(include={"arch", "hidden_size", "num_layers"}),
+                "model_arch": {k: built.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers")},
                 "task": cfg.data.task, "train_prompts_used": trl_runs[0]["train_prompts_used"],
                 "eval_prompts": trl_runs[0]["eval_prompts"],
                 "prompts_per_step": ctl.prompts_per_step, "group_size": ctl.group_size,
