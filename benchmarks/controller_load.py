@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from rlsys.bench import machine
+from rlsys.control.events import Scored
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.run import simulate
 from rlsys.sim.simulator import Simulation
@@ -62,6 +63,8 @@ class Probe:
         spent = time.perf_counter() - start
         self.cpu_s += time.thread_time() - cpu
         name = fn.__name__
+        if name == "handle":  # an event, named as the scheduler's method that takes it
+            name = "on_sample" if isinstance(args[0], Scored) else "on_abort"
         self.seconds[name] += spent
         self.calls[name] += 1
         self.slowest[name] = max(self.slowest[name], spent)

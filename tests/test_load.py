@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from rlsys.control.actions import Submit, Train
+from rlsys.control.events import Scored
 from rlsys.sim.config import load_sim_config
 from rlsys.sim.simulator import ABORTED_OUT, SAMPLE, Simulation
 
@@ -30,21 +31,23 @@ class Recorder:
     def __init__(self, sim: Simulation):
         self.sim = sim
         self.owner: dict[str, str] = {}  # request id -> prompt uid, for every request submitted
-        self.answered: set[str] = set()  # requests that reached on_sample or on_abort
-        self.scored: set[str] = set()  # ... on_sample
+        self.answered: set[str] = set()  # requests whose Scored or Aborted event reached the scheduler
+        self.scored: set[str] = set()  # ... Scored
         self.trained_prompts: Counter[str] = Counter()
         self.trained_requests: Counter[str] = Counter()
         self.peak_in_flight = self.peak_running = 0
         sim._call = self.call  # the loop looks it up on the instance
 
     def call(self, fn, *args):
-        if fn.__name__ in ("on_sample", "on_abort"):
-            rid = (args[0].completion if fn.__name__ == "on_sample" else args[0]).request_id
-            assert rid in self.owner and rid not in self.answered, f"{fn.__name__} for {rid}"
+        if fn.__name__ == "handle":  # a Scored or an Aborted event, as the live controller hands them
+            event = args[0]
+            scored = isinstance(event, Scored)
+            rid = (event.sample.completion if scored else event.completion).request_id
+            assert rid in self.owner and rid not in self.answered, f"{type(event).__name__} for {rid}"
             self.peak_in_flight = max(self.peak_in_flight, len(self.owner) - len(self.answered))
             self.peak_running = max(self.peak_running, sum(e.n for e in self.sim.engines))
             self.answered.add(rid)
-            if fn.__name__ == "on_sample":
+            if scored:
                 self.scored.add(rid)
         actions = fn(*args) or []  # the sizer's observe returns None
         for action in actions:

@@ -154,9 +154,8 @@ class RewardPool:
         parts = reward_parts(cfg)  # an unknown name fails here, listing the known ones
         self._parts_blob = _pickle(parts)
         self._model_batch = cfg.model.batch_size if any(part.fn is None for part in parts) else 0
-        # a reward model on cuda: each worker holds a GPU of its own
-        self._remote = _RemoteWorker.options(num_gpus=1) if self._model_batch and cfg.model.device == "cuda" \
-            else _RemoteWorker
+        on_gpu = self._model_batch and cfg.model.device == "cuda"  # a reward model on cuda: a GPU for each worker
+        self._remote = _RemoteWorker.options(num_gpus=1) if on_gpu else _RemoteWorker
         self.errors = 0  # samples that got the fallback: logged as reward/errors
         self.restarts = 0  # workers killed or lost and replaced
         self._queue: deque[_Item] = deque()
