@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import math
 import os
@@ -104,13 +105,19 @@ def stored_file(name: str, gpus: int) -> Path | None:
     return next((p for p in paths if p.exists()), None)
 
 
+@functools.lru_cache
+def stored_report(path: Path) -> dict:
+    """A stored (pre-instrument) budget file, parsed once: the plan estimates every preset from it."""
+    return json.loads(path.read_text())
+
+
 def eval_size_for(name: str, gpus: int) -> tuple[int, str]:
     """An eval size whose standard error, sqrt(p(1-p)/n) at sync's final accuracy p, is at most a third of the
     smallest target's gap (25% of sync's gain: sync_targets), from the workload's stored sync runs, within
     EVAL_SIZES; and how it was set. The stored runs are shorter and gained less than a long run will: the size
     errs large."""
     path = stored_file(name, gpus)
-    sync = json.loads(path.read_text())["runs"].get("sync") if path else None
+    sync = stored_report(path)["runs"].get("sync") if path else None
     if not sync:
         return EVAL_SIZES[1], f"{name}: no stored sync run, the largest eval ({EVAL_SIZES[1]})"
     targets = sync_targets(sync)
@@ -157,7 +164,7 @@ def estimated_s(name: str, gpus: int, preset: str, overrides: list[str]) -> tupl
     path = stored_file(name, gpus) or stored_file("longcot", gpus)
     if not path:
         return 0.0, "no stored run"
-    stored = json.loads(path.read_text())
+    stored = stored_report(path)
     done = stored["workload"]["overrides"]
     runs = stored["runs"].get(preset) or [r for v in stored["runs"].values() for r in v]
     per_step = statistics.median((r["wall_clock_s"] - eval_s(done)) / setting(done, "trainer.total_steps")

@@ -168,12 +168,16 @@ def test_the_instruments_eval_size_resolves_the_smallest_target_to_a_third_of_it
     assert "emulated_budget_longcot_2gpu.json" in how
 
 
+def plan_of(budgets: str, presets: str, results_dir, capsys, monkeypatch) -> str:
+    """What `--instrument --plan-only` prints for the longcot workload."""
+    monkeypatch.setattr("sys.argv", ["emulated_budget.py", "--instrument", "--workloads", "longcot", "--budgets", budgets,
+                                     "--presets", presets, "--results-dir", str(results_dir), "--plan-only"])
+    assert budget_module().main() == 0
+    return capsys.readouterr().out
+
+
 def test_the_plan_counts_the_runs_left_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    module = budget_module()
-    monkeypatch.setattr("sys.argv", ["emulated_budget.py", "--instrument", "--workloads", "longcot", "--budgets", "2",
-                                     "--presets", "sync,tail", "--results-dir", str(tmp_path), "--plan-only"])
-    assert module.main() == 0
-    out = capsys.readouterr().out
+    out = plan_of("2", "sync,tail", tmp_path, capsys, monkeypatch)
     assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "tail 3 x" in out
     assert "[budget] plan: 11 runs" in out and list(tmp_path.iterdir()) == []
 
@@ -181,11 +185,7 @@ def test_the_plan_counts_the_runs_left_and_writes_nothing(tmp_path, capsys, monk
 def test_a_preset_whose_trainer_cannot_fit_its_gpus_is_named_refused_and_planned_for_nothing(tmp_path, capsys,
                                                                                               monkeypatch):
     """At two modelled GPUs a split layout leaves Qwen2.5-7B's Adam states one H100: refused, not run."""
-    module = budget_module()
-    monkeypatch.setattr("sys.argv", ["emulated_budget.py", "--instrument", "--workloads", "longcot", "--budgets", "2,4",
-                                     "--presets", "sync,async-split", "--results-dir", str(tmp_path), "--plan-only"])
-    assert module.main() == 0
-    out = capsys.readouterr().out
+    out = plan_of("2,4", "sync,async-split", tmp_path, capsys, monkeypatch)
     assert "async-split on 2 GPUs refused" in out and "needs 125 GB" in out
     assert "async-split on 4 GPUs refused" not in out
     assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "async-split 3 x" in out  # the 4-GPU file's
