@@ -20,7 +20,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # rlsys, when run as a script from anywhere
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = [ROOT / "README.md", ROOT / "docs" / "performance.md"]
+DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("performance", "schedulers", "tools"))]
 MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 TABLES: dict[str, Callable[[], str]] = {}
 
@@ -104,6 +104,22 @@ def schedulers() -> str:
 @table("schedulers_summary")
 def schedulers_summary() -> str:
     return rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu", ["sync", "sorted", "tail", "sagc"]))
+
+
+@table("scheduler_figures")
+def scheduler_figures() -> str:
+    """The README's schedulers, each with the one figure the CPU runs measured of it (none per sample)."""
+    s, overlap = load("bench_schedulers_cpu")["results"], load("bench_async_cpu")["speedup_vs_sync"]["async-loglinear"]
+    bubble = lambda p: f"bubble {s[p]['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's"  # noqa: E731
+    return rows(["scheduler", "what it does", "measured (CPU, live)"], [
+        ["`sync` (default)", "generates B x G samples, trains when all are done",
+         f"final avg@1 {acc_se(s['sync'])}, bubble {s['sync']['bubble_ratio']:.2f}"],
+        ["`tail` (RollPacker)", "short rounds; prompts still running go to long rounds", bubble("tail")],
+        ["`sorted` (SortedRL)", "oversubscribes the engines, trains groups as they finish", bubble("sorted")],
+        ["`async` (AReaL)", "generates while the trainer trains, at most eta versions stale",
+         f"{overlap['time_to_target']:.2f}x sooner to target (200 steps; rollout and trainer overlapped on two cores)"],
+        ["`control.group_sizer=sagc`", "picks each step's group size under a straggler budget",
+         f"mean G {s['sagc']['group_size']:.0f} (its budget never binds on this task)"]])
 
 
 @table("presets")
@@ -1110,26 +1126,26 @@ def prose_figures() -> dict[str, list[str]]:
     plain, fast = overlap["async"], overlap["async-loglinear"]
     eta2 = overlap["async-eta2"]["per_sample"]
     return {
-        "README.md": [
+        "README.md": [f"lifts the default task by {100 * (run['evals'][-1]['eval/accuracy'] - run['evals'][0]['eval/accuracy']):.0f} points",
+                      f"load average {run['machine']['load_average_at_start']:.1f} at its start"],
+        "docs/schedulers.md": [
             *(sim[k] for k in ("in_sample", "held_out", "one_out", "range", "centre", "runaway", "mfu", "lengths",
                                "overhead", "unvalidated", "anchors")),
             *budget_figures(),
             starting_model_figures()[0],
-            *tool_guess_figures(),
             "streamed `tail` {streamed:.2f}x and `async` with eta 2 {eta2:.2f}x sooner".format(**emulated_speeds()),
-f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token",
-                      f"trained {fast['per_sample']:.2f}x faster per sample than `sync` and reached the "
-                      f"target {fast['time_to_target']:.2f}x sooner",
-                      f"recomputed it was {plain['per_sample']:.2f}x",
-                      f"is missed by {100 * (1 - fast['per_sample'] / 1.4):.0f}%",
-                      "the engine the train step runs {:.0f}% longer".format(*async_profile_shares()),
-                      "published, the next step launched), {:.0f}% of each step".format(async_profile_shares()[1]),
-                      f"wastes nothing ({fast['per_sample']:.2f}x per sample",
-                      f"lifts the default task by {100 * (run['evals'][-1]['eval/accuracy'] - run['evals'][0]['eval/accuracy']):.0f} points",
-                      f"load average {run['machine']['load_average_at_start']:.1f} at its start",
-                      f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
-                      f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
-                      f"this CPU ({speed['sorted']['per_sample']:.2f}x to {speed['sagc']['per_sample']:.2f}x"],
+            f"trained {fast['per_sample']:.2f}x faster per sample than `sync` and reached the "
+            f"target {fast['time_to_target']:.2f}x sooner",
+            f"recomputed it was {plain['per_sample']:.2f}x",
+            f"is missed by {100 * (1 - fast['per_sample'] / 1.4):.0f}%",
+            "the engine the train step runs {:.0f}% longer".format(*async_profile_shares()),
+            "published, the next step launched), {:.0f}% of each step".format(async_profile_shares()[1]),
+            f"wastes nothing ({fast['per_sample']:.2f}x per sample",
+            f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
+            f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
+            f"this CPU ({speed['sorted']['per_sample']:.2f}x to {speed['sagc']['per_sample']:.2f}x"],
+        "docs/tools.md": tool_guess_figures(),
+        "docs/algorithms.md": [f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token"],
         "docs/performance.md": [
             *sim.values(),
             *emulated_vs_sim_figures(),

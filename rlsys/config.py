@@ -616,7 +616,7 @@ class SAGCConfig(Section):
     """Straggler-aware group control: G_t = argmax V*U(G) - Q_t*p(G) over `sizes` (docs/design.md "SAGC")."""
     sizes: list[int] = [4, 8, 16]  # allowed group sizes
     delta: float = Field(0.5, ge=0, le=1)  # budget on the long-run straggler rate (G 4 meets it on cot_sum)
-    v: float = Field(0.1, gt=0)  # V, the weight of utility against the straggler queue (see README: SAGC)
+    v: float = Field(0.1, gt=0)  # V, the weight of utility against the straggler queue (see docs/algorithms.md: SAGC)
     utility: Literal["informative", "log"] = "informative"
     prompt_rule: Literal["constant_samples", "constant_prompts"] = "constant_samples"
     prior_tail_share: float = Field(0.02, ge=0, le=1)  # prior share of samples over kappa x median
@@ -691,6 +691,8 @@ class ClusterConfig(Section):
     nodes: int = Field(1, ge=1)
     gpus_per_node: int = Field(0, ge=0)
     layout: Literal["colocated", "separate"] = "colocated"  # engines and trainer share GPUs, or not
+    # The GPUs' kind, whose memory the per-GPU memory plan is held to (rlsys/memory.py): the names of rlsys.costs.GPUS
+    gpu: Literal["a100", "h100", "h800", "h200", "h20", "b200"] = "h100"
     # torch threads per CPU actor (rollout and trainer). One thread each avoids oversubscribing cores
     # that the other actors share; oversubscribed CPU kernels ran many times slower here.
     torch_threads: int = Field(1, ge=1)

@@ -88,14 +88,15 @@ def gpu_figures() -> list[tuple[str, str]]:
     attention = json.loads((results / "decode_attention_cpu.json").read_text())["rows"]
     refit = json.loads((results / "builtin_engine_fit_h100.json").read_text())
     fit, paged = refit["errors"], refit["paged_form"]["errors"]
-    perf, readme, design = "docs/performance.md", "README.md", "docs/design.md"
+    perf, verified, running, design = ("docs/performance.md", "docs/verified.md", "docs/running.md",
+                                       "docs/design.md")
     return [
         (perf, f"graph step costs {spread(short)} ms at 128 keys for 1 to 256 sequences, the target of about 3 ms "
                f"met up to 64 sequences ({graph_ms[64, 128]:.1f} ms; {graph_ms[128, 128]:.1f} at 128), "
                f"{graph_ms[1, 128]:.1f} ms at one sequence"),
         (perf, f"{spread(mid)} ms at 1024 keys; but {spread(long)} ms at 4096 keys or skewed"),
         (perf, f"{spread([p['speedup'] for p in graph['graph_over_eager']])}x faster than the eager step"),
-        (readme, f"{spread(short)} ms a step at 128 keys for 1 to 256 sequences (about 3 ms met up to 64), "
+        (verified, f"{spread(short)} ms a step at 128 keys for 1 to 256 sequences (about 3 ms met up to 64), "
                  f"{spread(long)} ms at 4096 keys or skewed"),
         (perf, "float32 within {:.1e} for both".format(max(r[f"{a}_float32_error_over_max_output"]
                                                           for r in attention for a in ("sdpa", "split_kv")))),
@@ -112,7 +113,7 @@ def gpu_figures() -> list[tuple[str, str]]:
         (perf, f"and {spread([p['step_ms'] for p in grid if p['batch'] == 256])} ms at 256"),
         (perf, f"launch-bound: {spread(ratio)}x slower than the vLLM figures"),
         (perf, f"**{spread(decode_ms)} ms a decode step**"),
-        (readme, f"{spread(decode_ms)} ms after)"),
+        (running, f"{spread(decode_ms)} ms after)"),
         (perf, f"against {spread([s['rollout/decode_step_ms'] for s in in_run['diagnose_0.5b']], '{:.0f}')} ms in "
                "the same window before it"),
         (perf, f"(0.47B) in {spread(ipc, '{:.0f}')} ms, "
@@ -145,8 +146,9 @@ def test_the_lora_figures_in_the_design_are_its_results_file():
 
 
 def test_every_gpu_figure_in_the_docs_is_the_results_files():
-    """The figures of docs/performance.md's "Measured on an H100", the README and docs/design.md, each rebuilt
-    from benchmarks/results/gpu_*.json: a figure edited by hand, or a results file changed, fails here."""
+    """The figures of docs/performance.md's "Measured on an H100", docs/verified.md, docs/running.md and
+    docs/design.md, each rebuilt from benchmarks/results/gpu_*.json: a figure edited by hand, or a results file
+    changed, fails here."""
     for document, phrase in gpu_figures():
         text = " ".join((ROOT / document).read_text().split())  # a phrase may wrap
         assert phrase in text, f"{document} does not say {phrase!r} (what benchmarks/results/gpu_*.json give)"

@@ -1,4 +1,4 @@
-"""Every result table in README.md and docs/performance.md is what benchmarks/readme_tables.py renders from
+"""Every result table in README.md and docs/ is what benchmarks/readme_tables.py renders from
 its results file, and every figure quoted in prose is spelt as its file gives it: a figure cannot drift."""
 import importlib.util
 import re
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEC = importlib.util.spec_from_file_location("readme_tables", ROOT / "benchmarks" / "readme_tables.py")
 tables = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(tables)
-CITING = tables.DOCS + [ROOT / "benchmarks" / "peers" / "README.md"]
+CITING = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "peers" / "README.md"]
 
 
 @pytest.mark.parametrize("doc", tables.DOCS, ids=lambda p: str(p.relative_to(ROOT)))
