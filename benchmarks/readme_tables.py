@@ -1,4 +1,4 @@
-"""The result tables of README.md and docs/performance.md, rendered from benchmarks/results/.
+"""The result tables of README.md and docs/, rendered from benchmarks/results/.
 
 Each table sits in a document between `<!-- table: NAME -->` and `<!-- /table -->`; TABLES[NAME] renders it
 from its results file. tests/test_readme.py fails when a document's table differs from its rendering, so a
@@ -20,7 +20,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # rlsys, when run as a script from anywhere
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("performance", "schedulers", "tools"))]
+DOCS = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in ("performance", "emulation", "schedulers", "tools"))]
 MARKED = re.compile(r"(<!-- table: ([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 TABLES: dict[str, Callable[[], str]] = {}
 
@@ -573,7 +573,7 @@ def emulated_budget_vs_sim(name: str) -> str:
         for preset, r in sorted(load(name)["results"].items())])
 
 
-# the simulator's replays of the equal-budget files: each renders its table and is quoted in docs/performance.md
+# the simulator's replays of the equal-budget files: each renders its table and is quoted in docs/emulation.md
 BUDGET_REPLAYS = ("emulated_budget_vs_sim_longcot32_2gpu", "emulated_budget_vs_sim_longcot_2gpu",
                   "emulated_budget_vs_sim_longcot_4gpu", "emulated_budget_vs_sim_old_2gpu",
                   "emulated_budget_vs_sim_old_4gpu")
@@ -816,7 +816,7 @@ def anchors_phrase(j: dict) -> str:
 
 
 def sim_figures() -> dict[str, str]:
-    """The simulator's figures as README.md and docs/performance.md quote them, from the calibration and the sweep."""
+    """The simulator's figures as docs/schedulers.md and docs/performance.md quote them, from the calibration and the sweep."""
     j, sweep = load("sim_calibration"), load("sim_128_sweep")
     hits, held, one = (j["hit_rate"][k] for k in ("in_sample", "out_of_sample", "one_setting_out"))
     s = sweep["summary"]
@@ -906,7 +906,7 @@ def async_profile_figures() -> list[str]:
 
 
 def emulated_vs_sim_figures() -> list[str]:
-    """docs/performance.md's reading of the simulator against the live emulated runs."""
+    """docs/emulation.md's reading of the simulator against the live emulated runs."""
     r = load("emulated_vs_sim_cpu")["results"]
     figures = {"step_time_s": "step time", "rollout_time_s": "rollout time", "bubble_ratio": "bubble ratio"}
     def verdict(f: str) -> str:
@@ -927,7 +927,7 @@ def emulated_vs_sim_figures() -> list[str]:
 
 
 def emulated_sagc_figures() -> list[str]:
-    """docs/performance.md's reading of SAGC against static group sizes on the emulated clock."""
+    """docs/emulation.md's reading of SAGC against static group sizes on the emulated clock."""
     r = load("emulated_h100_7b_sagc")["results"]
     sagc, g4, g8, g16 = r["sorted+sagc"], r["sorted+G4"], r["sorted"], r["sorted+G16"]
     return [f"(mean G {sagc['group_size']:.1f})",
@@ -995,7 +995,7 @@ def budget_figures() -> list[str]:
 
 
 def longcot_budget_figures() -> list[str]:
-    """docs/performance.md's reading of every preset on two modelled GPUs on cot_sum, each engine running the slots
+    """docs/emulation.md's reading of every preset on two modelled GPUs on cot_sum, each engine running the slots
     its modelled KV holds: each preset's two ratios and final accuracy, and how far the best is from the targets."""
     j = load("emulated_budget_longcot_2gpu")
     s = {p: v for p, v in j["speedup_vs_sync"].items() if p != "sync"}
@@ -1016,7 +1016,7 @@ def longcot_budget_figures() -> list[str]:
 
 
 def longcot32_budget_figures() -> list[str]:
-    """docs/performance.md's reading of the first run on cot_sum, at 32 slots an engine."""
+    """docs/emulation.md's reading of the first run on cot_sum, at 32 slots an engine."""
     s = load("emulated_budget_longcot32_2gpu")["speedup_vs_sync"]
     tails = [-s[p]["final_accuracy_vs_sync"]["diff"] for p in ("tail", "tail-streamed", "tail-scaledown")]
     sorted_ = s["sorted"]
@@ -1062,7 +1062,7 @@ def budget_replay_figures(name: str) -> list[str]:
 
 
 def emulated_comparison_figures() -> list[str]:
-    """docs/performance.md's reading of the emulated scheduler comparison and its replay by the simulator."""
+    """docs/emulation.md's reading of the emulated scheduler comparison and its replay by the simulator."""
     j = load("emulated_h100_7b")
     s, r = j["speedup_vs_sync"], j["results"]
     v = load("emulated_vs_sim_bench_cpu")["results"]
@@ -1146,8 +1146,7 @@ def prose_figures() -> dict[str, list[str]]:
             f"this CPU ({speed['sorted']['per_sample']:.2f}x to {speed['sagc']['per_sample']:.2f}x"],
         "docs/tools.md": tool_guess_figures(),
         "docs/algorithms.md": [f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token"],
-        "docs/performance.md": [
-            *sim.values(),
+        "docs/emulation.md": [
             *emulated_vs_sim_figures(),
             *emulated_comparison_figures(),
             *(f for name in BUDGET_REPLAYS for f in budget_replay_figures(name)),
@@ -1159,7 +1158,9 @@ def prose_figures() -> dict[str, list[str]]:
             *best_on_budget("emulated_budget_old_4gpu"), best_to_target_shortfall("emulated_budget_old_4gpu"),
             *four_gpu_figures(),
             *longcot32_budget_figures(),
-            *emulated_sagc_figures(),
+            *emulated_sagc_figures()],
+        "docs/performance.md": [
+            *sim.values(),
             *loss_sweep_figures(),
             f"zero or upward in every draw ({dg_net('dg')}; PPO's {dg_net('ppo')})",
             *async_profile_figures(),

@@ -8,7 +8,7 @@ and the long-run rate meets the budget); below zero it is one step's unspent bud
 
 Why the allowance: pure drift-plus-penalty starts with Q = 0, which ignores risk, so it takes the largest
 size and learns the spread only by paying for it; over a short run, or after the lengths drift, that
-overspends (measured: docs/performance.md "SAGC against static group sizes"). With the allowance every
+overspends (measured: docs/emulation.md "SAGC against static group sizes"). With the allowance every
 step is expected to stay within the budget, plus what the last step left unspent, so the sizer still
 mixes two sizes to spend the budget, and the queue still corrects what the model gets wrong.
 
