@@ -6,10 +6,7 @@ and bf16 inputs) and their time, one thread, on the built-in engine's decode sha
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -17,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # rlsys, when run as a script from anywhere
+from rlsys.bench import machine, write_report  # noqa: E402
 from rlsys.rollout.attention import DECODE_ATTENTION  # noqa: E402
 
 # (sequences, kv heads, group, head_dim, keys): the tiny test model's, the 0.47B bench model's at 32 x 640 and 1 x 4096
@@ -74,10 +72,8 @@ def main() -> None:
         print(row)
     out = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%d"),
            "what": __doc__.split("\n\n")[0].replace("\n", " "),
-           "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                       "torch": torch.__version__, "threads": 1, "load_average_1m": os.getloadavg()[0]},
-           "rows": rows}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+           "machine": machine() | {"threads": 1}, "rows": rows}
+    write_report(args.out, out)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rlsys.bench import machine, write_report  # noqa: E402
 from rlsys.rollout.builtin_engine import CPUEngine  # noqa: E402
 from rlsys.types import Request, SamplingParams  # noqa: E402
 
@@ -93,11 +92,10 @@ def main() -> None:
         "step_peak_new_bytes": round(f["step_peak_new_bytes"] / c["step_peak_new_bytes"], 3)}
     report = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     report["command"] = "python benchmarks/engine_fragmentation.py " + " ".join(sys.argv[1:])
-    report["machine"] = {"device": "cpu (CPU figures)", "processor": platform.processor() or platform.machine(),
-                         "cores": os.cpu_count(), "torch_threads": 1, "torch": torch.__version__}
+    report["machine"] = machine() | {"torch_threads": 1}
     report["settings"] = {"slots": args.slots, "long_prompt": args.long, "short_prompt": 8, "steps": args.steps}
     report.setdefault("runs", {})[label] = layouts
-    RESULTS.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(RESULTS, report)
     print(json.dumps({label: layouts}, indent=1))
 
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 from pathlib import Path
 
 import torch
 
 from engine_throughput import build_model, timed
+from rlsys.bench import machine, write_report
 from rlsys.rollout.builtin_engine import CPUEngine
 from rlsys.types import Request, SamplingParams
 
@@ -62,9 +61,7 @@ def main() -> None:
             times["decode_step"].append(wall_ms(engines["keep"].step))
     best = {name: round(min(ms), 3) for name, ms in times.items()}
     report = {
-        "machine": {"description": f"a {os.cpu_count()}-core CPU, shared", "cpu_count": os.cpu_count(),
-                    "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "torch": torch.__version__, "load_average_1m": os.getloadavg()[0]},
+        "machine": machine(),
         "settings": vars(args),
         "update_ms": {"keep": best["keep"], "recompute": best["recompute"]},
         "recompute_extra_ms": round(best["recompute"] - best["keep"], 3),
@@ -72,8 +69,7 @@ def main() -> None:
         "recompute_extra_in_decode_steps": round((best["recompute"] - best["keep"]) / best["decode_step"], 1),
         "all_ms": {name: [round(t, 3) for t in ms] for name, ms in times.items()},
     }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(RESULTS, report)
     print(json.dumps({k: report[k] for k in ("update_ms", "recompute_extra_ms", "decode_step_ms",
                                               "recompute_extra_in_decode_steps")}))
 
