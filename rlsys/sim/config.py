@@ -39,8 +39,13 @@ class ElasticTPConfig(Section):
 
 
 class SimControlConfig(ControlConfig):
-    """The live `control` section and what only the simulator models: elastic TP."""
+    """The live `control` section and what only the simulator models: elastic TP, and RollPacker's response-level
+    rule for validation."""
     elastic_tp: ElasticTPConfig = ElasticTPConfig()
+    # RollPacker's response-level rule under tail, for validation against its rows only: a short round gives each
+    # prompt ceil(tail_eta_r R) samples and trains its first R finishers (rlsys/sim/first_r.py). Live tail refuses
+    # it: it biases every group toward short answers. None: tail's whole groups.
+    tail_eta_r: Optional[float] = Field(None, gt=1)
 
 
 class ModelSpec(Section):
@@ -228,6 +233,9 @@ class SimConfig(Section):
                 raise ValueError(f"{run.label}: trainer.streamed needs the tail scheduler, the one that announces "
                                  f"its complete groups to the trainer (Accumulate); under {run.name} it would change "
                                  "nothing")
+            if self.control_for(run).tail_eta_r is not None and run.name != "tail":
+                raise ValueError(f"{run.label}: control.tail_eta_r is RollPacker's response-level rule for the tail "
+                                 f"scheduler; under {run.name} it would change nothing")
             if trainer.scale_down_at is not None and not (trainer.streamed and cluster.trainer_gpus is None):
                 raise ValueError(f"{run.label}: trainer.scale_down_at lends rollout engines to a streamed trainer "
                                  "on the same GPUs: set trainer.streamed and leave cluster.trainer_gpus unset")

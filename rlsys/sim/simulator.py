@@ -1,9 +1,10 @@
 """The discrete-event loop: a control/ scheduler driven against simulated engines, rewards and a trainer.
 
-The scheduler is built exactly as the live controller builds it (`rlsys.control.build_scheduler`)
-and is driven the same way (rlsys/train.py): start, on_sample for each scored sample, on_abort for
-each aborted request's partial output, on_trained after each step, then start again (not after the
-last). Only the clock, the engines, the reward pool and the trainer are simulated.
+The scheduler is built exactly as the live controller builds it (`rlsys.control.build_scheduler`; only
+control.tail_eta_r, a validation-only rule, builds another: rlsys/sim/first_r.py) and is driven the same way
+(rlsys/train.py): start, on_sample for each scored sample, on_abort for each aborted request's partial output,
+on_trained after each step, then start again (not after the last). Only the clock, the engines, the reward pool
+and the trainer are simulated.
 """
 from __future__ import annotations
 
@@ -12,10 +13,8 @@ import heapq
 import math
 import time
 from collections import Counter, defaultdict, deque
-from types import SimpleNamespace
 from typing import Optional
 
-from rlsys.control import build_scheduler
 from rlsys.control.actions import Abort, Accumulate, Submit, Train
 from rlsys.control.events import Aborted, Scored
 from rlsys.control.elastic_tp import ElasticTP, plan_tp
@@ -26,6 +25,7 @@ from rlsys.data.cursor import PromptCursor
 from rlsys.placement import lent_engines
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
+from rlsys.sim.first_r import build
 from rlsys.sim.engine import (ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_by_interval,
                               slot_seconds_at)
 from rlsys.sim.workload import SampleDraw, Workload
@@ -102,7 +102,7 @@ class Simulation:
         self.cut: defaultdict[str, dict[int, SampleDraw]] = defaultdict(dict)
         self.ordinal: dict[str, int] = {}
         cursor = Visits(self.workload.prompts(), cfg.seed, self.cut)
-        self.scheduler = build_scheduler(SimpleNamespace(control=control), cursor)
+        self.scheduler = build(control, cursor)
 
         self.now, self.version, self.trained = 0.0, 0, 0
         self.events: list = []
