@@ -67,6 +67,16 @@ def default_run() -> str:
         ["whole command, s", "", num(j["whole_command_s"], 0)]])
 
 
+def diff_cell(d: dict, beyond: str = "") -> str:
+    """An accuracy difference ± its error, `beyond` appended where it exceeds two of them."""
+    return f"{d['diff']:+.3f} ± {d['se']:.3f}" + (beyond if d["beyond_error"] else "")
+
+
+def ratio_cell(x: float, lo_hi) -> str:
+    """A ratio with its [low, high]: a spread over pairs or an interval."""
+    return f"{x:.2f}x [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]"
+
+
 def acc_se(r: dict) -> str:
     """A final accuracy with its eval standard error."""
     return f"{r['final_accuracy']:.3f} ± {r['final_accuracy_se']:.3f}"
@@ -75,13 +85,12 @@ def acc_se(r: dict) -> str:
 def versus_sync(j: dict, preset: str) -> str:
     """The preset's final accuracy minus sync's, ± the difference's error; starred beyond two of them."""
     d = j["speedup_vs_sync"][preset]["final_accuracy_vs_sync"]
-    return "" if preset == "sync" else f"{d['diff']:+.3f} ± {d['se']:.3f}" + (" *" if d["beyond_error"] else "")
+    return "" if preset == "sync" else diff_cell(d, " *")
 
 
 def speedup_cell(speedup: dict) -> str:
     """The median of the interleaved pairs' ratios with their [min, max]."""
-    lo, hi = speedup["per_sample_spread"]
-    return f"{speedup['per_sample']:.2f}x [{lo:.2f}, {hi:.2f}]"
+    return ratio_cell(speedup["per_sample"], speedup["per_sample_spread"])
 
 
 def bench_rows(name: str, presets: list[str] | None = None) -> list[list]:
@@ -96,14 +105,9 @@ BENCH_HEADER = ["preset", "mean G", "step s", "ms / sample", "bubble", "straggle
                 "final vs sync", "avg@1 at equal time", "speed per sample vs sync (pairs)"]
 
 
-@table("schedulers")
-def schedulers() -> str:
-    return rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu"))
-
-
-@table("schedulers_summary")
-def schedulers_summary() -> str:
-    return rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu", ["sync", "sorted", "tail", "sagc"]))
+table("schedulers")(lambda: rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu")))
+table("schedulers_summary")(lambda: rows(BENCH_HEADER, bench_rows("bench_schedulers_cpu",
+                                                                 ["sync", "sorted", "tail", "sagc"])))
 
 
 @table("scheduler_figures")
@@ -179,14 +183,8 @@ def tool_lift(name: str) -> str:
                  "calls per sample, first / last step"], body)
 
 
-@table("tool_arith")
-def tool_arith() -> str:
-    return tool_lift("tool_arith_cpu")
-
-
-@table("tool_guess")
-def tool_guess() -> str:
-    return tool_lift("tool_guess_lift_cpu")
+table("tool_arith")(partial(tool_lift, "tool_arith_cpu"))
+table("tool_guess")(partial(tool_lift, "tool_guess_lift_cpu"))
 
 
 def tool_guess_figures() -> list[str]:
@@ -289,7 +287,7 @@ def mismatch_bf16() -> str:
     body = []
     for name, r in j["results"].items():
         d = r["final_accuracy_vs_uncorrected"]
-        vs = "" if name == "bf16-uncorrected" else f"{d['diff']:+.3f} ± {d['se']:.3f}" + (" (beyond error)" if d["beyond_error"] else "")
+        vs = "" if name == "bf16-uncorrected" else diff_cell(d, " (beyond error)")
         corrected = r["mismatch_truncated_share_mean"] is not None
         # Files from before the KL was measured in every mode took it, uncorrected, against the engine's own pi_old
         measured = corrected or j.get("mismatch_kl_every_mode", False)
@@ -310,19 +308,13 @@ def losses_beside_dapo(name: str) -> str:
     body = []
     for loss, cell in r.items():
         d = accuracy_difference(cell, r["dapo"])
-        vs = "" if loss == "dapo" else f"{d['diff']:+.3f} ± {d['se']:.3f}" + (" (beyond error)" if d["beyond_error"] else "")
+        vs = "" if loss == "dapo" else diff_cell(d, " (beyond error)")
         body.append([f"`{loss}`", acc_se(cell), vs, cell["n"]])
     return rows([f"loss (avg@1 at step 0: {start:.3f})", "final avg@1", "vs dapo", "seeds"], body)
 
 
-@table("losses_round2")
-def losses_round2() -> str:  # issue 33's losses
-    return losses_beside_dapo("losses_round2_cpu")
-
-
-@table("losses_round3")
-def losses_round3() -> str:  # round three's methods: SAPO, REINFORCE++, the refreshed reference, LoRA, PPO with GAE
-    return losses_beside_dapo("losses_round3_cpu")
+table("losses_round2")(partial(losses_beside_dapo, "losses_round2_cpu"))  # issue 33's losses
+table("losses_round3")(partial(losses_beside_dapo, "losses_round3_cpu"))  # SAPO, REINFORCE++, LoRA, PPO with GAE, ...
 
 
 @table("peer_trl")
@@ -367,20 +359,10 @@ def engine_throughput() -> str:
         ["one decode step (sequences running)", steps]])
 
 
-@table("gpu_engine")
-def gpu_engine() -> str:
-    """The built-in engine's eager decode step on the H100 (ms) by sequences and context, rlsys.costs' vLLM figure
-    after /."""
-    return engine_grid(load("gpu_engine_h100"))
-
-
-@table("gpu_engine_graph")
-def gpu_engine_graph() -> str:
-    """The same with its decode step as CUDA graphs (2026-11-28)."""
-    return engine_grid(load("gpu_engine_graph_h100"))
-
-
-def engine_grid(j: dict) -> str:
+def engine_grid(name: str) -> str:
+    """The built-in engine's decode step on the H100 (ms) by sequences and context, rlsys.costs' vLLM figure after /:
+    eager (gpu_engine_h100) and as CUDA graphs (gpu_engine_graph_h100, 2026-11-28)."""
+    j = load(name)
     grid = {(r["batch"], str(r["context"])): r for r in j["decode_step_grid"]}
     contexts = ["128", "1024", "4096", "skewed"]
     body = [[b] + [f"{grid[b, c]['step_ms']:.1f} / {grid[b, c]['cost_model_ms']:.1f}" for c in contexts]
@@ -388,6 +370,10 @@ def engine_grid(j: dict) -> str:
     body += [[f"prefill {r['batch']} x {r['length']}", f"{r['step_ms']:.1f} / {r['cost_model_ms']:.1f}", "", "", ""]
              for r in j["prefill_grid"]]
     return rows(["sequences", *(f"context {c}" for c in contexts)], body)
+
+
+table("gpu_engine")(partial(engine_grid, "gpu_engine_h100"))
+table("gpu_engine_graph")(partial(engine_grid, "gpu_engine_graph_h100"))
 
 
 @table("gpu_runs")
@@ -452,8 +438,8 @@ def emulated_rows(name: str) -> list[list]:
 
     def pairs(preset: str, key: str) -> str:
         s = j["speedup_vs_sync"][preset]
-        return "" if preset == "sync" else (f"{s[key]:.2f}x [{s[key + '_spread'][0]:.2f}, {s[key + '_spread'][1]:.2f}]"
-                                             if s[key] else "not every seed reached it")
+        return "" if preset == "sync" else (ratio_cell(s[key], s[key + "_spread"]) if s[key]
+                                             else "not every seed reached it")
     return [[f"`{preset}`", worst_overrun(r),
              spread(r, "step_time_s", 1), spread(r, "bubble_ratio", 2), spread(r, "straggler_rate", 2),
              spread(r, "time_to_target_s", 0), acc_se(r), versus_sync(j, preset), spread(r, "accuracy_at_equal_time"),
@@ -512,7 +498,7 @@ def emulated_budget_summary() -> str:
             return ["not run"] * 3
         d = s["final_accuracy_vs_sync"]
         return [f"{budget_ratio(s, 'per_sample_gpu_s')} ({j['results'][preset]['repeats']} seeds)",
-                budget_ratio(s, "time_to_target_gpu_s"), f"{d['diff']:+.3f} ± {d['se']:.3f}"]
+                budget_ratio(s, "time_to_target_gpu_s"), diff_cell(d)]
     return rows(["preset", *(f"{b} GPUs: {what}" for b in budgets
                              for what in ("per GPU-second vs sync", "sooner to target", "final vs sync"))],
                 [[f"`{p}`", *(c for j in budgets.values() for c in cells(j, p))] for p in presets])
@@ -949,7 +935,7 @@ def budget_ratio(s: dict, key: str, what: str = "") -> str:
     reached has none."""
     if s[key] is None:
         return "undefined (a seed ended below the target)"
-    return "{:.2f}x [{:.2f}, {:.2f}]".format(s[key], *s[key + "_ci95"]) + (" " + what if what else "")
+    return ratio_cell(s[key], s[key + "_ci95"]) + (" " + what if what else "")
 
 
 # the equal-budget targets, set against RollPacker's 7B/8k figures (tail 1.30x; the full system 2.03x, less a margin)
@@ -967,8 +953,7 @@ def old_tail(gpus: int) -> str:
     t, seeds = j["speedup_vs_sync"]["tail"], j["results"]["tail"]["repeats"]
     return (f"`tail` is {budget_ratio(t, 'per_sample_gpu_s')} sync per GPU-second and its time to the target "
             f"accuracy is {budget_ratio(t, 'time_to_target_gpu_s', 'sooner')} ({seeds} seeds, bootstrap 95% "
-            f"intervals), final accuracy {t['final_accuracy_vs_sync']['diff']:+.3f} ± "
-            f"{t['final_accuracy_vs_sync']['se']:.3f}")
+            f"intervals), final accuracy {diff_cell(t['final_accuracy_vs_sync'])}")
 
 
 def old_tail_vs_rollpacker(gpus: int) -> str:
@@ -1004,7 +989,7 @@ def longcot_budget_figures() -> list[str]:
     soonest = max(reached, key=lambda p: s[p]["time_to_target_gpu_s"]) if reached else None
     out = ["; ".join(f"`{p}` {budget_ratio(v, 'per_sample_gpu_s')} per GPU-second, "
                      f"{budget_ratio(v, 'time_to_target_gpu_s', 'to target')}, final "
-                     f"{v['final_accuracy_vs_sync']['diff']:+.3f} ± {v['final_accuracy_vs_sync']['se']:.3f}"
+                     f"{diff_cell(v['final_accuracy_vs_sync'])}"
                      for p, v in s.items()),
            f"`{per_gpu_s}` is the most per GPU-second ({s[per_gpu_s]['per_sample_gpu_s']:.2f}x"]
     if soonest:
@@ -1038,8 +1023,7 @@ def best_on_budget(name: str) -> list[str]:
         best = max((p for p in others if others[p][key] is not None), key=lambda p: others[p][key])
         s = others[best]
         out.append(f"`{best}` is {budget_ratio(s, key, what)} ({j['results'][best]['repeats']} seeds, "
-                   f"final accuracy {s['final_accuracy_vs_sync']['diff']:+.3f} ± "
-                   f"{s['final_accuracy_vs_sync']['se']:.3f})")
+                   f"final accuracy {diff_cell(s['final_accuracy_vs_sync'])})")
     short = [p for p in others if others[p]["time_to_target_gpu_s"] is None]  # a seed ended below the target
     if short:
         out.append(f"{', '.join(f'`{p}`' for p in short)} ended a seed's run below the target")
