@@ -486,7 +486,7 @@ def four_gpu_figures() -> list[str]:
 
 @table("emulated_budget_summary")
 def emulated_budget_summary() -> str:
-    """The README's headline of the equal-budget reruns: cot_sum on two and on four modelled GPUs, each preset's
+    """docs/schedulers.md's summary of the equal-budget reruns: cot_sum on two and on four modelled GPUs, each preset's
     ratios to sync per GPU-second and to target (bootstrap 95% intervals over the seeds' pairs) and its final
     accuracy against sync's."""
     budgets = {b: load(f"emulated_budget_longcot_{b}gpu") for b in (2, 4)}
