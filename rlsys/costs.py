@@ -40,6 +40,14 @@ TRAIN_WEIGHT_BYTES, TRAIN_GRAD_BYTES, ADAM_BYTES = BF16, BF16, 12
 # Tokens of a trainer GPU's micro-batch whose activations stay: each layer's input under gradient checkpointing
 # (veRL's ppo_max_token_len_per_gpu default, by which it packs micro-batches)
 ACTIVATION_TOKENS = 16384
+# A live config's per-GPU memory plan (rlsys/memory.py; docs/gpu.md "The memory plan"). Each process on a GPU holds
+# a CUDA context with PyTorch's and NCCL's buffers: configs/gpu/smoke.yaml's engine and trainer, whose tensors are a
+# few MB, peaked at 3,177 MiB together on an H100 (benchmarks/results/gpu_runs_h100.json). Assumed, as the
+# efficiencies: a vLLM engine takes its activations and CUDA graphs out of its reservation before the KV cache.
+CUDA_CONTEXT_BYTES, ENGINE_WORKSPACE_BYTES = 1.6e9, 2e9
+# DeepSpeed's defaults (0.19, runtime/zero/config.py): ZeRO 0-2 reduce gradients through a bucket of
+# reduce_bucket_size elements; ZeRO-3 keeps up to stage3_max_live_parameters gathered parameters
+REDUCE_BUCKET_ELEMENTS, ZERO3_LIVE_PARAMS = 5e8, 1e9
 
 # The built-in engine (rlsys/rollout/builtin_engine.py) on CUDA instead of vLLM, its decode step as CUDA graphs
 # over static shapes: every row attends over the longest sequence's key bucket (EngineCost.max_len). key_s is the
@@ -78,14 +86,27 @@ class ModelShape:
     kv_heads: int
     head_dim: int = 128
     hidden: int = 0  # the residual stream's width, for the trainer's activations; 0: unknown, estimated
+    intermediate: int = 0  # the MLP's width; 0: unknown, GPT's 4 x width
+    vocab: int = 0  # the output head's rows, for the trainer's logits; 0: unknown, left out
 
     @classmethod
-    def qwen2(cls, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int) -> "ModelShape":
-        """A Qwen2-architecture model's shape from its dimensions (q/k/v biases, untied head)."""
-        d = hidden // heads
+    def qwen2(cls, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+              tied: bool = False, head_dim: int | None = None) -> "ModelShape":
+        """A Qwen2-architecture model's shape from its dimensions (q/k/v biases; `tied`: the head is the embedding)."""
+        d = head_dim or hidden // heads
         per_layer = hidden * (heads + 2 * kv_heads) * d + (heads + 2 * kv_heads) * d + hidden * heads * d \
             + 3 * hidden * intermediate + 2 * hidden
-        return cls(layers * per_layer + 2 * vocab * hidden + hidden, layers, kv_heads, d, hidden)
+        embeddings = (1 if tied else 2) * vocab * hidden
+        return cls(layers * per_layer + embeddings + hidden, layers, kv_heads, d, hidden, intermediate, vocab)
+
+    @classmethod
+    def of_hf(cls, config: dict) -> "ModelShape":
+        """From a Hugging Face config.json of a dense decoder (Qwen2, Llama: a Llama's absent q/k/v biases are a
+        few thousand parameters)."""
+        heads = config["num_attention_heads"]
+        return cls.qwen2(config["hidden_size"], config["num_hidden_layers"], heads,
+                         config.get("num_key_value_heads") or heads, config["intermediate_size"], config["vocab_size"],
+                         bool(config.get("tie_word_embeddings")), config.get("head_dim"))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -96,12 +117,16 @@ class ModelShape:
         """`hidden`, or where unknown the width whose ~12 x width^2 parameters a layer would hold."""
         return self.hidden or round(math.sqrt(self.params / (12 * self.layers)))
 
+    @property
+    def ffn(self) -> int:
+        return self.intermediate or 4 * self.width
+
 
 MODELS = {
-    "qwen2.5-1.5b": ModelShape(1.54e9, 28, 2, hidden=1536),
-    "qwen2.5-7b": ModelShape(7.61e9, 28, 4, hidden=3584),
-    "qwen2.5-14b": ModelShape(14.7e9, 48, 8, hidden=5120),
-    "qwen2.5-32b": ModelShape(32.5e9, 64, 8, hidden=5120),
+    "qwen2.5-1.5b": ModelShape(1.54e9, 28, 2, hidden=1536, intermediate=8960, vocab=151936),
+    "qwen2.5-7b": ModelShape(7.61e9, 28, 4, hidden=3584, intermediate=18944, vocab=152064),
+    "qwen2.5-14b": ModelShape(14.7e9, 48, 8, hidden=5120, intermediate=13824, vocab=152064),
+    "qwen2.5-32b": ModelShape(32.5e9, 64, 8, hidden=5120, intermediate=27648, vocab=152064),
 }
 
 
@@ -188,18 +213,69 @@ def engine_bytes(model: ModelShape, tp: int) -> float:
     return model.params * BF16 / tp
 
 
+def trainer_parts(model: ModelShape, gpus: int, zero_stage: int, weight_bytes: int = TRAIN_WEIGHT_BYTES,
+                  offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, float]:
+    """Each of the trainer's `gpus` GPUs' share of a full fine-tune's states under Adam: weights and gradients at
+    `weight_bytes`, and the optimizer's fp32 moments plus, under bf16, its fp32 master weights (ADAM_BYTES). ZeRO
+    stage 1 shards the optimizer's over the GPUs, 2 the gradients too, 3 the weights too (arXiv 1910.02054, as
+    DeepSpeed does it); an offloaded part sits in host memory."""
+    adam = ADAM_BYTES if weight_bytes < 4 else 8  # fp32 training keeps no master copy
+
+    def share(bytes_per_param: int, stage: int, offloaded: bool = False) -> float:
+        return 0.0 if offloaded else model.params * bytes_per_param / (gpus if zero_stage >= stage else 1)
+    return {"weights": share(weight_bytes, 3, offload_params), "gradients": share(weight_bytes, 2),
+            "optimizer": share(adam, 1, offload_optimizer)}
+
+
 def trainer_states(model: ModelShape, gpus: int, zero_stage: int) -> float:
-    """The states of a full fine-tune with Adam on each of its `gpus` GPUs: ZeRO stage 1 shards the optimizer's
-    over them, 2 the gradients too, 3 the weights too (arXiv 1910.02054)."""
-    def share(bytes_per_param: int, stage: int) -> float:
-        return model.params * bytes_per_param / (gpus if zero_stage >= stage else 1)
-    return share(TRAIN_WEIGHT_BYTES, 3) + share(TRAIN_GRAD_BYTES, 2) + share(ADAM_BYTES, 1)
+    """The states of a full fine-tune with Adam under mixed precision on each of its `gpus` GPUs (trainer_parts)."""
+    return sum(trainer_parts(model, gpus, zero_stage).values())
+
+
+def held_activation_bytes(model: ModelShape, tokens: float) -> float:
+    """What gradient checkpointing keeps of a micro-batch of `tokens` through backward: each layer's BF16 input."""
+    return tokens * model.layers * model.width * BF16
+
+
+def layer_activation_bytes(model: ModelShape) -> float:
+    """Bytes a token's pass through one decoder layer keeps for backward in BF16, counted tensor by tensor as
+    Korthikanti et al. count a GPT layer's (arXiv 2205.05198 section 4.1), for a Qwen2/Llama layer under SDPA:
+    both norms' inputs and outputs, q, k and v (k and v at every head, as transformers repeats them for SDPA) and
+    the attention's output (its fused kernel keeps no sequence x sequence scores): 8 x width; SwiGLU's gate, up,
+    SiLU(gate) and product: 4 x intermediate."""
+    return (8 * model.width + 4 * model.ffn) * BF16
+
+
+def activation_bytes(model: ModelShape, tokens: float, checkpointing: bool) -> float:
+    """A micro-batch of `tokens` at its peak in backward: every layer's activations, or under gradient
+    checkpointing each layer's input and the one layer being recomputed."""
+    if checkpointing:
+        return held_activation_bytes(model, tokens) + tokens * layer_activation_bytes(model)
+    return tokens * model.layers * layer_activation_bytes(model)
+
+
+def head_bytes(model: ModelShape, chunk_tokens: float) -> float:
+    """The output head's backward, `chunk_tokens` tokens at a time (rlsys/trainer/logprobs.py ChunkedHeadLogprobs):
+    each chunk's BF16 logits, three fp32 copies (scaled, softmax, gradient) and its BF16 gradient, 16 bytes a
+    logit; and the head's gradient summed over the chunks in fp32."""
+    return chunk_tokens * model.vocab * 16 + model.vocab * model.width * 4
+
+
+def step_gradient_bytes(model: ModelShape, gpus: int, zero_stage: int) -> float:
+    """DeepSpeed's bf16 optimizer step casts this GPU's gradient partition to fp32 first (runtime/zero/
+    stage_1_and_2.py `step`): 4 bytes a parameter of the partition, until the step ends."""
+    return model.params * 4 / (gpus if zero_stage >= 1 else 1)
+
+
+def zero_buffer_bytes(model: ModelShape, zero_stage: int, weight_bytes: int = TRAIN_WEIGHT_BYTES) -> float:
+    """DeepSpeed's working buffer at its defaults: ZeRO-3's gathered parameters, else the gradient reduce bucket."""
+    return min(model.params, ZERO3_LIVE_PARAMS if zero_stage == 3 else REDUCE_BUCKET_ELEMENTS) * weight_bytes
 
 
 def trainer_bytes(model: ModelShape, gpus: int, zero_stage: int) -> float:
-    """What the trainer holds on each of its GPUs while it trains: its states and the checkpointed activations of
-    ACTIVATION_TOKENS tokens (each layer's BF16 input)."""
-    return trainer_states(model, gpus, zero_stage) + ACTIVATION_TOKENS * model.layers * model.width * BF16
+    """What the trainer holds on each of its GPUs while it trains, as the emulated clock and the simulator count
+    it: its states and the checkpointed activations of ACTIVATION_TOKENS tokens (each layer's BF16 input)."""
+    return trainer_states(model, gpus, zero_stage) + held_activation_bytes(model, ACTIVATION_TOKENS)
 
 
 def trainer_room(model: ModelShape, gpu: GPU, gpus: int, zero_stage: int,

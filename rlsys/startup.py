@@ -20,6 +20,7 @@ from rlsys.control.sizing import GROUP_SIZERS
 from rlsys.data import demonstrations, row_loader, task_family
 from rlsys.data.synthetic import TASKS, synthetic_splits
 from rlsys.emulate import Budget, Emulation
+from rlsys.memory import check_fits, format_memory, plan_memory
 from rlsys.placement import format_plan, idle_warning, plan_from_config
 from rlsys.plugins import is_spec
 from rlsys.reward.registry import reward_parts
@@ -51,6 +52,7 @@ CHECKS: tuple[tuple[tuple[str, ...], Callable[[Config], object]], ...] = (
     ((), lambda cfg: cfg.trainer.advantage not in ADVANTAGES or check_advantage_options(cfg.trainer)),
     ((), lambda cfg: cfg.trainer.loss not in POLICY_LOSSES or check_loss_options(cfg.trainer)),  # the loss's options
     ((), plan_from_config),
+    ((), check_fits),  # the per-GPU memory plan (rlsys/memory.py)
     (("logging", "tensorboard"), lambda cfg: not cfg.logging.tensorboard or installed("tensorboard")),
     (("logging", "wandb"), lambda cfg: not cfg.logging.wandb or wandb_ready()),
     ((), lambda cfg: not cfg.emulate.on or Budget.of_run(cfg)),
@@ -198,7 +200,7 @@ def check_report(cfg: Config) -> str:
                      f"{cfg.trainer.world_size} trainer rank(s) and {cfg.reward.num_workers} reward worker(s) on the "
                      "CPUs of the Ray cluster")
     else:
-        lines += [format_plan(plan), *filter(None, [idle_warning(plan)])]
+        lines += [format_plan(plan), format_memory(plan_memory(cfg)), *filter(None, [idle_warning(plan)])]
     if cfg.emulate.on:
         lines.append(Emulation.of(cfg).layout_report(cfg))
     return "\n".join(lines + list(filter(None, [stale_loss_warning(cfg)])))
