@@ -47,8 +47,11 @@ def imported_modules(folder: str) -> set[str]:
 
 
 def own_modules(folder: str) -> set[str]:
-    """Modules that live in the repository itself (rlsys, test helpers, benchmark scripts)."""
-    return {"rlsys", "tests", "benchmarks"} | {p.stem for p in (ROOT / folder).rglob("*.py")}
+    """Modules and packages that live in the repository itself (rlsys, test helpers, benchmark scripts and
+    benchmarks/doc_tables)."""
+    here = ROOT / folder
+    return {"rlsys", "tests", "benchmarks"} | {p.stem for p in here.rglob("*.py")} | {
+        p.parent.name for p in here.rglob("__init__.py")}
 
 
 def third_party(folder: str) -> dict[str, str]:
