@@ -10,7 +10,8 @@ from rlsys.memory import format_memory, plan_memory
 from rlsys.startup import check_report, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-GPU_CONFIGS = sorted({*ROOT.glob("configs/*gpu*.yaml"), *ROOT.glob("configs/gpu/*.yaml")})
+GPU_CONFIGS = sorted({*ROOT.glob("configs/*gpu*.yaml"), *ROOT.glob("configs/gpu/*.yaml"),
+                      *ROOT.glob("examples/*/gpu*.yaml")})
 SEVEN_B = str(ROOT / "configs/qwen2.5_7b_dapo_8gpu.yaml")
 # Qwen2.5-7B's config.json, the fields the plan reads
 QWEN7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -81,3 +82,19 @@ def test_a_model_the_plan_cannot_size_is_named_not_refused(tmp_path):
     assert not plan.sides and "mixture of experts" in format_memory(plan)
     unknown = plan_memory(load_config(SEVEN_B, ["model.path=models/SomeOther-8B"]))
     assert not unknown.sides and "none of qwen2.5-1.5b" in unknown.source
+
+
+def test_the_gpu_page_shows_what_check_prints_and_the_measured_peak(monkeypatch, capsys):
+    """docs/gpu.md pastes the 8-GPU config's plan as `rlsys check` prints it now, and its one GPU comparison is the
+    results file's peak beside today's plan of that run's config."""
+    monkeypatch.chdir(ROOT)
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    assert main(["check", "configs/qwen2.5_7b_dapo_8gpu.yaml", "--other-machine"]) == 0
+    assert capsys.readouterr().out in page
+    run = json.loads((ROOT / "benchmarks/results/gpu_runs_h100.json").read_text())["runs"]["publish_cuda_ipc"]
+    plan = plan_memory(load_config("configs/gpu/bench_0.5b.yaml", ["rollout.max_new_tokens=256",
+                                                                   "model.warm_start.steps=0"]))
+    measured = run["peak_gpu_memory_mib"]
+    assert (f"peaked at {measured:,.0f} MiB ({measured * 2 ** 20 / 1e9:.1f} GB) on the H100; today's plan of that "
+            f"config (`rollout.max_new_tokens=256 model.warm_start.steps=0`, as it ran) says "
+            f"{max(s.total for s in plan.sides) / 1e9:.1f} GB") in " ".join(page.split())
