@@ -51,3 +51,40 @@ def test_repeats_run_one_seed_each_and_a_rerun_tops_up(bench, tmp_path, monkeypa
     cell = report["results"]["cispo"]
     assert cell["n"] == 2 and cell["final_accuracy"] == pytest.approx(0.21)
     assert cell["final_accuracy_se"] == pytest.approx(0.01)  # the spread's 0.01 and the eval's 0.01
+
+
+def test_each_feature_of_round_four_loads_over_the_default_config(bench):
+    features = {name: load_config(None, bench.recipe_overrides(name)) for name in bench.FEATURES}
+    assert features["cosine_warmup"].trainer.lr_schedule == "cosine"
+    assert features["ppo_epochs2"].trainer.ppo_epochs == 2
+    assert features["weighted_format"].reward.weights == [1.0, 0.2]
+    assert features["reward_model"].reward.names == ["exact_match", "reward_model"]
+    kl = features["kl_token_reinforce_pp"].trainer
+    assert (kl.advantage, kl.kl.in_reward, kl.kl.reward_level) == ("reinforce_pp", True, "token")
+    assert {f.trainer.loss for name, f in features.items() if name != "kl_token_reinforce_pp"} == {"dapo"}
+    assert bench.recipe_overrides("kl_token_reinforce_pp")[:-1] == bench.recipe_overrides("reinforce_pp")
+
+
+def test_the_built_reward_model_loads_and_scores_texts_apart(bench, tmp_path):
+    from rlsys.config import RewardModelConfig
+    from rlsys.reward.model import RewardModel
+
+    bench.build_reward_model(tmp_path / "rm")
+    scores = RewardModel(RewardModelConfig(path=str(tmp_path / "rm"))).score([("What is 2+3? ", "5"), ("q", "6\n7")])
+    assert len(scores) == 2 and all(abs(s) < 10 for s in scores) and scores[0] != scores[1]
+
+
+def test_each_loss_is_paired_with_dapo_by_seed(bench):
+    runs = lambda accs, step_s: [{"seed": s, "final_accuracy": a, "step_time_s": step_s}  # noqa: E731
+                                 for s, a in enumerate(accs)]
+    results = {"dapo": {"runs": runs([0.20, 0.22, 0.24], 1.0)},
+               "ppo_epochs2": {"runs": runs([0.21, 0.24, 0.27], 2.0)},
+               "late": {"runs": runs([0.30], 0.5)}}  # one seed so far: a difference, no interval
+    bench.versus_dapo(results)
+    versus = results["ppo_epochs2"]["final_accuracy_vs_dapo"]
+    half = 4.303 * 0.01 / 3 ** 0.5  # t(2) x the differences' (0.01, 0.02, 0.03) standard error
+    assert versus["diff"] == pytest.approx(0.02) and versus["pairs"] == 3
+    assert versus["ci95"] == pytest.approx([0.02 - half, 0.02 + half])
+    assert results["ppo_epochs2"]["step_time_dapo_over_this"] == pytest.approx(0.5)
+    assert results["late"]["final_accuracy_vs_dapo"] == {"diff": pytest.approx(0.10), "ci95": None, "pairs": 1}
+    assert "final_accuracy_vs_dapo" not in results["dapo"]
