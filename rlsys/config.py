@@ -24,6 +24,27 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def read_chat_template(value: str) -> str:
+    """model.chat_template's Jinja text: the value itself when it holds a Jinja tag, else the file it names; a
+    ValueError saying what is wrong when the file is missing or the template does not parse."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if "{{" in value or "{%" in value:
+        text, where = value, "the template"
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{value!r} is neither a Jinja template (no {{{{ or {{% in it) nor a file; give the "
+                             "template's text or the path of a file holding it")
+        text, where = path.read_text(), str(path)
+    try:  # as transformers compiles a chat template
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{where} is not a Jinja template: line {e.lineno}: {e.message}") from None
+    return text
+
+
 class WarmStartConfig(Section):
     """Short supervised fine-tuning so RL starts, as in practice, from a partly right policy."""
     steps: int = Field(400, ge=0)
@@ -62,6 +83,17 @@ class ModelConfig(Section):
     max_position_embeddings: int = Field(512, ge=16)
     warm_start: WarmStartConfig = WarmStartConfig()
     cache_dir: str = "~/.cache/rlsys/models"  # built models are cached by what decides their weights, not RL settings
+    # A chat template for a model that has none (Jinja, as tokenizer_config.json's chat_template): its text or the
+    # path of a file holding it. The run reads the model from links to its files beside the template's file
+    # (rlsys/models/__init__.py with_chat_template); a model with a template of its own is refused
+    chat_template: Optional[str] = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_reads(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None:
+            read_chat_template(value)
+        return value
 
     @model_validator(mode="after")
     def _heads_divide(self):
@@ -260,8 +292,9 @@ class ToolsConfig(Section):
     max_workers: int = Field(4, ge=1)  # calls running at once per rollout worker
     memory_mb: int = Field(1024, ge=64)  # address space of each conversation's process of the user's tools
     # The user's environment, module:Class or file.py:Class (rlsys/tools/box.py): one per conversation, reset with
-    # its sample (prompt and reference answer), stepped with each call the model makes; its per-turn rewards add
-    # to the sample's reward
+    # its sample (prompt and reference answer), stepped with each call the model makes (with fns: the tools answer
+    # the calls), and with a respond(messages), answering each turn that ends without a call as the user; its
+    # per-turn rewards add to the sample's reward
     env: Optional[str] = None
     # How per-turn rewards fold into the return every advantage estimator reads (rlsys.types.trajectory_return):
     # sum, R + sum_t r_t | discounted, sum_t gamma^t r_t + gamma^T R (t = 0 the first tool turn, T tool turns)

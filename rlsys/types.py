@@ -70,6 +70,7 @@ class ToolTurn:
     call: int = 0  # its place among its model turn's calls (tools.max_calls_per_turn): 0 starts a turn
     # An environment's step that it answered: its action, replayed to rebuild the environment (ToolBox.run)
     action: Optional[str] = None
+    answer: Optional[str] = None  # the text the model was given: what an environment's messages show of the turn
 
 
 def trajectory_return(reward: float, turns: list[ToolTurn], rule: str = "sum", gamma: float = 1.0) -> float:

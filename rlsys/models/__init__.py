@@ -11,13 +11,14 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from rlsys.config import Config, DataConfig
+from rlsys.config import Config, DataConfig, read_chat_template
 from rlsys.errors import UserError
 from rlsys.logger import waiting
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # never pickles: see safe formats
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 BUILD_INFO = "rlsys_build.json"
+TEMPLATED = "templated"  # under model.cache_dir: model folders with model.chat_template added
 # The code that decides what a cached model is: editing it makes a new cache entry, never a stale hit.
 BUILDER_SOURCES = ("models/tiny.py", "models/warm_start.py", "data/synthetic.py")
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -54,9 +55,52 @@ def validate_model_dir(path: str | Path, field: str = "model.path") -> Path:
 
 
 def prepare_model(cfg: Config) -> Path:
-    """`cfg.model.path` if set (validated); else the cached tiny model for this config, built if absent."""
-    if cfg.model.path:
-        return validate_model_dir(cfg.model.path)
+    """`cfg.model.path` if set (validated); else the cached tiny model for this config, built if absent; with
+    model.chat_template, that model's folder with the template added (`with_chat_template`)."""
+    model_dir = validate_model_dir(cfg.model.path) if cfg.model.path else _tiny_model(cfg)
+    if cfg.model.chat_template is None:
+        return model_dir
+    return with_chat_template(model_dir, read_chat_template(cfg.model.chat_template),
+                              Path(cfg.model.cache_dir).expanduser() / TEMPLATED)
+
+
+def with_chat_template(model_dir: Path, template: str, cache_dir: Path) -> Path:
+    """A folder holding a link to each of `model_dir`'s files and the chat template as chat_template.jinja (read by
+    every tokenizer load: engines, trainer, data, an exported model), made once per model and template; a
+    ModelDirError if the model has a template of its own, which model.chat_template would hide."""
+    if own_chat_template(model_dir):
+        raise ModelDirError(f"model.chat_template: {model_dir} has a chat template of its own; remove "
+                            "model.chat_template to use it, or give a model folder without one")
+    key = hashlib.sha256(f"{model_dir.resolve()}\n{template}".encode()).hexdigest()[:16]
+    final = cache_dir / f"{model_dir.name}-{key}"
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
+    try:
+        for entry in model_dir.resolve().iterdir():
+            (tmp / entry.name).symlink_to(entry)
+        (tmp / "chat_template.jinja").write_text(template)
+        tmp.chmod(0o755)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():  # another process made the same folder first: keep theirs
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def own_chat_template(model_dir: Path) -> bool:
+    """Whether the model folder's tokenizer has a chat template (a file of its own, or tokenizer_config.json's)."""
+    if any((model_dir / name).is_file() for name in ("chat_template.jinja", "chat_template.json")):
+        return True
+    config = model_dir / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def _tiny_model(cfg: Config) -> Path:
+    """The cached tiny model for this config, built if absent."""
     cache_dir = Path(cfg.model.cache_dir).expanduser()
     final = cache_dir / cache_key(cfg)
     if final.is_dir():
@@ -137,7 +181,8 @@ def cache_key(cfg: Config) -> str:
     does with the model (trainer, scheduler, rollout, eval, reward) share one build: the architecture and its
     init seed; with a warm start, its settings, the training split it sees and the builder code."""
     ws = cfg.model.warm_start
-    parts = {"model": cfg.model.model_dump(exclude={"path", "cache_dir", "warm_start"}), "seed": ws.seed}
+    parts = {"model": cfg.model.model_dump(exclude={"path", "cache_dir", "warm_start", "chat_template"}),
+             "seed": ws.seed}
     sources = [PACKAGE / BUILDER_SOURCES[0]]  # tiny.py: no warm start builds from it alone
     if ws.steps:
         parts["warm_start"] = ws.model_dump(exclude=set() if ws.label_noise else {"noise"})  # no noise, no kind

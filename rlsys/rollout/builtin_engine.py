@@ -706,7 +706,7 @@ class CPUEngine(RolloutEngine):
         entry.mask.append(1)
         entry.stale_kv_tokens += entry.kv_version < self.version
         if token in self.eos_ids:  # the turn's end: of the conversation, or of a turn of several calls
-            reason = self._call_or_end(entry) if self.max_calls > 1 else None
+            reason = self._call_or_end(entry) if self.ends_turns_at_eos else None
             if not entry.held:
                 done.append(self._finish(entry.slot, reason or "stop"))
         elif self._spent(entry, len(entry.tokens)):

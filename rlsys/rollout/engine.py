@@ -39,6 +39,7 @@ class RolloutEngine(ABC):
     call_close: str | None = None
     max_turns: int = 0
     max_calls: int = 1  # per model turn
+    answer_turns: bool = False  # a turn that ends at EOS without a call is handed out too (an environment answers)
     # The worker's queued aborts, applied now: for `interrupt_step`, on the generation thread inside a step
     between_decode_steps: Callable[[], None] | None = None
 
@@ -58,15 +59,19 @@ class RolloutEngine(ABC):
         """Raise ValueError, naming the request and field, if this engine can never run the request.
         Depends only on the request and the model, so a worker may call it from any thread."""
 
-    def use_tools(self, call_open: str, call_close: str, max_turns: int, max_calls: int = 1) -> None:
+    def use_tools(self, call_open: str, call_close: str, max_turns: int, max_calls: int = 1,
+                  answer_turns: bool = False) -> None:
         """Make every request a conversation: the model's turn ends at a tool call (its text from call_open to
         call_close), `take_calls` hands it out, and `extend` appends the tool's answer, up to max_turns turns.
         With max_calls > 1 a turn may make several calls: it ends at the model's end-of-turn token (EOS) after at
-        least one call, or at the closing tag of its max_calls-th call, and its text holds them all.
+        least one call, or at the closing tag of its max_calls-th call, and its text holds them all. With
+        `answer_turns`, a turn that ends at EOS without a call is handed out as well (its text holds no closing tag),
+        for an environment to answer as the user.
         The sequence keeps its place (and, where the engine can, its KV cache) while the tool runs."""
         if self.tokenizer is None:
             raise ValueError(f"{self.name}: tools need the model's tokenizer to read tool calls (none in its directory)")
         self.call_open, self.call_close, self.max_turns, self.max_calls = call_open, call_close, max_turns, max_calls
+        self.answer_turns = answer_turns
         self._calls: list[tuple[str, int, str]] = []
         # The tail read for the closing tag: at least a byte per token, so a tag the model sampled in any split
         # (not only the tokenizer's own, `</tool_call>` as one token or twelve) ends within this many tokens.
@@ -101,6 +106,22 @@ class RolloutEngine(ABC):
         seq = self._record_of(request_id)
         return [] if seq is None else list(seq.turns)
 
+    def model_turns_of(self, request_id: str) -> list[str]:
+        """The text of each of the model's turns so far in the conversation the engine holds by this id (its runs
+        of own tokens, its end-of-turn tokens left out): what an environment's messages show of them."""
+        seq = self._record_of(request_id)
+        if seq is None:
+            return []
+        mask = seq.mask or [1] * len(seq.tokens)
+        runs, run = [], []
+        for token, own in zip(seq.tokens, mask):
+            if own and token not in self.eos_ids:
+                run.append(token)
+            elif run:
+                runs, run = runs + [run], []
+        runs += [run] if run else []
+        return [self.tokenizer.decode(r).strip() for r in runs]
+
     def can_step(self) -> bool:
         """Whether a step would do anything: not while every request it could advance waits on a tool."""
         if not self.call_close:  # no conversations: nothing ever waits on a tool
@@ -122,20 +143,29 @@ class RolloutEngine(ABC):
 
     def _call_made(self, tokens: list[int], mask: list[int]) -> str | None:
         """The turn's call text if the model's turn just ended at its calls (its decoded tail reached call_close,
-        or with several calls a turn allows, its EOS after one: the ids are never re-tokenized), else None."""
+        or with several calls a turn allows, its EOS after one: the ids are never re-tokenized); with answer_turns,
+        the whole turn's text if it ended at EOS without one; else None."""
         if not self.call_close or not tokens or (mask and mask[-1] == 0):
             return None
-        at_eos = self.max_calls > 1 and tokens[-1] in self.eos_ids
+        at_eos = self.ends_turns_at_eos and tokens[-1] in self.eos_ids
         k = min(self._close_tokens, len(tokens))  # read per token: the tail only, the model's own tokens of it
         if not at_eos and self.call_close not in self.tokenizer.decode(
                 tokens[len(tokens) - k + self._turn_start(mask[-k:]):]):
             return None
         text = self.tokenizer.decode(tokens[self._turn_start(mask):])
         calls = text.count(self.call_close)
+        if at_eos and not calls and self.answer_turns:
+            return text
         if self.max_calls > 1 and not (calls >= self.max_calls or (at_eos and calls)):
             return None  # the model may write another call before its turn ends
         first = text.split(self.call_close)[0].rfind(self.call_open)  # the first call's opening tag
         return text[first:] if first >= 0 else text
+
+    @property
+    def ends_turns_at_eos(self) -> bool:
+        """Whether EOS may end a model turn the conversation goes on from (several calls a turn, or an environment
+        answering every turn), rather than the conversation."""
+        return self.max_calls > 1 or self.answer_turns
 
     @staticmethod
     def _turn_start(mask: list[int]) -> int:
@@ -157,13 +187,13 @@ class RolloutEngine(ABC):
         return dict(mask=list(seq.mask), turns=list(seq.turns), model_text=self._decode(own), model_tokens=len(own))
 
     def _call_or_end(self, seq) -> str | None:
-        """If the model's turn just ended at a tool call: hold the conversation and hand the call out; with no
-        tool calls left (tools.max_turns), end it: "length"."""
+        """If the model's turn just ended at a tool call (or, answer_turns, at EOS): hold the conversation and hand
+        the turn out; with no turns left to answer (tools.max_turns), end it: "length" at a call, "stop" at EOS."""
         call = self._call_made(seq.tokens, seq.mask)
         if call is None:
             return None
         if sum(t.call == 0 for t in seq.turns) >= self.max_turns:  # turns, not calls
-            return "length"
+            return "length" if self.call_close in call else "stop"
         seq.held = True
         self._calls.append((seq.request.request_id, len(seq.tokens), call))
         return None
@@ -172,7 +202,7 @@ class RolloutEngine(ABC):
         """A resumed record's finish reason, or None: it goes on, or (held) waits on the calls it made again (a
         turn that ended at EOS after its calls, with several calls a turn allowed, included)."""
         request = seq.request
-        if not (self.max_calls > 1 and request.resume_ids and request.resume_ids[-1] in self.eos_ids):
+        if not (self.ends_turns_at_eos and request.resume_ids and request.resume_ids[-1] in self.eos_ids):
             return resume_finish_reason(request, self.eos_ids, self.max_len) or self._call_or_end(seq)
         reason = self._call_or_end(seq)
         return None if seq.held else reason or "stop"

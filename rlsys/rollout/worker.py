@@ -62,7 +62,8 @@ class RolloutWorker:
 
             fmt = ToolFormat.of(self.engine.tokenizer)
             self.tools = ToolBox.from_config(tools, fmt)
-            self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns, tools.max_calls_per_turn)
+            self.engine.use_tools(fmt.call_open, fmt.call_close, tools.max_turns, tools.max_calls_per_turn,
+                                  answer_turns=self.tools.env_responds)
             self._tool_pool = ThreadPoolExecutor(tools.max_workers, thread_name_prefix=f"rollout-worker-{index}-tool")
         self.engine.between_decode_steps = self._aborts_now
         self._thread = threading.Thread(target=self._loop, name=f"rollout-worker-{index}", daemon=True)
@@ -196,7 +197,7 @@ class RolloutWorker:
                         self._publish(self.engine.step())
                 for rid, at, text in self.engine.take_calls():
                     self._tool_pool.submit(self._run_tool, rid, at, text, time.monotonic(), self.engine.request_of(rid),
-                                           self.engine.turns_of(rid))
+                                           self.engine.turns_of(rid), self.engine.model_turns_of(rid))
             if profiler:  # stopped inside a window: its report of the steps it saw (a failed step leaves it)
                 profiler.close()
         except BaseException as e:  # noqa: BLE001 - handed to the driver, see _raise_if_failed
@@ -223,19 +224,28 @@ class RolloutWorker:
         return self.engine.can_step() and not self.engine.asleep
 
     def _run_tool(self, request_id: str, at: int, call_text: str, made_at: float, request: Request,
-                  turns: list) -> None:
+                  turns: list, model_turns: list[str]) -> None:
         """On a tool thread: run the turn's calls, several at once (ToolBox.run_turn never raises, and keeps each
-        to the time limit counted from `made_at`), tokenize their answers once, in call order, and hand the ids to
-        the generation thread to append between two steps. An environment is reset with the request's sample (its
-        prompt and reference answer: rlsys.types.env_sample), or the prompt's text alone when it carries none, and,
-        in a new process (after a timeout, or the conversation cut and resumed), replayed to the conversation's
-        `turns` so far (rlsys/tools/box.py user_env)."""
+        to the time limit counted from `made_at`), or have the environment answer a turn without a call (its
+        respond), tokenize the answers once, in call order, and hand the ids to the generation thread to append
+        between two steps. An environment is reset with the request's sample (its prompt and reference answer:
+        rlsys.types.env_sample), or the prompt's text alone when it carries none, and, in a new process (after a
+        timeout, or the conversation cut and resumed), replayed to the conversation's `turns` so far (rlsys/tools/
+        box.py user_env), the model's own turns' text being `model_turns`."""
+        from rlsys.tools.box import conversation_messages  # with the tools: only a worker that has them
+
         try:
-            sample = None
+            sample = messages = None
+            fmt, tokenizer = self.tools.fmt, self.engine.tokenizer
             if self.tools.env_spec:
-                sample = request.sample or {"prompt": self.engine.tokenizer.decode(request.prompt_ids)}
-            results = self.tools.run_turn(call_text, request_id, made_at, sample, turns)
-            ids = self.tools.fmt.responses_ids(self.engine.tokenizer, results, call_text)
+                sample = request.sample or {"prompt": tokenizer.decode(request.prompt_ids)}
+                messages = conversation_messages(sample.get("prompt", ""), model_turns, turns)
+            if self.tools.env_responds and fmt.call_close not in call_text:  # a turn without a call (answer_turns)
+                results = [self.tools.respond(messages, request_id, made_at, sample, turns)]
+                ids = fmt.user_ids(tokenizer, results[0], call_text)
+            else:
+                results = self.tools.run_turn(call_text, request_id, made_at, sample, turns, messages)
+                ids = fmt.responses_ids(tokenizer, results, call_text)
             turns, done = [r.turn for r in results], any(r.done for r in results)
             with self._cond:
                 if self._stopped or self._error is not None:

@@ -60,7 +60,40 @@ class ToolResult:
     @property
     def turn(self) -> ToolTurn:
         """What the conversation's sample records of this call."""
-        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s, self.reward, action=self.action)
+        return ToolTurn(self.name, self.ok, self.error, self.elapsed_s, self.reward, action=self.action,
+                        answer=self.text)
+
+
+RESPOND = "respond"  # the name of an environment's answers to turns without a call (ToolTurn.name)
+
+
+def conversation_messages(prompt: str, model_turns: list[str], turns: list[ToolTurn]) -> list[dict]:
+    """The conversation as chat messages, what an environment's `respond` sees: the prompt as the user's, then each
+    model turn's text (`model_turns`, the last the turn being answered) as the assistant's, each followed by the
+    answers its calls got (role "tool") or its environment's answer (role "user")."""
+    messages, group = [{"role": "user", "content": prompt}], -1
+    for t in turns:
+        if t.call == 0:
+            group += 1
+            messages.append({"role": "assistant", "content": model_turns[group] if group < len(model_turns) else ""})
+        messages.append({"role": "user" if t.name == RESPOND else "tool", "content": t.answer or ""})
+    if group + 1 < len(model_turns):
+        messages.append({"role": "assistant", "content": model_turns[group + 1]})
+    return messages
+
+
+def replay_of(turns: list[ToolTurn], messages: list[dict] | None) -> list:
+    """What a new instance of the environment is given before the step asked for (user_env): each answered step's
+    action, and for each turn its `respond` answered, the messages it saw then ({"messages"})."""
+    assistant_at = [i for i, m in enumerate(messages or ()) if m["role"] == "assistant"]
+    replay, group = [], -1
+    for t in turns:
+        group += t.call == 0
+        if t.action is not None:
+            replay.append(t.action)
+        elif t.name == RESPOND and t.ok and group < len(assistant_at):
+            replay.append({"messages": messages[:assistant_at[group] + 1]})
+    return replay
 
 
 def _action(request) -> str | None:
@@ -136,18 +169,25 @@ def _absolute(spec: str) -> str:
 
 def user_env(cfg: ToolsConfig) -> str | None:
     """The spec of the user's environment class (`tools.env`), imported once here to check it has reset(sample)
-    and step(action); a PluginError naming the field otherwise. The interface, one instance per conversation:
+    and step(action) or respond(messages); a PluginError naming the field otherwise. The interface, one instance
+    per conversation:
     `reset(sample)` before its first step, `sample` being rlsys.types.env_sample of the prompt: {"prompt": its
     text, "answer": its reference answer, "data_source", "uid", "extra_info": the dataset row's} (a request made
     without one gives {"prompt": text} alone); `step(action) -> (observation: str, reward: float, done: bool)`
-    with the text between the call tags. Either may be `async def`. Its class's `tools`, if it has one, are the
-    tools shown the model through the chat template (data.chat_template; rlsys/tools/schemas.py env_schemas).
+    with the text between the call tags; `respond(messages) -> (text, reward, done)`, if it has one, answers each
+    model turn that ends without a call, as the user (verifiers' env_response, veRL's interaction): `messages` are
+    the conversation so far ({"role", "content"}: the prompt's text as the user's, the model's turns, the answers,
+    `conversation_messages`), the last the model's turn; `done` ends the conversation there. Any may be `async
+    def`. With tools.fns the tools answer the calls and the environment (which then needs respond) the other
+    turns. Its class's `tools`, if it has one, are the tools shown the model through the chat template
+    (data.chat_template; rlsys/tools/schemas.py env_schemas), beside those of tools.fns.
 
     An environment's state survives its process: a step past tools.timeout_s kills the process, and a conversation
     cut and resumed (sorted's partial mode, async, eval's pause, a scale-down) continues in a new one, perhaps on
     another worker. Its state is rebuilt by replay, not carried: a new instance is reset with the same sample, then
-    stepped with every action the environment answered before, in order (ToolTurn.action, which travels with the
-    conversation's turns through every cut), before the step asked for. Replay, because an instance's state is
+    stepped with every action the environment answered before and given every messages its respond answered, in
+    order (ToolTurn.action and .answer, which travel with the conversation's turns through every cut:
+    `replay_of`), before the step asked for. Replay, because an instance's state is
     whatever the user's objects hold (clients, processes, generators) and need not pickle, and a step that timed out
     leaves it unknown in a killed process: the answered actions are the one record every cut keeps. So reset and
     step must give the same answers for the same sample and actions (seed any randomness from the sample, its
@@ -155,13 +195,16 @@ def user_env(cfg: ToolsConfig) -> str | None:
     told it failed; the replay runs within the call's time limit."""
     if cfg.env is None:
         return None
-    if cfg.fns:
-        raise PluginError("tools.env: an environment answers every call the model makes; leave tools.fns empty")
     cls = load_function(cfg.env, "tools.env")
-    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
-    if missing:
-        raise PluginError(f"tools.env: {cfg.env!r} has no method {' or '.join(missing)}; an environment has "
-                          "reset(sample) and step(action) -> (observation, reward, done)")
+    has = {m for m in ("reset", "step", "respond") if callable(getattr(cls, m, None))}
+    if "reset" not in has or not has & {"step", "respond"}:
+        raise PluginError(f"tools.env: {cfg.env!r} has no method {'reset' if 'reset' not in has else 'step or respond'}; "
+                          "an environment has reset(sample), and step(action) -> (observation, reward, done) to "
+                          "answer calls or respond(messages) -> (text, reward, done) to answer the other turns")
+    if cfg.fns and "respond" not in has:
+        raise PluginError(f"tools.env: {cfg.env!r} has no respond(messages): with tools.fns the tools answer the "
+                          "calls, so the environment answers the turns without one; give it respond, or leave "
+                          "tools.fns empty for its step to answer the calls")
     env_schemas(cls, cfg.env)  # the tools it shows the model, if it declares some: a malformed list fails here
     return _absolute(cfg.env)
 
@@ -171,6 +214,9 @@ class ToolBox:
         self.cfg, self.fmt = cfg, fmt
         self.user_specs = user_tools(cfg)
         self.env_spec = user_env(cfg)
+        self.env_steps = bool(self.env_spec) and not cfg.fns  # the environment answers the calls
+        env_class = load_function(cfg.env, "tools.env") if cfg.env else None
+        self.env_responds = callable(getattr(env_class, RESPOND, None))  # and the turns without one
         self.names = [n for n in cfg.fns if not is_spec(n)] + list(self.user_specs)
         self._server = (_ToolServer(self.user_specs, self.env_spec, cfg.max_response_chars, cfg.memory_mb)
                         if self.user_specs or self.env_spec else None)
@@ -195,27 +241,38 @@ class ToolBox:
         return Sandbox(self.cfg.sandbox, field="tools.sandbox")
 
     def run(self, call_text: str, conversation: str | None = None, made_at: float | None = None,
-            sample: dict | None = None, turns: list[ToolTurn] = ()) -> ToolResult:
+            sample: dict | None = None, turns: list[ToolTurn] = (), messages: list[dict] | None = None) -> ToolResult:
         """Run the call the model wrote (from the opening tag to the closing one) in `conversation` (None: a
         conversation of this one call): a tool's, or with tools.env a step of the conversation's environment
-        (in a new process, reset first with `sample` and replayed to the conversation's `turns` so far: user_env).
+        (in a new process, reset first with `sample` and replayed to the conversation's `turns` so far, whose
+        `messages` (conversation_messages) its respond saw: user_env).
         Blocks until about tools.timeout_s after `made_at` (time.monotonic(); by default now); never raises."""
         start = time.monotonic()
         made_at = start if made_at is None else made_at
-        return self._answer(*self._read(call_text, sample, turns), conversation, start, made_at)
+        return self._answer(*self._read(call_text, sample, turns, messages), conversation, start, made_at)
+
+    def respond(self, messages: list[dict], conversation: str | None = None, made_at: float | None = None,
+                sample: dict | None = None, turns: list[ToolTurn] = ()) -> ToolResult:
+        """The environment's answer to a model turn without a call, the last of `messages`: its respond(messages),
+        in the conversation's process, as `run` runs a step (name RESPOND). Never raises."""
+        start = time.monotonic()
+        made_at = start if made_at is None else made_at
+        request = {RESPOND: messages, "sample": sample or {}, "replay": replay_of(turns, messages)}
+        return self._answer(RESPOND, request, conversation, start, made_at)
 
     def run_turn(self, turn_text: str, conversation: str | None = None, made_at: float | None = None,
-                 sample: dict | None = None, turns: list[ToolTurn] = ()) -> list[ToolResult]:
+                 sample: dict | None = None, turns: list[ToolTurn] = (),
+                 messages: list[dict] | None = None) -> list[ToolResult]:
         """The answers to the calls of one model turn (ToolFormat.split_calls, the first tools.max_calls_per_turn),
         in call order. Several run at once, each within tools.timeout_s of `made_at`: each built-in tool on a
         thread of its own, the user's tools and environment steps together in the conversation's process
         (user_child.py). Never raises."""
         calls = self.fmt.split_calls(turn_text)[:self.cfg.max_calls_per_turn]
         if len(calls) == 1:
-            return [self.run(calls[0], conversation, made_at, sample, turns)]
+            return [self.run(calls[0], conversation, made_at, sample, turns, messages)]
         start = time.monotonic()
         made_at = start if made_at is None else made_at
-        read = [self._read(call, sample, turns) for call in calls]
+        read = [self._read(call, sample, turns, messages) for call in calls]
         results: list[ToolResult | None] = [None] * len(calls)
         batched = [i for i, (name, request) in enumerate(read) if self._in_child(name, request)]
 
@@ -233,16 +290,15 @@ class ToolBox:
             t.join()
         return results
 
-    def _read(self, call_text: str, sample: dict | None, turns: list[ToolTurn] = ()
-              ) -> tuple[str, dict | ToolCallError]:
+    def _read(self, call_text: str, sample: dict | None, turns: list[ToolTurn] = (),
+              messages: list[dict] | None = None) -> tuple[str, dict | ToolCallError]:
         """(the tool's name, the request for it) of a call the model wrote: a step of the environment with the
         call's text between the tags as its action (and what a new instance replays first: the actions answered
         in `turns`), or a tool's name and arguments; the request is the ToolCallError when the call cannot be
         read."""
-        if self.env_spec:
+        if self.env_steps:
             action = call_text.strip().removeprefix(self.fmt.call_open).removesuffix(self.fmt.call_close).strip()
-            replay = [t.action for t in turns if t.action is not None]
-            return "env", {"step": action, "sample": sample or {}, "replay": replay}
+            return "env", {"step": action, "sample": sample or {}, "replay": replay_of(turns, messages)}
         try:
             call = self.fmt.parse_call(call_text)
         except ToolCallError as e:
@@ -256,7 +312,7 @@ class ToolBox:
 
     def _in_child(self, name: str, request) -> bool:
         """Whether the request runs in the conversation's process of the user's code."""
-        return isinstance(request, dict) and ("step" in request or name in self.user_specs)
+        return isinstance(request, dict) and ("step" in request or RESPOND in request or name in self.user_specs)
 
     def _do(self, name: str, request, conversation: str | None, timeout_s: float) -> dict:
         """The reply to one request, {"text", "chars"} (and a step's "reward", "done"); raises what failed."""

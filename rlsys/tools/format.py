@@ -6,7 +6,9 @@ tools.max_calls_per_turn > 1, at its end-of-turn token or its last call allowed)
 appends the answers in call order, tokenized once and kept as ids from then on: as the model's chat template renders a tool
 message (Qwen2.5: `<|im_end|>`, a user turn holding `<tool_response>...</tool_response>`, `<|im_start|>assistant`),
 or inline as `<tool_response>...</tool_response>` for a model without one. A model whose chat template names other
-tags of that shape gets those (`ToolFormat.from_chat_template`).
+tags of that shape gets those (`ToolFormat.from_chat_template`). An environment's answer to a turn without a call
+is a user message, rendered as the template renders one after the model's turn (`user_ids`), or on a line of its
+own for a model without a template.
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ class ToolFormat:
     turn_open: str | None = None
     turn_close: str | None = None
     turn_between: str | None = None  # between two answers of one turn's calls, as the template renders them
+    # the template's text from the end of the model's turn to a user message and from it to the model's next turn
+    user_open: str = "\n"
+    user_close: str = "\n"
 
     @classmethod
     def of(cls, tokenizer) -> "ToolFormat":
@@ -54,7 +59,9 @@ class ToolFormat:
         template = getattr(tokenizer, "chat_template", None)
         fmt = cls.from_chat_template(template if isinstance(template, str) else None)
         turn = template_tool_turn(tokenizer) if template else None
-        return replace(fmt, turn_open=turn[0], turn_between=turn[1], turn_close=turn[2]) if turn else fmt
+        fmt = replace(fmt, turn_open=turn[0], turn_between=turn[1], turn_close=turn[2]) if turn else fmt
+        user = template_user_turn(tokenizer) if template else None
+        return replace(fmt, user_open=user[0], user_close=user[1]) if user else fmt
 
     @classmethod
     def from_chat_template(cls, template: str | None) -> "ToolFormat":
@@ -121,6 +128,15 @@ class ToolFormat:
             parts += [(between, True)] * bool(i) + [(getattr(result, "text", result), False)]
         return turn_ids(tokenizer, parts + [(after, True)])
 
+    def user_ids(self, tokenizer, result, turn_text: str) -> list[int]:
+        """An environment's answer to a model turn without a call (`turn_text`, ended by the model's end-of-turn
+        token), as a user message's token ids, tokenized as `responses_ids` does: the template's text around it
+        (less what the model's turn already wrote of it, its `<|im_end|>`), the answer as plain text."""
+        before = self.user_open
+        written = next((k for k in range(len(before), 0, -1) if turn_text.endswith(before[:k])), 0)
+        return turn_ids(tokenizer, [(before[written:], True), (getattr(result, "text", result), False),
+                                    (self.user_close, True)])
+
     def render_response(self, result) -> str:
         """The text appended after the call: the tool's answer (a ToolResult's text, or a str) in its tags."""
         return f"{self.response_open}{getattr(result, 'text', result)}{self.response_close}"
@@ -144,6 +160,21 @@ def template_tool_turn(tokenizer) -> tuple[str, str, str] | None:
     before, _, rest = text.partition(MODEL_MARK)[2].partition(TOOL_MARK)
     between, _, after = rest.partition(NEXT_MARK)
     return before, between, after
+
+
+def template_user_turn(tokenizer) -> tuple[str, str] | None:
+    """(the text a chat template writes from the end of the model's turn to a user message's content, the text from
+    that content to the model's next turn), read off its rendering; None when it renders no such conversation."""
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MODEL_MARK},
+                {"role": "user", "content": TOOL_MARK}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that refuses this conversation: the inline lines
+        return None
+    if not isinstance(text, str) or not re.search(f"{MODEL_MARK}.*{TOOL_MARK}", text, re.S):
+        return None
+    before, _, after = text.partition(MODEL_MARK)[2].partition(TOOL_MARK)
+    return before, after
 
 
 def turn_ids(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:

@@ -19,12 +19,8 @@ BUILTIN = {
 
 
 def tool_schemas(cfg: ToolsConfig) -> list[dict] | None:
-    """One schema per tool of `tools.fns`, in order, or those an environment (tools.env) declares in its class's
+    """One schema per tool of `tools.fns`, in order, then those an environment (tools.env) declares in its class's
     `tools`; None without any (a template then shows none)."""
-    if cfg.env:
-        return env_schemas(load_function(cfg.env, "tools.env"), cfg.env)
-    if not cfg.fns:
-        return None
     schemas = []
     for spec in cfg.fns:
         if is_spec(spec):
@@ -33,7 +29,9 @@ def tool_schemas(cfg: ToolsConfig) -> list[dict] | None:
         else:
             description, arguments = BUILTIN[spec]
             schemas.append(_schema(spec, description, {a: {"type": t} for a, t in arguments.items()}, list(arguments)))
-    return schemas
+    if cfg.env:
+        schemas += env_schemas(load_function(cfg.env, "tools.env"), cfg.env) or []
+    return schemas or None
 
 
 def env_schemas(env_class, spec: str) -> list[dict] | None:

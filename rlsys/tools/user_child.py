@@ -11,7 +11,8 @@ that socket; {"reap": pid} -> {"status"}: its exit code, once it has died or bee
 A conversation's process reads one request per line, {"name", "arguments"}, and writes one reply per line,
 {"text", "chars"} or {"error"}; with an environment (tools.env), {"step": action, "sample"} -> {"text",
 "chars", "reward", "done"}: the conversation's instance, made at its first step in this process, reset(sample)
-and stepped with the "replay" actions (what it answered before: box.py's user_env), steps;
+and replayed ("replay": the actions it stepped and the messages it responded to before: box.py's user_env),
+steps; {"respond": messages, "sample", "replay"} -> the same reply: its respond(messages);
 {"batch": [requests], "timeout_s"} -> {"replies": [...]}: one model turn's calls, run at once (`_batch`).
 The tools' own prints go to stderr, so they cannot corrupt a reply. A reply's text is cut to the size limit
 here, so a flood never crosses the socket. A tool, reset or step may be a function or an `async def`.
@@ -70,17 +71,19 @@ def serve(conn: socket.socket, fns: dict, env_class, max_chars: int) -> None:
     for line in conn.makefile("rb"):
         request = json.loads(line)
         try:
-            steps = [r for r in request.get("batch", [request]) if "step" in r]
+            steps = [r for r in request.get("batch", [request]) if "step" in r or "respond" in r]
             if steps and env is None:
                 fresh = env_class()
                 _result(fresh.reset(steps[0]["sample"]))
-                for action in steps[0].get("replay", ()):  # the state a killed or earlier process had
-                    _result(fresh.step(action))
+                for past in steps[0].get("replay", ()):  # the state a killed or earlier process had
+                    _result(fresh.respond(past["messages"]) if isinstance(past, dict) else fresh.step(past))
                 env = fresh  # whole, or made again at the next step
             if "batch" in request:
                 reply = {"replies": asyncio.run(_batch(request["batch"], fns, env, max_chars, request["timeout_s"]))}
             elif "step" in request:
                 reply = _step_reply(_result(env.step(request["step"])), max_chars)
+            elif "respond" in request:
+                reply = _step_reply(_result(env.respond(request["respond"])), max_chars, "respond")
             else:
                 reply = _tool_reply(_result(fns[request["name"]](**request["arguments"])), max_chars)
         except Exception as e:
@@ -126,10 +129,10 @@ def _tool_reply(value, max_chars: int) -> dict:
     return {"error": f"returned {type(value).__name__}, not a string: {repr(value)[:100]}"}
 
 
-def _step_reply(out, max_chars: int) -> dict:
+def _step_reply(out, max_chars: int, method: str = "step") -> dict:
     if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
             and isinstance(out[1], (int, float)) and math.isfinite(out[1]) and isinstance(out[2], bool)):
-        return {"error": f"step returned {repr(out)[:100]}, not (observation: str, reward: float, done: bool)"}
+        return {"error": f"{method} returned {repr(out)[:100]}, not (observation: str, reward: float, done: bool)"}
     return {"text": out[0][:max_chars], "chars": len(out[0]), "reward": float(out[1]), "done": out[2]}
 
 
