@@ -9,9 +9,10 @@ Resumable: a (preset, seed) already in the file is not run again, so the matrix 
 several processes may fill one file side by side (each run is claimed before it starts and added to the file as it
 is then, under a lock, so two processes given the same command share the matrix); one that did not emulate (its
 real compute overran, e.g. on a loaded machine) is kept, left out of the figures, and run again. Every run must
-start from the file's model: the tiny model is built once per machine, and another CPU can warm-start it to other
-weights (benchmarks/warm_start_cpu_kernels.py).
-A machine that builds another model than the file's runs logged is refused before it runs; a run from before
+start from the file's model, and another CPU warm-starts the tiny model to other weights
+(benchmarks/warm_start_cpu_kernels.py): an --instrument file carries its start model beside it
+(results/start_models/<file's stem>, copied from the first machine's build), so any machine adds to it. Elsewhere
+a machine that builds another model than the file's runs logged is refused before it runs; a run from before
 fingerprints whose step-0 accuracy differs from the file's first run's is kept under `other_start`, left out.
 
     nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
@@ -35,6 +36,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -47,6 +49,7 @@ from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time
                          started_elsewhere, summarise_run, sync_targets, write_report)
 from rlsys.cli import quiet_libraries  # noqa: E402
 from rlsys.config import Config, ConfigError  # noqa: E402
+from rlsys.models import prepare_model, weights_fingerprint  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -336,7 +339,9 @@ def main() -> int:
                     "layouts": {preset: layout(preset, gpus) for preset in kept},
                     "refused": refusals[name, gpus]}
         runs = json.loads(path.read_text())["runs"] if path.exists() else {}
-        why = started_elsewhere([first_run(runs)] if runs else [], load_config(config, short))
+        start = start_model(path, config, short) if args.instrument else None
+        why = (other_start_model(runs, start) if start else
+               started_elsewhere([first_run(runs)] if runs else [], load_config(config, short)))
         if why:
             print(f"[budget] {path}: {why}. Measure the file again whole here (move it aside first), or add to "
                   "it on the machine that measured it.", file=sys.stderr, flush=True)
@@ -346,7 +351,7 @@ def main() -> int:
             for preset in (p for p in kept if seed < counts[p]):
                 if not claimed(path, preset, seed):  # done, or another process runs it
                     continue
-                overrides = short + layout(preset, gpus) + [f"seed={seed}"]
+                overrides = short + layout(preset, gpus) + [f"seed={seed}"] + ([f"model.path={start}"] if start else [])
                 started = time.time()
                 run_dir = Path(args.out_dir) / f"{path.stem}" / f"{preset}-s{seed}"
                 run_cfg = run_config(config, overrides, run_dir)
@@ -362,6 +367,31 @@ def main() -> int:
                 print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
                       f"final accuracy {summary['final_accuracy']}", flush=True)
     return 0
+
+
+def start_model(path: Path, config: str, short: list[str]) -> Path:
+    """The model every run of the results file `path` starts from, kept beside it: start_models/<its stem>, a copy
+    of this machine's build when the file has none. Named only by a fingerprint, a file could grow on one machine
+    alone (the warm start's floating-point results differ between CPU models); carried, it grows on any."""
+    kept = path.parent / "start_models" / path.stem
+    if not kept.is_dir():
+        built = prepare_model(load_config(config, short))
+        tmp = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
+        shutil.copytree(built, tmp)
+        try:
+            os.rename(tmp, kept)  # atomic: a second process finds it whole or builds its own copy to drop
+        except OSError:
+            shutil.rmtree(tmp)
+    return kept
+
+
+def other_start_model(runs: dict[str, list[dict]], start: Path) -> str | None:
+    """Why runs from `start` may not join `runs` (None if they may): the file's runs logged another model."""
+    logged = (first_run(runs) or {}).get("model_fingerprint")
+    here = weights_fingerprint(start)
+    if logged and logged != here:
+        return f"its runs started from the model {logged}, and its start model {start} is {here}"
+    return None
 
 
 def refused(config: str, short: list[str], presets: list[str], gpus: int) -> dict[str, str]:

@@ -190,3 +190,25 @@ def test_a_preset_whose_trainer_cannot_fit_its_gpus_is_named_refused_and_planned
     assert "async-split on 4 GPUs refused" not in out
     assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "async-split 3 x" in out  # the 4-GPU file's
     assert "[budget] plan: 19 runs" in out  # 8 + 8 sync, 3 async-split at 4 GPUs only
+
+
+def test_an_instrument_file_carries_its_start_model_so_any_machine_adds_to_it(tmp_path):
+    from rlsys.models import prepare_model, weights_fingerprint
+    from rlsys.startup import load_config
+
+    module = budget_module()
+    config = str(ROOT / "configs" / "tiny.yaml")
+    short = [*SMALL_MODEL_OVERRIDES, "model.warm_start.steps=0", f"model.cache_dir={tmp_path / 'cache'}"]
+    path = tmp_path / "emulated_budget2_x_2gpu.json"
+    start = module.start_model(path, config, short)
+    assert start == tmp_path / "start_models" / path.stem
+    here = weights_fingerprint(start)
+    assert here == weights_fingerprint(prepare_model(load_config(config, short)))
+    (tmp_path / "cache").rename(tmp_path / "another_machine")  # the copy is used, not this machine's build
+    assert module.start_model(path, config, short) == start and not (tmp_path / "cache").exists()
+    run = load_config(config, short + [f"model.path={start}"])
+    assert weights_fingerprint(prepare_model(run)) == here
+    assert module.other_start_model({}, start) is None
+    assert module.other_start_model({"sync": [{"model_fingerprint": here}]}, start) is None
+    why = module.other_start_model({"sync": [{"model_fingerprint": "0" * 16}]}, start)
+    assert "0" * 16 in why and here in why
