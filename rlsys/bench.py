@@ -258,9 +258,14 @@ def length_shape(steps: list[dict], clock: dict | None = None) -> dict:
 
 
 def tool_calls(steps: list[dict]) -> dict:
-    """A run with tools: its tool calls per sample at the first and the last step (none without tools)."""
-    turns = [r["rollout/turns"] for r in steps if "rollout/turns" in r]
-    return {"tool_calls_first": turns[0], "tool_calls_last": turns[-1]} if turns else {}
+    """A run with tools: its tool calls per sample and its environment's mean reward per call at the first and the
+    last step (none without tools)."""
+    out = {}
+    for key, name in (("rollout/turns", "tool_calls"), ("rollout/turn_reward", "turn_reward")):
+        values = [r[key] for r in steps if key in r]
+        if values:
+            out |= {f"{name}_first": values[0], f"{name}_last": values[-1]}
+    return out
 
 
 def accuracy_at(run: dict, t: float, gpu_s: bool = False) -> float | None:

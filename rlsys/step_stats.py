@@ -135,12 +135,13 @@ def engine_pace(engines: list[dict], window_s: float) -> dict[str, float]:
 
 def tool_metrics(completions: list[Completion]) -> dict[str, float]:
     """Of the samples handed to training (a conversation's partials carry their turns on, so each call counts
-    once): tool calls made, how many failed, samples dropped for a failure (tools.on_failure=drop), and tool
-    calls per conversation."""
+    once): tool calls made, how many failed, samples dropped for a failure (tools.on_failure=drop), tool
+    calls per conversation, and an environment's mean reward per call (tools.env)."""
     calls = [t for c in completions for t in c.turns]
     return {"rollout/tool_calls": len(calls), "rollout/tool_failures": sum(not t.ok for t in calls),
             "rollout/tool_dropped": sum(bool(c.mask) and not any(c.mask) for c in completions),
-            "rollout/turns": len(calls) / len(completions) if completions else 0.0}
+            "rollout/turns": len(calls) / len(completions) if completions else 0.0,
+            "rollout/turn_reward": statistics.mean(t.reward for t in calls) if calls else 0.0}
 
 
 def reward_part_means(samples: list[ScoredSample]) -> dict[str, float]:

@@ -38,14 +38,15 @@ def test_equal_time_takes_each_runs_last_eval_before_the_shortest_run_ends():
     assert slow["final_accuracy"] == 0.4  # at equal samples the slow run is ahead
 
 
-def test_a_run_with_tools_reports_its_calls_per_sample_at_the_first_and_last_step_and_its_first_evals_error():
+def test_a_run_with_tools_reports_its_calls_and_turn_reward_at_the_first_and_last_step_and_its_first_evals_error():
     run = rows(1.0, [(0, 0.2), (4, 0.35)])
     run[0]["eval/accuracy_se"] = 0.02
     steps = [r for r in run if "timing/step_s" in r]
     for r, turns in zip(steps, (0.5, 0.7, 0.9, 1.0)):
-        r["rollout/turns"] = turns
+        r["rollout/turns"], r["rollout/turn_reward"] = turns, turns / 10
     out = summarise_run(run, target=0.3)
     assert (out["tool_calls_first"], out["tool_calls_last"], out["initial_accuracy_se"]) == (0.5, 1.0, 0.02)
+    assert (out["turn_reward_first"], out["turn_reward_last"]) == (0.05, 0.1)
     assert "tool_calls_first" not in summarise_run(rows(1.0, [(0, 0.2)]), target=0.3)
 
 

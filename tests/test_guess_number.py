@@ -58,3 +58,20 @@ def test_on_the_shipped_eval_games_an_accuracy_over_0_504_takes_three_rounds_of_
     assert len(evals) == 1000 and set(weights) == set(NUMBERS)
     ceilings = [round(best_share(weights, k) * 1000) for k in range(5)]
     assert ceilings == [75, 222, 504, 1000, 1000]  # games won of 1,000 with 0-4 rounds
+
+
+def test_the_turns_variant_pays_each_guess_for_what_it_rules_out_and_its_warm_start_wins_less_than_one_round():
+    """configs/tool_guess_turns.yaml: a halving guess earns most, a guess among the numbers already ruled out
+    nothing (the state survives a replay: user_env); its demonstrations (short random searches) win fewer of the
+    benchmark's 500 eval games than the best one-round policy, so RL must improve the turns to pass it."""
+    from rlsys.data.tool_tasks import GuessNumberTurns, demonstrate_short_search
+
+    env = GuessNumberTurns()
+    env.reset({"answer": "11"})
+    rewards = [env.step(g)[1] for g in ("8", "3", "12", "10", "11")]
+    assert rewards == [0.2 * 8 / 15, 0.0, 0.2 * 4 / 7, 0.2 * 2 / 3, 0.0]  # 11 was the one number left
+    cfg = load_config("configs/tool_guess_turns.yaml", ["data.eval_size=500"])
+    train, evals = load_datasets(cfg.data)
+    weights = Counter(int(p.answer) for p in evals)
+    demonstrated = sum(demonstrate_short_search(p)[-1][0] == p.answer for p in train) / len(train)
+    assert demonstrated < 0.19 < best_share(weights, 1) == 0.244

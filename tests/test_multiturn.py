@@ -449,14 +449,15 @@ def test_suspend_while_a_tool_runs_then_resume_finishes_the_conversation(ray_clu
 def test_a_conversation_dropped_for_a_failed_call_trains_nothing_but_counts_in_its_group(conversation):
     """tools.on_failure=drop: the sample leaves training (counted) and still sets its group's advantages."""
     c, _, first_turn = conversation
-    failed = replace(c, turns=[ToolTurn("calculator", False, "timed out", 5.0)])
+    failed = replace(c, turns=[ToolTurn("calculator", False, "timed out", 5.0, reward=0.25)])
     failed.drop_from_training()
     other = replace(c, request_id="o", token_ids=c.token_ids[:3], logprobs=c.logprobs[:3], versions=c.versions[:3],
                     mask=[], turns=[])
     [trained] = build_samples([group_of(failed, other)], "grpo")  # rewards 1 (the dropped one) and 0
     assert trained.input_ids == other.prompt_ids + other.token_ids and trained.advantage < 0
     assert tool_metrics([failed, other]) == {"rollout/tool_calls": 1, "rollout/tool_failures": 1,
-                                             "rollout/tool_dropped": 1, "rollout/turns": 0.5}
+                                             "rollout/tool_dropped": 1, "rollout/turns": 0.5,
+                                             "rollout/turn_reward": 0.25}
 
 
 # --- the schedulers: a conversation is one request to tail and async -------------------------------------------

@@ -15,6 +15,11 @@ The `guess_number` family: `guess 1-15, game 4821: ` -> the game's hidden number
 number, and the games of the eval split are not the training ones, so success needs rounds of feedback: a
 binary search finds any number in at most four. The warm start's demonstrations (`demonstrate_search`) are
 that search.
+
+Its turns-to-learn variant (configs/tool_guess_turns.yaml): the environment `GuessNumberTurns` scores each turn
+by the share of the numbers still possible that its answer rules out, and the warm start (`demonstrate_short_search`)
+shows searches of one to three random guesses among those numbers, then a guess when none was confirmed, so the
+policy starts below what one round of feedback allows and RL must learn longer searches of better guesses.
 """
 from __future__ import annotations
 
@@ -95,6 +100,51 @@ def demonstrate_search(prompt: Prompt) -> list[tuple[str, bool]]:
         if said == "correct":
             return parts + [(prompt.answer, True)]
         low, high = (guess + 1, high) if said == "higher" else (low, guess - 1)
+
+
+class GuessNumberTurns(GuessNumber):
+    """GuessNumber whose steps are rewarded: TURN_REWARD x the share of the numbers still possible (given every
+    answer so far) that the guess's answer rules out, so a halving guess earns about TURN_REWARD / 2 and a guess
+    outside them nothing. The numbers still possible are the conversation's state, rebuilt by replay (user_env)."""
+    TURN_REWARD = 0.2
+
+    def reset(self, sample: dict) -> None:
+        super().reset(sample)
+        self.low, self.high = GUESS_RANGE
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        said, _, done = super().step(action)
+        if said not in ("correct", "higher", "lower"):
+            return said, 0.0, done
+        guess, before = int(action), self.high - self.low + 1
+        if said == "correct":
+            self.low = self.high = guess
+        elif said == "higher":
+            self.low = max(self.low, guess + 1)
+        else:
+            self.high = min(self.high, guess - 1)
+        return said, self.TURN_REWARD * (before - (self.high - self.low + 1)) / before, done
+
+
+SHORT_SEARCH_ROUNDS = {1: 0.7, 2: 0.25, 3: 0.05}  # rounds of a short search's demonstration, and their shares
+
+
+def demonstrate_short_search(prompt: Prompt) -> list[tuple[str, bool]]:
+    """A short random search (model.warm_start.demonstrations for configs/tool_guess_turns.yaml): one to three
+    rounds (SHORT_SEARCH_ROUNDS), each guess drawn among the numbers still possible, then the number if one was
+    confirmed, else a guess over the whole range. Drawn from the prompt, so a game's demonstration is fixed."""
+    rng = random.Random(prompt.text)
+    hidden, (low, high) = int(prompt.answer), GUESS_RANGE
+    rounds = rng.choices(list(SHORT_SEARCH_ROUNDS), list(SHORT_SEARCH_ROUNDS.values()))[0]
+    parts = []
+    for _ in range(rounds):
+        guess = rng.randint(low, high)
+        said = feedback(guess, hidden)
+        parts += [(f"{CALL_OPEN}{guess}{CALL_CLOSE}", True), (render_response(said), False)]
+        if said == "correct":
+            return parts + [(prompt.answer, True)]
+        low, high = (guess + 1, high) if said == "higher" else (low, guess - 1)
+    return parts + [(str(rng.randint(*GUESS_RANGE)), True)]
 
 
 # task family -> its tool-use demonstrations for the warm start
