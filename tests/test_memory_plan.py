@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from rlsys.cli import main
+from rlsys.config import ConfigError
 from rlsys.memory import format_memory, plan_memory
 from rlsys.startup import check_report, load_config
 
@@ -98,3 +99,9 @@ def test_the_gpu_page_shows_what_check_prints_and_the_measured_peak(monkeypatch,
     assert (f"peaked at {measured:,.0f} MiB ({measured * 2 ** 20 / 1e9:.1f} GB) on the H100; today's plan of that "
             f"config (`rollout.max_new_tokens=256 model.warm_start.steps=0`, as it ran) says "
             f"{max(s.total for s in plan.sides) / 1e9:.1f} GB") in " ".join(page.split())
+
+
+def test_a_vllm_share_that_leaves_no_kv_cache_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization=0.2 of a h100 leaves the vLLM engine 0.0 GB "
+                                          r"of KV cache after its 15.2 GB of weights .* vLLM would refuse to start"):
+        load_config(SEVEN_B, ["rollout.gpu_memory_utilization=0.2"])
