@@ -55,6 +55,8 @@ class ModelSpec(Section):
     kv_heads: int = Field(ge=1)
     head_dim: int = Field(128, ge=1)
     hidden: int = Field(0, ge=0)  # the residual stream's width, for the trainer's activations; 0: estimated
+    intermediate: int = Field(0, ge=0)  # the MLP's width (costs.ModelShape's; the simulator charges no activations)
+    vocab: int = Field(0, ge=0)  # the output head's rows (costs.ModelShape's)
 
 
 class ClusterSpec(Section):
