@@ -56,12 +56,18 @@ class MemoryPlan:
     problems: tuple[str, ...]  # each a refusal, with the numbers and the fields to change
 
 
+def built_model_shape(cfg) -> ModelShape:
+    """The shape of the model a run builds from its model.* fields (its head tied to the embedding, as tiny.py's)."""
+    m = cfg.model
+    return ModelShape.qwen2(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
+                            BUILT_VOCAB, tied=True)
+
+
 def model_shape(cfg) -> tuple[ModelShape | None, str]:
     """The policy's shape and where it came from; None and why where neither a config.json nor the table knows it."""
     m = cfg.model
     if not m.path:
-        return ModelShape.qwen2(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
-                                BUILT_VOCAB, tied=True), "model.* (a built model)"
+        return built_model_shape(cfg), "model.* (a built model)"
     config, why = Path(m.path).expanduser() / "config.json", "no config.json here"
     if config.is_file():
         fields = json.loads(config.read_text())

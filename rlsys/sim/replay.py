@@ -17,11 +17,10 @@ from rlsys.config import Config, read_config
 from rlsys.data.cursor import PromptCursor
 from rlsys.emulate import Budget
 from rlsys.logger import read_jsonl
+from rlsys.memory import built_model_shape
 from rlsys.sim.config import SimConfig, load_sim_config
 from rlsys.sim.workload import SampleDraw, Workload
 from rlsys.types import Prompt
-
-CHAR_VOCAB = 259  # the built tiny models' character vocabulary (rlsys/models/tiny.py): a negligible share of params
 
 
 class Replay(Workload):
@@ -74,13 +73,6 @@ def live_lengths(timeline: list[dict], k: int) -> tuple[list[list[tuple[int, boo
     ordered = sorted(by_prompt.values(), key=min)
     return ([[(tokens, done) for _, tokens, done in sorted(requests)] for requests in ordered],
             statistics.mean(prompt_tokens))
-
-
-def built_model_shape(cfg: Config) -> costs.ModelShape:
-    """The shape of the model a run built from its model.* fields (the character tokenizer's vocabulary)."""
-    m = cfg.model
-    return costs.ModelShape.qwen2(m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size,
-                                  CHAR_VOCAB)
 
 
 def replay_config(run_dir: str | Path, steps: int | None = None, gpu: str | None = None,
