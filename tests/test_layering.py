@@ -79,8 +79,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 # control); the package's own __init__ (rlsys) imports nothing.
 LAYERS = (
     {"rlsys", "config", "errors", "plugins", "placement", "registry", "types", "runs"},  # the schema, shared types
-    {"control", "data", "reward", "tools", "models", "weights", "rollout", "trainer", "cluster", "costs", "emulate",
-     "checkpoint", "logger", "step_stats", "friction", "config_reference"},  # the parts
+    {"control", "data", "reward", "tools", "models", "weights", "rollout", "trainer", "cluster", "costs", "memory",
+     "emulate", "checkpoint", "logger", "step_stats", "friction", "config_reference"},  # the parts
     {"startup", "evaluate", "plot", "train", "bench", "sim", "cli"},  # assembling the parts, and showing a run
 )
 
