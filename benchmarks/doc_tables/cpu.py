@@ -249,6 +249,26 @@ table("losses_round2")(partial(losses_beside_dapo, "losses_round2_cpu"))  # issu
 table("losses_round3")(partial(losses_beside_dapo, "losses_round3_cpu"))  # SAPO, REINFORCE++, LoRA, PPO with GAE, ...
 
 
+@table("algorithms_round4")
+def algorithms_round4() -> str:
+    """Issue 67's features beside dapo (benchmarks/losses_round2.py): the mean final avg@1 ± its error, each seed's
+    difference to dapo's with its paired t 95% interval, the median step time and dapo's over it with its interval."""
+    import statistics
+
+    r = load("algorithms_round4_cpu")["results"]
+    body = []
+    for name, cell in r.items():
+        d, ratio = cell.get("final_accuracy_vs_dapo"), cell.get("step_time_dapo_over_this")
+        vs = "" if d is None else f"{d['diff']:+.3f}" + (" [{:+.3f}, {:+.3f}]".format(*d["ci95"]) if d["ci95"] else "")
+        interval = cell.get("step_time_dapo_over_this_ci95")
+        speed = "" if ratio is None else ratio_cell(ratio, interval) if interval else f"{ratio:.2f}x"
+        body.append([f"`{name}`", acc_se(cell), vs, num(statistics.median(x["step_time_s"] for x in cell["runs"])),
+                     speed, cell["n"]])
+    start = r["dapo"]["runs"][0]["initial_accuracy"]
+    return rows([f"run (avg@1 at step 0: {start:.3f})", "final avg@1", "minus dapo, by seed [95% t]", "step s",
+                 "dapo's step s / this [95% t]", "seeds"], body)
+
+
 @table("peer_trl")
 def peer_trl() -> str:
     j = load("peer_trl_cpu")
