@@ -14,11 +14,16 @@ step overhead is the geometric mean of the other two settings' fits (leave_one_o
 while matching it (the MFU law's shape, against RollPacker's scaling rows) is named and not counted held out. Rows
 are counted one by one and per experiment (EXPERIMENTS: rows of one experiment share its errors). A row is within
 when it lands within +-15%.
+RollPacker's rows measure its own tail batching, whose response-level rule keeps each prompt's first R of
+ceil(1.25 R) samples (the slowest aborted): every RollPacker tail run here runs that rule (ROLLPACKER_ETA_R,
+rlsys/sim/first_r.py), the algorithm the rows measured. rlsys's tail trains whole groups (unbiased); held out, its
+stack runs beside (rows_whole_groups), and the ratio of the two is the part of RollPacker's speed-up owed to its
+biased selection (selection_share).
 Then the 128-GPU sweep: RollPacker's 32B/32k setting on 128 H800 (the batch and every reward pool grown with the
-GPUs) on the held-out model, at the shared step overhead and at the one held out against the 32B setting, over
+GPUs) on the held-out model (validated above), at the shared step overhead and at the one held out against the 32B setting, over
 the runaway share, the trainer's MFU band (both ways), the length spread and seeds, 20 steps a run; each schedule
-against veRL-style sync. The headline is the best schedule with a published anchor (ANCHORED) at equal utility;
-the others are reported as unvalidated.
+against veRL-style sync. The headline is the best schedule with a published anchor (ANCHORED) at equal utility,
+rlsys's unbiased tail; the others are reported as unvalidated, and RollPacker's rule beside it as biased (BIASED).
 """
 from __future__ import annotations
 
@@ -62,6 +67,10 @@ EXPERIMENTS = {"qwen7b_8k": "RollPacker 7B/8k", "qwen14b_16k": "RollPacker 14B/1
                "SortedRL": "SortedRL", "veRL fully-async": "veRL fully-async"}
 # Held out, rows touched by a choice made while matching them: named, shown, not counted.
 NAMED_IN_SAMPLE = {"scaling": "the MFU law's shape (a cost per data-parallel GPU) was chosen while matching these rows"}
+# RollPacker's response-level rule, which its published rows measure: a short round's prompt gets ceil(1.25 R)
+# samples and trains its first R finishers (RollPacker's eta_r, arXiv 2509.21009). Validation only: live tail refuses
+# it (rlsys/control/tail.py), as it biases every group toward short answers.
+ROLLPACKER_ETA_R = 1.25
 OVERHEAD_MS = (0.5, 40.0)  # the range fit_overhead searches: from below the shared 1 ms to 40x it
 STACK = ["tail", "tail+reward", "tail+reward+planner", "tail+reward+planner+stream"]
 ROLLPACKER = {  # config: (veRL / tail rollout s, cumulative stack speedups)
@@ -219,6 +228,23 @@ def setting(config: str, steps: int | None, overhead_ms: float | None = None, he
     return cfg
 
 
+def as_measured(cfg: dict) -> dict:
+    """A RollPacker config whose every tail run keeps each prompt's first R of ceil(ROLLPACKER_ETA_R R) samples:
+    the rule RollPacker's rows measured (rlsys/sim/first_r.py)."""
+    runs = [{"name": r} if isinstance(r, str) else r for r in cfg["schedulers"]]
+    rule = lambda r: {**r, "control": {**r.get("control", {}), "tail_eta_r": ROLLPACKER_ETA_R}}  # noqa: E731
+    return {**cfg, "schedulers": [rule(r) if r["name"] == "tail" else r for r in runs]}
+
+
+def selection_share(measured: list[dict], whole: list[dict]) -> dict:
+    """Per held-out RollPacker stack row, its speed-up under RollPacker's rule against rlsys's whole groups: the
+    ratio is the part of the speed-up owed to keeping each prompt's first finishers."""
+    whole_by = {r["name"]: r["simulated"] for r in whole}
+    return {r["name"]: {"first_r": r["simulated"], "whole_groups": whole_by[r["name"]],
+                        "owed_to_selection": round(r["simulated"] / whole_by[r["name"]], 3)}
+            for r in measured if r["name"].endswith("speedup") and r["name"] in whole_by}
+
+
 def _uncapped(control: dict) -> dict:
     """A control section whose elastic TP, where it sets one, plans long rounds by the cost model alone."""
     if "elastic_tp" not in control:
@@ -233,15 +259,18 @@ def leave_one_out(fitted: dict) -> dict:
             for c in fitted}
 
 
-def rollpacker_rows(steps: int | None, overheads: dict | None, held_out: bool = False) -> list[dict]:
+def rollpacker_rows(steps: int | None, overheads: dict | None, held_out: bool = False,
+                    measured: bool = True) -> list[dict]:
     """RollPacker's stack rows and SortedRL's (nothing is set from SortedRL's row); `overheads`: each setting's step
-    overhead (None: the shared one), in sample its fit; `held_out`: on the held-out model (HELD_OUT)."""
+    overhead (None: the shared one), in sample its fit; `held_out`: on the held-out model (HELD_OUT); `measured`: its
+    tail runs RollPacker's response-level rule (as_measured), else rlsys's whole groups."""
     rows = []
     for config, ((verl_s, tail_s), speedups) in ROLLPACKER.items():
-        needed = {"sync", *STACK} | ({"sorted"} if config == "qwen7b_8k" else set())
+        needed = {"sync", *STACK} | ({"sorted"} if config == "qwen7b_8k" and measured else set())
         overhead = overheads and overheads[config]
         cfg = setting(config, steps, overhead, held_out)
         cfg["schedulers"] = [r for r in cfg["schedulers"] if _label(r) in needed]  # not the configs' others
+        cfg = as_measured(cfg) if measured else cfg
         r = simulate(cfg, quiet=True)["results"]
         fitted = lambda label: not held_out and label in FITTED  # noqa: E731
         mfu = load_sim_config(cfg).trainer.mfu_on(cfg["cluster"]["gpus"])
@@ -291,7 +320,7 @@ def tp_run(steps: int | None, label: str, efficiency: float, median: int | None 
     workload = {"workload": {"median_tokens": median}} if median else {}
     cfg = load("qwen3_8b_32k_tp", **_steps(steps), **workload, engine={"tp_efficiency": efficiency})
     cfg["schedulers"] = [r for r in cfg["schedulers"] if r["label"] == label]
-    return simulate(cfg, quiet=True)["results"][label]
+    return simulate(as_measured(cfg), quiet=True)["results"][label]
 
 
 def tp_fit(steps: int | None, grid: list[float] = TP_GRID) -> dict:
@@ -373,7 +402,7 @@ def scaling_rows(steps: int | None, overheads: dict | None, held_out: bool = Fal
                       cluster={"gpus": gpus}, control={"prompts_per_step": prompts})
         stack = next(r for r in cfg["schedulers"] if isinstance(r, dict) and r.get("label") == STACK[-1])
         cfg["schedulers"] = ["sync", {**stack, "label": "rollpacker"}]
-        r = simulate(cfg, quiet=True)["results"]
+        r = simulate(as_measured(cfg), quiet=True)["results"]
         rate = {k: v["trained_prompts"] / v["sim_time_s"] for k, v in r.items()}
         base = base or rate["sync"]
         points.append((gpus, rate["sync"] / base, rate["rollpacker"] / base))
@@ -488,13 +517,18 @@ SWEEP_SCHEDULES = {  # label: run fields; every run but veRL's scores rewards as
     **{f"async-eta2-T{gpus}/G4": {"name": "async", "cluster": {"trainer_gpus": gpus},
                                   "control": {"staleness": {"eta": 2}}} for gpus in (32, 48, 64)},
 }
+# RollPacker's own rule beside rlsys's tail: anchored by the rows it was validated on, but biased (each prompt's
+# slowest samples aborted), so never the headline; the ratio of its speed-up to tail/G4's is what the selection buys.
+BIASED = {"tail-first-R/G4": {"name": "tail", "trainer": {"streamed": True},
+                              "control": {"tail_eta_r": ROLLPACKER_ETA_R}}}
+SWEEP_SCHEDULES.update(BIASED)
 # The schedules whose speed-up a published figure anchors, and which rows: only these make the headline. The
 # others are reported as unvalidated: sorted's one row (SortedRL's bubble cut) is no speed-up, async's (veRL's
 # fully-async page) are missed.
 ANCHORED = {"tail/G4": "RollPacker's tail and tail+reward rows",
             "tail+scale-down-40%/G4": "RollPacker's tail+reward+planner+stream rows (its artifact's gate)"}
 QUICK = {"points": [(0.0, "law", "shared", "cited"), (0.01, "law", "held out for 32B", "cited")], "seeds": (0,),
-         "schedules": ["tail/G4", "async-eta2-T48/G4"]}
+         "schedules": ["tail/G4", "async-eta2-T48/G4", *BIASED]}
 
 
 def rollpacker_mfu(steps: int | None) -> dict:
@@ -564,7 +598,7 @@ def sweep_point(point: tuple, seed: int, steps: int, schedules: list[str], value
     for e in ranked:
         e["equal_utility"] = equal_utility(e, verl)
     ranked.sort(key=lambda e: -e["speedup_vs_sync"])
-    ranks = [e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"]]
+    ranks = [e for e in ranked if e["schedule"] not in {"veRL-sync", *BIASED} and e["equal_utility"]]
     pick = lambda es: {k: es[0][k] for k in ("schedule", "speedup_vs_sync")} if es else None  # noqa: E731
     runaway, mfu_label, overhead_label, length_label = point
     workload = load_sim_config(cfg).workload
@@ -573,7 +607,15 @@ def sweep_point(point: tuple, seed: int, steps: int, schedules: list[str], value
             "step_overhead_ms": cfg["engine"]["step_overhead_ms"], "median_tokens": workload.median_tokens,
             "sigma": workload.sigma, "best": pick([e for e in ranks if e["anchored"]]),
             "best_unvalidated": pick([e for e in ranks if not e["anchored"]]),
-            "best_async": pick([e for e in ranks if e["schedule"].startswith("async")]), "ranked": ranked}
+            "best_async": pick([e for e in ranks if e["schedule"].startswith("async")]),
+            "owed_to_selection": _owed(ranked), "ranked": ranked}
+
+
+def _owed(ranked: list[dict]) -> float | None:
+    """RollPacker's rule's speed-up over rlsys's tail's, both with the stream trainer: what the selection buys."""
+    by = {e["schedule"]: e["speedup_vs_sync"] for e in ranked}
+    first, whole = by.get("tail-first-R/G4"), by.get("tail/G4")
+    return round(first / whole, 3) if first and whole else None
 
 
 def point_key(p: dict) -> str:
@@ -593,11 +635,15 @@ def summarise(points: list[dict]) -> dict:
         for e in p["ranked"]:
             if e["schedule"] != "veRL-sync" and e["equal_utility"]:
                 by_schedule.setdefault(e["schedule"], []).append(e["speedup_vs_sync"])
+    owed = [p["owed_to_selection"] for p in points if p.get("owed_to_selection")]
     return {"best_speedup_range": [min(best), max(best)] if best else None, "unranked": len(points) - len(ranked),
+            "owed_to_selection": {"min": min(owed), "max": max(owed), "mean": round(sum(owed) / len(owed), 3),
+                                  "runs": len(owed)} if owed else None,
             "best_schedules": sorted({p["best"]["schedule"] for p in ranked}),
             "by_point": {k: {"mean": round(sum(v) / len(v), 3), "min": min(v), "max": max(v), "seeds": len(v)}
                          for k, v in by_point.items()},
-            "by_schedule": {s: {"anchored": s in ANCHORED, "min": min(v), "max": max(v), "runs": len(v)}
+            "by_schedule": {s: {"anchored": s in ANCHORED, "biased": s in BIASED, "min": min(v), "max": max(v),
+                                "runs": len(v)}
                             for s, v in sorted(by_schedule.items(), key=lambda kv: -max(kv[1]))},
             "unequal": {s: sum(1 for p in points for e in p["ranked"] if e["schedule"] == s and not e["equal_utility"])
                         for s in SWEEP_SCHEDULES}}
@@ -625,6 +671,7 @@ def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = F
         implied = pool.submit(rollpacker_mfu, steps)
         out_parts = [pool.submit(rollpacker_rows, steps, None, True), pool.submit(scaling_rows, steps, None, True),
                      pool.submit(tp_rows_held_out, 5 if quick else steps)]
+        whole = pool.submit(rollpacker_rows, steps, None, True, False)  # rlsys's tail on the held-out model
         verl = pool.submit(async_rows, steps)
         submit = lambda point, seed, values: pool.submit(  # noqa: E731
             sweep_point, point, seed, sweep_steps, grid["schedules"], values)
@@ -645,6 +692,8 @@ def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = F
         # out of sample: RollPacker's and SortedRL's rows from the held-out model's runs; veRL's page sets nothing
         held = [r for part in out_parts for r in part.result()] + others
         report["rows_out_of_sample"] = named_in_sample(held)
+        report["rows_whole_groups"] = whole.result()
+        report["selection_share"] = selection_share(out_parts[0].result(), report["rows_whole_groups"])
         # one setting at a time: its stack rows at the others' step overheads, the rest as held out
         rest = {EXPERIMENTS[k] for k in ("scaling", "qwen3-8b", "veRL fully-async")}
         report["rows_one_out"] = named_in_sample(one_out.result() + [r for r in held if r["experiment"] in rest])
@@ -661,12 +710,14 @@ def calibrate(steps: int | None = None, with_sweep: bool = True, quick: bool = F
                  "rollpacker_mfu": report["rollpacker_mfu"],
                  "lengths": {k: {"median_tokens": CITED_MEDIAN, "sigma": 1.0, **v} for k, v in LENGTHS.items()},
                  "step_overhead_128_ms": {k: v or values[k] for k, v in OVERHEAD_128.items()},
-                 "anchored": ANCHORED, "summary": summarise(points), "points": points,
+                 "anchored": ANCHORED, "biased": {k: "RollPacker's rule: each prompt's first R of ceil(1.25 R) samples"
+                                                  for k in BIASED}, "summary": summarise(points), "points": points,
                  "wall_s": report["wall_s"], "cpu_s": report["cpu_s"]}
     return report, found
 
 
-ROW_SETS = {"in_sample": "rows", "out_of_sample": "rows_out_of_sample", "one_setting_out": "rows_one_out"}
+ROW_SETS = {"in_sample": "rows", "out_of_sample": "rows_out_of_sample", "one_setting_out": "rows_one_out",
+            "whole_groups": "rows_whole_groups"}
 
 
 def print_report(report: dict, found: dict | None) -> None:
@@ -686,8 +737,13 @@ def print_report(report: dict, found: dict | None) -> None:
             mark = ("fit" if r["fitted"] else "same" if "same_as" in r else "named" if "in_sample_by" in r
                     else "" if r["within"] else "MISS")
             print(f"{r['name']:<52} {r['published']:>9.2f} {r['simulated']:>9.2f} {r['ratio']:>6.2f} {mark}")
+    print("\nheld out, RollPacker's rule over rlsys's whole groups (the part owed to selection): "
+          + ", ".join(f"{name.removesuffix(' speedup')} {v['first_r']:.2f}x / {v['whole_groups']:.2f}x = "
+                      f"{v['owed_to_selection']:.2f}" for name, v in report["selection_share"].items()))
     if found:
         s = found["summary"]
+        owed = s["owed_to_selection"] or {"min": math.nan, "max": math.nan, "mean": math.nan}
+        print(f"\n128 H800: RollPacker's rule over tail/G4 {owed['min']:.2f}-{owed['max']:.2f} (mean {owed['mean']:.2f})")
         low, high = s["best_speedup_range"] or (math.nan, math.nan)
         print(f"\n128 H800, {found['config']}: best anchored {low:.2f}x to {high:.2f}x sync "
               f"({', '.join(s['best_schedules'])}; {s['unranked']} runs without one at equal utility)")

@@ -54,6 +54,11 @@ def test_quick_calibration_writes_the_issue_schema(calibration, tmp_path):
         assert set(experiments) == {r["experiment"] for r in counted} and hits["experiments"] == len(experiments)
         assert hits["experiments_within"] == sum(
             all(r["within"] for r in counted if r["experiment"] == e) for e in experiments)
+    # held out, RollPacker's rule against rlsys's whole groups on every stack row: the part owed to selection
+    share = report["selection_share"]
+    assert set(share) == {r["name"] for r in report["rows_whole_groups"] if r["name"].endswith("speedup")}
+    assert all(v["owed_to_selection"] == round(v["first_r"] / v["whole_groups"], 3) for v in share.values())
+    assert sweep["summary"]["owed_to_selection"]["runs"] == len(sweep["points"])
     assert report["constants"] == calibration.CONSTANTS
     assert set(report["step_overheads"]) == set(calibration.ROLLPACKER)
     assert all(f["median_tokens"] == calibration.CITED_MEDIAN for f in report["step_overheads"].values())
@@ -74,7 +79,7 @@ def test_quick_calibration_writes_the_issue_schema(calibration, tmp_path):
         assert [e["speedup_vs_sync"] for e in ranked] == sorted((e["speedup_vs_sync"] for e in ranked), reverse=True)
         assert {e["schedule"] for e in ranked} == {"veRL-sync", *quick["schedules"]}
         verl = next(e for e in ranked if e["schedule"] == "veRL-sync")
-        ranks = [e for e in ranked if e["schedule"] != "veRL-sync" and e["equal_utility"]]
+        ranks = [e for e in ranked if e["schedule"] not in {"veRL-sync", *calibration.BIASED} and e["equal_utility"]]
         best = next((e for e in ranks if e["schedule"] in calibration.ANCHORED), None)
         assert p["best"] == (best and {"schedule": best["schedule"], "speedup_vs_sync": best["speedup_vs_sync"]})
         other = next((e for e in ranks if e["schedule"] not in calibration.ANCHORED), None)
@@ -150,6 +155,18 @@ def test_uncapped_planner_gives_long_rounds_the_cost_models_tp(calibration):
         return r["tp_per_step"][r["long_round_steps"][0]]
     assert long_round_tp(lambda c: c) == 1
     assert long_round_tp(calibration._uncapped) > 1
+
+
+def test_rollpacker_rows_run_the_rule_they_measured(calibration):
+    """Every tail run of a RollPacker setting keeps each prompt's first R of ceil(1.25 R) samples, the rule its rows
+    measured; no other run, and not the sweep's headline tail."""
+    cfg = calibration.as_measured(calibration.setting("qwen32b_32k", 1, held_out=True))
+    rules = {calibration._label(r): r.get("control", {}).get("tail_eta_r") for r in cfg["schedulers"]}
+    assert {k for k, v in rules.items() if v == calibration.ROLLPACKER_ETA_R} == {"tail", *calibration.STACK}
+    assert rules["sync"] is None and rules["sorted"] is None
+    sweep = calibration.sweep_config(calibration.CENTRE, 0, 1, ["tail/G4", *calibration.BIASED], {})
+    rules = {r["label"]: r["control"].get("tail_eta_r") for r in sweep["schedulers"] if "control" in r}
+    assert rules == {"tail/G4": None, "tail-first-R/G4": calibration.ROLLPACKER_ETA_R}
 
 
 def test_leave_one_out_takes_nothing_from_the_setting_it_predicts(calibration):
