@@ -396,3 +396,11 @@ def async_profile_figures() -> list[str]:
             f"the trainer waits {fast['trainer_idle_between_steps_s']:.3f} s",
             f"{waiting:.0f}% of the step",
             f"about {sync['median']['step_s'] / train:.2f}x sync per sample in this run"]
+
+
+def algorithms_round4_figures() -> list[str]:
+    """Each feature's final avg@1 minus dapo's with its paired t 95% interval, as docs/design.md quotes them."""
+    r = load("algorithms_round4_cpu")["results"]
+    return ["{diff:+.3f} [{0:+.3f}, {1:+.3f}]".format(*r[name]["final_accuracy_vs_dapo"]["ci95"],
+                                                     **r[name]["final_accuracy_vs_dapo"])
+            for name in r if name != "dapo"]
