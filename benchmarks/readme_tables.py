@@ -17,8 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # doc_tables, when loaded by path (tests/test_readme.py)
 from doc_tables import RESULTS, ROOT, TABLES, load  # noqa: E402,F401  (RESULTS: for the tests)
-from doc_tables.cpu import (algorithms_round4_figures, async_profile_figures, async_profile_shares, dg_net, lift_figures,  # noqa: E402
-                            loss_sweep_figures, tool_arith_figures, tool_guess_figures, tool_guess_peaks)
+from doc_tables.cpu import (algorithms_round4_figures, async_profile_figures, async_profile_shares,  # noqa: E402
+                            dg_net, lift_figures, loss_sweep_figures, tool_arith_figures, tool_guess_figures,
+                            tool_guess_peaks, tool_guess_turns_figures)
 from doc_tables.emulated import (BUDGET_REPLAYS, abort_landing_figures, best_on_budget,  # noqa: E402
                                  best_to_target_shortfall, budget_figures, budget_replay_figures,
                                  emulated_comparison_figures, emulated_sagc_figures, emulated_speeds,
@@ -61,7 +62,7 @@ def prose_figures() -> dict[str, list[str]]:
             f"{s['sorted']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
             f"{s['tail']['bubble_ratio'] / s['sync']['bubble_ratio']:.2f}x sync's bubble",
             f"this CPU ({speed['sorted']['per_sample']:.2f}x to {speed['sagc']['per_sample']:.2f}x"],
-        "docs/tools.md": tool_guess_figures(),
+        "docs/tools.md": [*tool_guess_figures(), *tool_guess_turns_figures()],
         "docs/algorithms.md": [f"mismatch KL of {bf16['mismatch_kl_mean']:.0e} per token"],
         "docs/design.md": algorithms_round4_figures(),
         "docs/emulation.md": [

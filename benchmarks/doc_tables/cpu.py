@@ -404,3 +404,14 @@ def algorithms_round4_figures() -> list[str]:
     return ["{diff:+.3f} [{0:+.3f}, {1:+.3f}]".format(*r[name]["final_accuracy_vs_dapo"]["ci95"],
                                                      **r[name]["final_accuracy_vs_dapo"])
             for name in r if name != "dapo"]
+
+
+def tool_guess_turns_figures() -> list[str]:
+    """The multi-turn task that did not lift, with and without its per-turn rewards, as docs/tools.md says it."""
+    def said(name: str, what: str) -> str:
+        r = load(name)["results"]["sync"]
+        return (f"{what}, avg@1 {r['initial_accuracy']:.3f} -> {r['final_accuracy']:.3f} ± {r['final_accuracy_se']:.3f}, "
+                f"{r['tool_calls_first']:.2f} -> {r['tool_calls_last']:.2f} calls per sample")
+    return [said("tool_guess_turns_cpu", "with its per-turn rewards") + ", reward per turn {:.3f} -> {:.3f}".format(
+        *(load("tool_guess_turns_cpu")["results"]["sync"][f"turn_reward_{k}"] for k in ("first", "last"))),
+        said("tool_guess_turns_unshaped_cpu", "without them")]
