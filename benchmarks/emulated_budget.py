@@ -49,7 +49,7 @@ from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time
                          started_elsewhere, summarise_run, sync_targets, write_report)
 from rlsys.cli import quiet_libraries  # noqa: E402
 from rlsys.config import Config, ConfigError  # noqa: E402
-from rlsys.models import prepare_model, weights_fingerprint  # noqa: E402
+from rlsys.models import made_once, prepare_model, weights_fingerprint  # noqa: E402
 from rlsys.startup import load_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -374,15 +374,10 @@ def start_model(path: Path, config: str, short: list[str]) -> Path:
     of this machine's build when the file has none. Named only by a fingerprint, a file could grow on one machine
     alone (the warm start's floating-point results differ between CPU models); carried, it grows on any."""
     kept = path.parent / "start_models" / path.stem
-    if not kept.is_dir():
-        built = prepare_model(load_config(config, short))
-        tmp = kept.with_name(f".{kept.name}.tmp-{os.getpid()}")
-        shutil.copytree(built, tmp)
-        try:
-            os.rename(tmp, kept)  # atomic: a second process finds it whole or builds its own copy to drop
-        except OSError:
-            shutil.rmtree(tmp)
-    return kept
+    if kept.is_dir():
+        return kept
+    built = prepare_model(load_config(config, short))
+    return made_once(kept, lambda tmp: shutil.copytree(built, tmp, dirs_exist_ok=True))
 
 
 def other_start_model(runs: dict[str, list[dict]], start: Path) -> str | None:

@@ -72,16 +72,24 @@ def with_chat_template(model_dir: Path, template: str, cache_dir: Path) -> Path:
         raise ModelDirError(f"model.chat_template: {model_dir} has a chat template of its own; remove "
                             "model.chat_template to use it, or give a model folder without one")
     key = hashlib.sha256(f"{model_dir.resolve()}\n{template}".encode()).hexdigest()[:16]
-    final = cache_dir / f"{model_dir.name}-{key}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
-    try:
+
+    def fill(tmp: Path) -> None:
         for entry in model_dir.resolve().iterdir():
             (tmp / entry.name).symlink_to(entry)
         (tmp / "chat_template.jinja").write_text(template)
-        tmp.chmod(0o755)
+    return made_once(cache_dir / f"{model_dir.name}-{key}", fill)
+
+
+def made_once(final: Path, fill) -> Path:
+    """`final`, filled by `fill(folder)` in a temporary folder beside it and renamed into place: it appears whole
+    or not at all, and where another process made it first, theirs is kept. Readable like any model folder."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private
+    try:
+        fill(tmp)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():  # another process made the same folder first: keep theirs
@@ -103,22 +111,10 @@ def _tiny_model(cfg: Config) -> Path:
     """The cached tiny model for this config, built if absent."""
     cache_dir = Path(cfg.model.cache_dir).expanduser()
     final = cache_dir / cache_key(cfg)
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    print(f"building the tiny model (once: cached at {final} for every run with this model, warm start and "
-          "task, whatever its RL settings)", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=cache_dir))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a cache entry is readable like any model folder
-    try:
-        _build(cfg, tmp)
-        os.rename(tmp, final)  # atomic: the entry appears complete or not at all
-    except OSError:
-        if not final.is_dir():  # another process finished the same entry first: keep theirs
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    if not final.is_dir():
+        print(f"building the tiny model (once: cached at {final} for every run with this model, warm start and "
+              "task, whatever its RL settings)", flush=True)
+    return made_once(final, lambda tmp: _build(cfg, tmp))
 
 
 def _build(cfg: Config, out: Path) -> None:
