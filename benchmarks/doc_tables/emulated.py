@@ -378,3 +378,61 @@ def starting_model_figures() -> list[str]:
             f"built {len(own)} times with its own kernels ({own[0]['capability']}) the model came out {same} "
             f"(fingerprint {own[0]['fingerprint']}, greedy exact match {own[0]['eval_greedy_accuracy']:.3f}); with "
             f"{other['capability']}'s, other weights ({other['fingerprint']}, {other['eval_greedy_accuracy']:.3f})"]
+
+
+def instrument_ratio(s: dict, label: str) -> str:
+    """A ratio to sync with its paired t 95% interval; with one pair, the ratio alone; where some seed did not reach
+    the target, how many pairs did."""
+    if s.get(label) is None:
+        return f"reached in {s[f'{label}_pairs']} of {s['pairs']} pairs"
+    interval = s[f"{label}_ci95"]
+    return ratio_cell(s[label], interval) if interval else f"{s[label]:.2f}x (1 pair)"
+
+
+def instrument_difference(d: dict | None) -> str:
+    """A paired difference to sync with its 95% t interval (the mean alone with one pair)."""
+    if d is None:
+        return "-"
+    return f"{d['diff']:+.3f}" + (f" [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]" if d.get("ci95") else "")
+
+
+def instrument_rows(name: str) -> list[list]:
+    """benchmarks/emulated_budget.py --instrument's file: learning per GPU-second against sync's own targets, paired
+    by seed, then per-token and per-sample speed with the trained length beside them, the bubble and what the
+    schedule's trained lengths kept of its generated ones."""
+    j = load(name)
+    out = []
+    for preset, r in sorted(j["results"].items(), key=lambda item: item[0] != "sync"):
+        s = j["speedup_vs_sync"][preset]
+        bubble = s["bubble_ratio_vs_sync"]["ratio"]
+        figures = (["", "", "", "", ""] if preset == "sync" else
+                   [*(instrument_ratio(s, f"gpu_s_to_{t}") for t in ("gain_50", "gain_75", "final_less_se")),
+                    instrument_difference(s["accuracy_at_sync_gpu_s"]), instrument_difference(s["final_accuracy_paired"])])
+        out.append([f"`{preset}`", r["repeats"], *figures, acc_se(r),
+                    "" if preset == "sync" else instrument_ratio(s, "per_token_gpu_s"),
+                    "" if preset == "sync" else instrument_ratio(s, "per_sample_gpu_s"),
+                    num(r["trained_length"], 1), num(bubble, 2), num(r.get("length_selection"), 2)])
+    return out
+
+
+INSTRUMENT_HEADER = ["preset", "seeds", "GPU-s to sync's 50% target, x sync [95%]", "to its 75% target",
+                     "to its final less one error", "avg@1 at sync's GPU-s, vs sync [95%]", "final vs sync [95%]",
+                     "final avg@1", "per trained token, x sync", "per sample, x sync", "trained length",
+                     "bubble, x sync's", "length selection"]
+
+
+@table("emulated_budget2_reason_2gpu")
+def emulated_budget2_reason_2gpu() -> str:
+    return rows(INSTRUMENT_HEADER, instrument_rows("emulated_budget2_reason_2gpu"))
+
+
+@table("emulated_budget2_reason_2gpu_targets")
+def emulated_budget2_reason_2gpu_targets() -> str:
+    """The targets the instrument's ratios are to: set from sync's own runs (rlsys.bench.sync_targets)."""
+    j = load("emulated_budget2_reason_2gpu")
+    sync = j["results"]["sync"]
+    names = {"gain_25": "25% of sync's gain", "gain_50": "50% of sync's gain", "gain_75": "75% of sync's gain",
+             "final_less_se": "sync's final avg@1 less one error"}
+    seeds = f"{sync['repeats']} seed" + ("s" if sync["repeats"] > 1 else "")
+    return rows(["target", f"avg@1 (from sync's {seeds}, first eval {sync['initial_accuracy']:.3f})"],
+                [[names[k], num(v, 3)] for k, v in j["targets"].items()])
