@@ -36,7 +36,7 @@ SYNC_LATENCY_S = 0.2
 HOST_LINK_EFFICIENCY = 0.8
 # Adam under mixed precision, bytes a parameter (ZeRO, arXiv 1910.02054 section 3.1): bf16 weights 2 and gradients
 # 2, and the optimizer's fp32 master weights, momentum and variance 12; 16 in all
-TRAIN_WEIGHT_BYTES, TRAIN_GRAD_BYTES, ADAM_BYTES = BF16, BF16, 12
+TRAIN_WEIGHT_BYTES, ADAM_BYTES = BF16, 12
 # Tokens of a trainer GPU's micro-batch whose activations stay: each layer's input under gradient checkpointing
 # (veRL's ppo_max_token_len_per_gpu default, by which it packs micro-batches)
 ACTIVATION_TOKENS = 16384
@@ -219,12 +219,17 @@ def trainer_parts(model: ModelShape, gpus: int, zero_stage: int, weight_bytes: i
     `weight_bytes`, and the optimizer's fp32 moments plus, under bf16, its fp32 master weights (ADAM_BYTES). ZeRO
     stage 1 shards the optimizer's over the GPUs, 2 the gradients too, 3 the weights too (arXiv 1910.02054, as
     DeepSpeed does it); an offloaded part sits in host memory."""
-    adam = ADAM_BYTES if weight_bytes < 4 else 8  # fp32 training keeps no master copy
+    adam = optimizer_bytes(weight_bytes)
 
     def share(bytes_per_param: int, stage: int, offloaded: bool = False) -> float:
         return 0.0 if offloaded else model.params * bytes_per_param / (gpus if zero_stage >= stage else 1)
     return {"weights": share(weight_bytes, 3, offload_params), "gradients": share(weight_bytes, 2),
             "optimizer": share(adam, 1, offload_optimizer)}
+
+
+def optimizer_bytes(weight_bytes: int) -> int:
+    """Adam's bytes a parameter: two fp32 moments, and under 16-bit weights an fp32 master copy (ADAM_BYTES)."""
+    return ADAM_BYTES if weight_bytes < 4 else 8
 
 
 def trainer_states(model: ModelShape, gpus: int, zero_stage: int) -> float:

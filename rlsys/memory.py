@@ -132,7 +132,7 @@ def trainer_parts(cfg, shape: ModelShape) -> tuple[list, list]:
     n, shard = f"{shape.params / 1e9:.2f}B", f" / {t.world_size} (ZeRO-{zero})"
     how = {"weights": f"{n} x {size} bytes" + (shard if zero >= 3 else ""),
            "gradients": f"{n} x {size} bytes" + (shard if zero >= 2 else ""),
-           "optimizer": f"{n} x {12 if size == 2 else 8} bytes (" + ("fp32 master, " if size == 2 else "")
+           "optimizer": f"{n} x {costs.optimizer_bytes(size)} bytes (" + ("fp32 master, " if size == 2 else "")
            + "momentum, variance)" + (shard if zero >= 1 else "")}
     if t.offload_params:
         how["weights"] = "offloaded to host memory (trainer.offload_params)"

@@ -408,10 +408,10 @@ def algorithms_round4_figures() -> list[str]:
 
 def tool_guess_turns_figures() -> list[str]:
     """The multi-turn task that did not lift, with and without its per-turn rewards, as docs/tools.md says it."""
-    def said(name: str, what: str) -> str:
-        r = load(name)["results"]["sync"]
-        return (f"{what}, avg@1 {r['initial_accuracy']:.3f} -> {r['final_accuracy']:.3f} ± {r['final_accuracy_se']:.3f}, "
-                f"{r['tool_calls_first']:.2f} -> {r['tool_calls_last']:.2f} calls per sample")
-    return [said("tool_guess_turns_cpu", "with its per-turn rewards") + ", reward per turn {:.3f} -> {:.3f}".format(
-        *(load("tool_guess_turns_cpu")["results"]["sync"][f"turn_reward_{k}"] for k in ("first", "last"))),
-        said("tool_guess_turns_unshaped_cpu", "without them")]
+    def said(r: dict, what: str) -> str:
+        return (f"{what}, avg@1 {r['initial_accuracy']:.3f} -> {r['final_accuracy']:.3f} "
+                f"± {r['final_accuracy_se']:.3f}, {r['tool_calls_first']:.2f} -> {r['tool_calls_last']:.2f} "
+                "calls per sample")
+    shaped, unshaped = (load(f"tool_guess_turns{kind}_cpu")["results"]["sync"] for kind in ("", "_unshaped"))
+    return [said(shaped, "with its per-turn rewards") + f", reward per turn {shaped['turn_reward_first']:.3f} -> "
+            f"{shaped['turn_reward_last']:.3f}", said(unshaped, "without them")]
