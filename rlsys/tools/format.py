@@ -149,32 +149,32 @@ def template_tool_turn(tokenizer) -> tuple[str, str, str] | None:
     """(the text a chat template writes from the end of the model's turn to a tool's answer, the text between two
     answers to calls of one turn, the text from the last answer to the model's next turn, the assistant
     reopened), read off the template's rendering of a conversation; None when it renders no tool message."""
-    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MODEL_MARK},
-                {"role": "tool", "content": TOOL_MARK}, {"role": "tool", "content": NEXT_MARK}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a template that refuses a tool role (raise_exception): inline answers
-        return None
-    if not isinstance(text, str) or not re.search(f"{MODEL_MARK}.*{TOOL_MARK}.*{NEXT_MARK}", text, re.S):
-        return None
-    before, _, rest = text.partition(MODEL_MARK)[2].partition(TOOL_MARK)
-    between, _, after = rest.partition(NEXT_MARK)
-    return before, between, after
+    return template_gaps(tokenizer, [{"role": "tool", "content": TOOL_MARK}, {"role": "tool", "content": NEXT_MARK}])
 
 
 def template_user_turn(tokenizer) -> tuple[str, str] | None:
     """(the text a chat template writes from the end of the model's turn to a user message's content, the text from
     that content to the model's next turn), read off its rendering; None when it renders no such conversation."""
-    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MODEL_MARK},
-                {"role": "user", "content": TOOL_MARK}]
+    return template_gaps(tokenizer, [{"role": "user", "content": TOOL_MARK}])
+
+
+def template_gaps(tokenizer, answers: list[dict]) -> tuple[str, ...] | None:
+    """The text a chat template writes between the model's turn and each of `answers` (messages whose contents are
+    marks) and from the last to the model's next turn, read off its rendering of the conversation; None when it
+    refuses the conversation (raise_exception) or leaves a mark out."""
+    messages = [{"role": "user", "content": "u"}, {"role": "assistant", "content": MODEL_MARK}, *answers]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - a template that refuses this conversation: the inline lines
+    except Exception:  # noqa: BLE001 - a template that refuses the roles: the inline forms
         return None
-    if not isinstance(text, str) or not re.search(f"{MODEL_MARK}.*{TOOL_MARK}", text, re.S):
+    marks = [MODEL_MARK] + [m["content"] for m in answers]
+    if not isinstance(text, str) or not re.search(".*".join(marks), text, re.S):
         return None
-    before, _, after = text.partition(MODEL_MARK)[2].partition(TOOL_MARK)
-    return before, after
+    gaps, rest = [], text.partition(MODEL_MARK)[2]
+    for mark in marks[1:]:
+        gap, _, rest = rest.partition(mark)
+        gaps.append(gap)
+    return (*gaps, rest)
 
 
 def turn_ids(tokenizer, parts: list[tuple[str, bool]]) -> list[int]:
