@@ -7,7 +7,7 @@ after every preset, so a sweep cut short keeps what it measured.
     python benchmarks/emulated_vs_sim.py --presets sorted,async --steps 6 --top-up   # more presets, same file
     python benchmarks/emulated_vs_sim.py --bench runs/bench --output FILE   # replay every run of an `rlsys bench`
     python benchmarks/emulated_vs_sim.py --budget-runs runs/emulated_budget/longcot32-2gpu --output FILE
-        # every complete run of benchmarks/emulated_budget.py's folders (PRESET-sSEED)
+        # every complete run of `rlsys bench --budgets`'s folders (PRESET-sSEED)
     python benchmarks/emulated_vs_sim.py --budget-runs runs/emulated_budget/old-2gpu --output FILE --top-up
         # the presets run again there replace theirs in FILE; the other presets' replays are kept
 """
@@ -54,7 +54,7 @@ def complete(run_dir: Path) -> bool:
 
 
 def replay_budget_runs(folders: list[Path], output: str, command: str, top_up: bool = False) -> int:
-    """The simulator beside every complete run of benchmarks/emulated_budget.py's folders (PRESET-sSEED); a run
+    """The simulator beside every complete run of `rlsys bench --budgets`'s folders (PRESET-sSEED); a run
     complete in more than one folder is taken from the last. `top_up`: a preset found there replaces all of its
     seeds in the output, whose other presets are kept (their folders may be gone)."""
     found = {}
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--replay-only", action="store_true", help="simulate the live runs already in --runs again")
     p.add_argument("--bench", help="instead: replay every run of this `rlsys bench` --out-dir")
     p.add_argument("--budget-runs", nargs="+", help="instead: replay every complete run (PRESET-sSEED) of these "
-                   "benchmarks/emulated_budget.py folders, the last folder's where two hold one")
+                   "`rlsys bench --budgets` folders, the last folder's where two hold one")
     p.add_argument("overrides", nargs="*", help="key=value on top of the config")
     args = p.parse_args(argv)
     if args.budget_runs:

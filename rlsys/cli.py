@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import shlex
@@ -20,6 +21,7 @@ EPILOG = """examples:
   rlsys eval runs/tiny                           eval accuracy of a run's exported model (or any HF model dir)
   rlsys plot runs/tiny                           progress.png and timeline.png in the run folder
   rlsys bench --quick --output benchmarks/results/bench_quick.json
+  rlsys bench --instrument --workloads reason --budgets 2 --plan-only   every preset on 2 modelled H100s
   rlsys simulate configs/sim/qwen7b_8k.yaml --output sim.json
   rlsys prepare smollm2                          fetch SmolLM2-135M-Instruct, convert once (configs/smollm2_math.yaml)
 """
@@ -141,6 +143,21 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_bench(parser: argparse.ArgumentParser, args) -> int:
+    """Presets on one workload (rlsys/bench.py), or with --budgets, --workloads or --instrument every preset on
+    budgets of modelled GPUs (rlsys/bench_budget.py); an option of the other kind is refused."""
+    from rlsys import bench, bench_budget
+
+    given = {a.dest for a in parser._actions if a.default is not argparse.SUPPRESS  # set on the command line
+             and getattr(args, a.dest, a.default) not in (a.default, [])}
+    if given & bench_budget.CHOOSING:
+        return bench_budget.run_from_args(args, given)
+    if given & bench_budget.OWN:
+        raise UserError(f"{bench_budget.flags(given & bench_budget.OWN)}: only with --budgets, --workloads or "
+                        "--instrument (every preset on budgets of modelled GPUs)")
+    return bench.run_from_args(args)
+
+
 def cmd_simulate(args) -> int:
     from rlsys.sim.run import run_from_args
 
@@ -190,10 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     p.set_defaults(func=cmd_simulate)
 
-    from rlsys import bench
-    p = sub.add_parser("bench", help="compare presets (sync, tail, sagc, ...) on the same workload, repeated")
+    from rlsys import bench, bench_budget
+    p = sub.add_parser("bench", help="compare presets (sync, tail, sagc, ...) on the same workload, repeated, "
+                       "or on budgets of modelled GPUs")
     bench.add_arguments(p)
-    p.set_defaults(func=bench.run_from_args)
+    bench_budget.add_arguments(p)
+    p.set_defaults(func=functools.partial(cmd_bench, p))
 
     from rlsys.models import smollm2
     p = sub.add_parser("prepare", help="fetch a real pretrained model and convert it once to an HF directory")
@@ -225,6 +244,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
         known = argparse.Namespace(command=args.command, traceback=args.traceback)
         args = command.parse_intermixed_args(argv[argv.index(args.command) + 1:], namespace=known)
+    args.argv = argv  # the words given: a report records its command
     return args
 
 

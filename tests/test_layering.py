@@ -81,7 +81,7 @@ LAYERS = (
     {"rlsys", "config", "errors", "plugins", "placement", "registry", "types", "runs"},  # the schema, shared types
     {"control", "data", "reward", "tools", "models", "weights", "rollout", "trainer", "cluster", "costs", "memory",
      "emulate", "checkpoint", "logger", "step_stats", "friction", "config_reference"},  # the parts
-    {"startup", "evaluate", "plot", "train", "bench", "sim", "cli"},  # assembling the parts, and showing a run
+    {"startup", "evaluate", "plot", "train", "bench", "bench_budget", "sim", "cli"},  # assembling the parts, and showing a run
 )
 
 

@@ -96,7 +96,7 @@ def test_a_replay_counts_every_slot_of_every_engine_in_its_bubble_as_the_live_ru
 
 
 def complete_run(path: Path, overrides: list[str]) -> Path:
-    """run_folder with the metrics of a run that reached its last step, as benchmarks/emulated_budget.py leaves it."""
+    """run_folder with the metrics of a run that reached its last step, as `rlsys bench --budgets` leaves it."""
     path.mkdir(parents=True)
     run_folder(path, overrides)
     step = {"timing/step_s": 2.0, "timing/rollout_s": 1.5, "timing/reward_s": 0.0, "timing/train_s": 0.4,

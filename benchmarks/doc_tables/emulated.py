@@ -1,5 +1,5 @@
 """Tables and prose figures of live runs on the emulated clock (`emulate:`): `rlsys bench`, the equal-budget reruns
-(benchmarks/emulated_budget.py) and the simulator's replays of them (benchmarks/emulated_vs_sim.py)."""
+(`rlsys bench --budgets`, rlsys/bench_budget.py) and the simulator's replays of them (benchmarks/emulated_vs_sim.py)."""
 from __future__ import annotations
 
 from functools import partial
@@ -59,7 +59,7 @@ def emulated_h100_7b() -> str:
 
 
 def emulated_budget_rows(name: str) -> list[list]:
-    """benchmarks/emulated_budget.py's file: every preset on one budget of modelled GPUs, GPU-seconds beside
+    """`rlsys bench --budgets`'s file: every preset on one budget of modelled GPUs, GPU-seconds beside
     the figures, each ratio to sync with its bootstrap 95% interval over the seeds' pairs."""
     j = load(name)
 
@@ -397,7 +397,7 @@ def instrument_difference(d: dict | None) -> str:
 
 
 def instrument_rows(name: str) -> list[list]:
-    """benchmarks/emulated_budget.py --instrument's file: learning per GPU-second against sync's own targets, paired
+    """`rlsys bench --instrument`'s file: learning per GPU-second against sync's own targets, paired
     by seed, then per-token and per-sample speed with the trained length beside them, the bubble and what the
     schedule's trained lengths kept of its generated ones."""
     j = load(name)

@@ -1,4 +1,5 @@
-"""Every preset on one GPU budget (issue 45): the emulated comparison rerun at an equal budget of modelled GPUs.
+"""`rlsys bench --budgets / --workloads / --instrument`: every preset on one GPU budget (issue 45), the emulated
+comparison rerun at an equal budget of modelled GPUs.
 
 Each budget B runs every preset on B modelled H100s (emulate.gpus=B). Colocated (one engine per GPU, the trainer
 on all of them, contending with the engines where they overlap): sync, tail, tail-streamed, sorted,
@@ -15,10 +16,10 @@ start from the file's model, and another CPU warm-starts the tiny model to other
 a machine that builds another model than the file's runs logged is refused before it runs; a run from before
 fingerprints whose step-0 accuracy differs from the file's first run's is kept under `other_start`, left out.
 
-    nice -n 5 python benchmarks/emulated_budget.py --workloads old --budgets 2 --presets sync,tail --seeds 3
-    nice -n 5 python benchmarks/emulated_budget.py --workloads longcot --budgets 2 --presets sync,tail --seeds 2
-    python benchmarks/emulated_budget.py                     # the whole matrix, 5 seeds, skipping what is done
-    python benchmarks/emulated_budget.py --seeds 5 --first-seed 3   # seeds 3 and 4 only, beside another process
+    nice -n 5 rlsys bench --workloads old --budgets 2 --presets sync,tail --seeds 3
+    nice -n 5 rlsys bench --workloads longcot --budgets 2 --presets sync,tail --seeds 2
+    rlsys bench --budgets 2,4                      # the whole matrix, 5 seeds, skipping what is done
+    rlsys bench --budgets 2,4 --seeds 5 --first-seed 3   # seeds 3 and 4 only, beside another process
 
 --instrument: the long runs that judge every schedule by the accuracy it reaches per GPU-second. Each run trains
 --steps (40) steps with an eval every 2 on --eval-size prompts (by default the size whose standard error is a third
@@ -26,11 +27,10 @@ of the smallest target's gap, from the stored sync runs), against targets set fr
 (rlsys.bench.sync_targets); --seeds (3) per preset, 8 for sync and the two best (--preset-seeds). Its files are new:
 benchmarks/results/emulated_budget2_<workload>_<B>gpu.json. A plan of the CPU-hours is printed before any run.
 
-    nice -n 5 python benchmarks/emulated_budget.py --instrument --workloads longcot,reason --budgets 2  # run twice
+    nice -n 5 rlsys bench --instrument --workloads longcot,reason --budgets 2  # run twice
 """
 from __future__ import annotations
 
-import argparse
 import fcntl
 import functools
 import json
@@ -42,17 +42,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time, add_targets,  # noqa: E402
-                         aggregate, budget_gpus, machine, median_of, run_config, run_loaded, same_start, speedups,
+from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time, add_targets, aggregate,
+                         budget_gpus, machine, median_of, run_config, run_loaded, same_start, speedups,
                          started_elsewhere, summarise_run, sync_targets, write_report)
-from rlsys.cli import quiet_libraries  # noqa: E402
-from rlsys.config import Config, ConfigError  # noqa: E402
-from rlsys.models import made_once, prepare_model, weights_fingerprint  # noqa: E402
-from rlsys.startup import load_config  # noqa: E402
+from rlsys.config import Config, ConfigError
+from rlsys.errors import UserError
+from rlsys.models import made_once, prepare_model, weights_fingerprint
+from rlsys.startup import load_config
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"  # the repository's; not installed
 # name -> config; every run as long as the stored emulated table's (its overrides and target); time to target is
 # interpolated between evals
 # (old: the default task mix; longcot: cot_sum, whose answers lengthen as the policy learns, long-CoT RL's shape)
@@ -143,7 +141,7 @@ def seed_counts(presets: list[str], seeds: int, overrides: str) -> dict[str, int
     for item in filter(None, overrides.split(",")):
         preset, _, count = item.partition("=")
         if not count.isdigit():
-            raise SystemExit(f"--preset-seeds: {item!r} is not PRESET=COUNT")
+            raise UserError(f"--preset-seeds: {item!r} is not PRESET=COUNT")
         if preset in counts:
             counts[preset] = int(count)
     return counts
@@ -295,80 +293,6 @@ def started_run(cfg: Config, tries: int = 5) -> list[dict]:
             time.sleep(10)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--budgets", default="2,4")
-    p.add_argument("--presets", default=",".join(COLOCATED + list(SPLIT)))
-    p.add_argument("--seeds", type=int, help=f"seeds first-seed .. seeds-1 (default 5; --instrument: {SEEDS})")
-    p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--out-dir", default="runs/emulated_budget")
-    p.add_argument("--instrument", action="store_true", help="the long runs against sync's own targets: new files "
-                   "emulated_budget2_<workload>_<B>gpu.json")
-    p.add_argument("--steps", type=int, default=40, help="--instrument: steps per run (default 40)")
-    p.add_argument("--eval-size", type=int, help="--instrument: eval prompts (default: eval_size_for's)")
-    p.add_argument("--preset-seeds", default=PRESET_SEEDS,
-                   help=f"--instrument: seeds of the presets that run more than --seeds (default {PRESET_SEEDS})")
-    p.add_argument("--results-dir", default=str(RESULTS), help="where the results files are (default: the stored)")
-    p.add_argument("--plan-only", action="store_true", help="print the plan and run nothing")
-    args = p.parse_args()
-    quiet_libraries()  # before Ray and DeepSpeed load: their notices off, as in every rlsys command
-    command = "python benchmarks/emulated_budget.py " + " ".join(sys.argv[1:])
-    presets = args.presets.split(",")
-    seeds = args.seeds or (SEEDS if args.instrument else 5)
-    counts = seed_counts(presets, seeds, args.preset_seeds if args.instrument else "")
-    matrix = []  # (workload, budget, its file, its overrides)
-    for name in args.workloads.split(","):
-        config, short = WORKLOADS[name]
-        for gpus in map(int, args.budgets.split(",")):
-            if args.instrument:
-                size, how = (args.eval_size, f"{name}: --eval-size {args.eval_size}") if args.eval_size else \
-                    eval_size_for(name, gpus)
-                print(f"[budget] eval size {how}", flush=True)
-                short = instrument_overrides(args.steps, size)
-            prefix = "emulated_budget2" if args.instrument else "emulated_budget"
-            matrix.append((name, gpus, Path(args.results_dir) / f"{prefix}_{name}_{gpus}gpu.json", short))
-    refusals = {(name, gpus): refused(WORKLOADS[name][0], short, presets, gpus) for name, gpus, _, short in matrix}
-    print_plan(matrix, presets, counts, args.first_seed, refusals)
-    if args.plan_only:
-        return 0
-    for name, gpus, path, short in matrix:
-        config = WORKLOADS[name][0]
-        kept = [p for p in presets if p not in refusals[name, gpus]]
-        workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
-                    "layouts": {preset: layout(preset, gpus) for preset in kept},
-                    "refused": refusals[name, gpus]}
-        runs = json.loads(path.read_text())["runs"] if path.exists() else {}
-        start = start_model(path, config, short) if args.instrument else None
-        why = (other_start_model(runs, start) if start else
-               started_elsewhere([first_run(runs)] if runs else [], load_config(config, short)))
-        if why:
-            print(f"[budget] {path}: {why}. Measure the file again whole here (move it aside first), or add to "
-                  "it on the machine that measured it.", file=sys.stderr, flush=True)
-            return 2
-        # seeds outermost: every preset's first seeds before anyone's fifth
-        for seed in range(args.first_seed, max(counts.values())):
-            for preset in (p for p in kept if seed < counts[p]):
-                if not claimed(path, preset, seed):  # done, or another process runs it
-                    continue
-                overrides = short + layout(preset, gpus) + [f"seed={seed}"] + ([f"model.path={start}"] if start else [])
-                started = time.time()
-                run_dir = Path(args.out_dir) / f"{path.stem}" / f"{preset}-s{seed}"
-                run_cfg = run_config(config, overrides, run_dir)
-                summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
-                runs = record(path, workload, preset,
-                              {**summary, "seed": seed, "wall_clock_s": time.time() - started}, command)
-                first = first_run(runs)
-                if not same_start(summary, first):
-                    print(f"[budget] {path.name}: {preset} seed {seed} started from another model than the "
-                          f"file's first run (step-0 accuracy {summary['initial_accuracy']} against "
-                          f"{first['initial_accuracy']}): kept under other_start, left out of the "
-                          "figures; measure the file again whole on one machine", file=sys.stderr, flush=True)
-                print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
-                      f"final accuracy {summary['final_accuracy']}", flush=True)
-    return 0
-
-
 def start_model(path: Path, config: str, short: list[str]) -> Path:
     """The model every run of the results file `path` starts from, kept beside it: start_models/<its stem>, a copy
     of this machine's build when the file has none. Named only by a fingerprint, a file could grow on one machine
@@ -424,5 +348,93 @@ def print_plan(matrix: list[tuple], presets: list[str], counts: dict[str, int], 
           "where the machine keeps both emulating: a run that overran is named in not_emulating)", flush=True)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+# `rlsys bench`'s options: those that choose the budget matrix, its own, and the single workload's it refuses
+CHOOSING = {"workloads", "budgets", "instrument"}
+OWN = CHOOSING | {"seeds", "first_seed", "steps", "eval_size", "preset_seeds", "results_dir", "plan_only"}
+BENCH_ONLY = {"items", "repeats", "target", "vary_seed", "quick", "output", "top_up"}
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("every preset on budgets of modelled GPUs", "chosen by --budgets, --workloads or "
+                             "--instrument; there --presets defaults to every colocated and split preset and "
+                             "--out-dir to runs/emulated_budget")
+    g.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)} (default: all)")
+    g.add_argument("--budgets", default="2,4", help="modelled H100s, one results file each (default 2,4)")
+    g.add_argument("--seeds", type=int, help=f"seeds first-seed .. seeds-1 (default 5; --instrument: {SEEDS})")
+    g.add_argument("--first-seed", type=int, default=0)
+    g.add_argument("--instrument", action="store_true", help="the long runs against sync's own targets: new files "
+                   "emulated_budget2_<workload>_<B>gpu.json")
+    g.add_argument("--steps", type=int, default=40, help="--instrument: steps per run (default 40)")
+    g.add_argument("--eval-size", type=int, help="--instrument: eval prompts (default: eval_size_for's)")
+    g.add_argument("--preset-seeds", default=PRESET_SEEDS,
+                   help=f"--instrument: seeds of the presets that run more than --seeds (default {PRESET_SEEDS})")
+    g.add_argument("--results-dir", default=str(RESULTS), help="where the results files are (default: the stored)")
+    g.add_argument("--plan-only", action="store_true", help="print the plan and run nothing")
+
+
+def flags(dests: set[str]) -> str:
+    return ", ".join("a config or overrides" if d == "items" else "--" + d.replace("_", "-") for d in sorted(dests))
+
+
+def run_from_args(args, given: set[str]) -> int:
+    """The matrix, `given` the options the command line set; `args.argv` its words, recorded as its command."""
+    if given & BENCH_ONLY:
+        raise UserError(f"{flags(given & BENCH_ONLY)}: not with {flags(given & CHOOSING)}, which runs every preset "
+                        "on the workloads' own configs")
+    command = "rlsys " + " ".join(args.argv)
+    presets = (args.presets if "presets" in given else ",".join(COLOCATED + list(SPLIT))).split(",")
+    out_dir = Path(args.out_dir if "out_dir" in given else "runs/emulated_budget")
+    seeds = args.seeds or (SEEDS if args.instrument else 5)
+    counts = seed_counts(presets, seeds, args.preset_seeds if args.instrument else "")
+    matrix = []  # (workload, budget, its file, its overrides)
+    for name in args.workloads.split(","):
+        if name not in WORKLOADS:
+            raise UserError(f"--workloads: unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+        config, short = WORKLOADS[name]
+        for gpus in map(int, args.budgets.split(",")):
+            if args.instrument:
+                size, how = (args.eval_size, f"{name}: --eval-size {args.eval_size}") if args.eval_size else \
+                    eval_size_for(name, gpus)
+                print(f"[budget] eval size {how}", flush=True)
+                short = instrument_overrides(args.steps, size)
+            prefix = "emulated_budget2" if args.instrument else "emulated_budget"
+            matrix.append((name, gpus, Path(args.results_dir) / f"{prefix}_{name}_{gpus}gpu.json", short))
+    refusals = {(name, gpus): refused(WORKLOADS[name][0], short, presets, gpus) for name, gpus, _, short in matrix}
+    print_plan(matrix, presets, counts, args.first_seed, refusals)
+    if args.plan_only:
+        return 0
+    for name, gpus, path, short in matrix:
+        config = WORKLOADS[name][0]
+        kept = [p for p in presets if p not in refusals[name, gpus]]
+        workload = {"config": config, "overrides": short, "target": TARGET, "gpus": gpus,
+                    "layouts": {preset: layout(preset, gpus) for preset in kept},
+                    "refused": refusals[name, gpus]}
+        runs = json.loads(path.read_text())["runs"] if path.exists() else {}
+        start = start_model(path, config, short) if args.instrument else None
+        why = (other_start_model(runs, start) if start else
+               started_elsewhere([first_run(runs)] if runs else [], load_config(config, short)))
+        if why:
+            print(f"[budget] {path}: {why}. Measure the file again whole here (move it aside first), or add to "
+                  "it on the machine that measured it.", file=sys.stderr, flush=True)
+            return 2
+        # seeds outermost: every preset's first seeds before anyone's fifth
+        for seed in range(args.first_seed, max(counts.values())):
+            for preset in (p for p in kept if seed < counts[p]):
+                if not claimed(path, preset, seed):  # done, or another process runs it
+                    continue
+                overrides = short + layout(preset, gpus) + [f"seed={seed}"] + ([f"model.path={start}"] if start else [])
+                started = time.time()
+                run_dir = out_dir / f"{path.stem}" / f"{preset}-s{seed}"
+                run_cfg = run_config(config, overrides, run_dir)
+                summary = summarise_run(started_run(run_cfg), Target.parse(TARGET), budget_gpus(run_cfg))
+                runs = record(path, workload, preset,
+                              {**summary, "seed": seed, "wall_clock_s": time.time() - started}, command)
+                first = first_run(runs)
+                if not same_start(summary, first):
+                    print(f"[budget] {path.name}: {preset} seed {seed} started from another model than the "
+                          f"file's first run (step-0 accuracy {summary['initial_accuracy']} against "
+                          f"{first['initial_accuracy']}): kept under other_start, left out of the "
+                          "figures; measure the file again whole on one machine", file=sys.stderr, flush=True)
+                print(f"[budget] {name} {gpus} GPUs {preset} seed {seed}: {time.time() - started:.0f} s, "
+                      f"final accuracy {summary['final_accuracy']}", flush=True)
+    return 0

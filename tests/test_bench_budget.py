@@ -1,19 +1,18 @@
-"""benchmarks/emulated_budget.py's results file: processes filling other seeds of one matrix keep each other's runs."""
-import importlib.util
+"""`rlsys bench --budgets / --instrument`'s results file (rlsys/bench_budget.py): processes filling other seeds of one
+matrix keep each other's runs."""
 import json
 import multiprocessing
 from pathlib import Path
 
+import pytest
+
+from rlsys import bench_budget
+from rlsys.bench import same_start
+from rlsys.cli import main
+from rlsys.errors import UserError
 from helpers import SMALL_MODEL_OVERRIDES
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def budget_module():
-    spec = importlib.util.spec_from_file_location("emulated_budget", ROOT / "benchmarks" / "emulated_budget.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # real runs, one per seed: sync's five on cot_sum at two modelled GPUs
@@ -21,9 +20,8 @@ STORED = json.loads((ROOT / "benchmarks" / "results" / "emulated_budget_longcot_
 
 
 def record_seeds(path: str, seeds: list[int]) -> None:
-    module = budget_module()
     for seed in seeds:
-        module.record(Path(path), {"gpus": 2}, "sync", next(r for r in STORED if r["seed"] == seed), "cmd")
+        bench_budget.record(Path(path), {"gpus": 2}, "sync", next(r for r in STORED if r["seed"] == seed), "cmd")
 
 
 def test_two_processes_recording_other_seeds_of_one_file_keep_every_run(tmp_path):
@@ -41,19 +39,19 @@ def test_two_processes_recording_other_seeds_of_one_file_keep_every_run(tmp_path
 
 
 def test_the_file_keeps_one_order_of_presets_whichever_was_recorded_first(tmp_path):
-    module, path = budget_module(), tmp_path / "emulated_budget_x_2gpu.json"
+    path = tmp_path / "emulated_budget_x_2gpu.json"
     for preset in ("async-split", "sagc", "sync", "tail"):
-        module.record(path, {"gpus": 2}, preset, STORED[0], "cmd")
+        bench_budget.record(path, {"gpus": 2}, preset, STORED[0], "cmd")
     report = json.loads(path.read_text())
     assert list(report["runs"]) == list(report["results"]) == ["sync", "tail", "sagc", "async-split"]
 
 
 def test_every_preset_reports_its_accuracy_at_the_equal_time_the_file_now_has(tmp_path):
     """The run just added is scored at the file's equal time before its preset is aggregated, as `rlsys bench` does."""
-    module, path = budget_module(), tmp_path / "emulated_budget_x_2gpu.json"
+    path = tmp_path / "emulated_budget_x_2gpu.json"
     fresh = [{k: v for k, v in r.items() if k != "accuracy_at_equal_time"} for r in STORED[:2]]
-    module.record(path, {"gpus": 2}, "sync", fresh[0], "cmd")
-    module.record(path, {"gpus": 2}, "tail", dict(fresh[1], seed=fresh[0]["seed"]), "cmd")
+    bench_budget.record(path, {"gpus": 2}, "sync", fresh[0], "cmd")
+    bench_budget.record(path, {"gpus": 2}, "tail", dict(fresh[1], seed=fresh[0]["seed"]), "cmd")
     report = json.loads(path.read_text())
     for preset in ("sync", "tail"):
         [run] = report["runs"][preset]
@@ -67,27 +65,26 @@ def with_start(run: dict, **start) -> dict:
 def test_a_run_from_another_starting_model_is_kept_but_left_out_of_the_figures(tmp_path):
     """Rows started from another warm-started model (another machine's CPU built other weights) would compare
     two starting points, not two schedules: the file keeps them under other_start, outside every figure."""
-    module, path = budget_module(), tmp_path / "emulated_budget_x_2gpu.json"
+    path = tmp_path / "emulated_budget_x_2gpu.json"
     # as runs from before fingerprints, which only their step-0 accuracy tells apart
     sync = [with_start(r, model_fingerprint=None) for r in sorted(STORED, key=lambda r: r["seed"])[:2]]
     for run in sync:
-        module.record(path, {"gpus": 2}, "sync", run, "cmd")
+        bench_budget.record(path, {"gpus": 2}, "sync", run, "cmd")
     moved = with_start(sync[0], initial_accuracy=sync[0]["initial_accuracy"] + 0.014)
-    report_runs = module.record(path, {"gpus": 2}, "tail", moved, "cmd")
+    report_runs = bench_budget.record(path, {"gpus": 2}, "tail", moved, "cmd")
     report = json.loads(path.read_text())
     assert report["other_start"] == [["tail", sync[0]["seed"]]] and len(report_runs["tail"]) == 1
     assert "tail" not in report["results"] and "tail" not in report["speedup_vs_sync"]
-    module.record(path, {"gpus": 2}, "tail", sync[1], "cmd")
+    bench_budget.record(path, {"gpus": 2}, "tail", sync[1], "cmd")
     report = json.loads(path.read_text())
     assert report["results"]["tail"]["repeats"] == 1 and report["other_start"] == [["tail", sync[0]["seed"]]]
 
 
 def test_fingerprints_decide_where_both_runs_logged_one():
-    module = budget_module()
     a = {"model_fingerprint": "a" * 16, "initial_accuracy": 0.4}
-    assert module.same_start(a, {**a, "initial_accuracy": 0.5})  # one model, scored on another CPU
-    assert not module.same_start(a, {**a, "model_fingerprint": "b" * 16})
-    assert module.same_start(a, {"initial_accuracy": 0.4}) and not module.same_start(a, {"initial_accuracy": 0.5})
+    assert same_start(a, {**a, "initial_accuracy": 0.5})  # one model, scored on another CPU
+    assert not same_start(a, {**a, "model_fingerprint": "b" * 16})
+    assert same_start(a, {"initial_accuracy": 0.4}) and not same_start(a, {"initial_accuracy": 0.5})
 
 
 def test_runs_from_another_machines_model_are_refused_before_any_run(tmp_path):
@@ -109,42 +106,40 @@ def test_runs_from_another_machines_model_are_refused_before_any_run(tmp_path):
 
 def test_every_stored_budget_file_measured_one_starting_model():
     """A file's ratios compare schedules only if its runs began alike; its sync is the reference (report_of)."""
-    module = budget_module()
     for path in sorted((ROOT / "benchmarks" / "results").glob("emulated_budget_*gpu.json")):
         if "_vs_sim_" in path.name:
             continue
         runs = json.loads(path.read_text())["runs"]
-        first = module.first_run(runs)
-        assert all(module.same_start(r, first) for v in runs.values() for r in v), path.name
+        first = bench_budget.first_run(runs)
+        assert all(same_start(r, first) for v in runs.values() for r in v), path.name
 
 
 def test_a_run_is_claimed_by_one_process_until_recorded_and_a_dead_processs_claim_is_taken_over(tmp_path):
     """Two processes given the same --instrument command share the matrix: neither starts a run the other holds."""
-    module, path = budget_module(), tmp_path / "emulated_budget2_x_2gpu.json"
-    assert module.claimed(path, "sync", 0)
+    path = tmp_path / "emulated_budget2_x_2gpu.json"
+    assert bench_budget.claimed(path, "sync", 0)
     other = multiprocessing.get_context("spawn").Process(target=claim_in_another_process, args=(str(path),))
     other.start()
     other.join(timeout=120)
     assert other.exitcode == 0  # it found sync seed 0 held by this live process, and took seed 1
-    assert module.read_claims(path) == {"sync/0": __import__("os").getpid(), "sync/1": other.pid}
-    assert module.claimed(path, "sync", 1)  # its process has ended: the claim is free again
-    module.record(path, {"gpus": 2}, "sync", dict(STORED[0], seed=0), "cmd")
-    assert not module.claimed(path, "sync", 0) and "sync/0" not in module.read_claims(path)  # done, claim dropped
+    assert bench_budget.read_claims(path) == {"sync/0": __import__("os").getpid(), "sync/1": other.pid}
+    assert bench_budget.claimed(path, "sync", 1)  # its process has ended: the claim is free again
+    bench_budget.record(path, {"gpus": 2}, "sync", dict(STORED[0], seed=0), "cmd")
+    assert not bench_budget.claimed(path, "sync", 0) and "sync/0" not in bench_budget.read_claims(path)  # done, claim dropped
 
 
 def claim_in_another_process(path: str) -> None:
-    module = budget_module()
-    assert not module.claimed(Path(path), "sync", 0) and module.claimed(Path(path), "sync", 1)
+    assert not bench_budget.claimed(Path(path), "sync", 0) and bench_budget.claimed(Path(path), "sync", 1)
 
 
 def test_the_instrument_runs_more_seeds_of_the_presets_named_and_pairs_by_seed(tmp_path):
-    module, path = budget_module(), tmp_path / "emulated_budget2_x_2gpu.json"
-    assert module.seed_counts(["sync", "tail", "sorted-partial"], 3, module.PRESET_SEEDS) == {
+    path = tmp_path / "emulated_budget2_x_2gpu.json"
+    assert bench_budget.seed_counts(["sync", "tail", "sorted-partial"], 3, bench_budget.PRESET_SEEDS) == {
         "sync": 8, "tail": 3, "sorted-partial": 8}
     for run in STORED:  # sync's five seeds, and tail's on two of them, recorded out of order
-        module.record(path, {"gpus": 2}, "sync", run, "cmd")
+        bench_budget.record(path, {"gpus": 2}, "sync", run, "cmd")
     for seed in (3, 1):
-        module.record(path, {"gpus": 2}, "tail", next(r for r in STORED if r["seed"] == seed), "cmd")
+        bench_budget.record(path, {"gpus": 2}, "tail", next(r for r in STORED if r["seed"] == seed), "cmd")
     report = json.loads(path.read_text())
     tail = report["speedup_vs_sync"]["tail"]
     assert tail["pairs"] == 2 and tail["per_sample"] == 1.0  # each tail run met its own seed's sync run
@@ -158,34 +153,31 @@ def test_the_instruments_eval_size_resolves_the_smallest_target_to_a_third_of_it
 
     from rlsys.bench import sync_targets
 
-    module = budget_module()
-    size, how = module.eval_size_for("longcot", 2)
+    size, how = bench_budget.eval_size_for("longcot", 2)
     start = statistics.median(r["eval_curve"][0][1] for r in STORED)
     p = statistics.median(r["eval_curve"][-1][1] for r in STORED)
     gap = sync_targets(STORED)["gain_25"] - start
-    assert module.EVAL_SIZES[0] <= size <= module.EVAL_SIZES[1] and math.sqrt(p * (1 - p) / size) <= gap / 3
-    assert math.sqrt(p * (1 - p) / (size - 1)) > gap / 3 or size == module.EVAL_SIZES[0]  # no larger than needed
+    assert bench_budget.EVAL_SIZES[0] <= size <= bench_budget.EVAL_SIZES[1] and math.sqrt(p * (1 - p) / size) <= gap / 3
+    assert math.sqrt(p * (1 - p) / (size - 1)) > gap / 3 or size == bench_budget.EVAL_SIZES[0]  # no larger than needed
     assert "emulated_budget_longcot_2gpu.json" in how
 
 
-def plan_of(budgets: str, presets: str, results_dir, capsys, monkeypatch) -> str:
-    """What `--instrument --plan-only` prints for the longcot workload."""
-    monkeypatch.setattr("sys.argv", ["emulated_budget.py", "--instrument", "--workloads", "longcot", "--budgets", budgets,
-                                     "--presets", presets, "--results-dir", str(results_dir), "--plan-only"])
-    assert budget_module().main() == 0
+def plan_of(budgets: str, presets: str, results_dir, capsys) -> str:
+    """What `rlsys bench --instrument --plan-only` prints for the longcot workload."""
+    assert main(["bench", "--instrument", "--workloads", "longcot", "--budgets", budgets, "--presets", presets,
+                 "--results-dir", str(results_dir), "--plan-only"]) == 0
     return capsys.readouterr().out
 
 
-def test_the_plan_counts_the_runs_left_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    out = plan_of("2", "sync,tail", tmp_path, capsys, monkeypatch)
+def test_the_plan_counts_the_runs_left_and_writes_nothing(tmp_path, capsys):
+    out = plan_of("2", "sync,tail", tmp_path, capsys)
     assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "tail 3 x" in out
     assert "[budget] plan: 11 runs" in out and list(tmp_path.iterdir()) == []
 
 
-def test_a_preset_whose_trainer_cannot_fit_its_gpus_is_named_refused_and_planned_for_nothing(tmp_path, capsys,
-                                                                                              monkeypatch):
+def test_a_preset_whose_trainer_cannot_fit_its_gpus_is_named_refused_and_planned_for_nothing(tmp_path, capsys):
     """At two modelled GPUs a split layout leaves Qwen2.5-7B's Adam states one H100: refused, not run."""
-    out = plan_of("2,4", "sync,async-split", tmp_path, capsys, monkeypatch)
+    out = plan_of("2,4", "sync,async-split", tmp_path, capsys)
     assert "async-split on 2 GPUs refused" in out and "needs 125 GB" in out
     assert "async-split on 4 GPUs refused" not in out
     assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "async-split 3 x" in out  # the 4-GPU file's
@@ -196,19 +188,31 @@ def test_an_instrument_file_carries_its_start_model_so_any_machine_adds_to_it(tm
     from rlsys.models import prepare_model, weights_fingerprint
     from rlsys.startup import load_config
 
-    module = budget_module()
     config = str(ROOT / "configs" / "tiny.yaml")
     short = [*SMALL_MODEL_OVERRIDES, "model.warm_start.steps=0", f"model.cache_dir={tmp_path / 'cache'}"]
     path = tmp_path / "emulated_budget2_x_2gpu.json"
-    start = module.start_model(path, config, short)
+    start = bench_budget.start_model(path, config, short)
     assert start == tmp_path / "start_models" / path.stem
     here = weights_fingerprint(start)
     assert here == weights_fingerprint(prepare_model(load_config(config, short)))
     (tmp_path / "cache").rename(tmp_path / "another_machine")  # the copy is used, not this machine's build
-    assert module.start_model(path, config, short) == start and not (tmp_path / "cache").exists()
+    assert bench_budget.start_model(path, config, short) == start and not (tmp_path / "cache").exists()
     run = load_config(config, short + [f"model.path={start}"])
     assert weights_fingerprint(prepare_model(run)) == here
-    assert module.other_start_model({}, start) is None
-    assert module.other_start_model({"sync": [{"model_fingerprint": here}]}, start) is None
-    why = module.other_start_model({"sync": [{"model_fingerprint": "0" * 16}]}, start)
+    assert bench_budget.other_start_model({}, start) is None
+    assert bench_budget.other_start_model({"sync": [{"model_fingerprint": here}]}, start) is None
+    why = bench_budget.other_start_model({"sync": [{"model_fingerprint": "0" * 16}]}, start)
     assert "0" * 16 in why and here in why
+
+
+def test_the_matrix_and_the_single_workload_bench_refuse_each_others_options(tmp_path, capsys):
+    """One `rlsys bench`: --budgets, --workloads or --instrument choose the matrix, whose workloads have their own
+    configs; the options of one are refused, naming them, by the other."""
+    with pytest.raises(UserError, match="--repeats, --target: not with --budgets"):
+        main(["bench", "--budgets", "2", "--repeats", "3", "--target", "+0.1", "--traceback"])
+    with pytest.raises(UserError, match="a config or overrides: not with --instrument"):
+        main(["bench", "--instrument", "trainer.total_steps=3", "--traceback"])
+    with pytest.raises(UserError, match="--seeds: only with --budgets, --workloads or --instrument"):
+        main(["bench", "--seeds", "3", "--traceback"])
+    assert main(["bench", "--instrument", "--workloads", "nope"]) == 2
+    assert "unknown workload 'nope'; known: old, longcot" in capsys.readouterr().err
