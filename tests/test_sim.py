@@ -13,7 +13,7 @@ from rlsys.control.metrics import bubble_ratio
 from rlsys.control.scheduler import GroupBuilder, Scheduler
 from rlsys.costs import GPUS, MODELS, EngineCost
 from rlsys.sim.config import RewardSpec, SchedulerRun, WorkloadSpec, load_sim_config
-from rlsys.sim.engine import SimEngine, SimRequest, slot_seconds_at
+from rlsys.sim.engine import SimEngine, SimRequest, SlotMark, slot_seconds_at
 from rlsys.sim.run import format_table, main, simulate
 from rlsys.sim.simulator import Simulation
 from rlsys.sim.workload import SampleDraw, Workload
@@ -121,6 +121,29 @@ def test_slot_seconds_read_at_a_time_equal_running_the_engines_to_it():
     assert read == (10.0 + sum(e.busy_slot_s for e in engines), 20.0 + sum(e.slots * e.alloc_s for e in engines))
     assert read[0] == pytest.approx(10.0 + 2.0 * 2 + 4 * 2.0)  # min(running, slots) x seconds; the paused one idle
 
+
+
+def test_slot_mark_reads_what_the_engines_held_at_the_mark_after_they_ran_past_it():
+    """The last finish's count, taken lazily: engines that ran on past the mark (a batch changed, a pause) keep
+    their count at it, the others are read at the end; the sum is the one read at the mark, to the bit."""
+    cost = EngineCost.build(MODELS["qwen2.5-7b"], GPUS["h100"], 1)
+    mark = SlotMark()
+    engines = [SimEngine(i, cost, max_seqs=8, watermark=0.0, slots=4) for i in range(3)]
+    request = lambda k: SimRequest(f"r{k}", Prompt(f"p{k}", "", ""), 100, SampleDraw(5000, False, 1.0, 0.0), 0.0)  # noqa: E731
+    for engine, running in zip(engines, (2, 6, 0)):
+        engine.mark = mark
+        for k in range(running):
+            engine.enqueue(request(k))
+        engine.settle(0.0)
+    engines[1].advance_to(0.7)
+    then = slot_seconds_at(engines, 1.0, 3.0, 4.0)
+    mark.set(1.0, engines, 3.0, 4.0)
+    engines[0].advance_to(1.5)
+    engines[0].enqueue(request(9))
+    engines[0].settle(1.5)
+    engines[2].pause(1.2, 3.0)
+    engines[1].advance_to(2.5)
+    assert mark.read() == then
 
 def test_kv_full_engine_preempts_and_still_finishes_everything():
     cfg = small(engine={"memory_fraction": 0.06}, workload={"max_tokens": 4096, "median_tokens": 2000},

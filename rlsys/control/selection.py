@@ -154,7 +154,7 @@ def version_counts(versions) -> Counter:
     """{policy version: tokens} of a sample's per-token versions (a list, or Runs as the simulator's are)."""
     counts: Counter = Counter()
     for version, n in run_lengths(versions):
-        counts[version] += n
+        counts[version] = counts.get(version, 0) + n  # not +=: a missing key's __missing__ is a Python call
     return counts
 
 
@@ -164,13 +164,17 @@ def dropped_by_decile(generated: dict[int, int], dropped: dict[int, int]) -> lis
     n = sum(generated.values())
     bounds = [n * k / DECILES for k in range(DECILES + 1)]
     total, cut = [0.0] * DECILES, [0.0] * DECILES
-    rank = 0
+    rank, k0 = 0, 0
     for length in sorted(generated):
         g = generated[length]
-        for k in range(DECILES):
+        while k0 < DECILES - 1 and bounds[k0 + 1] <= rank:  # the deciles before this rank are done
+            k0 += 1
+        k = k0
+        while k < DECILES and bounds[k] < rank + g:  # the deciles these samples reach
             part = min(rank + g, bounds[k + 1]) - max(rank, bounds[k])
             if part > 0:
                 total[k] += part
                 cut[k] += dropped.get(length, 0) * part / g
+            k += 1
         rank += g
     return [c / t if t else 0.0 for c, t in zip(cut, total)]

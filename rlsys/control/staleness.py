@@ -52,6 +52,7 @@ class AsyncScheduler(Scheduler):
         self.group_size = 0
         self.running: dict[str, AdmittedPrompt] = {}  # request id -> its prompt
         self.ready: list[AdmittedPrompt] = []  # complete groups, in finish order
+        self.ready_due = Counter()  # deadline -> groups in `ready`
         self.due = Counter()  # deadline -> prompts admitted and not yet trained or dropped
         self.restored: list[Prompt] = []  # open prompts of a checkpoint, to regenerate at start
         self.training = False  # a Train is out and its on_trained has not come back
@@ -78,6 +79,7 @@ class AsyncScheduler(Scheduler):
             self.due[entry.deadline] -= 1
             return self._fill()
         self.ready.append(entry)
+        self.ready_due[entry.deadline] += 1
         return self._train()
 
     def on_abort(self, completion: Completion, now: float) -> list[Action]:
@@ -114,16 +116,18 @@ class AsyncScheduler(Scheduler):
     def _train(self) -> list[Action]:
         if self.training or len(self.ready) < self.batch:
             return []
-        take = sorted(self.ready, key=lambda e: e.deadline)[: self.batch]  # stable: finish order kept
-        left = self.due - Counter(e.deadline for e in take)
+        taken = earliest(self.ready_due, self.batch)  # the Train's deadlines, counted before any sorting: it may wait
+        left = self.due - taken
         owed = 0
         for deadline in sorted(left):  # groups due by `deadline` must fit in the Trains after this one
             owed += left[deadline]
             if owed > (deadline - self.version) * self.batch:
                 self.counts["deadline_waits"] += 1
                 return []
+        take = sorted(self.ready, key=lambda e: e.deadline)[: self.batch]  # stable: finish order kept
         chosen = {id(e) for e in take}
         self.ready = [e for e in self.ready if id(e) not in chosen]
+        self.ready_due -= taken
         self.due = left
         self.training = True
         self.ledger.train(len(take))
@@ -168,6 +172,17 @@ class AsyncScheduler(Scheduler):
         super().load_state_dict(state)
         s = state["async"]
         self.restored = [Prompt(**p) for p in s["open"]]
-        self.running, self.ready, self.due, self.training = {}, [], Counter(), False
+        self.running, self.ready, self.ready_due, self.due, self.training = {}, [], Counter(), Counter(), False
         self.counts = Counter(s["counts"])
         self.lag_sum, self.lag_samples, self.lag_max = s["lag"]
+
+
+def earliest(due: Counter, n: int) -> Counter:
+    """deadline -> groups among the n earliest due of `due` (deadline -> groups)."""
+    taken = Counter()
+    for deadline in sorted(due):
+        if n <= 0:
+            break
+        taken[deadline] = min(due[deadline], n)
+        n -= taken[deadline]
+    return taken

@@ -63,6 +63,8 @@ class SimEngine:
         self.preemptions = 0
         self.recomputed_tokens = 0.0  # prompt + generated tokens of preempted sequences, prefilled again
         self.decode_spans: Optional[list[tuple[float, float]]] = None  # a list: record when it decoded (tests)
+        self.mark: Optional[SlotMark] = None  # the simulator's, shared by its engines
+        self.held_stamp, self.held = -1, (0.0, 0.0)  # slot_seconds at the mark of that stamp, once run past it
 
     @property
     def load(self) -> int:
@@ -76,6 +78,9 @@ class SimEngine:
         """Run until time t with the current batch (no internal event may fall before t)."""
         if t <= self.clock:
             return
+        mark = self.mark
+        if mark is not None and t > mark.t and self.held_stamp != mark.stamp:  # leaving the mark behind: keep its read
+            self.held_stamp, self.held = mark.stamp, self.slot_seconds(mark.t)
         if self.clock < self.paused_until:  # not allocated to rollout: no progress, no accounting
             self.clock = min(t, self.paused_until)
             if t <= self.clock:
@@ -107,6 +112,15 @@ class SimEngine:
                 self.decode_spans.append((self.clock, t))
             self.kv_token_s += (kv0 + self.n * step / 2) * dt
         self.clock = t
+
+    def slot_seconds(self, t: float) -> tuple[float, float]:
+        """(busy, allocated) slot-seconds up to t (not before the clock), as advance_to(t) would count them, without
+        running to t: the batch does not change between events."""
+        span = t - (self.clock if self.clock >= self.paused_until else self.paused_until)
+        if span < 0.0:
+            span = 0.0
+        return (self.busy_slot_s + (self.n if self.n < self.slots else self.slots) * span,
+                self.slots * (self.alloc_s + span))
 
     def step_and_growth(self, kv: float) -> tuple[float, float]:
         """A decode step's time now, over `kv` live tokens, and its growth a step; a padded engine reads the
@@ -262,14 +276,37 @@ class SimEngine:
 
 def slot_seconds_at(engines, t: float, busy: float = 0.0, allocated: float = 0.0) -> tuple[float, float]:
     """(busy, allocated) slot-seconds of `engines` up to t, added to `busy` and `allocated`, as advance_to(t)
-    would count them, without running them to t. One loop without calls: it runs at every sample's finish."""
+    would count them, without running them to t."""
     for e in engines:
-        span = t - (e.clock if e.clock >= e.paused_until else e.paused_until)
-        if span < 0.0:
-            span = 0.0
-        busy += e.busy_slot_s + (e.n if e.n < e.slots else e.slots) * span
-        allocated += e.slots * (e.alloc_s + span)
+        b, a = e.slot_seconds(t)
+        busy += b
+        allocated += a
     return busy, allocated
+
+
+class SlotMark:
+    """A moment whose slot-seconds may be asked for later: the last sample's finish, where a rollout window closes if
+    no other sample finishes before the Train. Read at every finish, they would cost a loop over the engines each
+    time; instead each engine keeps its own read at the mark when it first runs past it (SimEngine.advance_to), and
+    `read` takes the rest as they stand: nothing changes an engine's count up to the mark but running past it."""
+    __slots__ = ("t", "stamp", "engines", "busy", "allocated")
+
+    def __init__(self):
+        self.t, self.stamp, self.engines, self.busy, self.allocated = math.inf, 0, [], 0.0, 0.0
+
+    def set(self, t: float, engines: list, busy: float = 0.0, allocated: float = 0.0) -> None:
+        """Mark t over `engines` (each must carry this mark), their counts added to `busy` and `allocated`."""
+        self.t, self.engines, self.busy, self.allocated = t, engines, busy, allocated
+        self.stamp += 1
+
+    def read(self) -> tuple[float, float]:
+        """slot_seconds_at(engines, t, busy, allocated) as it stood at the mark."""
+        busy, allocated = self.busy, self.allocated
+        for e in self.engines:
+            b, a = e.held if e.held_stamp == self.stamp else e.slot_seconds(self.t)
+            busy += b
+            allocated += a
+        return busy, allocated
 
 
 def replica_idle_gpu_s(engines: list[SimEngine], since: float, until: float, replica_gpus: int) -> float:

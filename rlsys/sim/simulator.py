@@ -26,8 +26,8 @@ from rlsys.placement import lent_engines
 from rlsys.sim.config import SchedulerRun, SimConfig
 from rlsys.runs import Runs, run_lengths
 from rlsys.sim.first_r import build
-from rlsys.sim.engine import (ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, replica_idle_by_interval,
-                              slot_seconds_at)
+from rlsys.sim.engine import (ABORTED, DONE, QUEUED, RUNNING, SimEngine, SimRequest, SlotMark,
+                              replica_idle_by_interval, slot_seconds_at)
 from rlsys.sim.workload import SampleDraw, Workload
 from rlsys.step_stats import rollout_opens
 from rlsys.types import Completion, ScoredSample
@@ -123,7 +123,7 @@ class Simulation:
         self.step_start = self.handover = self.last_finish = 0.0  # rollout window, last Train, last sample
         # (busy, allocated) slot-seconds: inside the rollout windows, at the window's opening, at the last Train
         self.in_windows, self.opened, self.at_handover = (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)
-        self.at_last_finish = (0.0, 0.0)
+        self.last_finish_mark = SlotMark()  # their count at the last sample's finish, read at the Train
         self.rollout_s: list[float] = []
         self.train_s: list[float] = []
         self.step_ends: list[float] = []
@@ -164,6 +164,7 @@ class Simulation:
                    for i in range(count)]
         for engine in engines:  # born now, serving the current weights
             engine.clock, engine.mark_versions, engine.gpus = self.now, [self.version], tp
+            engine.mark = self.last_finish_mark
         return engines
 
     def _all_engines(self) -> list[SimEngine]:
@@ -433,7 +434,7 @@ class Simulation:
         for engine in self.engines:
             engine.advance_to(self.now)
         self.at_handover = self._slot_seconds()
-        closed = self.at_last_finish if generating else self.opened
+        closed = self.last_finish_mark.read() if generating else self.opened
         self.in_windows = tuple(w + now - then for w, now, then in zip(self.in_windows, closed, self.opened))
         # Without overlap the step's rewards are scored now, on the reward pool, before its training.
         reward_s = 0.0 if self.reward.overlap else max(
@@ -471,7 +472,7 @@ class Simulation:
     def _generated(self, req: SimRequest) -> None:
         self.counts["finished"] += 1
         self.last_finish = self.now
-        self.at_last_finish = self._slot_seconds()  # where a rollout window may close (_train)
+        self.last_finish_mark.set(self.now, self.engines, *self.retired_slot_s)  # where a rollout window may close
         if not self.reward.overlap:  # scored with its step's batch; the scheduler sees it now
             self.reward_pending[self._reward_pool(req)].append(req.reward_latency)
             self._push(self.now, SAMPLE, req)
