@@ -120,7 +120,7 @@ def how_to_go_on(run_dir: str, go_on: str) -> str:
 
     step = CheckpointManager(Path(run_dir) / "checkpoints").latest_step()
     if step is None:
-        return f"no checkpoint was written in {run_dir}: start the run again (without --resume)"
+        return f"no checkpoint was written in {run_dir}: nothing to resume; the command that started it starts it again"
     return f"`{go_on}` continues from the last checkpoint, step {step}, in {run_dir}"
 
 

@@ -111,7 +111,7 @@ def test_ctrl_c_before_the_first_checkpoint_is_one_line_that_suggests_no_resume(
 def test_after_an_interruption_resume_is_suggested_only_where_a_checkpoint_exists(tmp_path):
     run = tmp_path / "run"
     assert how_to_go_on(str(run), "rlsys train x --resume") == (
-        f"no checkpoint was written in {run}: start the run again (without --resume)")
+        f"no checkpoint was written in {run}: nothing to resume; the command that started it starts it again")
     (run / "checkpoints" / "step_000004").mkdir(parents=True)
     (run / "checkpoints" / "step_000004" / "controller.json").write_text('{"step": 4}')
     assert how_to_go_on(str(run), "rlsys train x --resume") == (
