@@ -45,10 +45,11 @@ def prose_figures() -> dict[str, list[str]]:
     eta2 = overlap["async-eta2"]["per_sample"]
     return {
         "README.md": [f"lifts the default task by {100 * (run['evals'][-1]['eval/accuracy'] - run['evals'][0]['eval/accuracy']):.0f} points",
-                      f"load average {run['machine']['load_average_at_start']:.1f} at its start"],
+                      f"load average {run['machine']['load_average_at_start']:.1f} at its start",
+                      sim["readme_range"]],
         "docs/schedulers.md": [
-            *(sim[k] for k in ("in_sample", "held_out", "one_out", "range", "centre", "runaway", "mfu", "lengths",
-                               "overhead", "unvalidated", "anchors")),
+            *(sim[k] for k in ("in_sample", "held_out", "one_out", "whole_groups", "selection", "range", "centre",
+                               "runaway", "mfu", "lengths", "overhead", "unvalidated", "anchors")),
             *budget_figures(),
             starting_model_figures()[0],
             "streamed `tail` {streamed:.2f}x and `async` with eta 2 {eta2:.2f}x sooner".format(**emulated_speeds()),
@@ -79,7 +80,7 @@ def prose_figures() -> dict[str, list[str]]:
             *longcot32_budget_figures(),
             *emulated_sagc_figures()],
         "docs/performance.md": [
-            *sim.values(),
+            *(v for k, v in sim.items() if k != "readme_range"),
             *loss_sweep_figures(),
             f"zero or upward in every draw ({dg_net('dg')}; PPO's {dg_net('ppo')})",
             *async_profile_figures(),

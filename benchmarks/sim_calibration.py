@@ -4,6 +4,9 @@ paper predicted from the others; then the 128-GPU headline as a range, run on th
     python benchmarks/sim_calibration.py --output benchmarks/results/sim_calibration.json \
         --sweep-output benchmarks/results/sim_128_sweep.json
 
+About 420 CPU seconds, its parts a process a core: under 10 minutes of wall time on an idle 2-core machine (the
+JSON's `wall_s` and `cpu_s` give the run's own).
+
 Every calibrated config shares one set of physical constants (CONSTANTS: the engine's step overhead and the
 trainer's MFU law, each from a published measurement that is none of the rows), and RollPacker's settings take
 their median response length from another paper (CITED_MEDIAN). In sample, per RollPacker setting the engine's step

@@ -26,8 +26,8 @@ def sim_calibration() -> str:
     kind = lambda r: "fitted" if r["fitted"] else f"same as {r['same_as']}" if "same_as" in r else "counted"  # noqa: E731
     yes = lambda r: "named" if "in_sample_by" in r else "yes" if r["within"] else "no"  # noqa: E731
     cell = lambda r: f"{r['simulated']} ({r['ratio']})"  # noqa: E731
-    return rows(["setup", "experiment", "published", "in sample", "row in sample", "held out", "one setting out",
-                 "within 15% (in / held out / one out)", "note"], [
+    return rows(["setup (simulated; RollPacker's tail runs its rule)", "experiment", "published", "in sample",
+                 "row in sample", "held out", "one setting out", "within 15% (in / held out / one out)", "note"], [
         [r["name"], r["experiment"], r["published"], cell(r), kind(r), cell(out[r["name"]]), cell(one[r["name"]]),
          f"{yes(r)} / {yes(out[r['name']])} / {yes(one[r['name']])}",
          out[r["name"]].get("in_sample_by") or out[r["name"]].get("note") or r.get("note", "")] for r in j["rows"]])
@@ -35,10 +35,11 @@ def sim_calibration() -> str:
 
 @table("sim_hits")
 def sim_hits() -> str:
-    """Rows within 15% per independent experiment, in sample, held out and one RollPacker setting out at a time."""
+    """Rows within 15% per independent experiment, in sample, held out and one RollPacker setting out at a time, with
+    RollPacker's rule; and held out with rlsys's whole-group tail in its place (RollPacker's stack rows only)."""
     j = load("sim_calibration")
     hits = j["hit_rate"]
-    keys = ("in_sample", "out_of_sample", "one_setting_out")
+    keys = ("in_sample", "out_of_sample", "one_setting_out", "whole_groups")
     names = list(dict.fromkeys(e for k in keys for e in hits[k]["by_experiment"]))
     cell = lambda k, e: "{within} of {rows}".format(**hits[k]["by_experiment"][e]) \
         if e in hits[k]["by_experiment"] else "none counted"  # noqa: E731
@@ -47,7 +48,24 @@ def sim_hits() -> str:
     body.append(["experiments with every row within",
                  *(f"{hits[k]['experiments_within']} of {hits[k]['experiments']}" for k in keys)])
     body.append(["experiments' mean share within", *(f"{hits[k]['experiment_share']:.2f}" for k in keys)])
-    return rows(["experiment", "in sample", "held out", "one setting out"], body)
+    return rows(["experiment (simulated)", "in sample", "held out", "one setting out",
+                 "held out, rlsys's whole groups"], body)
+
+
+@table("sim_selection")
+def sim_selection() -> str:
+    """Held out, each RollPacker row with RollPacker's rule (each prompt's first R of ceil(1.25 R) samples) and with
+    rlsys's whole-group tail in its place; on a speed-up row, the ratio of the two: the part of the speed-up owed to
+    the rule's selection (`selection_share`)."""
+    j = load("sim_calibration")
+    rule = {r["name"]: r for r in j["rows_out_of_sample"]}
+    share = j["selection_share"]
+    cell = lambda r: f"{r['simulated']} ({r['ratio']}, {'within' if r['within'] else 'missed'})"  # noqa: E731
+    return rows(["row (simulated, held out)", "published", "RollPacker's rule", "rlsys's whole groups",
+                 "owed to selection"],
+                [[r["name"], r["published"], cell(rule[r["name"]]), cell(r),
+                  f"{share[r['name']]['owed_to_selection']:.2f}x" if r["name"] in share else ""]
+                 for r in j["rows_whole_groups"]])
 
 
 @table("sim_per_setting")
@@ -142,17 +160,20 @@ def sim_128_sweep() -> str:
     """The 128-GPU sweep on the held-out model: per point (its seeds together) veRL's step and each schedule's
     speed-up, the anchored ones first; the best anchored schedule at equal utility and the best unvalidated one."""
     j = load("sim_128_sweep")
-    anchored = list(j["anchored"])
-    others = sorted({e["schedule"] for p in j["points"] for e in p["ranked"]} - {"veRL-sync", *anchored})
+    anchored, biased = list(j["anchored"]), list(j["biased"])
+    others = sorted({e["schedule"] for p in j["points"] for e in p["ranked"]} - {"veRL-sync", *anchored, *biased})
     verl = lambda ps, key: sum(next(e for e in p["ranked"] if e["schedule"] == "veRL-sync")[key]  # noqa: E731
                                for p in ps) / len(ps)
+    owed = lambda ps: span([p["owed_to_selection"] for p in ps], "x")  # noqa: E731
     return rows(["runaway share", "trainer MFU on 128", "step overhead ms", "median, spread",
                  "veRL step s (rollout, train)", *[f"`{n}`" for n in anchored],
-                 *[f"`{n}` (unvalidated)" for n in others], "best anchored", "best unvalidated"], [
+                 *[f"`{n}` (unvalidated)" for n in others], *[f"`{n}` (biased)" for n in biased],
+                 "biased over `tail/G4` (owed to selection)", "best anchored", "best unvalidated"], [
         [f"{k[0]:.3f}", f"{ps[0]['trainer_mfu_128']:.2f} ({k[1]})", f"{ps[0]['step_overhead_ms']} ({k[2]})",
          f"{ps[0]['median_tokens']:,.0f}, {ps[0]['sigma']} ({k[3]})",
          f"{verl(ps, 'step_time_s'):.0f} ({verl(ps, 'rollout_time_s'):.0f}, {verl(ps, 'train_time_s'):.0f})",
-         *[seeds_cell(ps, n) for n in anchored + others], best_cell(ps, "best"), best_cell(ps, "best_unvalidated")]
+         *[seeds_cell(ps, n) for n in anchored + others + biased], owed(ps), best_cell(ps, "best"),
+         best_cell(ps, "best_unvalidated")]
         for k, ps in sweep_groups(j).items()])
 
 
@@ -201,10 +222,11 @@ def findings(j: dict) -> str:
             f"rollouts, which run to the cap, at {ms('ms_per_token')} ms a token against the "
             f"{ms('published_ms_per_token')} ms the published rollouts imply, {gap} ms a decode step missing: a "
             f"cost per step of those systems' decode (framework and host), not the lengths. With the fitted "
-            f"overheads tail's rollout is {span(ratios(row, 'rollout tail s'))}x the published and the full stack "
-            f"{span(ratios(row, stack))} of its published speed-up, in sample. Held out, the veRL rollouts come out "
-            f"{span(ratios(held, 'rollout veRL s'))} of the published and the 14B and 32B speed-ups {span(over)} of "
-            f"theirs. veRL's fully-async page, held out: async is {a['simulated']:.2f}x against {a['published']}x, "
+            f"overheads tail's rollout, RollPacker's rule in its runs, is {span(ratios(row, 'rollout tail s'))}x the "
+            f"published and the full stack {span(ratios(row, stack))} of its published speed-up, in sample. Held out, "
+            f"the veRL rollouts come out {span(ratios(held, 'rollout veRL s'))} of the published and the 14B and 32B "
+            f"speed-ups (RollPacker's rule) {span(over)} of theirs. veRL's fully-async page, held out: async is "
+            f"{a['simulated']:.2f}x against {a['published']}x, "
             f"its trainer waiting {wait['simulated']:.0f} s a step against {wait['published']} s. {trainer}")
 
 
@@ -233,7 +255,8 @@ def anchors_phrase(j: dict) -> str:
     tail, reward, stack = (held[f"qwen32b_32k {s} speedup"] for s in ("tail", "tail+reward",
                                                                       "tail+reward+planner+stream"))
     way = "low" if max(tail, reward) < 1 else "high" if min(tail, reward) > 1 else "either way"
-    return (f"held out, the simulator puts the 32B setting's tail and tail+reward speed-ups at {tail:.2f}x and "
+    return (f"held out, with RollPacker's rule, the simulator puts the 32B setting's tail and tail+reward speed-ups at "
+            f"{tail:.2f}x and "
             f"{reward:.2f}x the published (the stack with the planner and the stream trainer at {stack:.2f}x), so "
             f"`tail/G4`'s figures may run {way} by as much")
 
@@ -241,8 +264,11 @@ def anchors_phrase(j: dict) -> str:
 def sim_figures() -> dict[str, str]:
     """The simulator's figures as docs/schedulers.md and docs/performance.md quote them, from the calibration and the sweep."""
     j, sweep = load("sim_calibration"), load("sim_128_sweep")
-    hits, held, one = (j["hit_rate"][k] for k in ("in_sample", "out_of_sample", "one_setting_out"))
+    hits, held, one, whole = (j["hit_rate"][k] for k in ("in_sample", "out_of_sample", "one_setting_out",
+                                                          "whole_groups"))
     s = sweep["summary"]
+    owed_held = [v["owed_to_selection"] for v in j["selection_share"].values()]
+    owed_128 = s["owed_to_selection"]
     low, high = s["best_speedup_range"]
     centre = sweep_seeds(sweep)
     runaway = [sweep_seeds(sweep, x) for x in (0.0, 0.01, 0.03)]
@@ -256,6 +282,13 @@ def sim_figures() -> dict[str, str]:
         "in_sample": f"{hits['within']} of {hits['rows']} counted rows land within 15% in sample "
                      f"({sum(r['fitted'] for r in j['rows'])} more were fitted)",
         "held_out": f"on the held-out model, every paper held out, {hits_phrase(held)}",
+        "whole_groups": f"held out with rlsys's whole-group tail in place of RollPacker's rule, {hits_phrase(whole)}",
+        "selection": f"RollPacker's rule is {span(owed_held, 'x')} as fast as rlsys's whole groups on RollPacker's "
+                     f"stack rows held out, and {owed_128['min']:.2f}x-{owed_128['max']:.2f}x as fast as `tail/G4` "
+                     f"(mean {owed_128['mean']:.2f}x) at 128 GPUs",
+        "readme_range": f"simulated {low:.2f}x-{high:.2f}x veRL-style sync a step, on the model that lands "
+                        f"{held['within']} of {held['rows']} papers' rows held out within 15% "
+                        f"({held['experiments_within']} of {held['experiments']} experiments whole)",
         "one_out": f"with one RollPacker setting held out at a time (its step overhead the other two settings' "
                    f"fits' geometric mean), {hits_phrase(one)}",
         "range": f"the best schedule with a published anchor is {low:.2f}x to {high:.2f}x sync over the "
