@@ -792,8 +792,9 @@ class EmulateConfig(Section):
     layout: Literal["colocated", "separate"] = "colocated"
     # Colocated, how an engine and the trainer share a GPU (docs/design.md "Emulated clock"): sleep, each switch
     # between them copies the side leaving to host memory and the side arriving back (vLLM's sleep mode, as veRL
-    # and OpenRLHF colocate); resident, both stay, no switch, and the engine's KV is what the trainer leaves
-    colocation: Literal["sleep", "resident"] = "sleep"
+    # and OpenRLHF colocate); resident, both stay, no switch, and the engine's KV is what the trainer leaves.
+    # None picks as a GPU run must: resident where the schedule generates while it trains, else sleep
+    colocation: Optional[Literal["sleep", "resident"]] = None
     overrun_limit: float = Field(0.05, ge=0, le=1)  # a run whose overrun share passes this is not emulating
 
     @property
@@ -888,6 +889,19 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _emulated_colocation(self):
+        """Emulated engines share the trainer's GPUs as they could on real ones: asleep only where no request
+        generates while the trainer trains (an engine asleep cannot); None picks."""
+        e, busy = self.emulate, generates_while_training(self)
+        if e.colocation is None:
+            e.colocation = "resident" if busy else "sleep"
+        elif e.on and e.colocation == "sleep" and busy and e.gpus is not None and e.layout == "colocated":
+            raise ValueError(f"emulate.colocation=sleep: {busy}, and an engine asleep cannot generate (on real GPUs "
+                             "rollout.enable_sleep_mode is refused alike); use emulate.colocation=resident or "
+                             "emulate.layout=separate")
+        return self
+
+    @model_validator(mode="after")
     def _dr_grpo_constant(self):
         # Dr.GRPO divides every sequence's token sum by one constant, the longest response the engine writes
         if self.trainer.loss_scale_tokens is None:
@@ -922,7 +936,7 @@ COLOCATED_MAX_GPU_SHARE = 0.9  # of a GPU, for a colocated vLLM engine: see Conf
 
 def colocated_sleep_problem(cfg: "Config") -> str | None:
     """Why the engines of this config cannot share GPUs with the trainer by sleeping, or None if they can."""
-    c, r, sched = cfg.cluster, cfg.rollout, cfg.control
+    c, r = cfg.cluster, cfg.rollout
     colocated = c.colocated_on_gpus
     where = f"cluster.layout=colocated on GPUs (cluster.gpus_per_node={c.gpus_per_node})"
     if colocated and r.engine == "vllm" and not r.enable_sleep_mode:
@@ -939,13 +953,19 @@ def colocated_sleep_problem(cfg: "Config") -> str | None:
     awake = ("cluster.layout=separate" if r.engine == "vllm" else
              "rollout.enable_sleep_mode=false (the built-in engine then stays on the GPU beside the trainer), or "
              "cluster.layout=separate")
+    busy = generates_while_training(cfg)
+    return f"rollout.enable_sleep_mode: {busy}, and a sleeping engine cannot generate; use {awake}" if busy else None
+
+
+def generates_while_training(cfg: "Config") -> str | None:
+    """Why this schedule keeps engines generating while the trainer trains, so that an engine on a trainer's GPU
+    cannot sleep; None where it does not."""
+    sched = cfg.control
     if sched.scheduler == "async" and sched.staleness.eta > 0:
-        return (f"rollout.enable_sleep_mode: control.scheduler=async with control.staleness.eta={sched.staleness.eta} "
-                f"keeps requests generating while the trainer trains, and a sleeping engine cannot generate; use "
-                f"{awake}")
+        return (f"control.scheduler=async with control.staleness.eta={sched.staleness.eta} keeps requests "
+                "generating while the trainer trains")
     if cfg.trainer.streamed:
-        return ("rollout.enable_sleep_mode: trainer.streamed computes gradients while the engines generate, so "
-                f"both need the GPU at once; use {awake}")
+        return "trainer.streamed computes gradients while the engines generate"
     return None
 
 

@@ -80,9 +80,8 @@ class Budget:
     def of_run(cls, run_cfg) -> "Budget":
         """The budget of a run's Config whose emulate section is on."""
         engines, world, zero = run_cfg.rollout.num_workers, run_cfg.trainer.world_size, run_cfg.trainer.zero_stage
-        budget = cls.of(run_cfg.emulate, engines, world, zero)
-        lent = len(budget.gpus_of(lent_engines(engines)))
-        if run_cfg.trainer.scale_down_at is not None:
+        lent = len(lent_engines(engines)) * run_cfg.emulate.tp
+        if run_cfg.trainer.scale_down_at is not None:  # first: what it lends may hold no trainer at all
             if lent % world:
                 raise PlacementError(f"trainer.scale_down_at lends the trainer the modelled GPUs of the engines it "
                                      f"scales down, {lent} (rollout.num_workers={engines}, emulate.tp="
@@ -91,7 +90,7 @@ class Budget:
             check_trainer_fits(run_cfg.emulate, lent, zero, f"the {lent} modelled GPUs of the engines "
                                f"trainer.scale_down_at scales down (rollout.num_workers={engines}, emulate.tp="
                                f"{run_cfg.emulate.tp})")
-        return budget
+        return cls.of(run_cfg.emulate, engines, world, zero)
 
     def trainer_rank(self, rank: int, world: int) -> tuple[int, ...]:
         """The modelled GPUs of live trainer rank `rank` of `world`: an equal slice of the trainer's."""

@@ -184,6 +184,15 @@ def test_a_preset_whose_trainer_cannot_fit_its_gpus_is_named_refused_and_planned
     assert "[budget] plan: 19 runs" in out  # 8 + 8 sync, 3 async-split at 4 GPUs only
 
 
+def test_a_schedule_that_generates_while_it_trains_shares_its_gpus_resident_or_is_refused(tmp_path, capsys):
+    """async and the streamed trainer keep the engines generating while the trainer trains, so colocated they
+    cannot sleep; resident on 2 modelled H100s, a 7B trainer's states leave the engines no KV cache."""
+    out = plan_of("2", "sync,async-eta2,tail-streamed", tmp_path, capsys)
+    for preset in ("async-eta2", "tail-streamed"):
+        assert f"{preset} on 2 GPUs refused" in out
+    assert out.count("leave no KV cache (emulate.colocation=resident") == 2 and "sync on 2 GPUs refused" not in out
+
+
 def test_an_instrument_file_carries_its_start_model_so_any_machine_adds_to_it(tmp_path):
     from rlsys.models import prepare_model, weights_fingerprint
     from rlsys.startup import load_config

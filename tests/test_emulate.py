@@ -377,10 +377,12 @@ def test_a_replay_of_async_gives_the_trainer_its_budgets_gpus_and_its_proximal_f
     assert cfg.trainer.zero_stage == 2  # the live trainer's, by which its states shard
     # 4 mini-batches of stale samples: pi_prox recomputed for the last 3 (trainer.proximal=recompute)
     assert cfg.trainer.flops_per_param_token == costs.TRAIN_FLOPS + costs.FORWARD_FLOPS * 3 / 4
-    # Colocated, async contends for its GPUs: the trainer on both, the engines waiting while it trains
-    save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo"]), tmp_path / "config.yaml")
+    # Colocated, async contends for its GPUs: the trainer on all, beside the engines (resident: they generate while
+    # it trains, so they cannot sleep)
+    save_config(load_config(config, ["control.scheduler=async", "trainer.loss=decoupled_ppo", "emulate.gpus=8",
+                                     "rollout.num_workers=8"]), tmp_path / "config.yaml")
     cfg, _ = replay_config(tmp_path)
-    assert cfg.cluster.gpus == 2 and cfg.cluster.trainer_gpus is None and cfg.cluster.colocation == "sleep"
+    assert cfg.cluster.gpus == 8 and cfg.cluster.trainer_gpus is None and cfg.cluster.colocation == "resident"
 
 
 def gpu_run_folder(path):
@@ -609,3 +611,20 @@ def test_a_trainer_whose_states_pass_its_gpus_memory_is_refused(overrides, where
     scaled = Budget.of_run(emulated("control.scheduler=tail", "trainer.streamed=true", "trainer.scale_down_at=0.4",
                                     "emulate.gpus=4", "rollout.num_workers=4"))
     assert split.trainer == (2, 3) and len(scaled.gpus_of(lent_engines(4))) == 2
+
+
+def test_colocated_engines_sleep_only_where_no_request_generates_while_the_trainer_trains():
+    """An engine asleep cannot generate: a schedule that generates while it trains (async with staleness, the
+    streamed trainer) shares the modelled GPUs resident, as rollout.enable_sleep_mode is refused for it on real
+    ones; on the 2 modelled H100s of the configs a resident 7B trainer leaves no KV cache, so it is refused there."""
+    assert emulated().emulate.colocation == "sleep"
+    assert emulated("control.scheduler=async", "control.staleness.eta=0").emulate.colocation == "sleep"
+    wide = ["emulate.gpus=8", "rollout.num_workers=8"]
+    for schedule in (["control.scheduler=async"], ["control.scheduler=tail", "trainer.streamed=true"]):
+        assert emulated(*schedule, *wide).emulate.colocation == "resident"
+        with pytest.raises(ConfigError, match=r"emulate.colocation=sleep: .* an engine asleep cannot generate"):
+            emulated(*schedule, *wide, "emulate.colocation=sleep")
+        with pytest.raises(ConfigError, match=r"leave no KV cache \(emulate.colocation=resident"):
+            emulated(*schedule)
+    assert emulated("control.scheduler=async", "emulate.colocation=sleep", "emulate.layout=separate",
+                    "emulate.gpus=4", "rollout.num_workers=2").emulate.colocation == "sleep"  # nothing shared
