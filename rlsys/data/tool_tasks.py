@@ -16,14 +16,16 @@ number, and the games of the eval split are not the training ones, so success ne
 binary search finds any number in at most four. The warm start's demonstrations (`demonstrate_search`) are
 that search.
 
-Its turns-to-learn variant (configs/tool_guess_turns.yaml): the environment `GuessNumberTurns` scores each turn
-by the share of the numbers still possible that its answer rules out, and the warm start (`demonstrate_short_search`)
-shows searches of one to three random guesses among those numbers, then a guess when none was confirmed, so the
-policy starts below what one round of feedback allows and RL must learn longer searches of better guesses.
+Its turns-to-learn variant (configs/tool_guess_turns.yaml): the warm start (`demonstrate_truncated_search`)
+shows that binary search cut after none to three rounds (mostly one or none), then a guess among the numbers
+still possible, so the policy knows how to halve and how to use what it was told but stops early, below one
+round's ceiling; RL must learn to search longer. Its environment `GuessNumberTurns` rewards each turn by potential-based shaping of the numbers
+still possible (Ng, Harada & Russell 1999), which adding turns cannot game.
 """
 from __future__ import annotations
 
 import json
+import math
 import random
 import zlib
 
@@ -88,25 +90,54 @@ class GuessNumber:
         return feedback(int(action), self.hidden), 0.0, False
 
 
+def narrowed(low: int, high: int, guess: int, said: str) -> tuple[int, int]:
+    """The numbers still possible, low..high, once `guess` was answered `said`."""
+    if said == "correct":
+        return guess, guess
+    return (max(low, guess + 1), high) if said == "higher" else (low, min(high, guess - 1))
+
+
+def halving_search(hidden: int):
+    """The binary search of `hidden`, round by round: (guess, the environment's answer, the numbers still
+    possible after it as (low, high)); four rounds at most, the last one `correct`."""
+    low, high = GUESS_RANGE
+    while low <= high:
+        guess = (low + high) // 2
+        said = feedback(guess, hidden)
+        low, high = narrowed(low, high, guess, said)
+        yield guess, said, (low, high)
+        if said == "correct":
+            return
+
+
+def guess_parts(guess: int, said: str) -> list[tuple[str, bool]]:
+    """A round of the conversation: the model's call, then the environment's answer (no loss on it)."""
+    return [(f"{CALL_OPEN}{guess}{CALL_CLOSE}", True), (render_response(said), False)]
+
+
 def demonstrate_search(prompt: Prompt) -> list[tuple[str, bool]]:
     """A binary search of the game's number: each guess the model's, each answer the environment's, then the
     number found."""
-    hidden, (low, high) = int(prompt.answer), GUESS_RANGE
-    parts = []
-    while True:
-        guess = (low + high) // 2
-        said = feedback(guess, hidden)
-        parts += [(f"{CALL_OPEN}{guess}{CALL_CLOSE}", True), (render_response(said), False)]
-        if said == "correct":
-            return parts + [(prompt.answer, True)]
-        low, high = (guess + 1, high) if said == "higher" else (low, guess - 1)
+    return [part for guess, said, _ in halving_search(int(prompt.answer)) for part in guess_parts(guess, said)] \
+        + [(prompt.answer, True)]
+
+
+SEARCH_REWARD = 0.2  # a search's per-turn rewards in all, once it knows the number: a fifth of a win's
+
+
+def potential(low: int, high: int) -> float:
+    """Phi of the shaping (GuessNumberTurns): -log of the numbers still possible, scaled so that a search from
+    the whole range to one number earns SEARCH_REWARD in all."""
+    return -SEARCH_REWARD * math.log(high - low + 1) / math.log(GUESS_RANGE[1] - GUESS_RANGE[0] + 1)
 
 
 class GuessNumberTurns(GuessNumber):
-    """GuessNumber whose steps are rewarded: TURN_REWARD x the share of the numbers still possible (given every
-    answer so far) that the guess's answer rules out, so a halving guess earns about TURN_REWARD / 2 and a guess
-    outside them nothing. The numbers still possible are the conversation's state, rebuilt by replay (user_env)."""
-    TURN_REWARD = 0.2
+    """GuessNumber whose steps are rewarded by potential-based shaping (Ng, Harada & Russell 1999):
+    potential(after) - potential(before), over the numbers still possible given every answer so far. The rewards
+    of an episode's steps telescope to potential(end) - potential(start), however many turns it took: a turn
+    that rules nothing out (a repeated guess, one among numbers already excluded) earns 0, every path to one
+    number earns SEARCH_REWARD, and the policy that always wins still earns most. The numbers still possible are
+    the conversation's state, rebuilt by replay (user_env)."""
 
     def reset(self, sample: dict) -> None:
         super().reset(sample)
@@ -116,35 +147,26 @@ class GuessNumberTurns(GuessNumber):
         said, _, done = super().step(action)
         if said not in ("correct", "higher", "lower"):
             return said, 0.0, done
-        guess, before = int(action), self.high - self.low + 1
-        if said == "correct":
-            self.low = self.high = guess
-        elif said == "higher":
-            self.low = max(self.low, guess + 1)
-        else:
-            self.high = min(self.high, guess - 1)
-        return said, self.TURN_REWARD * (before - (self.high - self.low + 1)) / before, done
+        before = potential(self.low, self.high)
+        self.low, self.high = narrowed(self.low, self.high, int(action), said)
+        return said, potential(self.low, self.high) - before, done
 
 
-SHORT_SEARCH_ROUNDS = {1: 0.7, 2: 0.25, 3: 0.05}  # rounds of a short search's demonstration, and their shares
+# Rounds a demonstration searches, and their shares: k rounds win (2^(k+1) - 1) / 15 of the games, so these
+# demonstrations win 0.19, below what one round allows (0.2), and 10% of them show the rounds after the first
+TRUNCATED_SEARCH_ROUNDS = {0: 0.35, 1: 0.55, 2: 0.08, 3: 0.02}
 
 
-def demonstrate_short_search(prompt: Prompt) -> list[tuple[str, bool]]:
-    """A short random search (model.warm_start.demonstrations for configs/tool_guess_turns.yaml): one to three
-    rounds (SHORT_SEARCH_ROUNDS), each guess drawn among the numbers still possible, then the number if one was
-    confirmed, else a guess over the whole range. Drawn from the prompt, so a game's demonstration is fixed."""
+def demonstrate_truncated_search(prompt: Prompt) -> list[tuple[str, bool]]:
+    """The binary search cut short (model.warm_start.demonstrations for configs/tool_guess_turns.yaml): its first
+    rounds, none to three (TRUNCATED_SEARCH_ROUNDS), then a number drawn among those still possible (the one
+    found, if a guess was right). Drawn from the prompt, so a game's demonstration is fixed."""
     rng = random.Random(prompt.text)
-    hidden, (low, high) = int(prompt.answer), GUESS_RANGE
-    rounds = rng.choices(list(SHORT_SEARCH_ROUNDS), list(SHORT_SEARCH_ROUNDS.values()))[0]
-    parts = []
-    for _ in range(rounds):
-        guess = rng.randint(low, high)
-        said = feedback(guess, hidden)
-        parts += [(f"{CALL_OPEN}{guess}{CALL_CLOSE}", True), (render_response(said), False)]
-        if said == "correct":
-            return parts + [(prompt.answer, True)]
-        low, high = (guess + 1, high) if said == "higher" else (low, guess - 1)
-    return parts + [(str(rng.randint(*GUESS_RANGE)), True)]
+    rounds = rng.choices(list(TRUNCATED_SEARCH_ROUNDS), list(TRUNCATED_SEARCH_ROUNDS.values()))[0]
+    parts, (low, high) = [], GUESS_RANGE
+    for _, (guess, said, (low, high)) in zip(range(rounds), halving_search(int(prompt.answer))):
+        parts += guess_parts(guess, said)
+    return parts + [(str(rng.randint(low, high)), True)]
 
 
 # task family -> its tool-use demonstrations for the warm start
