@@ -85,9 +85,10 @@ def layout(preset: str, gpus: int) -> list[str]:
 # The instrument (--instrument): runs long enough for sync's curve to flatten, an eval every EVAL_EVERY steps
 EVAL_EVERY = 2
 SEEDS = 3
-# sync and the two presets that reached the fixed target in the fewest GPU-seconds in both stored long-CoT files
-# (emulated_budget_longcot_{2,4}gpu.json): 8 seeds, for intervals narrow enough to rank them
-PRESET_SEEDS = "sync=8,sorted-partial=8,async-eta2=8"
+# sync and the two presets nearest sync's 75% target in GPU-seconds in the first seed of every preset on `reason`
+# at two GPUs (emulated_budget2_reason_2gpu.json: sorted-partial 1.35x, tail 1.18x; async-eta2, first chosen from
+# the long-CoT files, is refused there: it generates while it trains): 8 seeds, for intervals narrow enough to rank
+PRESET_SEEDS = "sync=8,sorted-partial=8,tail=8"
 EVAL_SIZES = (1000, 2000)  # the eval's bounds: evals are not paced (the emulated clock stops) but cost CPU time
 # wall seconds per eval prompt: 200 cot_sum prompts took 2.8-3.4 s (timing/eval_s) on this 2-core machine under a
 # load of 12, so a long run's 21 evals of ~1800 prompts cost about as much as its 40 steps (and less when it is idle)

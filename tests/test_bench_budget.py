@@ -134,8 +134,8 @@ def claim_in_another_process(path: str) -> None:
 
 def test_the_instrument_runs_more_seeds_of_the_presets_named_and_pairs_by_seed(tmp_path):
     path = tmp_path / "emulated_budget2_x_2gpu.json"
-    assert bench_budget.seed_counts(["sync", "tail", "sorted-partial"], 3, bench_budget.PRESET_SEEDS) == {
-        "sync": 8, "tail": 3, "sorted-partial": 8}
+    assert bench_budget.seed_counts(["sync", "sorted", "sorted-partial"], 3, bench_budget.PRESET_SEEDS) == {
+        "sync": 8, "sorted": 3, "sorted-partial": 8}
     for run in STORED:  # sync's five seeds, and tail's on two of them, recorded out of order
         bench_budget.record(path, {"gpus": 2}, "sync", run, "cmd")
     for seed in (3, 1):
@@ -170,8 +170,8 @@ def plan_of(budgets: str, presets: str, results_dir, capsys) -> str:
 
 
 def test_the_plan_counts_the_runs_left_and_writes_nothing(tmp_path, capsys):
-    out = plan_of("2", "sync,tail", tmp_path, capsys)
-    assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "tail 3 x" in out
+    out = plan_of("2", "sync,sorted", tmp_path, capsys)
+    assert "emulated_budget2_longcot_2gpu.json: sync 8 x" in out and "sorted 3 x" in out
     assert "[budget] plan: 11 runs" in out and list(tmp_path.iterdir()) == []
 
 
