@@ -23,6 +23,7 @@ EPILOG = """examples:
   rlsys bench --quick --output benchmarks/results/bench_quick.json
   rlsys bench --instrument --workloads reason --budgets 2 --plan-only   every preset on 2 modelled H100s
   rlsys simulate configs/sim/qwen7b_8k.yaml --output sim.json
+  rlsys simulate --calibrate --quick             the simulator against the published papers, one step a run
   rlsys prepare smollm2                          fetch SmolLM2-135M-Instruct, convert once (configs/smollm2_math.yaml)
 """
 OTHER_MACHINE = ("the config is for another machine: name the model and data files missing here after the plan, "
@@ -148,8 +149,7 @@ def cmd_bench(parser: argparse.ArgumentParser, args) -> int:
     budgets of modelled GPUs (rlsys/bench_budget.py); an option of the other kind is refused."""
     from rlsys import bench, bench_budget
 
-    given = {a.dest for a in parser._actions if a.default is not argparse.SUPPRESS  # set on the command line
-             and getattr(args, a.dest, a.default) not in (a.default, [])}
+    given = options_given(parser, args)
     if given & bench_budget.CHOOSING:
         return bench_budget.run_from_args(args, given)
     if given & bench_budget.OWN:
@@ -158,10 +158,24 @@ def cmd_bench(parser: argparse.ArgumentParser, args) -> int:
     return bench.run_from_args(args)
 
 
-def cmd_simulate(args) -> int:
-    from rlsys.sim.run import run_from_args
+def options_given(parser: argparse.ArgumentParser, args) -> set[str]:
+    """The options (and positionals) the command line set, by dest."""
+    return {a.dest for a in parser._actions if a.default is not argparse.SUPPRESS
+            and getattr(args, a.dest, a.default) not in (a.default, [])}
 
-    return run_from_args(args) or 0
+
+def cmd_simulate(parser: argparse.ArgumentParser, args) -> int:
+    """A config's schedulers on a simulated cluster (rlsys/sim/run.py), or with --calibrate the simulator against
+    the published papers (rlsys/sim/calibration.py); an option of the other kind is refused."""
+    from rlsys.sim import calibration, run
+
+    given = options_given(parser, args)
+    if "calibrate" in given:
+        return calibration.run_from_args(args, given)
+    if given & calibration.OWN:
+        flags = ", ".join(f"--{d.replace('_', '-')}" for d in sorted(given & calibration.OWN))
+        raise UserError(f"{flags}: only with --calibrate (the simulator against the published papers)")
+    return run.run_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,13 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--last-steps", type=int, default=4, help="steps shown in the timeline (default 4)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("simulate", help="simulate schedulers on a GPU cluster described by a workload config")
-    try:
-        from rlsys.sim.run import add_arguments
-        add_arguments(p)
-    except ImportError:
-        pass
-    p.set_defaults(func=cmd_simulate)
+    p = sub.add_parser("simulate", help="simulate schedulers on a GPU cluster described by a workload config, "
+                       "or check the simulator against the published papers (--calibrate)")
+    from rlsys.sim import calibration, run
+    run.add_arguments(p)
+    calibration.add_arguments(p)
+    p.set_defaults(func=functools.partial(cmd_simulate, p))
 
     from rlsys import bench, bench_budget
     p = sub.add_parser("bench", help="compare presets (sync, tail, sagc, ...) on the same workload, repeated, "

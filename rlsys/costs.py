@@ -24,7 +24,7 @@ STEP_OVERHEAD_S = 1e-3  # scheduling and sampling on the CPU, per decode step
 DECODE_MFU = 0.5
 PREFILL_MFU = 0.45
 ALLREDUCE_S = 10e-6  # one tensor-parallel all-reduce (two per layer)
-# Per doubling of TP, the share kept of the ideal split of a step's reads and matmuls (sim_calibration.py tp_fit)
+# Per doubling of TP, the share kept of the ideal split of a step's reads and matmuls (sim/calibration_tp.py tp_fit)
 TP_EFFICIENCY = 0.94
 TRAIN_MFU = 0.35  # ~0.33 on H100 in RL frameworks (docs/performance.md "Calibration sources")
 FORWARD_FLOPS = 2  # per parameter and token: one forward pass

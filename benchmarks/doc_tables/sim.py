@@ -1,5 +1,5 @@
 """Tables and prose figures of the cluster simulator: its calibration against the papers
-(benchmarks/sim_calibration.py), its GPUs, and the 128-GPU sweep."""
+(`rlsys simulate --calibrate`), its GPUs, and the 128-GPU sweep."""
 from __future__ import annotations
 
 from doc_tables import ROOT, load, rows, table

@@ -23,7 +23,7 @@ class ElasticTPConfig(Section):
     # rule below, from the last round's preemptions
     rule: Literal["round", "preemptions"] = "round"
     # round: a long round at most at cluster.tp, the loss RollPacker's TP study measured (in sample to that study:
-    # benchmarks/sim_calibration.py lifts it held out); false, the cost model's choice alone
+    # rlsys/sim/calibration.py lifts it held out); false, the cost model's choice alone
     long_rounds_at_base: bool = True
     min_tp: int = Field(1, ge=1)
     max_tp: int = Field(8, ge=1)

@@ -1,5 +1,5 @@
 """RollPacker's response-level rule, simulated only: the rule its published rows measure, so that the simulator
-is validated against them with the algorithm they ran (benchmarks/sim_calibration.py).
+is validated against them with the algorithm they ran (rlsys/sim/calibration.py, `rlsys simulate --calibrate`).
 
 In a short round each prompt gets ceil(eta_r R) samples, and the first R to finish are its group: the rest are
 aborted at once. That trains every group without its slowest (often longest, often right) answers, a bias toward

@@ -69,11 +69,14 @@ def format_table(report: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="a simulator workload config, e.g. configs/sim/qwen7b_8k.yaml")
+    parser.add_argument("config", nargs="?", help="a simulator workload config, e.g. configs/sim/qwen7b_8k.yaml")
     parser.add_argument("--output", "-o", help="write the figures as JSON to this file")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.config is None:
+        raise ConfigError("a simulator config, e.g. configs/sim/qwen7b_8k.yaml (or `rlsys simulate --calibrate`, "
+                          "the simulator against the published papers)")
     simulate(args.config, args.output)
     return 0
 

@@ -576,7 +576,7 @@ class Simulation:
             return self.tp
         # A long round keeps at most the configured TP, the direction RollPacker measured (Qwen3-8B/32k on 8 H800:
         # long rounds 1,284 s at TP2 against 1,172 s at TP1, short rounds 768 against 1,029): the cost model misses
-        # that loss (the TP2:TP1 rows of sim_calibration.py), so by its estimate alone long rounds would take TP8.
+        # that loss (the TP2:TP1 rows of calibration_tp.py), so by its estimate alone long rounds would take TP8.
         capped = long and self.control.elastic_tp.long_rounds_at_base
         sizes = [tp for tp in self.elastic.allowed if not capped or tp <= self.cluster.tp]
         costs = {tp: self.cfg.engine_cost(self.cluster.model_copy(update={"tp": tp}), self.trainer)
