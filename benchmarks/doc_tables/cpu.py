@@ -407,7 +407,11 @@ def algorithms_round4_figures() -> list[str]:
 
 def tool_guess_turns_figures() -> list[str]:
     """The task where RL must learn the turns, as docs/tools.md quotes it: the 30-step run, then each preset's
-    longer runs (medians over seeds, but the final accuracy: their mean with its error)."""
+    longer runs (medians over seeds, but the final accuracy: their mean with its error), then one without the
+    per-turn shaping beside the same seed with it."""
+    def halfway(run: dict) -> float:  # the eval at the run's middle step
+        return run["eval_curve"][len(run["eval_curve"]) // 2][1]
+
     def said(r: dict, runs: list[dict]) -> str:
         gain, se = lift(r)
         shaped = [(run["tool_calls_first"] * run["turn_reward_first"], run["tool_calls_last"] * run["turn_reward_last"])
@@ -420,9 +424,14 @@ def tool_guess_turns_figures() -> list[str]:
     r, runs = short["results"]["sync"], short["runs"]["sync"]
     figures = [f"avg@1 {r['initial_accuracy']:.3f} ± {r['initial_accuracy_se']:.3f} -> {said(r, runs)}"]
     j = load("tool_guess_turns2_60_cpu")
+    steps = j["workload"]["total_steps"]
     for preset, runs in j["runs"].items():
-        middle = "/".join(f"{run['eval_curve'][len(run['eval_curve']) // 2][1]:.3f}" for run in runs)
-        figures.append(f"`{preset}`, {len(runs)} seed{'s' * (len(runs) > 1)}: {middle} at step "
-                       f"{j['workload']['total_steps'] // 2}, {said(j['results'][preset], runs)} at step "
-                       f"{j['workload']['total_steps']}")
+        middle = "/".join(f"{halfway(run):.3f}" for run in runs)
+        figures.append(f"`{preset}`, {len(runs)} seed{'s' * (len(runs) > 1)}: {middle} at step {steps // 2}, "
+                       f"{said(j['results'][preset], runs)} at step {steps}")
+    run, shaped = load("tool_guess_turns2_unshaped_cpu")["runs"]["sync"][0], j["runs"]["sync"][0]  # seed 0 of each
+    figures.append(f"avg@1 {halfway(run):.3f} and {run['final_accuracy']:.3f} ± {run['final_accuracy_se']:.3f} at "
+                   f"steps {steps // 2} and {steps} (with the shaping, the same seed: {halfway(shaped):.3f} and "
+                   f"{shaped['final_accuracy']:.3f}), {run['tool_calls_first']:.2f} -> {run['tool_calls_last']:.2f} "
+                   "calls per sample")
     return figures
