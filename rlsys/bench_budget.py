@@ -46,7 +46,7 @@ from rlsys.bench import (INTERVALS, PRESETS, TARGETS_HOW, Target, add_equal_time
                          budget_gpus, machine, median_of, run_config, run_loaded, same_start, speedups,
                          started_elsewhere, summarise_run, sync_targets, write_report)
 from rlsys.config import Config, ConfigError
-from rlsys.errors import UserError
+from rlsys.errors import UserError, flags
 from rlsys.models import made_once, prepare_model, weights_fingerprint
 from rlsys.startup import load_config
 
@@ -371,10 +371,6 @@ def add_arguments(p) -> None:
                    help=f"--instrument: seeds of the presets that run more than --seeds (default {PRESET_SEEDS})")
     g.add_argument("--results-dir", default=str(RESULTS), help="where the results files are (default: the stored)")
     g.add_argument("--plan-only", action="store_true", help="print the plan and run nothing")
-
-
-def flags(dests: set[str]) -> str:
-    return ", ".join("a config or overrides" if d == "items" else "--" + d.replace("_", "-") for d in sorted(dests))
 
 
 def run_from_args(args, given: set[str]) -> int:

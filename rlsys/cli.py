@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from rlsys.config import DEFAULT_CONFIG, ConfigError, split_config_and_overrides
-from rlsys.errors import UserError
+from rlsys.errors import UserError, flags
 
 EPILOG = """examples:
   rlsys train                                    the embedded default: tiny model, synthetic task, sync GRPO/DAPO
@@ -149,19 +149,9 @@ def cmd_bench(parser: argparse.ArgumentParser, args) -> int:
     budgets of modelled GPUs (rlsys/bench_budget.py); an option of the other kind is refused."""
     from rlsys import bench, bench_budget
 
-    given = options_given(parser, args)
-    if given & bench_budget.CHOOSING:
-        return bench_budget.run_from_args(args, given)
-    if given & bench_budget.OWN:
-        raise UserError(f"{bench_budget.flags(given & bench_budget.OWN)}: only with --budgets, --workloads or "
-                        "--instrument (every preset on budgets of modelled GPUs)")
-    return bench.run_from_args(args)
-
-
-def options_given(parser: argparse.ArgumentParser, args) -> set[str]:
-    """The options (and positionals) the command line set, by dest."""
-    return {a.dest for a in parser._actions if a.default is not argparse.SUPPRESS
-            and getattr(args, a.dest, a.default) not in (a.default, [])}
+    return by_mode(parser, args, bench_budget.CHOOSING, bench_budget.OWN, bench_budget.run_from_args,
+                   bench.run_from_args, "--budgets, --workloads or --instrument (every preset on budgets of "
+                   "modelled GPUs)")
 
 
 def cmd_simulate(parser: argparse.ArgumentParser, args) -> int:
@@ -169,13 +159,20 @@ def cmd_simulate(parser: argparse.ArgumentParser, args) -> int:
     the published papers (rlsys/sim/calibration.py); an option of the other kind is refused."""
     from rlsys.sim import calibration, run
 
-    given = options_given(parser, args)
-    if "calibrate" in given:
-        return calibration.run_from_args(args, given)
-    if given & calibration.OWN:
-        flags = ", ".join(f"--{d.replace('_', '-')}" for d in sorted(given & calibration.OWN))
-        raise UserError(f"{flags}: only with --calibrate (the simulator against the published papers)")
-    return run.run_from_args(args)
+    return by_mode(parser, args, {"calibrate"}, calibration.OWN, calibration.run_from_args, run.run_from_args,
+                   "--calibrate (the simulator against the published papers)")
+
+
+def by_mode(parser: argparse.ArgumentParser, args, choosing: set[str], own: set[str], mode, plain, what: str) -> int:
+    """A command with a second mode: `mode(args, given)` where an option of `choosing` is given, else
+    `plain(args)`, refusing the second mode's `own` options without it (`what` names how to choose it)."""
+    given = {a.dest for a in parser._actions if a.default is not argparse.SUPPRESS
+             and getattr(args, a.dest, a.default) not in (a.default, [])}  # what the command line set, by dest
+    if given & choosing:
+        return mode(args, given)
+    if given & own:
+        raise UserError(f"{flags(given & own)}: only with {what}")
+    return plain(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

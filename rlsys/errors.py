@@ -6,3 +6,11 @@ nothing of rlsys (rlsys/cli.py user_error takes both)."""
 
 class UserError(Exception):
     """The message names what to fix (field, file and line, or sample) and how."""
+
+
+POSITIONALS = {"items": "a config or overrides", "config": "a config"}  # argparse dests without a flag
+
+
+def flags(dests: set[str]) -> str:
+    """Command-line options by their argparse dests, as the user typed them: a message that refuses them names them."""
+    return ", ".join(POSITIONALS.get(d) or "--" + d.replace("_", "-") for d in sorted(dests))
