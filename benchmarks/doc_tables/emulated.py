@@ -439,17 +439,16 @@ def emulated_budget2_reason_2gpu_targets() -> str:
                 [[names[k], num(v, 3)] for k, v in j["targets"].items()])
 
 
-def against(s: dict, label: str, threshold: float, above: bool = True) -> tuple[str, str]:
-    """A paired ratio to sync, and whether it holds against `threshold`: by its 95% interval, undecided where the
+def against(s: dict, label: str, threshold: float) -> tuple[str, str]:
+    """A paired ratio to sync, and whether it holds above `threshold`: by its 95% interval, undecided where the
     interval straddles it or there is one pair."""
     if s.get(label) is None:
         return f"reached in {s[f'{label}_pairs']} of {s['pairs']} pairs", "undecided"
     interval = s.get(f"{label}_ci95")
     if not interval:
         return f"{s[label]:.2f}x (1 pair)", "undecided (1 pair)"
-    low, high = interval if above else (-interval[1], -interval[0])
-    bound = threshold if above else -threshold
-    return ratio_cell(s[label], interval), "holds" if low > bound else "fails" if high < bound else "undecided"
+    low, high = interval
+    return ratio_cell(s[label], interval), "holds" if low > threshold else "fails" if high < threshold else "undecided"
 
 
 def final_against(s: dict, better: bool) -> tuple[str, str]:
